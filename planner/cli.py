@@ -1,0 +1,140 @@
+"""The ``autopar`` command line: a thin layer over the library functions.
+
+Exit codes (shared/DESIGN.md): 0 success; 2 the input cannot be served (one line on stderr: what, where, how to
+fix; no traceback; no half-written output file); 1 only for bugs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+
+class UsageError(ValueError):
+    """A user-facing error the CLI reports in one line with exit code 2."""
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder, so no half-written file remains."""
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        raise UsageError(f"cannot write {path}: folder {path.parent} does not exist; create it or choose another path")
+    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _print_json(obj) -> None:
+    json.dump(obj, sys.stdout, indent=2, sort_keys=False, default=str)
+    sys.stdout.write("\n")
+
+
+# ---------------------------------------------------------------------------------------------------- profile
+def cmd_profile(args: argparse.Namespace) -> int:
+    from planner.profile_report import layer_rows, profile_to_dict
+    from planner.textui import render_table
+    from profiler.api import profile_model
+
+    lg = profile_model(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, kernels=args.kernels)
+    prof = None
+    if args.device:
+        from profiler.measure import measure
+        from profiler.zoo.registry import resolve_model
+        import torch
+
+        from profiler.api import parse_dtype
+
+        source = resolve_model(args.model)
+        model, inputs = source.build(batch=args.batch, seq=args.seq, device="cpu")
+        model = model.to(parse_dtype(args.dtype)) if args.dtype != "fp32" else model
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is visible here; use --device cpu")
+        prof = measure(model, inputs, lg, device=args.device)
+    result = profile_to_dict(lg, prof)
+    if args.out:
+        write_atomic(args.out, json.dumps(result, indent=2) + "\n")
+    if args.json:
+        _print_json(result)
+        return 0
+    headers, rows = layer_rows(lg, prof)
+    g = lg.model
+    from planner.textui import human_count
+
+    title = (f"{g.name}: {human_count(g.num_params)} parameters, captured by {g.method} at batch {g.batch}, "
+             f"seq {g.seq}, {g.dtype}; {len(lg.layers)} layers, {len(lg.signatures)} distinct")
+    render_table(title, headers, rows, right=[False] + [True] * (len(headers) - 1))
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- models, clusters
+def cmd_models(args: argparse.Namespace) -> int:
+    from planner.textui import render_table
+    from profiler.zoo.registry import list_models
+
+    rows = list_models()
+    render_table("model presets", ["name", "description"], rows, right=[False, False])
+    print("\nforms: gpt:layers=…,hidden=…,heads=…,seq=…,vocab=…[,ffn=…]   "
+          "llama:layers=…,hidden=…,heads=…,kv_heads=…,ffn=…,vocab=…,seq=…   "
+          "moe:…,experts=…,top_k=…   hf:MODEL_TYPE[:key=value,…]   path/to/file.py:factory")
+    return 0
+
+
+def cmd_clusters(args: argparse.Namespace) -> int:
+    from costmodel.cluster import list_clusters
+    from planner.textui import render_table
+
+    render_table("cluster presets", ["name", "description"], list_clusters(), right=[False, False])
+    print("\nforms: PRESET[:nodes=N]   path/to/cluster.yaml")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------ main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="autopar", description="Auto-parallelism planner for PyTorch training.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    pr = sub.add_parser("profile", help="capture a model and print its per-layer costs")
+    pr.add_argument("model", help="preset, gpt:…, llama:…, moe:…, hf:TYPE[:k=v,…] or file.py:factory")
+    pr.add_argument("--device", choices=["cpu", "cuda"], help="also measure per-layer times on this device")
+    pr.add_argument("--batch", type=int, default=1, help="micro-batch to capture (default 1)")
+    pr.add_argument("--seq", type=int, help="sequence length (default: the model's)")
+    pr.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="activation dtype")
+    pr.add_argument("--kernels", default="gpu", choices=["gpu", "native"],
+                    help="model attention/dropout as GPU kernels (flash, fused dropout) or this machine's")
+    pr.add_argument("--out", help="write the profile as JSON to this file")
+    pr.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
+    pr.set_defaults(func=cmd_profile)
+
+    sub.add_parser("models", help="list model presets and forms").set_defaults(func=cmd_models)
+    sub.add_parser("clusters", help="list cluster presets").set_defaults(func=cmd_clusters)
+
+    from planner import cli_plan  # the plan/estimate/inspect commands register themselves
+
+    cli_plan.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        first = str(msg).strip().splitlines()[0] if str(msg).strip() else type(exc).__name__
+        print(f"autopar {args.command}: error: {first}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("autopar: interrupted", file=sys.stderr)
+        return 130

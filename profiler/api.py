@@ -1,0 +1,51 @@
+"""One call from a model spec to its layer graph: resolve, build without memory, capture, group."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from profiler.capture import capture
+from profiler.graph import LayerGraph
+from profiler.layers import group_layers
+from profiler.zoo.registry import resolve_model
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: str = "bf16",
+                  kernels: str = "gpu") -> LayerGraph:
+    """Capture the model named by ``spec`` (zoo preset, ``gpt:…``, ``llama:…``, ``hf:…``, ``file.py:factory``) on
+    the meta device (Hugging Face models on fake tensors) in ``dtype``, and group it into layers.
+
+    ``batch`` is the micro-batch the facts are captured for (they scale linearly with it); ``seq`` overrides
+    the model's default sequence length.
+    """
+    if batch < 1:
+        raise ValueError(f"batch must be ≥ 1, got {batch}")
+    source = resolve_model(spec)
+    torch_dtype = parse_dtype(dtype)
+    with _default_dtype(torch_dtype):  # builds in dtype; fake-tensor (Hugging Face) models cannot be cast later
+        model, inputs = source.build(batch=batch, seq=seq, device="meta")
+    if any(p.is_floating_point() and p.dtype != torch_dtype for p in model.parameters()):
+        model = model.to(torch_dtype)
+    arch = dict(source.arch())
+    graph = capture(model, inputs, name=spec, arch=arch, kernels=kernels)
+    return group_layers(graph)

@@ -1,0 +1,409 @@
+"""Capture an ``nn.Module`` as a `ModelGraph`: `torch.export` (non-strict) first, `torch.fx.symbolic_trace` as
+the fallback, then a replay of the graph on fake tensors that measures what each node costs.
+
+Why a replay: export gives the forward graph with module paths and shapes, but training also needs each node's
+backward FLOPs and the activations autograd keeps for backward. Both are defined by autograd's derivative
+formulas, so instead of re-deriving them we *run* each node under `FakeTensorMode` (no memory, no compute):
+
+- forward FLOPs and bytes: the node runs under `FlopCounterMode` and a byte-counting dispatch mode;
+- saved activations: the node runs inside `saved_tensors_hooks`; every storage it saves that is not a
+  parameter, a buffer, or already saved by an earlier node is charged to it;
+- backward FLOPs and bytes: the node's inputs are detached copies (so its autograd graph is local) and
+  `torch.autograd.grad` of its outputs is run under the same counters.
+
+``kernels="gpu"`` (the default) replays the ops whose autograd behaviour differs between CPU and GPU as the
+GPU kernels behave: scaled-dot-product attention as FlashAttention (it saves q, k, v, the output and the row
+log-sum-exp, not the seq² probabilities) and dropout as the fused `native_dropout` (a 1-byte mask; the CPU path
+saves a mask in the input dtype). ``kernels="native"`` replays this machine's own dispatch, for comparing with a
+real run here. Attention FLOPs come from `torch.utils.flop_counter.sdpa_flop_count` whenever FlopCounterMode
+does not see the kernel (it does not see the CPU ones); the flash backward includes its recomputation of the
+scores, as the kernel does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import operator
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from profiler.graph import ModelGraph, NodeInfo, ParamInfo
+
+
+class CaptureError(ValueError):
+    """The model cannot be captured; the message says where and how to fix it."""
+
+
+_SDPA = {torch.ops.aten.scaled_dot_product_attention.default}
+_VIEW_TARGETS = {operator.getitem}
+_CPU = torch.device("cpu")
+_NO_TRAFFIC = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
+_KERNELS = ("gpu", "native")
+_DROPOUT = {torch.ops.aten.dropout.default}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+class _ByteCounter(TorchDispatchMode):
+    """Counts bytes read and written by every non-view ATen op dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = _tensors(out)
+        if outs and not getattr(func, "is_view", False) and func.namespace == "aten" and func not in _NO_TRAFFIC:
+            self.total += sum(_nbytes(t) for t in _tensors((args, kwargs)) + outs)
+        return out
+
+
+@contextlib.contextmanager
+def _counting():
+    flops = FlopCounterMode(display=False)
+    nbytes = _ByteCounter()
+    with flops, nbytes:
+        yield flops, nbytes
+
+
+def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Scaled-dot-product attention with FlashAttention's autograd semantics (what it saves for backward)."""
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        rep = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )[0]
+
+
+def _fused_dropout(input, p, train):
+    """Dropout as GPUs run it: the fused kernel, which saves a 1-byte mask."""
+    if not train or p == 0:
+        return input
+    return torch.ops.aten.native_dropout.default(input, p, train)[0]
+
+
+def _attention_flops(args: Sequence[Any], kwargs: dict, out: torch.Tensor) -> tuple[int, int]:
+    q, k, v = args[0], args[1], args[2]
+    kv_shape = list(k.shape)
+    kv_shape[-3] = q.shape[-3]  # grouped-query attention computes as many heads as q has
+    fwd = sdpa_flop_count(q.shape, tuple(kv_shape), tuple(kv_shape))
+    bwd = sdpa_backward_flop_count(out.shape, q.shape, tuple(kv_shape), tuple(kv_shape)) if q.requires_grad else 0
+    return fwd, bwd
+
+
+class _ModuleStack:
+    """Records which modules are executing, so a capture failure can name the module it happened in."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.stack: list[tuple[str, torch.nn.Module]] = []
+        self.deepest: list[tuple[str, torch.nn.Module]] = []
+        self.handles = []
+        for name, mod in model.named_modules():
+            self.handles.append(mod.register_forward_pre_hook(self._push(name, mod)))
+            self.handles.append(mod.register_forward_hook(self._pop))
+
+    def _push(self, name, mod):
+        def hook(*_):
+            self.stack.append((name, mod))
+            self.deepest = list(self.stack)
+        return hook
+
+    def _pop(self, *_):
+        if self.stack:
+            self.stack.pop()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _explain_failure(exc: BaseException, model: torch.nn.Module, stack: list[tuple[str, torch.nn.Module]]) -> str:
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    lowered = str(exc).lower()
+    if any(s in lowered for s in ("data-dependent", "data dependent", ".item()", "control flow",
+                                   "guard on", "cannot be called on meta")):
+        construct = "Python control flow or .item() on a tensor's value"
+    else:
+        construct = msg[:160]
+    name, mod = stack[-1] if stack else ("", model)
+    where = f"module '{name or '<root>'}' ({type(mod).__name__}.forward"
+    try:
+        src = inspect.getsourcefile(type(mod))
+        line = None
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == src:
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        where += f", {src}:{line})" if line else f", {src})"
+    except (TypeError, OSError):
+        where += ")"
+    return (f"cannot capture {type(model).__name__}: {construct} in {where}; make it depend on shapes only "
+            f"(static shapes, torch.where/torch.cond instead of `if tensor`), or pass a traceable model through "
+            f"a file.py:factory")
+
+
+def _export(model: torch.nn.Module, example_inputs: tuple) -> torch.fx.GraphModule:
+    fake_mode = next((t.fake_mode for t in list(model.parameters()) + list(example_inputs)
+                      if isinstance(t, FakeTensor)), None)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        ep = torch.export.export(model, tuple(example_inputs), strict=False)
+    return ep
+
+
+def _trace(model: torch.nn.Module, example_inputs: tuple, stack: _ModuleStack):
+    """Return (graph module, method, placeholder → parameter FQN or None). Raises CaptureError."""
+    try:
+        ep = _export(model, example_inputs)
+    except Exception as exc:  # noqa: BLE001 - any failure gets the fallback, then a readable error
+        export_exc, export_stack = exc, list(stack.deepest)
+    else:
+        mapping = {}
+        for spec in ep.graph_signature.input_specs:
+            mapping[spec.arg.name] = (spec.kind.name, spec.target)
+        return ep.graph_module, "export", mapping
+    try:
+        gm = torch.fx.symbolic_trace(model)
+    except Exception:  # noqa: BLE001
+        raise CaptureError(_explain_failure(export_exc, model, export_stack)) from export_exc
+    return gm, "symbolic_trace", {}
+
+
+def _to_fake(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
+    with mode:
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    if t.is_floating_point() and t.requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+def capture(
+    model: torch.nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    *,
+    name: str | None = None,
+    arch: dict | None = None,
+    kernels: str = "gpu",
+) -> ModelGraph:
+    """Capture ``model`` called on ``example_inputs`` (real, meta or fake tensors) as a `ModelGraph`.
+
+    The model should return a scalar loss, so that the backward of every node is part of training.
+    ``kernels``: ``"gpu"`` or ``"native"`` (see the module docstring).
+    """
+    if kernels not in _KERNELS:
+        raise ValueError(f"kernels must be one of {_KERNELS}, got {kernels!r}")
+    example_inputs = tuple(example_inputs)
+    stack = _ModuleStack(model)
+    try:
+        gm, method, mapping = _trace(model, example_inputs, stack)
+    finally:
+        stack.remove()
+
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    named_params = dict(model.named_parameters(remove_duplicate=False))
+    named_buffers = dict(model.named_buffers(remove_duplicate=False))
+    fake: dict[str, torch.Tensor] = {}  # FQN → fake tensor (tied parameters share one)
+    by_id: dict[int, torch.Tensor] = {}
+    for fqn, t in list(named_params.items()) + list(named_buffers.items()):
+        if id(t) not in by_id:
+            by_id[id(t)] = _to_fake(t, mode)
+        fake[fqn] = by_id[id(t)]
+    for fqn in named_buffers:
+        fake[fqn].requires_grad_(False)
+    constant_storages = {StorageWeakRef(t.untyped_storage()) for t in by_id.values()}
+    inputs = [_to_fake(t, mode) for t in example_inputs]
+    for t in inputs:
+        t.requires_grad_(False)
+
+    replay = _Replay(gm, method, mapping, fake, named_params, inputs, mode, constant_storages, kernels, model)
+    nodes = replay.run()
+
+    seen: set[int] = set()
+    params = []
+    for fqn, t in list(named_params.items()) + list(named_buffers.items()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        params.append(ParamInfo(fqn=fqn, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
+                                numel=t.numel(), is_buffer=fqn in named_buffers))
+    first = example_inputs[0] if example_inputs else None
+    batch = int(first.shape[0]) if first is not None and first.dim() >= 1 else 1
+    seq = int(first.shape[1]) if first is not None and first.dim() >= 2 else 0
+    float_params = [p for p in named_params.values() if p.is_floating_point()]
+    dtype = str(float_params[0].dtype).removeprefix("torch.") if float_params else "float32"
+    return ModelGraph(name=name or type(model).__name__, method=method, batch=batch, seq=seq, dtype=dtype,
+                      nodes=tuple(nodes), params=tuple(params), arch=dict(arch or {}))
+
+
+class _Replay:
+    """Runs the captured graph node by node on fake tensors and records each node's costs."""
+
+    def __init__(self, gm, method, mapping, fake, named_params, inputs, mode, constant_storages, kernels, model):
+        self.gm, self.method, self.mapping = gm, method, mapping
+        self.fake, self.named_params, self.inputs, self.mode = fake, named_params, inputs, mode
+        self.constant_storages = constant_storages
+        self.gpu_kernels = kernels == "gpu"
+        self.model = model
+        self.storage_ids: dict = {}  # activation storage → id, in the order first saved
+        self._saved: list[tuple[int, int]] = []
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.param_of: dict[torch.fx.Node, str] = {}  # node → FQN of the parameter it is (a view of)
+        self._charged = 0
+
+    def _pack(self, t: torch.Tensor):
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref in self.constant_storages:
+            return t
+        if ref not in self.storage_ids:
+            self.storage_ids[ref] = len(self.storage_ids)
+            self._charged += t.untyped_storage().nbytes()
+        self._saved.append((self.storage_ids[ref], t.untyped_storage().nbytes()))
+        return t
+
+    def _placeholders(self) -> None:
+        user_inputs = iter(self.inputs)
+        for node in self.gm.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            kind, target = self.mapping.get(node.name, ("USER_INPUT", None))
+            if kind in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR") and target in self.fake:
+                self.env[node] = self.fake[target]
+                if kind == "PARAMETER":
+                    self.param_of[node] = target
+            elif kind in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR"):
+                const = getattr(self.gm, target) if hasattr(self.gm, target) else None
+                self.env[node] = _to_fake(const, self.mode) if isinstance(const, torch.Tensor) else const
+            else:
+                self.env[node] = next(user_inputs)
+
+    def _callable(self, node: torch.fx.Node) -> Callable:
+        if node.op == "call_function":
+            if node.target in _SDPA and self.gpu_kernels:
+                return _flash_sdpa
+            if node.target in _DROPOUT and self.gpu_kernels:
+                return _fused_dropout
+            return node.target
+        if node.op == "call_method":
+            return lambda obj, *a, **k: getattr(obj, node.target)(*a, **k)
+        # call_module (symbolic_trace fallback): run the submodule with fake parameters
+        sub = self.gm.get_submodule(node.target)
+        prefix = node.target + "."
+        state = {k[len(prefix):]: v for k, v in self.fake.items() if k.startswith(prefix)}
+        return lambda *a, **k: torch.func.functional_call(sub, state, a, k)
+
+    def run(self) -> list[NodeInfo]:
+        self._placeholders()
+        out_nodes = []
+        with self.mode:
+            for node in self.gm.graph.nodes:
+                if node.op == "get_attr":
+                    self.env[node] = self.fake.get(node.target, getattr(self.gm, node.target, None))
+                    if node.target in self.named_params:
+                        self.param_of[node] = node.target
+                elif node.op in ("call_function", "call_method", "call_module"):
+                    out_nodes.append(self._run_node(node))
+        return out_nodes
+
+    def _module_of(self, node: torch.fx.Node) -> tuple[str, str]:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            path, cls = list(stack.values())[-1]
+            path = _clean_path(path)
+            return path, (cls.rsplit(".", 1)[-1] if isinstance(cls, str) else cls.__name__)
+        if node.op == "call_module":
+            return node.target, type(self.gm.get_submodule(node.target)).__name__
+        return "", type(self.model).__name__
+
+    def _run_node(self, node: torch.fx.Node) -> NodeInfo:
+        args = torch.fx.node.map_arg(node.args, lambda a: self.env[a])
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: self.env[a])
+        params = sorted({self.param_of[a] for a in node.all_input_nodes if a in self.param_of})
+
+        def local(t):  # a detached alias: the node's autograd graph starts here
+            if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and t.requires_grad:
+                return t.detach().requires_grad_(True)
+            if isinstance(t, torch.device) and t.type == "meta":  # graphs exported on meta replay on fake cpu
+                return _CPU
+            return t
+
+        args, kwargs = pytree.tree_map(local, (args, kwargs))
+        fn = self._callable(node)
+        self._charged = 0
+        self._saved = []
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), _counting() as (fc, bc):
+            out = fn(*args, **kwargs)
+        fwd_flops, fwd_bytes, saved = fc.get_total_flops(), bc.total, self._charged
+        self.env[node] = out
+
+        ins = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        outs = [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
+        bwd_flops = bwd_bytes = 0
+        if ins and outs:
+            grads = [torch.ones_like(o) for o in outs]
+            with _counting() as (fb, bb):
+                torch.autograd.grad(outs, ins, grads, allow_unused=True)
+            bwd_flops, bwd_bytes = fb.get_total_flops(), bb.total
+
+        is_view = node.target in _VIEW_TARGETS or (fwd_bytes == 0 and fwd_flops == 0)
+        if is_view and len(node.all_input_nodes) == 1 and node.all_input_nodes[0] in self.param_of:
+            self.param_of[node] = self.param_of[node.all_input_nodes[0]]
+        if node.op == "call_function" and node.target in _SDPA:
+            kind = "attention"
+            if not fwd_flops:  # FlopCounterMode does not see the fused CPU kernels: use the closed form
+                fwd_flops, bwd_flops = _attention_flops(args, kwargs, out)
+        elif fwd_flops:
+            kind = "matmul"
+        elif is_view:
+            kind = "view"
+        else:
+            kind = "memory"
+        in_t, out_t = _tensors((args, kwargs)), _tensors(out)
+        path, cls = self._module_of(node)
+        return NodeInfo(
+            name=node.name, op=_op_name(node), kind=kind, module_path=path, module_type=cls,
+            input_shapes=tuple(tuple(t.shape) for t in in_t),
+            input_dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in in_t),
+            output_shapes=tuple(tuple(t.shape) for t in out_t),
+            output_dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in out_t),
+            fwd_flops=int(fwd_flops), bwd_flops=int(bwd_flops), fwd_bytes=int(fwd_bytes), bwd_bytes=int(bwd_bytes),
+            output_bytes=sum(_nbytes(t) for t in out_t), params=tuple(params), saved_bytes=int(saved),
+            saved=tuple(dict.fromkeys(self._saved)),
+            inputs=tuple(a.name for a in node.all_input_nodes if a.op not in ("placeholder", "get_attr")),
+        )
+
+
+def _clean_path(path: str) -> str:
+    """Export writes module paths like ``L['self'].layers[0].attn`` in some versions; normalise to FQNs."""
+    path = path.replace("L['self']", "").replace("['", ".").replace("']", "").replace("[", ".").replace("]", "")
+    return path.lstrip(".")
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    if node.op == "call_function":
+        t = node.target
+        return str(t) if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
+    return f"{node.op}:{node.target}"
+
+
+def timed_capture(*args, **kwargs) -> tuple[ModelGraph, float]:
+    """`capture`, with its wall time in seconds."""
+    t0 = time.perf_counter()
+    g = capture(*args, **kwargs)
+    return g, time.perf_counter() - t0

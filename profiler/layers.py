@@ -1,0 +1,191 @@
+"""Group a `ModelGraph`'s nodes into layers and say how each node behaves under tensor parallelism.
+
+Layers follow the module hierarchy: the repeated blocks are the children of the largest numbered container (the
+``nn.ModuleList`` of a transformer, e.g. ``layers.7`` or ``model.model.layers.7``); everything that runs before
+the first block is the ``embed`` layer and everything after the last one the ``head``. Ops that run between
+two blocks outside any block stay with the block before them. Identical blocks get the same signature.
+
+Tensor-parallel roles follow Megatron-LM (Shoeybi et al. 2019, §3): inside a block, linears that read the
+replicated hidden state are split column-wise (their outputs are sharded by heads or FFN columns) and the linear
+that returns to the hidden size is split row-wise (its output needs an all-reduce, or a reduce-scatter with
+sequence parallelism). Which linear is which is read from the module names that the zoo and the common Hugging
+Face families use (`COLUMN_NAMES`, `ROW_NAMES`); every other node is ``sharded`` when it consumes a sharded
+value and ``replicated`` otherwise. A block with no recognised linear pair has no roles, and the planner will not
+tensor-parallelise it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections import Counter
+
+from profiler.graph import Layer, LayerGraph, ModelGraph, NodeInfo
+
+#: Linear names split column-wise (zoo: wq/wk/wv/w1/w3; Llama-style HF: *_proj; BERT: query/key/value).
+COLUMN_NAMES = ("wq", "wk", "wv", "w1", "w3", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
+                "query", "key", "value", "fc1", "intermediate.dense")
+#: Linear names split row-wise.
+ROW_NAMES = ("wo", "w2", "o_proj", "down_proj", "out_proj", "fc2", "attention.output.dense", "output.dense")
+
+_INDEX = re.compile(r"^(?P<container>(?:[^.]+\.)*?[^.]+)\.(?P<idx>\d+)(?:\.|$)")
+
+
+def _block_key(path: str) -> tuple[str, int] | None:
+    m = _INDEX.match(path)
+    return (m["container"], int(m["idx"])) if m else None
+
+
+def find_block_container(graph: ModelGraph) -> str:
+    """The module path whose numbered children run the most distinct blocks (``''`` when there is none)."""
+    counts: Counter[str] = Counter()
+    seen = set()
+    for n in graph.nodes:
+        key = _block_key(n.module_path)
+        if key and key not in seen:
+            seen.add(key)
+            counts[key[0]] += 1
+    if not counts:
+        return ""
+    best = max(counts.values())
+    return next(c for c, k in counts.items() if k == best)
+
+
+def _matches(path: str, names: tuple[str, ...]) -> bool:
+    return any(path == n or path.endswith("." + n) for n in names)
+
+
+def _linear_role(node: NodeInfo) -> str | None:
+    """``column`` / ``row`` for a recognised linear (or a MoE expert matmul over stacked weights), else None."""
+    if node.kind != "matmul" or not node.params:
+        return None
+    leaves = {p.rsplit(".", 1)[-1] for p in node.params}  # experts.w1 etc. for stacked MoE weights
+    if _matches(node.module_path, COLUMN_NAMES) or leaves & {"w1", "w3"}:
+        return "column"
+    if _matches(node.module_path, ROW_NAMES) or "w2" in leaves:
+        return "row"
+    return None
+
+
+def assign_tp_roles(nodes: list[NodeInfo]) -> list[NodeInfo]:
+    """Return the block's nodes with ``tp_role`` set (see the module docstring)."""
+    roles = [_linear_role(n) for n in nodes]
+    if "column" not in roles or "row" not in roles:
+        return nodes
+    sharded: set[str] = set()
+    out = []
+    for n, role in zip(nodes, roles):
+        if role == "column":
+            sharded.add(n.name)
+        elif role == "row":
+            pass  # output is replicated after the all-reduce
+        elif any(i in sharded for i in n.inputs):
+            role = "sharded"
+            sharded.add(n.name)
+        else:
+            role = "replicated"
+        out.append(_with(n, tp_role=role))
+    return out
+
+
+def _with(n: NodeInfo, **changes) -> NodeInfo:
+    from dataclasses import replace
+
+    return replace(n, **changes)
+
+
+def _edge_roles(nodes: list[NodeInfo], kind: str) -> list[NodeInfo]:
+    """Embedding lookups and the vocabulary projection are split along the vocabulary."""
+    out = []
+    for n in nodes:
+        vocab_op = ("embedding" in n.op and n.params) or (kind == "head" and n.kind == "matmul" and n.params)
+        out.append(_with(n, tp_role="vocab" if vocab_op else "replicated"))
+    return out
+
+
+def _dedupe_saved_within(nodes: list[NodeInfo]) -> list[NodeInfo]:
+    """Charge each saved storage to the first node of *this layer* that saves it."""
+    seen: set[int] = set()
+    out = []
+    for n in nodes:
+        fresh = [(sid, b) for sid, b in n.saved if sid not in seen]
+        seen.update(sid for sid, _ in fresh)
+        out.append(_with(n, saved_bytes=sum(b for _, b in fresh)))
+    return out
+
+
+def _signature(kind: str, prefix: str, nodes: list[NodeInfo], param_shapes: dict[str, tuple]) -> str:
+    h = hashlib.sha256(kind.encode())
+    strip = len(prefix) + 1 if prefix else 0
+    for n in nodes:
+        rel = n.module_path[strip:] if prefix and n.module_path.startswith(prefix) else n.module_path
+        rel_params = [(p[strip:] if prefix and p.startswith(prefix) else p, param_shapes.get(p)) for p in n.params]
+        h.update(f"{n.op}|{rel}|{n.input_shapes}|{n.output_shapes}|{n.input_dtypes}|{rel_params}|"
+                 f"{n.fwd_flops}|{n.saved_bytes}\n".encode())
+    return h.hexdigest()[:12]
+
+
+def group_layers(graph: ModelGraph) -> LayerGraph:
+    """Group ``graph``'s nodes into embed, blocks and head (see the module docstring)."""
+    container = find_block_container(graph)
+    groups: list[tuple[str, str, list[NodeInfo]]] = []  # (name, kind, nodes)
+    for n in graph.nodes:
+        key = _block_key(n.module_path)
+        if container and key is not None and key[0] == container:
+            name, kind = f"{container}.{key[1]}", "block"
+        elif container:
+            name, kind = ("embed", "embed") if not groups or groups[-1][1] == "embed" else ("between", "between")
+        else:
+            top = n.module_path.split(".", 1)[0] or "<root>"
+            name, kind = (top, "other")
+        if groups and groups[-1][0] == name:
+            groups[-1][2].append(n)
+        elif groups and kind == "between" and groups[-1][1] == "between":
+            groups[-1][2].append(n)
+        else:
+            groups.append((name, kind, [n]))
+    if container:
+        # ops outside any block that run between two blocks stay with the block before them; the ones after
+        # the last block are the head
+        merged: list[tuple[str, str, list[NodeInfo]]] = []
+        for i, (name, kind, nodes) in enumerate(groups):
+            if kind == "between" and i == len(groups) - 1:
+                merged.append(("head", "head", nodes))
+            elif kind == "between":
+                merged[-1][2].extend(nodes)
+            else:
+                merged.append((name, kind, nodes))
+        groups = merged
+
+    param_numel = {p.fqn: p.numel for p in graph.params if not p.is_buffer}
+    param_shapes = {p.fqn: p.shape for p in graph.params}
+    owner: dict[str, int] = {}
+    producer: dict[str, int] = {}
+    out_bytes = {n.name: n.output_bytes for n in graph.nodes}
+    layers = []
+    for idx, (name, kind, nodes) in enumerate(groups):
+        nodes = _dedupe_saved_within(nodes)
+        if kind == "block":
+            nodes = assign_tp_roles(nodes)
+        elif kind in ("embed", "head"):
+            nodes = _edge_roles(nodes, kind)
+        owned, shared = [], []
+        for n in nodes:
+            for p in n.params:
+                if p not in param_numel:
+                    continue
+                if p not in owner:
+                    owner[p] = idx
+                    owned.append(p)
+                elif owner[p] != idx and p not in shared:
+                    shared.append(p)
+        incoming = {i for n in nodes for i in n.inputs if producer.get(i, idx) < idx}
+        for n in nodes:
+            producer[n.name] = idx
+        prefix = name if kind == "block" else ""
+        layers.append(Layer(
+            name=name, kind=kind, index=idx, signature=_signature(kind, prefix, nodes, param_shapes),
+            nodes=tuple(nodes), param_numel=sum(param_numel[p] for p in owned), shared_params=tuple(shared),
+            input_bytes=sum(out_bytes[i] for i in incoming),
+        ))
+    return LayerGraph(model=graph, layers=tuple(layers), block_container=container)

@@ -1,0 +1,203 @@
+"""Hugging Face models from config classes: ``hf:MODEL_TYPE[:key=value,…]``, random weights, nothing downloaded.
+
+``transformers.AutoConfig.for_model(model_type, **overrides)`` makes the config (``use_cache=False`` so the output
+holds no cache and ``torch.export`` accepts it; pad/bos/eos ids clamped into the vocabulary so small configs work).
+Decoders are built with ``AutoModelForCausalLM``; types that also have a masked-LM head (encoder-only models such
+as bert and roberta) with ``AutoModelForMaskedLM``. MoE models get the ``batched_mm`` experts implementation, the
+one whose FLOPs ``FlopCounterMode`` sees and which exports (the default ``grouped_mm`` is an opaque custom op, the
+``eager`` loop is data-dependent).
+
+Hugging Face forwards fail on the meta device (``.item()`` in the mask utilities), so ``build_hf(device="meta")``
+builds under ``torch._subclasses.fake_tensor.FakeTensorMode`` instead and returns *fake* tensors: parameters and
+inputs carry shapes, dtypes and a (fake) CPU device but no storage. ``torch.export.export`` picks the fake mode up
+from them; to run other code on them, re-enter it with ``torch._guards.detect_fake_mode(inputs)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+DEFAULT_MAX_SEQ = 2048
+"""Default sequence length for hf models: min(max_position_embeddings, this)."""
+
+
+class HFCausalLMLoss(nn.Module):
+    """Wraps a Hugging Face LM so ``forward(input_ids, labels)`` returns the scalar loss (logits without labels).
+
+    The wrapped model is ``self.model``, so module paths read ``model.model.layers.0…``.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return self.model(input_ids=input_ids).logits
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def parse_value(text: str) -> bool | int | float | str | None:
+    """``true``/``false`` → bool, ``none`` → None, then int, then float, else the string itself."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def hf_config(model_type: str, overrides: dict[str, object]):
+    """The transformers config for ``model_type`` with ``overrides``; ValueError for unknown types or keys."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"hf: unknown model type {model_type!r}; use a transformers model_type such as llama, gpt2, mistral, "
+            f"mixtral, qwen2, bert (see transformers.CONFIG_MAPPING)"
+        )
+    default = AutoConfig.for_model(model_type)
+    unknown = [key for key in overrides if not hasattr(default, key)]
+    if unknown:
+        raise ValueError(
+            f"hf:{model_type}: unknown config key {unknown[0]!r}; see {type(default).__name__} in transformers for "
+            f"its fields (e.g. num_hidden_layers, hidden_size, vocab_size)"
+        )
+    vocab = overrides.get("vocab_size", default.vocab_size)
+    token_ids = {}
+    if isinstance(vocab, int):  # special-token ids past a small vocabulary are clamped to its last id
+        for key in _TOKEN_ID_KEYS:
+            value = overrides.get(key, getattr(default, key, None))
+            if isinstance(value, int) and not isinstance(value, bool) and value >= vocab:
+                token_ids[key] = vocab - 1
+            elif isinstance(value, list):
+                token_ids[key] = [min(v, vocab - 1) for v in value]
+    return AutoConfig.for_model(model_type, **{**overrides, **token_ids, "use_cache": False})
+
+
+def hf_task(config) -> str:
+    """``"masked"`` for encoder types with a masked-LM head, ``"causal"`` for decoders; ValueError otherwise."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    model_type = config.model_type
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "masked"
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "causal"
+    raise ValueError(
+        f"hf:{model_type}: transformers has neither a causal-LM nor a masked-LM class for this type; use a decoder "
+        f"(llama, gpt2, mistral, mixtral, …) or an encoder (bert, roberta, …)"
+    )
+
+
+def hf_max_positions(config) -> int | None:
+    """Position limit from the config (``max_position_embeddings`` / ``n_positions``), if it has one."""
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def hf_default_seq(config) -> int:
+    limit = hf_max_positions(config)
+    return min(limit, DEFAULT_MAX_SEQ) if limit is not None else DEFAULT_MAX_SEQ
+
+
+def hf_arch(config) -> dict[str, int]:
+    """Architecture facts from a transformers config (keys as in ``ModelSource.arch``; missing ones left out)."""
+    names = {
+        "hidden": ("hidden_size",),
+        "heads": ("num_attention_heads",),
+        "kv_heads": ("num_key_value_heads",),
+        "layers": ("num_hidden_layers",),
+        "ffn": ("intermediate_size", "n_inner", "ffn_dim"),
+        "vocab": ("vocab_size",),
+        "experts": _EXPERT_KEYS,
+        "top_k": ("num_experts_per_tok", "moe_topk"),
+    }
+    arch: dict[str, int] = {}
+    for key, candidates in names.items():
+        for name in candidates:
+            value = getattr(config, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                arch[key] = value
+                break
+    if "heads" in arch and "kv_heads" not in arch:
+        arch["kv_heads"] = arch["heads"]
+    if "ffn" not in arch and "hidden" in arch and config.model_type == "gpt2":
+        arch["ffn"] = 4 * arch["hidden"]
+    return arch
+
+
+def _is_moe(config) -> bool:
+    return any(isinstance(getattr(config, key, None), int) and getattr(config, key) > 0 for key in _EXPERT_KEYS)
+
+
+def _build_lm(config) -> HFCausalLMLoss:
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    auto = AutoModelForMaskedLM if hf_task(config) == "masked" else AutoModelForCausalLM
+    model = auto.from_config(config)
+    if _is_moe(config) and model._can_set_experts_implementation():
+        model.set_experts_implementation("batched_mm")
+    return HFCausalLMLoss(model)
+
+
+def build_hf(
+    config, *, batch: int, seq: int, device: str | torch.device = "meta"
+) -> tuple[HFCausalLMLoss, tuple[torch.Tensor, torch.Tensor]]:
+    """The wrapped model and ``(input_ids, labels)`` of shape (batch, seq).
+
+    ``device="meta"`` builds under a fresh ``FakeTensorMode`` (fake tensors, see the module docstring); any other
+    device builds real random weights there.
+    """
+    limit = hf_max_positions(config)
+    learned_positions = getattr(config, "rope_parameters", None) is None  # rotary models extrapolate; tables don't
+    if limit is not None and seq > limit and learned_positions:
+        raise ValueError(
+            f"hf:{config.model_type}: seq={seq} exceeds the {limit} learned positions; add "
+            f"max_position_embeddings={seq} (n_positions for gpt2) to the spec"
+        )
+    vocab = config.vocab_size
+    if str(device) == "meta":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            model = _build_lm(config)
+            input_ids = torch.randint(0, vocab, (batch, seq))
+            labels = torch.randint(0, vocab, (batch, seq))
+        return model, (input_ids, labels)
+    with torch.device(device):
+        model = _build_lm(config)
+        input_ids = torch.randint(0, vocab, (batch, seq))
+        labels = torch.randint(0, vocab, (batch, seq))
+    return model, (input_ids, labels)
+
+
+def hf_layer_container(model: nn.Module) -> str:
+    """Dotted path (relative to ``model``) of the ``nn.ModuleList`` holding the blocks: the one with most parameters.
+
+    E.g. ``model.model.layers`` (Llama), ``model.transformer.h`` (GPT-2), ``model.bert.encoder.layer`` (BERT) for a
+    ``HFCausalLMLoss``.
+    """
+    best_name, best_size = None, (-1, -1)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            size = (sum(p.numel() for p in module.parameters()), len(module))
+            if size > best_size:
+                best_name, best_size = name, size
+    if best_name is None:
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of blocks; cannot find its layers")
+    return best_name

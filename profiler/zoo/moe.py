@@ -1,0 +1,266 @@
+"""Mixtral-style mixture-of-experts decoder: a Llama block whose feed-forward is a top-k routed set of experts.
+
+Routing is written for static shapes so that it exports and its FLOPs are exactly those of the work done:
+
+1. router: ``gate`` (hidden → experts, no bias), softmax in float32, ``topk``, renormalise the top-k weights;
+2. capacity-based dispatch: every expert has C = min(⌈capacity_factor · tokens · top_k / experts⌉, tokens) slots;
+   each (token, choice) pair takes the next free slot of its expert, first choices of all tokens before second
+   choices (GShard priority), via a cumulative sum of the one-hot assignment; pairs past C are dropped (sent to an
+   overflow row that is sliced off);
+3. tokens are scattered with ``index_add`` into an [experts·C, hidden] buffer, the experts run as batched matmuls
+   (``torch.bmm``) over [experts, C, hidden], and results are gathered back and combined with the routing weights.
+
+FLOPs are therefore the router (2·tokens·hidden·experts) plus 3 · 2·experts·C·hidden·ffn for the experts, with no
+one-hot einsum. There is no auxiliary load-balancing loss. The padding up to C slots per expert is computed.
+
+This file imports only torch and the standard library (the code emitter copies it verbatim); ``RMSNorm``,
+``rope_cos_sin``, ``apply_rope`` and ``Attention`` are copies of those in ``llama.py`` (a test keeps them equal).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    layers: int
+    """Number of transformer blocks."""
+    hidden: int
+    """Model width."""
+    heads: int
+    """Query heads; must divide ``hidden``."""
+    kv_heads: int
+    """Key/value heads (grouped-query attention); must divide ``heads``."""
+    ffn: int
+    """Inner width of each SwiGLU expert."""
+    vocab: int
+    """Vocabulary size."""
+    seq: int = 8192
+    """Training sequence length (RoPE positions are computed for the actual input length)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 500000.0
+    """RoPE base frequency."""
+    tie_embeddings: bool = False
+    """Tie the output head to the token embedding."""
+    experts: int = 8
+    """Number of experts per MoE layer."""
+    top_k: int = 2
+    """Experts chosen per token."""
+    capacity_factor: float = 1.0
+    """Slots per expert relative to a perfectly balanced load (C = ⌈capacity_factor·tokens·top_k/experts⌉)."""
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "experts", "top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"heads={self.heads} does not divide hidden={self.hidden}; choose heads among the divisors of hidden"
+            )
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads={self.kv_heads} does not divide heads={self.heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim=hidden/heads={self.head_dim} must be even for RoPE")
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k={self.top_k} exceeds experts={self.experts}")
+        if self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def expert_capacity(tokens: int, experts: int, top_k: int, capacity_factor: float) -> int:
+    """Slots per expert: ⌈capacity_factor · tokens · top_k / experts⌉, at most ``tokens`` (an expert can receive
+    each token at most once), at least 1."""
+    return max(1, min(tokens, math.ceil(capacity_factor * tokens * top_k / experts)))
+
+
+def dispatch_slots(expert_index: torch.Tensor, experts: int, capacity: int) -> torch.Tensor:
+    """Buffer row for each routed pair: ``expert·capacity + position``, or ``experts·capacity`` (overflow) if dropped.
+
+    ``expert_index`` is [pairs] in priority order; the position of a pair inside its expert is the number of earlier
+    pairs routed to the same expert (cumulative sum of the one-hot assignment), so shapes never depend on data.
+    """
+    one_hot = (expert_index[:, None] == torch.arange(experts, device=expert_index.device)).long()
+    position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1
+    slot = expert_index * capacity + position
+    return torch.where(position < capacity, slot, torch.full_like(slot, experts * capacity))
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, scaled by a learned weight."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_cos_sin(
+    seq: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape [seq, head_dim] for rotary embeddings (computed in float32, cast to ``dtype``)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    positions = torch.arange(seq, device=device, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [b, s, heads, head_dim] by position ("rotate half" form)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with RoPE, no biases, via ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int):
+        super().__init__()
+        hd = hidden // heads
+        self.head_dim = hd
+        self.wq = nn.Linear(hidden, heads * hd, bias=False)
+        self.wk = nn.Linear(hidden, kv_heads * hd, bias=False)
+        self.wv = nn.Linear(hidden, kv_heads * hd, bias=False)
+        self.wo = nn.Linear(heads * hd, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        heads = q.shape[-1] // self.head_dim  # local heads under tensor parallelism
+        kv_heads = k.shape[-1] // self.head_dim
+        q = apply_rope(q.view(b, s, heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(b, s, kv_heads, self.head_dim), cos, sin)
+        v = v.view(b, s, kv_heads, self.head_dim)
+        if kv_heads != heads:  # query head j reads kv head j // rep (repeat_interleave order)
+            rep = heads // kv_heads
+            k = k[:, :, :, None, :].expand(b, s, kv_heads, rep, self.head_dim).reshape(b, s, heads, self.head_dim)
+            v = v[:, :, :, None, :].expand(b, s, kv_heads, rep, self.head_dim).reshape(b, s, heads, self.head_dim)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, heads * self.head_dim))
+
+
+class GroupedExperts(nn.Module):
+    """SwiGLU experts with stacked weights, run as batched matmuls over [experts, capacity, hidden]."""
+
+    def __init__(self, experts: int, hidden: int, ffn: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, ffn, hidden))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, ffn))
+        self.w3 = nn.Parameter(torch.empty(experts, ffn, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(torch.bmm(x, self.w1.transpose(1, 2))) * torch.bmm(x, self.w3.transpose(1, 2))
+        return torch.bmm(h, self.w2.transpose(1, 2))
+
+
+class MoEFeedForward(nn.Module):
+    """Top-k router (``gate``) plus capacity-based dispatch to ``experts`` (see the module docstring)."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.num_experts = config.experts
+        self.top_k = config.top_k
+        self.capacity_factor = config.capacity_factor
+        self.gate = nn.Linear(config.hidden, config.experts, bias=False)
+        self.experts = GroupedExperts(config.experts, config.hidden, config.ffn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, hidden = x.shape
+        tokens, experts, k = b * s, self.num_experts, self.top_k
+        xt = x.reshape(tokens, hidden)
+        probs = torch.softmax(self.gate(xt).float(), dim=-1)
+        weights, chosen = torch.topk(probs, k, dim=-1)  # [tokens, k]
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        capacity = expert_capacity(tokens, experts, k, self.capacity_factor)
+        # Pairs in choice-major order: every token's first choice takes priority over any second choice.
+        slot = dispatch_slots(chosen.t().reshape(-1), experts, capacity)  # [k * tokens]
+        buffer = xt.new_zeros(experts * capacity + 1, hidden).index_add(0, slot, xt.repeat(k, 1))
+        out = self.experts(buffer[: experts * capacity].view(experts, capacity, hidden))
+        out = torch.cat([out.reshape(experts * capacity, hidden), out.new_zeros(1, hidden)])  # overflow row = 0
+        combined = out.index_select(0, slot) * weights.t().reshape(-1, 1).to(x.dtype)
+        return combined.view(k, tokens, hidden).sum(0).view(b, s, hidden)
+
+
+class TransformerBlock(nn.Module):
+    """x + attention(norm(x)), then x + moe(norm(x))."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden, config.norm_eps)
+        self.attention = Attention(config.hidden, config.heads, config.kv_heads)
+        self.ffn_norm = RMSNorm(config.hidden, config.norm_eps)
+        self.feed_forward = MoEFeedForward(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class MoETransformer(nn.Module):
+    """Mixtral-style language model; ``forward(input_ids, labels=None)`` returns the mean loss, or logits.
+
+    For manual pipeline splitting, ``tok_embeddings``, ``norm`` and ``output`` may be set to ``None`` on stages
+    that do not own them (then the stage takes/returns hidden states), as in torchtitan.
+    """
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab, config.hidden)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.layers))
+        self.norm = RMSNorm(config.hidden, config.norm_eps)
+        self.output = nn.Linear(config.hidden, config.vocab, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """N(0, 0.02) for linears, embeddings and experts, N(0, 0.02/√(2l)) for wo and expert w2, unit norms.
+
+        Call after ``model.to_empty(device=...)`` when the model was built on the meta device.
+        """
+        std, out_std = 0.02, 0.02 / math.sqrt(2 * self.config.layers)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+            elif isinstance(module, GroupedExperts):
+                nn.init.normal_(module.w1, std=std)
+                nn.init.normal_(module.w3, std=std)
+                nn.init.normal_(module.w2, std=out_std)
+        for layer in self.layers:
+            nn.init.normal_(layer.attention.wo.weight, std=out_std)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
+        cos, sin = rope_cos_sin(h.shape[1], self.config.head_dim, self.config.rope_theta, h.device, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is None:
+            return h
+        logits = self.output(h)
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
