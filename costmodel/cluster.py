@@ -1,0 +1,541 @@
+"""Where a plan runs: devices, links, clusters, presets, YAML loading, and where a communication group's ranks sit.
+
+SI units inside (bytes/s, seconds, bytes). Units appear only in YAML key names (``bw_GBps`` = 1e9 bytes/s,
+``latency_us``, ``memory_GiB`` = 2**30 bytes, ``peak_tflops`` = 1e12 FLOP/s); conversion happens here, once.
+
+Link bandwidths are NCCL-tests *bus bandwidths* per GPU and direction for a large ring collective
+(NVIDIA/nccl-tests ``doc/PERFORMANCE.md``), so that ``costmodel.collectives`` can use them directly in
+``time = (bus factor)·bytes / busbw``. Presets cite the published figures in shared/calibration/README.md §5.2.
+
+Rank placement (``group_span``): ranks are laid out with the mesh order pp (outermost), dp, cp, tp (innermost),
+and node = rank // gpus_per_node. So a tp group has stride 1, a cp group stride tp, a dp group stride tp·cp and a
+pp group stride dp·cp·tp.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+
+from costmodel.hardware import DEVICES, DTYPES, DeviceSpec, EfficiencyCurve, LazyCatalog
+
+__all__ = [
+    "CLUSTER_PRESETS",
+    "Spill",
+    "COLLECTIVE_KINDS",
+    "CPU_LOCAL_FILE",
+    "Cluster",
+    "GroupSpan",
+    "Link",
+    "dump_cluster",
+    "group_span",
+    "list_clusters",
+    "load_cluster",
+    "parse_cluster_yaml",
+]
+
+#: Collective kinds a link may carry per-kind figures for (the values of ``costmodel.collectives.Collective``).
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+#: Where ``python -m costmodel.gloo_bench`` writes the fitted loopback link of the ``cpu-local`` cluster.
+CPU_LOCAL_FILE = Path(__file__).parent / "data" / "cpu_local.yaml"
+
+GB = 1e9
+GiB = 2**30
+MiB = 2**20
+US = 1e-6
+
+
+def _round12(x: float) -> float:
+    """12 significant digits, so unit conversions at the YAML edge round-trip exactly."""
+    return float(f"{x:.12g}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spill:
+    """Extra per-byte cost once a message outgrows a cache: ``+ factor·max(0, S − threshold)/bandwidth`` seconds.
+
+    Only the gloo loopback fit uses it: on this machine the time per byte of gloo collectives roughly doubles once
+    buffers exceed the 32 MiB L3 (measured by gloo_bench), which a single alpha-beta line cannot follow across
+    1-64 MiB. GPU links have none (NCCL busbw is flat at large sizes).
+    """
+
+    #: message size (in the collective's own ``nbytes`` convention) beyond which the extra cost applies, bytes.
+    threshold: float
+    #: the extra cost of each byte beyond ``threshold``, as a bandwidth, bytes/s.
+    bandwidth: float
+
+    def __post_init__(self) -> None:
+        if not self.threshold >= 0 or not self.bandwidth > 0:
+            raise ValueError(f"Spill needs threshold >= 0 bytes and bandwidth > 0 bytes/s, got "
+                             f"{self.threshold!r}, {self.bandwidth!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """A network between ranks: bus bandwidth per GPU and direction, and a per-step latency.
+
+    ``bandwidth`` is what NCCL-tests reports as busbw for a large ring all-reduce on this link, per GPU
+    (so 8 GPUs × 1 NIC each at 24 GB/s effective gives an inter-node ring busbw of 8·24 = 192 GB/s, nccl#812).
+    Some transports are far from uniform across collectives (gloo on loopback: all-gather moves bytes ~2-3×
+    slower than all-reduce, FINDINGS.md), so a link may override both figures per collective kind.
+    """
+
+    #: what the link is, e.g. "NVLink3 + NVSwitch".
+    name: str
+    #: bus bandwidth per GPU and direction, bytes/s (NCCL-tests busbw convention).
+    bandwidth: float
+    #: latency of one algorithm step (one ring hop), seconds.
+    latency: float
+    #: where the figures come from (issue, measurement, fit).
+    source: str = ""
+    #: collective kind (``COLLECTIVE_KINDS``) → bus bandwidth, bytes/s, overriding ``bandwidth`` for that kind.
+    bandwidth_by_kind: Mapping[str, float] = field(default_factory=dict)
+    #: collective kind → per-step latency, seconds, overriding ``latency`` for that kind.
+    latency_by_kind: Mapping[str, float] = field(default_factory=dict)
+    #: collective kind → cache-spill term (see :class:`Spill`); none by default.
+    spill_by_kind: Mapping[str, Spill] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0:
+            raise ValueError(f"link {self.name!r}: bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
+        if not self.latency >= 0:
+            raise ValueError(f"link {self.name!r}: latency must be >= 0 s, got {self.latency!r}")
+        for label, table, ok in (("bandwidth_by_kind", self.bandwidth_by_kind, lambda v: v > 0),
+                                 ("latency_by_kind", self.latency_by_kind, lambda v: v >= 0),
+                                 ("spill_by_kind", self.spill_by_kind, lambda v: isinstance(v, Spill))):
+            for kind, value in table.items():
+                if kind not in COLLECTIVE_KINDS:
+                    raise ValueError(f"link {self.name!r}: {label} has unknown collective {kind!r}; "
+                                     f"known: {COLLECTIVE_KINDS}")
+                if not ok(value):
+                    raise ValueError(f"link {self.name!r}: {label}[{kind!r}] out of range: {value!r}")
+            object.__setattr__(self, label, MappingProxyType(dict(table)))
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.bandwidth, self.latency, self.source,
+                     tuple(sorted(self.bandwidth_by_kind.items())), tuple(sorted(self.latency_by_kind.items())),
+                     tuple(sorted(self.spill_by_kind.items()))))
+
+    def bandwidth_for(self, kind: str) -> float:
+        """Bus bandwidth (bytes/s) for collective ``kind``: its override if there is one, else ``bandwidth``."""
+        return self.bandwidth_by_kind.get(kind, self.bandwidth)
+
+    def latency_for(self, kind: str) -> float:
+        """Per-step latency (s) for collective ``kind``: its override if there is one, else ``latency``."""
+        return self.latency_by_kind.get(kind, self.latency)
+
+    def spill_for(self, kind: str) -> Spill | None:
+        """The cache-spill term for collective ``kind``, if the link has one."""
+        return self.spill_by_kind.get(kind)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """A homogeneous cluster: ``nodes`` nodes of ``gpus_per_node`` identical devices."""
+
+    #: name shown in plans and reports (preset name or the YAML ``name``).
+    name: str
+    #: the device every rank runs on.
+    device: DeviceSpec
+    #: ranks per node (GPUs, or gloo processes for ``cpu-local``).
+    gpus_per_node: int
+    #: number of nodes.
+    nodes: int
+    #: link between ranks of one node (NVLink/NVSwitch; loopback for cpu-local).
+    intra: Link
+    #: link between nodes, per GPU (one NIC per GPU on DGX; a shared NIC is its bandwidth / gpus_per_node).
+    inter: Link
+
+    def __post_init__(self) -> None:
+        for label, value in (("gpus_per_node", self.gpus_per_node), ("nodes", self.nodes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"cluster {self.name!r}: {label} must be an integer >= 1, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Total number of ranks, ``gpus_per_node · nodes``."""
+        return self.gpus_per_node * self.nodes
+
+
+# --- Rank placement ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupSpan:
+    """How a communication group sits on the cluster's nodes."""
+
+    #: ranks in the group.
+    size: int
+    #: distinct nodes the group's ranks are on.
+    nodes: int
+    #: most group ranks on any one node (all nodes hold the same number when the layout is regular).
+    per_node: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or self.nodes < 1 or self.per_node < 1:
+            raise ValueError(f"GroupSpan needs size, nodes, per_node >= 1, got {self.size}, {self.nodes}, "
+                             f"{self.per_node}")
+        if self.nodes > self.size or self.per_node > self.size or self.nodes * self.per_node < self.size:
+            raise ValueError(f"GroupSpan(size={self.size}, nodes={self.nodes}, per_node={self.per_node}) is "
+                             f"impossible: need nodes <= size, per_node <= size, nodes·per_node >= size")
+
+    @property
+    def crosses_nodes(self) -> bool:
+        """True when the group's ranks are on more than one node."""
+        return self.nodes > 1
+
+
+def group_span(cluster: Cluster, size: int, stride: int) -> GroupSpan:
+    """Nodes spanned by the group {0, stride, 2·stride, …, (size−1)·stride} and its ranks per node.
+
+    Ranks follow the mesh order pp (outermost), dp, cp, tp (innermost); node = rank // gpus_per_node. Use
+    stride 1 for tp, tp for cp, tp·cp for dp, dp·cp·tp for pp. Every group of a regular mesh (sizes and strides
+    dividing or multiplying gpus_per_node) has the same span as the one at rank 0, which is the one computed.
+    """
+    if size < 1 or stride < 1:
+        raise ValueError(f"group size and stride must be >= 1, got size={size}, stride={stride}")
+    last = (size - 1) * stride
+    if last >= cluster.world_size:
+        raise ValueError(f"a group of {size} ranks with stride {stride} needs rank {last}, but cluster "
+                         f"{cluster.name!r} has {cluster.world_size} ranks ({cluster.nodes} nodes × "
+                         f"{cluster.gpus_per_node})")
+    counts: dict[int, int] = {}
+    for i in range(size):
+        node = i * stride // cluster.gpus_per_node
+        counts[node] = counts.get(node, 0) + 1
+    return GroupSpan(size=size, nodes=len(counts), per_node=max(counts.values()))
+
+
+# --- Presets -----------------------------------------------------------------------------------------------------
+
+
+def _link(name: str, bw_GBps: float, latency_us: float, source: str) -> Link:
+    return Link(name=name, bandwidth=bw_GBps * GB, latency=latency_us * US, source=source)
+
+
+# NVLink per-hop latency: NCCL src/graph/tuning.cc hwLat[NVLINK][RING][SIMPLE] = 3.4 µs.
+# InfiniBand per-hop latency: 8 µs, a prior inside the 5-10 µs usually seen for NCCL over IB (unfitted).
+_NVLINK_A100 = _link("NVLink3 + NVSwitch", 230, 3.4,
+                     "busbw ~230 GB/s all_reduce 8×A100 (sjeaugey, NVIDIA/nccl-tests#149; 232.5 in #175); "
+                     "latency: NCCL tuning.cc NVLink ring/simple hop")
+_NVLINK_H100 = _link("NVLink4 + NVSwitch", 370, 3.4,
+                     "busbw ~370 GB/s ring, 8×H100 (sjeaugey, nccl-tests#212, nccl#1442); NVLS all_reduce "
+                     "(~480) not used: ring is what every other collective gets; latency: NCCL tuning.cc")
+_IB_HDR = _link("HDR InfiniBand 200 Gb/s, one NIC per GPU", 24, 8,
+                "25 GB/s line, ~24 GB/s effective per NIC: 192 GB/s all_reduce busbw with 8 NICs "
+                "(AddyLaddy, NVIDIA/nccl#812), 24 GB/s with one NIC (sjeaugey, nccl#412); latency prior")
+_IB_NDR = _link("NDR InfiniBand 400 Gb/s (ConnectX-7), one NIC per GPU", 48, 8,
+                "46-48 GB/s per NIC (AddyLaddy, NVIDIA/nccl-tests#290, #267); latency prior")
+
+
+def _dgx(name: str, device: str, intra: Link, inter: Link) -> Cluster:
+    return Cluster(name=name, device=DEVICES[device], gpus_per_node=8, nodes=1, intra=intra, inter=inter)
+
+
+#: FINDINGS.md figures for gloo on loopback, 2 ranks, used when costmodel/data/cpu_local.yaml is absent.
+#: Read as t = α + S/β at 2 ranks, i.e. per-step latency α/2 for all_reduce (2 steps), α for the others (1 step).
+_CPU_LOCAL_FALLBACK = Link(
+    name="gloo over loopback (fallback)", bandwidth=1.5 * GB, latency=0.5e-3,
+    source="FINDINGS.md gloo loopback figures (±50 % run to run); run python -m costmodel.gloo_bench to fit",
+    bandwidth_by_kind={"all_reduce": 1.5 * GB, "all_gather": 0.6 * GB, "send_recv": 3.0 * GB},
+    latency_by_kind={"all_reduce": 0.5e-3, "all_gather": 1.0e-3, "send_recv": 1.0e-3},
+)
+
+
+def _cpu_local_link() -> Link:
+    """The fitted loopback link from ``CPU_LOCAL_FILE`` (its ``intra`` section), or the FINDINGS.md fallback."""
+    if not CPU_LOCAL_FILE.exists():
+        return _CPU_LOCAL_FALLBACK
+    data = yaml.safe_load(CPU_LOCAL_FILE.read_text())
+    ctx = _Ctx(str(CPU_LOCAL_FILE))
+    return _parse_link(ctx, "intra", _get(ctx, data, "intra", dict), default_name="gloo over loopback")
+
+
+def _cpu_local() -> Cluster:
+    link = _cpu_local_link()
+    return Cluster(name="cpu-local", device=DEVICES["cpu"], gpus_per_node=2, nodes=1, intra=link, inter=link)
+
+
+_PRESET_DESCRIPTIONS = {
+    "dgx-a100-80g": "DGX A100 80GB: 8× A100-SXM4-80GB per node, NVLink3 230 GB/s busbw, 8× HDR 200 Gb/s IB",
+    "dgx-a100-40g": "DGX A100 40GB: 8× A100-SXM4-40GB per node, NVLink3 230 GB/s busbw, 8× HDR 200 Gb/s IB",
+    "dgx-h100": "DGX H100: 8× H100-SXM5-80GB per node, NVLink4 370 GB/s ring busbw, 8× NDR 400 Gb/s IB",
+    "dgx-h200": "DGX H200: 8× H200-141GB per node, NVLink4 370 GB/s ring busbw, 8× NDR 400 Gb/s IB",
+    "cpu-local": "this machine: 2 gloo ranks (1 thread each) on loopback, fitted by python -m costmodel.gloo_bench",
+}
+
+#: Cluster presets (one node each; ``load_cluster("NAME:nodes=N")`` scales them). Built on first lookup.
+CLUSTER_PRESETS: Mapping[str, Cluster] = LazyCatalog({
+    "dgx-a100-80g": lambda: _dgx("dgx-a100-80g", "a100-80g", _NVLINK_A100, _IB_HDR),
+    "dgx-a100-40g": lambda: _dgx("dgx-a100-40g", "a100-40g", _NVLINK_A100, _IB_HDR),
+    "dgx-h100": lambda: _dgx("dgx-h100", "h100-sxm", _NVLINK_H100, _IB_NDR),
+    "dgx-h200": lambda: _dgx("dgx-h200", "h200", _NVLINK_H100, _IB_NDR),
+    "cpu-local": _cpu_local,
+})
+
+
+def list_clusters() -> list[tuple[str, str]]:
+    """(name, description) of every preset, for ``autopar clusters``."""
+    return [(name, _PRESET_DESCRIPTIONS[name]) for name in CLUSTER_PRESETS]
+
+
+# --- Loading -----------------------------------------------------------------------------------------------------
+
+_PRESET_OPTIONS = ("nodes", "gpus_per_node")
+
+
+def load_cluster(spec: str) -> Cluster:
+    """A cluster from ``PRESET[:nodes=N][:gpus_per_node=N]`` or a YAML file path (optionally with the same options).
+
+    Options may be separated by ``:`` or ``,``. ``gpus_per_node`` is meant for ``cpu-local`` (more gloo ranks;
+    note they oversubscribe a 2-core machine, which the fitted link does not model).
+    """
+    base, _, opts = spec.partition(":")
+    overrides = _parse_options(spec, opts)
+    if os.path.exists(base) or base.endswith((".yaml", ".yml")):
+        if not os.path.exists(base):
+            raise ValueError(f"cluster file {base!r} does not exist")
+        cluster = parse_cluster_yaml(Path(base).read_text(), origin=base)
+    elif base in CLUSTER_PRESETS:
+        cluster = CLUSTER_PRESETS[base]
+    else:
+        raise ValueError(f"unknown cluster {base!r}: give a preset ({', '.join(CLUSTER_PRESETS)}) or a YAML file path")
+    return replace(cluster, **overrides) if overrides else cluster
+
+
+def _parse_options(spec: str, opts: str) -> dict[str, int]:
+    overrides: dict[str, int] = {}
+    for item in filter(None, opts.replace(",", ":").split(":")):
+        key, eq, value = item.partition("=")
+        if key not in _PRESET_OPTIONS or not eq:
+            raise ValueError(f"cluster {spec!r}: unknown option {item!r}; use nodes=N or gpus_per_node=N")
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"cluster {spec!r}: {key} must be an integer >= 1, got {value!r}")
+        overrides[key] = int(value)
+    return overrides
+
+
+class _Ctx:
+    """Where a YAML value came from, for error messages: ``cluster.yaml: inter.bw_GBps must be …``."""
+
+    def __init__(self, origin: str) -> None:
+        self.origin = origin
+
+    def error(self, msg: str) -> ValueError:
+        return ValueError(f"{self.origin}: {msg}")
+
+
+#: spoken names of unit-suffixed keys, so that "bandwith" suggests bw_GBps.
+_SPOKEN = {"bw_GBps": "bandwidth", "latency_us": "latency", "hbm_bw_GBps": "hbm_bandwidth", "memory_GiB": "memory",
+           "memory_GB": "memory_gb", "peak_tflops": "peak_flops", "f_half_gflop": "f_half", "spill_bw_GBps":
+           "spill_bandwidth"}
+
+
+def _suggest(key: str, allowed: tuple[str, ...]) -> list[str]:
+    names = {a.lower(): a for a in allowed} | {_SPOKEN[a]: a for a in allowed if a in _SPOKEN}
+    return [names[m] for m in difflib.get_close_matches(key.lower(), list(names), n=1)]
+
+
+def _check_keys(ctx: _Ctx, where: str, data: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+    for key in data:
+        if key not in allowed:
+            close = _suggest(str(key), allowed)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (allowed: {', '.join(allowed)})"
+            raise ctx.error(f"unknown key {_join(where, str(key))!r}{hint}")
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _get(ctx: _Ctx, data: Mapping[str, Any], key: str, kind: type, where: str = "", default: Any = ...) -> Any:
+    """``data[key]`` checked to be a ``kind`` (dict, str, int, or float = a positive number)."""
+    path = _join(where, key)
+    if key not in data:
+        if default is ...:
+            raise ctx.error(f"missing key {path!r}")
+        return default
+    value = data[key]
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ctx.error(f"{path} must be a positive number, got {value!r}")
+        return float(value)
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ctx.error(f"{path} must be an integer >= 1, got {value!r}")
+        return value
+    if kind is dict and not isinstance(value, dict):
+        raise ctx.error(f"{path} must be a mapping, got {value!r}")
+    if kind is str and not (isinstance(value, str) and value):
+        raise ctx.error(f"{path} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _nonneg(ctx: _Ctx, data: Mapping[str, Any], key: str, where: str) -> float:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ctx.error(f"{_join(where, key)} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+_LINK_KEYS = ("name", "bw_GBps", "latency_us", "source", "by_kind")
+
+
+def _parse_link(ctx: _Ctx, where: str, data: Mapping[str, Any], default_name: str) -> Link:
+    _check_keys(ctx, where, data, _LINK_KEYS)
+    bandwidths: dict[str, float] = {}
+    latencies: dict[str, float] = {}
+    spills: dict[str, Spill] = {}
+    by_kind = _get(ctx, data, "by_kind", dict, where, default={})
+    _check_keys(ctx, f"{where}.by_kind", by_kind, COLLECTIVE_KINDS)
+    for kind, entry in by_kind.items():
+        kw = f"{where}.by_kind.{kind}"
+        if not isinstance(entry, dict):
+            raise ctx.error(f"{kw} must be a mapping with bw_GBps and/or latency_us, got {entry!r}")
+        _check_keys(ctx, kw, entry, ("bw_GBps", "latency_us", "spill_MiB", "spill_bw_GBps"))
+        if "bw_GBps" in entry:
+            bandwidths[kind] = _get(ctx, entry, "bw_GBps", float, kw) * GB
+        if "latency_us" in entry:
+            latencies[kind] = _nonneg(ctx, entry, "latency_us", kw) * US
+        if "spill_MiB" in entry or "spill_bw_GBps" in entry:
+            spills[kind] = Spill(threshold=_nonneg(ctx, entry, "spill_MiB", kw) * MiB,
+                                 bandwidth=_get(ctx, entry, "spill_bw_GBps", float, kw) * GB)
+    return Link(
+        name=_get(ctx, data, "name", str, where, default=default_name),
+        bandwidth=_get(ctx, data, "bw_GBps", float, where) * GB,
+        latency=_nonneg(ctx, data, "latency_us", where) * US,
+        source=str(data.get("source", f"from {ctx.origin}")),
+        bandwidth_by_kind=bandwidths,
+        latency_by_kind=latencies,
+        spill_by_kind=spills,
+    )
+
+
+_DEVICE_KEYS = ("name", "peak_tflops", "memory_GiB", "memory_GB", "hbm_bw_GBps", "matmul_eff", "memory_eff",
+                "source")
+
+
+def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
+    if isinstance(value, str):
+        if value not in DEVICES:
+            raise ctx.error(f"device {value!r} is not in the catalog ({', '.join(DEVICES)}); "
+                            f"give a catalog name or a mapping")
+        return DEVICES[value]
+    if not isinstance(value, dict):
+        raise ctx.error(f"device must be a catalog name or a mapping, got {value!r}")
+    _check_keys(ctx, "device", value, _DEVICE_KEYS)
+    peaks = _get(ctx, value, "peak_tflops", dict, "device")
+    _check_keys(ctx, "device.peak_tflops", peaks, DTYPES)
+    if not peaks:
+        raise ctx.error("device.peak_tflops needs at least one dtype")
+    if ("memory_GiB" in value) == ("memory_GB" in value):
+        raise ctx.error("device needs exactly one of memory_GiB (2**30 bytes) or memory_GB (1e9 bytes)")
+    memory = (_get(ctx, value, "memory_GiB", float, "device") * GiB if "memory_GiB" in value
+              else _get(ctx, value, "memory_GB", float, "device") * GB)
+    curve = EfficiencyCurve(e_max=0.75, f_half=2e9, source="prior: unfitted")
+    if "matmul_eff" in value:
+        eff = _get(ctx, value, "matmul_eff", dict, "device")
+        _check_keys(ctx, "device.matmul_eff", eff, ("e_max", "f_half_gflop", "source"))
+        e_max = _get(ctx, eff, "e_max", float, "device.matmul_eff")
+        if e_max > 1:
+            raise ctx.error(f"device.matmul_eff.e_max must be in (0, 1], got {e_max!r}")
+        curve = EfficiencyCurve(e_max=e_max, f_half=_get(ctx, eff, "f_half_gflop", float, "device.matmul_eff") * GB,
+                                source=str(eff.get("source", f"from {ctx.origin}")))
+    memory_eff = _get(ctx, value, "memory_eff", float, "device", default=0.8)
+    if memory_eff > 1:
+        raise ctx.error(f"device.memory_eff must be in (0, 1], got {memory_eff!r}")
+    return DeviceSpec(
+        name=_get(ctx, value, "name", str, "device"),
+        peak_flops={d: _get(ctx, peaks, d, float, "device.peak_tflops") * 1e12 for d in peaks},
+        memory_bytes=memory,
+        hbm_bw=_get(ctx, value, "hbm_bw_GBps", float, "device") * GB,
+        matmul_eff=curve,
+        memory_eff=memory_eff,
+        source=str(value.get("source", f"from {ctx.origin}")),
+    )
+
+
+_CLUSTER_KEYS = ("name", "device", "gpus_per_node", "nodes", "intra", "inter")
+
+
+def parse_cluster_yaml(text: str, origin: str = "<string>") -> Cluster:
+    """A cluster from YAML text with unit-suffixed keys; ``origin`` (the file name) prefixes every error."""
+    ctx = _Ctx(origin)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ctx.error(f"not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ctx.error(f"a cluster file must be a mapping of {', '.join(_CLUSTER_KEYS)}, got {data!r}")
+    _check_keys(ctx, "", data, _CLUSTER_KEYS)
+    if "device" not in data:
+        raise ctx.error("missing key 'device'")
+    return Cluster(
+        name=_get(ctx, data, "name", str, default=Path(origin).stem),
+        device=_parse_device(ctx, data["device"]),
+        gpus_per_node=_get(ctx, data, "gpus_per_node", int),
+        nodes=_get(ctx, data, "nodes", int),
+        intra=_parse_link(ctx, "intra", _get(ctx, data, "intra", dict), default_name="intra-node"),
+        inter=_parse_link(ctx, "inter", _get(ctx, data, "inter", dict), default_name="inter-node"),
+    )
+
+
+# --- Dumping -----------------------------------------------------------------------------------------------------
+
+
+def _dump_link(link: Link) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": link.name, "bw_GBps": _round12(link.bandwidth / GB),
+                           "latency_us": _round12(link.latency / US)}
+    if link.source:
+        out["source"] = link.source
+    kinds = [k for k in COLLECTIVE_KINDS
+             if k in link.bandwidth_by_kind or k in link.latency_by_kind or k in link.spill_by_kind]
+    if kinds:
+        out["by_kind"] = {}
+        for kind in kinds:
+            entry: dict[str, float] = {}
+            if kind in link.bandwidth_by_kind:
+                entry["bw_GBps"] = _round12(link.bandwidth_by_kind[kind] / GB)
+            if kind in link.latency_by_kind:
+                entry["latency_us"] = _round12(link.latency_by_kind[kind] / US)
+            if kind in link.spill_by_kind:
+                entry["spill_MiB"] = link.spill_by_kind[kind].threshold / MiB  # power of two: exact
+                entry["spill_bw_GBps"] = _round12(link.spill_by_kind[kind].bandwidth / GB)
+            out["by_kind"][kind] = entry
+    return out
+
+
+def _dump_device(device: DeviceSpec) -> str | dict[str, Any]:
+    if device.name in DEVICES and DEVICES[device.name] == device:
+        return device.name
+    return {
+        "name": device.name,
+        "peak_tflops": {d: _round12(f / 1e12) for d, f in device.peak_flops.items()},
+        "memory_GiB": device.memory_bytes / GiB,  # a power-of-two scale: exact both ways
+        "hbm_bw_GBps": _round12(device.hbm_bw / GB),
+        "matmul_eff": {"e_max": device.matmul_eff.e_max, "f_half_gflop": _round12(device.matmul_eff.f_half / GB),
+                       "source": device.matmul_eff.source},
+        "memory_eff": device.memory_eff,
+        "source": device.source,
+    }
+
+
+def dump_cluster(cluster: Cluster) -> str:
+    """YAML text that ``parse_cluster_yaml``/``load_cluster`` read back into an equal cluster."""
+    data = {
+        "name": cluster.name,
+        "device": _dump_device(cluster.device),
+        "gpus_per_node": cluster.gpus_per_node,
+        "nodes": cluster.nodes,
+        "intra": _dump_link(cluster.intra),
+        "inter": _dump_link(cluster.inter),
+    }
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=120)

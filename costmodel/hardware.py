@@ -1,0 +1,239 @@
+"""Device catalog: what one accelerator can do (peak FLOP/s per dtype, memory, HBM bandwidth, efficiency).
+
+Everything is in SI units: FLOP/s, bytes, bytes/s. Units appear only in YAML key names at the edge (see
+``costmodel.cluster``). Peaks are the vendor's *dense* figures (calibration/README.md §5.1); what kernels achieve is
+an :class:`EfficiencyCurve` over op size (Calculon's idea: efficiency is a curve, not a constant).
+
+The efficiency constants below are priors (``source="prior: unfitted"``); the calibration script fits them on
+published runs and overwrites them from a fitted-constants file. The ``cpu`` device is measured on this machine
+by :func:`measure_cpu_device` the first time it is looked up, never hard-coded.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Generic, TypeVar
+
+__all__ = [
+    "DTYPES",
+    "DEVICES",
+    "DeviceSpec",
+    "EfficiencyCurve",
+    "LazyCatalog",
+    "get_device",
+    "measure_cpu_device",
+]
+
+#: dtype names a peak may be given for (the training precision names of DESIGN.md, plus tf32 and fp8).
+DTYPES = ("bf16", "fp16", "fp32", "tf32", "fp8")
+
+GiB = 2**30
+TERA = 1e12
+
+
+@dataclass(frozen=True, kw_only=True)
+class EfficiencyCurve:
+    """Achieved fraction of peak for one matmul, as a saturating function of its size.
+
+    ``eff(f) = e_max * f / (f + f_half)`` where ``f`` is the FLOP count of one matmul. Small matmuls cannot fill the
+    device (launch overhead, tail effects, too few tiles), large ones approach ``e_max``; at ``f = f_half`` the
+    efficiency is ``e_max / 2``. A Michaelis-Menten-shaped stand-in for Calculon's size-dependent efficiency tables
+    (calculon-ai/calculon, ``matrix`` efficiency by size), with two parameters so it can be fitted on few points.
+    """
+
+    #: asymptotic efficiency of a very large matmul, a fraction of the dense peak in (0, 1].
+    e_max: float
+    #: matmul size (FLOPs) at which efficiency is half of ``e_max``; > 0.
+    f_half: float
+    #: where the two numbers come from ("prior: unfitted", or what they were fitted on and when).
+    source: str
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.e_max <= 1.0:
+            raise ValueError(f"EfficiencyCurve.e_max must be in (0, 1], got {self.e_max!r}")
+        if not self.f_half > 0.0:
+            raise ValueError(f"EfficiencyCurve.f_half must be > 0 FLOPs, got {self.f_half!r}")
+
+    def __call__(self, flops: float) -> float:
+        """Efficiency (fraction of dense peak) of one matmul of ``flops`` FLOPs: ``e_max·f/(f+f_half)``."""
+        if flops < 0:
+            raise ValueError(f"matmul FLOPs must be >= 0, got {flops!r}")
+        return self.e_max * flops / (flops + self.f_half)
+
+
+def _frozen_map(values: Mapping[str, float]) -> Mapping[str, float]:
+    """A read-only copy, so a frozen spec stays frozen."""
+    return MappingProxyType(dict(values))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """One accelerator (or the local CPU): peaks, memory and efficiencies, in SI units."""
+
+    #: catalog name, e.g. ``h100-sxm``.
+    name: str
+    #: dtype name (``bf16``, ``fp16``, ``fp32``, ``tf32``, ``fp8``) → dense peak, FLOP/s.
+    peak_flops: Mapping[str, float]
+    #: device memory, bytes.
+    memory_bytes: float
+    #: HBM (or DRAM) bandwidth, bytes/s.
+    hbm_bw: float
+    #: achieved fraction of the dense peak for one matmul, as a function of its FLOPs.
+    matmul_eff: EfficiencyCurve
+    #: achieved fraction of ``hbm_bw`` for memory-bound ops (elementwise, norms, softmax), in (0, 1].
+    memory_eff: float
+    #: where the peaks and the memory_eff come from.
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("DeviceSpec.name must be a non-empty string")
+        if not self.peak_flops:
+            raise ValueError(f"device {self.name!r}: peak_flops needs at least one dtype, got none")
+        for dtype, flops in self.peak_flops.items():
+            if dtype not in DTYPES:
+                raise ValueError(f"device {self.name!r}: unknown dtype {dtype!r} in peak_flops; known: {DTYPES}")
+            if not flops > 0:
+                raise ValueError(f"device {self.name!r}: peak_flops[{dtype!r}] must be > 0 FLOP/s, got {flops!r}")
+        if not self.memory_bytes > 0:
+            raise ValueError(f"device {self.name!r}: memory_bytes must be > 0, got {self.memory_bytes!r}")
+        if not self.hbm_bw > 0:
+            raise ValueError(f"device {self.name!r}: hbm_bw must be > 0 bytes/s, got {self.hbm_bw!r}")
+        if not 0.0 < self.memory_eff <= 1.0:
+            raise ValueError(f"device {self.name!r}: memory_eff must be in (0, 1], got {self.memory_eff!r}")
+        object.__setattr__(self, "peak_flops", _frozen_map(self.peak_flops))
+
+    def __hash__(self) -> int:
+        return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes, self.hbm_bw,
+                     self.matmul_eff, self.memory_eff, self.source))
+
+    def peak(self, dtype: str) -> float:
+        """Dense peak for ``dtype`` in FLOP/s; ValueError naming the dtypes this device has if it is unknown."""
+        try:
+            return self.peak_flops[dtype]
+        except KeyError:
+            raise ValueError(
+                f"device {self.name!r} has no peak for dtype {dtype!r}; it has {sorted(self.peak_flops)}"
+            ) from None
+
+
+# --- Catalog ---------------------------------------------------------------------------------------------------
+
+#: GPU matmul efficiency prior: large GEMMs reach ~75 % of dense peak in practice (Megatron/torchtitan MFU ranges),
+#: half of that at ~2 GFLOP (e.g. a 1024×1024×1024 GEMM). Overwritten by the calibration fit.
+_GPU_MATMUL_PRIOR = EfficiencyCurve(e_max=0.75, f_half=2e9, source="prior: unfitted")
+#: memory-bound ops commonly reach 70-85 % of HBM bandwidth (STREAM-like); prior, unfitted.
+_GPU_MEMORY_EFF_PRIOR = 0.8
+
+_A100_PEAKS = {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}
+_H100_PEAKS = {"bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12, "tf32": 494.7e12, "fp32": 66.9e12}
+_PEAK_SOURCE = "NVIDIA datasheets, dense (no sparsity), via calibration/README.md §5.1"
+
+
+def _gpu(name: str, peaks: Mapping[str, float], memory_bytes: float, hbm_bw: float, memory_note: str) -> DeviceSpec:
+    return DeviceSpec(
+        name=name,
+        peak_flops=peaks,
+        memory_bytes=memory_bytes,
+        hbm_bw=hbm_bw,
+        matmul_eff=_GPU_MATMUL_PRIOR,
+        memory_eff=_GPU_MEMORY_EFF_PRIOR,
+        source=f"{_PEAK_SOURCE}; {memory_note}; efficiencies: prior: unfitted",
+    )
+
+
+_T = TypeVar("_T")
+
+
+class LazyCatalog(Mapping[str, _T], Generic[_T]):
+    """A read-only name → spec mapping whose entries are built on first lookup (and cached).
+
+    Used so that importing the catalog never measures the machine: the ``cpu`` device times a matmul only when
+    someone asks for it.
+    """
+
+    def __init__(self, factories: Mapping[str, Callable[[], _T]]) -> None:
+        self._factories = dict(factories)
+        self._built: dict[str, _T] = {}
+
+    def __getitem__(self, name: str) -> _T:
+        if name not in self._built:
+            self._built[name] = self._factories[name]()  # KeyError for unknown names, as a Mapping should
+        return self._built[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._factories)
+
+    def __len__(self) -> int:
+        return len(self._factories)
+
+
+@functools.lru_cache(maxsize=1)
+def measure_cpu_device() -> DeviceSpec:
+    """Measure this machine's CPU as a device: one thread, as the ``cpu-local`` gloo ranks run.
+
+    Peak fp32 = best of several 1024×1024×1024 fp32 matmuls (2·1024³ FLOPs) with ``torch.set_num_threads(1)``;
+    DRAM bandwidth = best of several 64 MiB copies (read + write = 2·64 MiB per copy). Memory = physical RAM
+    (``os.sysconf``). Because the peak *is* a 1024³ matmul, the efficiency curve is ~1 at that size
+    (e_max 1, f_half 1e7 FLOPs: prior, unfitted). Cached per process (~0.2 s).
+    """
+    import torch  # local: importing the catalog must not import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = 1024
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        torch.mm(a, b)  # warm-up
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
+        peak = 2.0 * n**3 / best
+
+        src = torch.empty(16 * 2**20, dtype=torch.float32)  # 64 MiB
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        best_copy = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best_copy = min(best_copy, time.perf_counter() - t0)
+        mem_bw = 2.0 * src.numel() * src.element_size() / best_copy
+    finally:
+        torch.set_num_threads(threads)
+
+    ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return DeviceSpec(
+        name="cpu",
+        peak_flops={"fp32": peak},
+        memory_bytes=ram,
+        hbm_bw=mem_bw,
+        matmul_eff=EfficiencyCurve(e_max=1.0, f_half=1e7, source="prior: unfitted (peak measured at 1024³ fp32)"),
+        memory_eff=1.0,
+        source=f"measured on this machine, 1 thread, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}",
+    )
+
+
+#: The device catalog. GPU entries are constants; ``cpu`` is measured on first lookup.
+DEVICES: Mapping[str, DeviceSpec] = LazyCatalog({
+    "a100-40g": lambda: _gpu("a100-40g", _A100_PEAKS, 40 * GiB, 1.555e12, "memory 40 GiB, HBM2 1555 GB/s"),
+    "a100-80g": lambda: _gpu("a100-80g", _A100_PEAKS, 80 * GiB, 2.039e12, "memory 80 GiB, HBM2e 2039 GB/s"),
+    "h100-sxm": lambda: _gpu("h100-sxm", _H100_PEAKS, 80 * GiB, 3.35e12, "memory 80 GiB, HBM3 3.35 TB/s"),
+    # H200: same GH100 compute as H100 SXM; 141 GB HBM3e is decimal (141e9 bytes), as NVIDIA states it.
+    "h200": lambda: _gpu("h200", _H100_PEAKS, 141e9, 4.8e12, "memory 141 GB (141e9 bytes) HBM3e, 4.8 TB/s"),
+    "cpu": measure_cpu_device,
+})
+
+
+def get_device(name: str) -> DeviceSpec:
+    """Catalog lookup with an error that lists the known names."""
+    if name not in DEVICES:
+        raise ValueError(f"unknown device {name!r}; known devices: {', '.join(DEVICES)}")
+    return DEVICES[name]

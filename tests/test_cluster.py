@@ -1,0 +1,256 @@
+"""Cluster presets, YAML loading and dumping, and where communication groups sit."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from costmodel import cluster as cluster_mod
+from costmodel.cluster import (
+    CLUSTER_PRESETS,
+    GroupSpan,
+    Link,
+    Spill,
+    dump_cluster,
+    group_span,
+    list_clusters,
+    load_cluster,
+    parse_cluster_yaml,
+)
+from costmodel.hardware import DEVICES, EfficiencyCurve, get_device
+
+GPU_PRESETS = ("dgx-a100-80g", "dgx-a100-40g", "dgx-h100", "dgx-h200")
+
+GOOD_YAML = """\
+name: my-cluster
+device: h100-sxm
+gpus_per_node: 8
+nodes: 4
+intra: {bw_GBps: 370, latency_us: 3}
+inter: {bw_GBps: 48, latency_us: 8}
+"""
+
+
+# --- devices -----------------------------------------------------------------------------------------------------
+
+
+def test_device_catalog_figures():
+    assert DEVICES["a100-80g"].peak("bf16") == 312e12
+    assert DEVICES["a100-40g"].peak("tf32") == 156e12
+    assert DEVICES["h100-sxm"].peak("fp8") == 1978.9e12
+    assert DEVICES["h200"].peak("bf16") == DEVICES["h100-sxm"].peak("bf16") == 989.4e12
+    assert DEVICES["a100-80g"].memory_bytes == 80 * 2**30
+    assert DEVICES["h200"].memory_bytes == 141e9
+    assert DEVICES["h100-sxm"].hbm_bw == 3.35e12
+    assert DEVICES["h100-sxm"].matmul_eff.source == "prior: unfitted"
+
+
+def test_unknown_dtype_and_device_errors_name_the_choices():
+    with pytest.raises(ValueError, match=r"no peak for dtype 'fp8'.*bf16"):
+        DEVICES["a100-80g"].peak("fp8")
+    with pytest.raises(ValueError, match="unknown device 'v100'.*h200"):
+        get_device("v100")
+
+
+def test_efficiency_curve_is_saturating():
+    curve = EfficiencyCurve(e_max=0.8, f_half=1e9, source="test")
+    assert curve(1e9) == pytest.approx(0.4)
+    assert curve(1e6) < curve(1e9) < curve(1e12) < 0.8
+    with pytest.raises(ValueError, match="e_max must be in"):
+        EfficiencyCurve(e_max=1.5, f_half=1e9, source="test")
+
+
+def test_cpu_device_is_measured():
+    cpu = DEVICES["cpu"]
+    assert 1e8 < cpu.peak("fp32") < 1e13  # one core: 0.1 GFLOP/s … 10 TFLOP/s
+    assert "measured" in cpu.source
+
+
+# --- presets and load_cluster ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", GPU_PRESETS)
+def test_gpu_presets_load(name):
+    c = load_cluster(name)
+    assert c is CLUSTER_PRESETS[name]
+    assert (c.gpus_per_node, c.nodes, c.world_size) == (8, 1, 8)
+    assert c.intra.bandwidth > c.inter.bandwidth > 0
+
+
+def test_preset_figures_are_the_published_ones():
+    a100, h100 = load_cluster("dgx-a100-80g"), load_cluster("dgx-h100")
+    assert a100.intra.bandwidth == 230e9 and a100.inter.bandwidth == 24e9
+    assert h100.intra.bandwidth == 370e9 and h100.inter.bandwidth == 48e9
+    assert "nccl#812" in a100.inter.source
+
+
+def test_nodes_option():
+    c = load_cluster("dgx-h100:nodes=4")
+    assert (c.nodes, c.world_size) == (4, 32)
+    assert c.device is DEVICES["h100-sxm"]
+
+
+def test_cpu_local_preset_and_options():
+    c = load_cluster("cpu-local")
+    assert (c.name, c.gpus_per_node, c.nodes) == ("cpu-local", 2, 1)
+    assert c.device.name == "cpu"
+    assert load_cluster("cpu-local:gpus_per_node=4").world_size == 4
+
+
+def test_cpu_local_falls_back_to_findings_without_fit_file(monkeypatch, tmp_path):
+    monkeypatch.setattr(cluster_mod, "CPU_LOCAL_FILE", tmp_path / "absent.yaml")
+    link = cluster_mod._cpu_local_link()
+    assert "FINDINGS" in link.source
+    assert link.bandwidth_for("all_gather") < link.bandwidth_for("all_reduce")
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("dgx-h100:nodes=0", "nodes must be an integer >= 1, got '0'"),
+    ("dgx-h100:nodes=two", "nodes must be an integer >= 1, got 'two'"),
+    ("dgx-h100:racks=2", "unknown option 'racks=2'"),
+    ("dgx-b200", "unknown cluster 'dgx-b200'"),
+    ("missing.yaml", "does not exist"),
+])
+def test_bad_specs(spec, match):
+    with pytest.raises(ValueError, match=match):
+        load_cluster(spec)
+
+
+def test_list_clusters_describes_every_preset():
+    names = [name for name, _ in list_clusters()]
+    assert names == list(CLUSTER_PRESETS)
+    assert all(desc for _, desc in list_clusters())
+
+
+# --- YAML ------------------------------------------------------------------------------------------------------
+
+
+def test_yaml_file_loads_with_units_converted(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(GOOD_YAML)
+    c = load_cluster(str(path))
+    assert (c.name, c.world_size) == ("my-cluster", 32)
+    assert c.intra.bandwidth == 370e9 and c.intra.latency == pytest.approx(3e-6)
+    assert c.inter.bandwidth == 48e9
+    assert load_cluster(f"{path}:nodes=2").nodes == 2
+
+
+@pytest.mark.parametrize("name", GPU_PRESETS)
+def test_presets_round_trip(name):
+    c = load_cluster(f"{name}:nodes=3")
+    assert parse_cluster_yaml(dump_cluster(c)) == c
+
+
+def test_custom_device_and_per_kind_link_round_trip():
+    text = """\
+name: custom
+device: {name: mygpu, peak_tflops: {bf16: 500, fp32: 50}, memory_GiB: 64, hbm_bw_GBps: 2000,
+         matmul_eff: {e_max: 0.7, f_half_gflop: 1.5}, memory_eff: 0.75}
+gpus_per_node: 4
+nodes: 2
+intra: {bw_GBps: 100, latency_us: 2,
+        by_kind: {all_gather: {bw_GBps: 50}, send_recv: {latency_us: 1, spill_MiB: 16, spill_bw_GBps: 3}}}
+inter: {bw_GBps: 12.5, latency_us: 10}
+"""
+    c = parse_cluster_yaml(text, "custom.yaml")
+    assert c.device.peak("bf16") == 500e12 and c.device.memory_bytes == 64 * 2**30
+    assert c.device.matmul_eff.f_half == 1.5e9
+    assert c.intra.bandwidth_for("all_gather") == 50e9 and c.intra.bandwidth_for("all_reduce") == 100e9
+    assert c.intra.spill_for("send_recv") == Spill(threshold=16 * 2**20, bandwidth=3e9)
+    assert parse_cluster_yaml(dump_cluster(c)) == c
+
+
+def test_cpu_local_round_trips():
+    c = load_cluster("cpu-local")
+    again = parse_cluster_yaml(dump_cluster(c))
+    assert again.device is c.device
+    assert again.intra.bandwidth == pytest.approx(c.intra.bandwidth, rel=1e-9)
+
+
+def _edit(text: str, old: str, new: str) -> str:
+    assert old in text
+    return text.replace(old, new)
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("bw_GBps: 48", "bw_GBps: fast", "cluster.yaml: inter.bw_GBps must be a positive number, got 'fast'"),
+    ("bw_GBps: 48", "bw_GBps: -1", "cluster.yaml: inter.bw_GBps must be a positive number, got -1"),
+    ("bw_GBps: 370", "bandwith: 370", "cluster.yaml: unknown key 'intra.bandwith' (did you mean 'bw_GBps'?)"),
+    ("latency_us: 3", "latency_us: -3", "cluster.yaml: intra.latency_us must be a number >= 0, got -3"),
+    ("intra: {bw_GBps: 370, latency_us: 3}", "intra: {latency_us: 3}", "cluster.yaml: missing key 'intra.bw_GBps'"),
+    ("intra: {bw_GBps: 370, latency_us: 3}", "intra: fast", "cluster.yaml: intra must be a mapping, got 'fast'"),
+    ("nodes: 4", "nodes: 0", "cluster.yaml: nodes must be an integer >= 1, got 0"),
+    ("nodes: 4", "nodes: 2.5", "cluster.yaml: nodes must be an integer >= 1, got 2.5"),
+    ("gpus_per_node: 8", "gpus_per_nod: 8", "cluster.yaml: unknown key 'gpus_per_nod' (did you mean 'gpus_per_node'?)"),
+    ("gpus_per_node: 8\n", "", "cluster.yaml: missing key 'gpus_per_node'"),
+    ("device: h100-sxm", "device: v100", "cluster.yaml: device 'v100' is not in the catalog"),
+    ("device: h100-sxm", "device: {name: x, peak_tflops: {bf16: 1}, memory_GiB: 8, hbm_bw_GBps: 1, speed: 3}",
+     "cluster.yaml: unknown key 'device.speed'"),
+    ("device: h100-sxm", "device: {name: x, peak_tflops: {int4: 1}, memory_GiB: 8, hbm_bw_GBps: 1}",
+     "cluster.yaml: unknown key 'device.peak_tflops.int4'"),
+    ("device: h100-sxm", "device: {name: x, peak_tflops: {bf16: 1}, hbm_bw_GBps: 1}",
+     "cluster.yaml: device needs exactly one of memory_GiB"),
+    ("device: h100-sxm", "device: {name: x, peak_tflops: {bf16: 1}, memory_GiB: 8, hbm_bw_GBps: 1, "
+     "matmul_eff: {e_max: 2, f_half_gflop: 1}}", "cluster.yaml: device.matmul_eff.e_max must be in (0, 1], got 2.0"),
+    ("inter: {bw_GBps: 48, latency_us: 8}", "inter: {bw_GBps: 48, latency_us: 8, by_kind: {allreduce: {bw_GBps: 1}}}",
+     "cluster.yaml: unknown key 'inter.by_kind.allreduce' (did you mean 'all_reduce'?)"),
+    ("inter: {bw_GBps: 48, latency_us: 8}", "inter: {bw_GBps: 48, latency_us: 8, by_kind: {all_reduce: {bw_GBps: 0}}}",
+     "cluster.yaml: inter.by_kind.all_reduce.bw_GBps must be a positive number, got 0"),
+])
+def test_bad_yaml_fields_are_named(old, new, message):
+    with pytest.raises(ValueError) as info:
+        parse_cluster_yaml(_edit(GOOD_YAML, old, new), origin="cluster.yaml")
+    assert message in str(info.value)
+
+
+def test_yaml_that_is_not_a_mapping():
+    with pytest.raises(ValueError, match="cluster.yaml: a cluster file must be a mapping"):
+        parse_cluster_yaml("- 1\n- 2\n", origin="cluster.yaml")
+
+
+def test_link_and_cluster_validation_show_numbers():
+    with pytest.raises(ValueError, match="bandwidth must be > 0 bytes/s, got -1"):
+        Link(name="x", bandwidth=-1, latency=0)
+    with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
+        Link(name="x", bandwidth=1, latency=0, bandwidth_by_kind={"broadcast": 1.0})
+    with pytest.raises(ValueError, match="nodes must be an integer >= 1, got 0"):
+        replace(load_cluster("dgx-h100"), nodes=0)
+
+
+def test_specs_are_hashable():
+    assert len({load_cluster("dgx-h100"), load_cluster("dgx-h100"), load_cluster("dgx-h200")}) == 2
+
+
+# --- group placement -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp, cp, dp, pp", [(8, 1, 2, 1), (4, 1, 4, 1), (2, 1, 4, 2), (1, 1, 16, 1), (4, 2, 2, 1)])
+def test_group_spans_on_two_dgx_nodes(tp, cp, dp, pp):
+    c = load_cluster("dgx-h100:nodes=2")
+    assert tp * cp * dp * pp == c.world_size
+    spans = {
+        "tp": group_span(c, tp, 1),
+        "cp": group_span(c, cp, tp),
+        "dp": group_span(c, dp, tp * cp),
+        "pp": group_span(c, pp, dp * cp * tp),
+    }
+    expected = {
+        (8, 1, 2, 1): {"tp": (8, 1, 8), "cp": (1, 1, 1), "dp": (2, 2, 1), "pp": (1, 1, 1)},
+        (4, 1, 4, 1): {"tp": (4, 1, 4), "cp": (1, 1, 1), "dp": (4, 2, 2), "pp": (1, 1, 1)},
+        (2, 1, 4, 2): {"tp": (2, 1, 2), "cp": (1, 1, 1), "dp": (4, 1, 4), "pp": (2, 2, 1)},
+        (1, 1, 16, 1): {"tp": (1, 1, 1), "cp": (1, 1, 1), "dp": (16, 2, 8), "pp": (1, 1, 1)},
+        (4, 2, 2, 1): {"tp": (4, 1, 4), "cp": (2, 1, 2), "dp": (2, 2, 1), "pp": (1, 1, 1)},
+    }[(tp, cp, dp, pp)]
+    got = {name: (s.size, s.nodes, s.per_node) for name, s in spans.items()}
+    assert got == expected
+
+
+def test_group_too_large_for_the_cluster():
+    with pytest.raises(ValueError, match="needs rank 16, but cluster 'dgx-h100' has 16 ranks"):
+        group_span(load_cluster("dgx-h100:nodes=2"), 2, 16)
+
+
+def test_group_span_validation():
+    with pytest.raises(ValueError, match="impossible"):
+        GroupSpan(size=4, nodes=1, per_node=2)
