@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from pathlib import Path
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -87,6 +88,9 @@ class DeviceSpec:
     matmul_eff: EfficiencyCurve
     #: achieved fraction of ``hbm_bw`` for memory-bound ops (elementwise, norms, softmax), in (0, 1].
     memory_eff: float
+    #: fractional slowdown of compute while a collective overlaps it (the collective's kernels take SMs and HBM
+    #: bandwidth): overlapped compute time is multiplied by ``1 + overlap_slowdown``. ≥ 0.
+    overlap_slowdown: float = 0.0
     #: where the peaks and the memory_eff come from.
     source: str = ""
 
@@ -106,11 +110,13 @@ class DeviceSpec:
             raise ValueError(f"device {self.name!r}: hbm_bw must be > 0 bytes/s, got {self.hbm_bw!r}")
         if not 0.0 < self.memory_eff <= 1.0:
             raise ValueError(f"device {self.name!r}: memory_eff must be in (0, 1], got {self.memory_eff!r}")
+        if not 0.0 <= self.overlap_slowdown < 1.0:
+            raise ValueError(f"device {self.name!r}: overlap_slowdown must be in [0, 1), got {self.overlap_slowdown!r}")
         object.__setattr__(self, "peak_flops", _frozen_map(self.peak_flops))
 
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes, self.hbm_bw,
-                     self.matmul_eff, self.memory_eff, self.source))
+                     self.matmul_eff, self.memory_eff, self.overlap_slowdown, self.source))
 
     def peak(self, dtype: str) -> float:
         """Dense peak for ``dtype`` in FLOP/s; ValueError naming the dtypes this device has if it is unknown."""
@@ -135,15 +141,38 @@ _H100_PEAKS = {"bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12, "tf32": 494
 _PEAK_SOURCE = "NVIDIA datasheets, dense (no sparsity), via calibration/README.md §5.1"
 
 
+#: Constants fitted by ``python -m costmodel.calibrate`` on shared/calibration data, one set per device *kind*
+#: (``a100``: the 40 and 80 GB parts; ``h100``: H100 SXM and H200, the same GH100 compute).
+FITTED_FILE = Path(__file__).parent / "data" / "fitted.yaml"
+_KIND = {"a100-40g": "a100", "a100-80g": "a100", "h100-sxm": "h100", "h200": "h100"}
+
+
+def fitted_constants(kind: str) -> dict | None:
+    """The fitted efficiency constants for a device kind, or None when not fitted yet."""
+    if not FITTED_FILE.exists():
+        return None
+    import yaml
+
+    return (yaml.safe_load(FITTED_FILE.read_text()) or {}).get(kind)
+
+
 def _gpu(name: str, peaks: Mapping[str, float], memory_bytes: float, hbm_bw: float, memory_note: str) -> DeviceSpec:
+    fit = fitted_constants(_KIND[name])
+    if fit:
+        matmul = EfficiencyCurve(e_max=fit["matmul_e_max"], f_half=fit["matmul_f_half"], source=fit["source"])
+        memory_eff, slowdown, note = fit["memory_eff"], fit["overlap_slowdown"], f"efficiencies: {fit['source']}"
+    else:
+        matmul, memory_eff, slowdown = _GPU_MATMUL_PRIOR, _GPU_MEMORY_EFF_PRIOR, 0.0
+        note = "efficiencies: prior: unfitted"
     return DeviceSpec(
         name=name,
         peak_flops=peaks,
         memory_bytes=memory_bytes,
         hbm_bw=hbm_bw,
-        matmul_eff=_GPU_MATMUL_PRIOR,
-        memory_eff=_GPU_MEMORY_EFF_PRIOR,
-        source=f"{_PEAK_SOURCE}; {memory_note}; efficiencies: prior: unfitted",
+        matmul_eff=matmul,
+        memory_eff=memory_eff,
+        overlap_slowdown=slowdown,
+        source=f"{_PEAK_SOURCE}; {memory_note}; {note}",
     )
 
 

@@ -135,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         first = str(msg).strip().splitlines()[0] if str(msg).strip() else type(exc).__name__
         print(f"autopar {args.command}: error: {first}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `autopar … --json | head`
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print("autopar: interrupted", file=sys.stderr)
         return 130

@@ -7,156 +7,25 @@ fingerprint of the model it was made for, so it can refuse another model (`Plan.
 from __future__ import annotations
 
 import datetime as _dt
-from dataclasses import asdict, dataclass, field, fields, replace
-from enum import Enum
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
 
+from costmodel.config import (  # noqa: F401 - re-exported: the plan speaks in these types
+    AC,
+    GRAD_COMPRESS,
+    PP_COMPRESS,
+    PRECISIONS,
+    ParallelConfig,
+    Schedule,
+    _enum,
+    _parse_bool,
+    parse_grad_compress,
+    parse_kv,
+)
+
 SCHEMA_VERSION = 1
-
-
-class Schedule(str, Enum):
-    """Pipeline schedules (torch.distributed.pipelining names in brackets)."""
-
-    GPIPE = "gpipe"  # ScheduleGPipe
-    ONE_F_ONE_B = "1f1b"  # Schedule1F1B
-    INTERLEAVED = "interleaved"  # ScheduleInterleaved1F1B, vpp > 1 virtual stages per rank
-    ZERO_BUBBLE = "zb"  # ScheduleInterleavedZeroBubble (split weight-gradient backward)
-
-
-class AC(str, Enum):
-    """Activation checkpointing of one layer."""
-
-    NONE = "none"  # keep every saved activation
-    SELECTIVE = "selective"  # recompute the attention core (Korthikanti et al. 2022 §4.2)
-    FULL = "full"  # keep the layer input only, recompute the whole layer
-
-
-GRAD_COMPRESS = ("none", "bf16", "fp16")  # plus "powersgd-R" for a rank R
-PP_COMPRESS = ("none", "bf16")
-PRECISIONS = ("bf16", "fp16", "fp32")
-
-
-def parse_grad_compress(value: str) -> tuple[str, int]:
-    """``none|bf16|fp16|powersgd-R`` → (kind, rank); rank is 0 unless PowerSGD."""
-    if value in GRAD_COMPRESS:
-        return value, 0
-    if value.startswith("powersgd-"):
-        rank = value.removeprefix("powersgd-")
-        if rank.isdigit() and int(rank) > 0:
-            return "powersgd", int(rank)
-    raise ValueError(f"grad_compress={value!r}: use none, bf16, fp16 or powersgd-R with a rank R ≥ 1 (powersgd-4)")
-
-
-def _enum(cls, value, key):
-    try:
-        return cls(value)
-    except ValueError:
-        raise ValueError(f"{key}={value!r}: choose one of {', '.join(m.value for m in cls)}") from None
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParallelConfig:
-    """How the training job is spread over the GPUs: the keys of ``--config`` and ``--fix``."""
-
-    dp: int = 1  #: data-parallel degree (replicas, or the sharding group under ZeRO/FSDP)
-    tp: int = 1  #: tensor-parallel degree (inside a node)
-    pp: int = 1  #: pipeline-parallel degree (ranks)
-    cp: int = 1  #: context-parallel degree (not searched yet; must be 1)
-    ep: int = 1  #: expert-parallel degree (not searched yet; must be 1)
-    mbs: int = 1  #: micro-batch size per data-parallel rank
-    vpp: int = 1  #: virtual pipeline stages per pipeline rank (interleaved schedule)
-    schedule: Schedule = Schedule.ONE_F_ONE_B  #: pipeline schedule (ignored when pp == 1)
-    ac: AC = AC.NONE  #: activation checkpointing for layers without their own choice
-    zero: int = 0  #: ZeRO stage: 0 replicate (DDP), 1 optimizer, 2 +gradients, 3 +parameters (FSDP)
-    sp: bool = False  #: sequence parallel (with tp > 1): norms/dropout sharded along the sequence
-    grad_compress: str = "none"  #: data-parallel gradient reduction: none, bf16, fp16, powersgd-R
-    pp_compress: str = "none"  #: pipeline-boundary activations: none or bf16
-    precision: str = "bf16"  #: training precision (mixed precision with fp32 master weights unless fp32)
-
-    def __post_init__(self) -> None:
-        for key in ("dp", "tp", "pp", "cp", "ep", "mbs", "vpp"):
-            v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{key}={v!r}: must be an integer ≥ 1")
-        if not isinstance(self.schedule, Schedule):
-            object.__setattr__(self, "schedule", _enum(Schedule, self.schedule, "schedule"))
-        if not isinstance(self.ac, AC):
-            object.__setattr__(self, "ac", _enum(AC, self.ac, "ac"))
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero={self.zero!r}: choose 0, 1, 2 or 3")
-        parse_grad_compress(self.grad_compress)
-        if self.pp_compress not in PP_COMPRESS:
-            raise ValueError(f"pp_compress={self.pp_compress!r}: choose one of {', '.join(PP_COMPRESS)}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r}: choose one of {', '.join(PRECISIONS)}")
-        if self.vpp > 1 and self.schedule not in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE):
-            raise ValueError(f"vpp={self.vpp} needs schedule=interleaved (or zb); got schedule={self.schedule.value}")
-        if self.schedule == Schedule.INTERLEAVED and self.pp > 1 and self.vpp < 2:
-            raise ValueError("schedule=interleaved needs vpp ≥ 2 virtual stages per rank; set vpp=2 or more")
-        if self.sp and self.tp == 1:
-            raise ValueError("sp=on needs tp > 1: sequence parallel splits along the tensor-parallel group")
-        if self.grad_compress != "none" and self.zero == 3 and parse_grad_compress(self.grad_compress)[0] == "powersgd":
-            raise ValueError("grad_compress=powersgd works with DDP (zero 0-2), not with FSDP (zero=3)")
-        if self.cp != 1 or self.ep != 1:
-            raise ValueError(f"cp={self.cp}, ep={self.ep}: context and expert parallelism are not supported yet; "
-                             "use cp=1, ep=1")
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["schedule"] = self.schedule.value
-        d["ac"] = self.ac.value
-        d["sp"] = "on" if self.sp else "off"
-        return d
-
-    @staticmethod
-    def from_dict(d: dict) -> "ParallelConfig":
-        known = {f.name for f in fields(ParallelConfig)}
-        bad = sorted(set(d) - known)
-        if bad:
-            raise ValueError(f"unknown configuration key {bad[0]!r}; known keys: {', '.join(sorted(known))}")
-        d = dict(d)
-        if "sp" in d and isinstance(d["sp"], str):
-            d["sp"] = _parse_bool(d["sp"], "sp")
-        return ParallelConfig(**d)
-
-
-def _parse_bool(v: str, key: str) -> bool:
-    low = v.lower()
-    if low in ("on", "true", "1", "yes"):
-        return True
-    if low in ("off", "false", "0", "no"):
-        return False
-    raise ValueError(f"{key}={v!r}: use on or off")
-
-
-_INT_KEYS = ("dp", "tp", "pp", "cp", "ep", "mbs", "vpp", "zero")
-
-
-def parse_kv(text: str, *, what: str = "--config") -> dict:
-    """``"tp=8,pp=4,schedule=interleaved"`` → a dict of typed values (ints for the integer keys)."""
-    known = {f.name for f in fields(ParallelConfig)}
-    out: dict = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        if "=" not in item:
-            raise ValueError(f"{what}: {item!r} is not key=value (e.g. {what} tp=8,pp=2)")
-        k, v = (s.strip() for s in item.split("=", 1))
-        if k not in known:
-            raise ValueError(f"{what}: unknown key {k!r}; known keys: {', '.join(sorted(known))}")
-        if k in _INT_KEYS:
-            if not v.lstrip("-").isdigit():
-                raise ValueError(f"{what}: {k}={v!r} must be an integer")
-            out[k] = int(v)
-        elif k == "sp":
-            out[k] = _parse_bool(v, k)
-        else:
-            out[k] = v
-    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,7 +98,7 @@ class Plan:
         write_atomic(path, self.dumps())
 
     @staticmethod
-    def from_dict(d: dict, *, source: str = "plan") -> "Plan":
+    def from_dict(d: dict, *, source: str = "plan") -> Plan:
         if not isinstance(d, dict):
             raise ValueError(f"{source}: not a plan file (expected a mapping at the top)")
         version = d.get("schema_version")
@@ -260,7 +129,7 @@ class Plan:
         return plan
 
     @staticmethod
-    def load(path: str | Path) -> "Plan":
+    def load(path: str | Path) -> Plan:
         path = Path(path)
         if not path.exists():
             raise ValueError(f"plan file {path} not found; write one with `autopar plan MODEL --out {path}`")
@@ -295,7 +164,7 @@ class Plan:
             raise ValueError(f"this plan was made for model {self.model} with fingerprint {self.fingerprint}, "
                              f"but the model given has fingerprint {fingerprint}; re-plan for this model")
 
-    def with_(self, **changes) -> "Plan":
+    def with_(self, **changes) -> Plan:
         return replace(self, **changes)
 
 

@@ -1,0 +1,282 @@
+"""Step time and memory of one training step for a model, a cluster and a parallel configuration.
+
+Composition (all per optimizer step; m = global_batch / (dp · mbs) micro-batches per pipeline):
+
+1. Each layer's per-micro-batch cost comes from `costmodel.layercost` (compute, recomputation, tensor-parallel
+   collectives, activations). A (virtual) pipeline stage c adds its boundary transfers (`_p2p_time`) and, under
+   ZeRO-3, the parameter all-gathers and gradient reduce-scatters it cannot hide behind its own compute
+   (`costmodel.overlap.fsdp_exposed`): T_c per micro-batch. A pipeline rank r runs the stages c ≡ r (mod p):
+   T_r = Σ T_c.
+2. Pipeline: step = m · max_r T_r + φ · (Σ_r T_r − max_r T_r), the bottleneck rank repeated m times plus the
+   fill/drain of the others: φ = 1 for GPipe and 1F1B (uniform stages: (m + p − 1)·T, Narayanan et al. 2021
+   eq. 1 and the (p − 1)/m bubble), 1/v for the interleaved schedule (bubble (p − 1)/(v·m), ibid. §2.2.2), 1/3
+   for zero-bubble ZB-H1 (bubble (p − 1)(T_F + T_B − T_W) ≈ ⅓ of 1F1B's with T_F ≈ T_B ≈ T_W, Qi et al. 2023
+   §3.1). With p = 1 the step is m · T.
+3. Data-parallel gradient reduction after the last micro-batch overlaps that micro-batch's backward
+   (`costmodel.overlap.dp_exposed`); the slowest rank's exposed part is added, then the optimizer step
+   (memory-bound Adam, `optimizer_time`).
+
+The same composition is what the planner's ILP linearises (planner/ilp.py); `evaluate` is its reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from costmodel.cluster import Cluster, group_span
+from costmodel.collectives import send_recv_time
+from costmodel.compression import pp_cast_time
+from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
+from costmodel.layercost import CostContext, LayerCost, dtype_bytes, is_tp_layer, layer_cost, owned_params
+from costmodel.memory import MemoryBreakdown, allowance, inflight, state_bytes_per_param, DDP_BUCKET_BYTES
+from costmodel.overlap import dp_exposed, fsdp_exposed, optimizer_time
+from profiler.graph import LayerGraph
+
+
+class ConfigError(ValueError):
+    """The configuration cannot run on this cluster or model; the message says why and how to fix it."""
+
+
+def pipeline_factor(schedule: Schedule, vpp: int) -> float:
+    """φ: the share of the non-bottleneck ranks' time that the schedule's fill and drain expose."""
+    if schedule == Schedule.INTERLEAVED:
+        return 1.0 / vpp
+    if schedule == Schedule.ZERO_BUBBLE:
+        return 1.0 / 3.0
+    return 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageEstimate:
+    """One (virtual) pipeline stage."""
+
+    index: int
+    rank: int
+    first: int
+    last: int
+    time_s: float  #: per micro-batch
+    inflight: float
+    memory_bytes: float  #: peak of its rank
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """Predicted step of one configuration (the shared/DESIGN.md JSON contract, `to_json`)."""
+
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu_model: float
+    tflops_per_gpu_hw: float
+    mfu: float
+    hfu: float
+    fits: bool
+    memory: MemoryBreakdown
+    capacity_bytes: float
+    breakdown_s: dict
+    stages: tuple[StageEstimate, ...] = ()
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_json(self) -> dict:
+        return {
+            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu_model": self.tflops_per_gpu_model, "tflops_per_gpu_hw": self.tflops_per_gpu_hw,
+            "mfu": self.mfu, "hfu": self.hfu, "fits": self.fits,
+            "memory_per_gpu_bytes": self.memory.to_dict(), "capacity_bytes": self.capacity_bytes,
+            "breakdown_s": dict(self.breakdown_s),
+        }
+
+
+def check_config(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int) -> None:
+    """Raise ConfigError if ``cfg`` cannot run this model on this cluster."""
+    if cfg.world != cluster.world_size:
+        raise ConfigError(f"dp·tp·pp·cp = {cfg.dp}·{cfg.tp}·{cfg.pp}·{cfg.cp} = {cfg.world} ranks, but cluster "
+                          f"{cluster.name} has {cluster.world_size} GPUs; make the product match")
+    if global_batch % (cfg.dp * cfg.mbs):
+        raise ConfigError(f"global batch {global_batch} is not a multiple of dp·mbs = {cfg.dp}·{cfg.mbs}; "
+                          "change --global-batch, dp or mbs")
+    arch = lg.model.arch
+    for key in ("heads", "kv_heads"):
+        if cfg.tp > 1 and arch.get(key) and arch[key] % cfg.tp:
+            raise ConfigError(f"tp={cfg.tp} does not divide {key}={arch[key]}; choose a tp that divides it")
+    if cfg.tp > 1 and not any(is_tp_layer(layer) for layer in lg.blocks):
+        raise ConfigError(f"tp={cfg.tp}: the blocks of {lg.model.name} have no recognised column/row linear pair, "
+                          "so they cannot be tensor-parallelised; use tp=1")
+    stages = cfg.pp * cfg.vpp
+    if stages > len(lg.layers):
+        raise ConfigError(f"pp·vpp = {stages} stages but the model has only {len(lg.layers)} layers")
+    if cfg.pp > 1 and len(set(b.signature for b in lg.blocks)) > 1:
+        pass  # heterogeneous blocks are fine for evaluation; the ILP handles identical blocks by counting
+
+
+def even_stages(lg: LayerGraph, n_stages: int) -> list[int]:
+    """Megatron's split: blocks divided evenly (extra ones to the middle stages), embed on the first stage and
+    the head on the last."""
+    blocks = [i for i, layer in enumerate(lg.layers) if layer.kind == "block"]
+    if not blocks:
+        per = -(-len(lg.layers) // n_stages)
+        return [min(i // per, n_stages - 1) for i in range(len(lg.layers))]
+    base, extra = divmod(len(blocks), n_stages)
+    counts = [base] * n_stages
+    middle = list(range(n_stages))[1:-1] or list(range(n_stages))
+    for j in range(extra):
+        counts[middle[j % len(middle)]] += 1
+    stage_of = []
+    k, used = 0, 0
+    for i, layer in enumerate(lg.layers):
+        if i < blocks[0]:
+            stage_of.append(0)
+        elif i > blocks[-1]:
+            stage_of.append(n_stages - 1)
+        else:
+            while used >= counts[k]:
+                k, used = k + 1, 0
+            stage_of.append(k)
+            used += 1
+    return stage_of
+
+
+class Evaluator:
+    """Costs of one (model, cluster, configuration, global batch); `evaluate` composes a step."""
+
+    def __init__(self, lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int) -> None:
+        check_config(lg, cluster, cfg, global_batch)
+        self.lg, self.cluster, self.cfg, self.global_batch = lg, cluster, cfg, global_batch
+        self.m = global_batch // (cfg.dp * cfg.mbs)
+        captured = dtype_bytes(lg.model.dtype)
+        self.act_scale = (4 if cfg.precision == "fp32" else 2) / captured
+        gpn = cluster.gpus_per_node
+        self.tp_span = group_span(cluster, cfg.tp, 1) if cfg.tp > 1 else None
+        self.dp_span = group_span(cluster, cfg.dp, cfg.tp * cfg.cp)
+        self.pp_cross_node = cfg.pp > 1 and cfg.dp * cfg.tp * cfg.cp >= gpn
+        self.ctx = CostContext(cluster=cluster, tp=cfg.tp, sp=cfg.sp, mbs=cfg.mbs,
+                               captured_batch=lg.model.batch, precision=cfg.precision, act_scale=self.act_scale,
+                               tp_span=self.tp_span)
+        self.owned = owned_params(lg)
+        self._cache: dict[tuple[str, str, AC], LayerCost] = {}
+        self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
+
+    # -- per-layer and per-boundary pieces (the ILP's coefficients) ------------------------------------------
+    def cost(self, i: int, ac: AC) -> LayerCost:
+        layer = self.lg.layers[i]
+        key = (layer.signature, layer.name if layer.kind != "block" else "", ac)
+        if key not in self._cache:
+            self._cache[key] = layer_cost(layer, ac, self.ctx, self.owned[layer.name])
+        return self._cache[key]
+
+    def p2p_time(self, i: int) -> float:
+        """Per micro-batch, the activation into layer ``i`` and its gradient back, when a stage starts at i."""
+        layer = self.lg.layers[i]
+        nbytes = layer.input_bytes * self.ctx.scale * self.act_scale
+        if self.cfg.tp > 1:
+            nbytes /= self.cfg.tp  # scatter/gather: each TP rank sends 1/t (Narayanan et al. 2021 §4.1)
+        cast = 0.0
+        if self.cfg.pp_compress == "bf16" and self.act_scale * dtype_bytes(self.lg.model.dtype) > 2:
+            cast = 2 * pp_cast_time(nbytes, self.cluster)
+            nbytes /= 2
+        return 2 * send_recv_time(nbytes, self.pp_cross_node, self.cluster) + cast
+
+    def static_bytes(self, params: float) -> tuple[float, float, float]:
+        p, g, k = state_bytes_per_param(self.cfg.precision, self.cfg.zero, self.cfg.dp)
+        return params * p, params * g, params * k
+
+    # -- composition -----------------------------------------------------------------------------------------
+    def evaluate(self, acs: list[AC] | None = None, stage_of: list[int] | None = None) -> Estimate:
+        cfg, lg = self.cfg, self.lg
+        n_layers = len(lg.layers)
+        acs = acs or [cfg.ac] * n_layers
+        n_stages = cfg.pp * cfg.vpp
+        stage_of = stage_of or even_stages(lg, n_stages)
+        costs = [self.cost(i, acs[i]) for i in range(n_layers)]
+        stages = [[i for i in range(n_layers) if stage_of[i] == c] for c in range(n_stages)]
+        if any(not s for s in stages):
+            raise ConfigError(f"{n_stages} pipeline stages but a stage got no layer; use fewer stages")
+
+        t_stage, parts = [], []
+        for c, idx in enumerate(stages):
+            comp = sum(costs[i].fwd_s + costs[i].bwd_s for i in idx)
+            rec = sum(costs[i].recompute_s for i in idx)
+            tpc = sum(costs[i].tp_comm_s for i in idx)
+            p2p = self.p2p_time(idx[0]) if c > 0 else 0.0
+            fsdp = 0.0
+            if cfg.zero == 3 and cfg.dp > 1:
+                fsdp = fsdp_exposed([costs[i] for i in idx], self)
+            t_stage.append(comp + rec + tpc + p2p + fsdp)
+            parts.append({"compute": comp, "recompute": rec, "tp_comm": tpc, "pp_comm": p2p, "fsdp": fsdp})
+        rank_of = [c % cfg.pp for c in range(n_stages)]
+        t_rank = [sum(t for c, t in enumerate(t_stage) if rank_of[c] == r) for r in range(cfg.pp)]
+        bottleneck = max(range(cfg.pp), key=lambda r: t_rank[r])
+        phi = pipeline_factor(cfg.schedule, cfg.vpp)
+        pipe = self.m * t_rank[bottleneck] + phi * (sum(t_rank) - t_rank[bottleneck])
+
+        # data-parallel gradient reduction and the optimizer, per rank; the slowest rank finishes the step
+        dp_exp, opt, comp_cost, mems = [], [], [], []
+        for r in range(cfg.pp):
+            idx = [i for c in range(n_stages) if rank_of[c] == r for i in stages[c]]
+            rc = [costs[i] for i in idx]
+            params = sum(x.param_numel for x in rc)
+            exposed, encode = dp_exposed(rc, self)
+            dp_exp.append(exposed)
+            comp_cost.append(encode)
+            opt.append(optimizer_time(params, self))
+            mems.append(self._rank_memory(r, rank_of, stages, costs, params))
+        finish = [dp_exp[r] + comp_cost[r] + opt[r] for r in range(cfg.pp)]
+        last = max(range(cfg.pp), key=lambda r: finish[r])
+        step = pipe + finish[last]
+
+        b = [c for c in range(n_stages) if rank_of[c] == bottleneck]
+        agg = {k: sum(parts[c][k] for c in b) for k in parts[0]}
+        breakdown = {
+            "compute": self.m * agg["compute"], "recompute": self.m * agg["recompute"],
+            "tp_comm": self.m * agg["tp_comm"], "cp_comm": 0.0, "pp_comm": self.m * agg["pp_comm"],
+            "dp_comm_exposed": self.m * agg["fsdp"] + dp_exp[last], "bubble": pipe - self.m * t_rank[bottleneck],
+            "optimizer": opt[last], "compression": comp_cost[last],
+        }
+        worst = max(range(cfg.pp), key=lambda r: mems[r].peak)
+        model_flops = 3 * sum(c.fwd_flops for c in costs) * self.m * cfg.dp  # per step, all ranks
+        hw_flops = model_flops + sum(c.recompute_flops for c in costs) * self.m * cfg.dp
+        world = cfg.world
+        dev = self.cluster.device
+        peak = dev.peak(cfg.precision) if cfg.precision in dev.peak_flops else max(dev.peak_flops.values())
+        tokens = self.global_batch * lg.model.seq
+        stage_est = tuple(
+            StageEstimate(index=c, rank=rank_of[c], first=stages[c][0], last=stages[c][-1], time_s=t_stage[c],
+                          inflight=inflight(cfg.schedule, cfg.pp, cfg.vpp, rank_of[c], self.m),
+                          memory_bytes=mems[rank_of[c]].peak)
+            for c in range(n_stages))
+        return Estimate(
+            step_time_s=step, tokens_per_s=tokens / step,
+            tflops_per_gpu_model=model_flops / step / world / 1e12, tflops_per_gpu_hw=hw_flops / step / world / 1e12,
+            mfu=model_flops / step / world / peak, hfu=hw_flops / step / world / peak,
+            fits=mems[worst].peak <= dev.memory_bytes, memory=mems[worst], capacity_bytes=dev.memory_bytes,
+            breakdown_s=breakdown, stages=stage_est,
+        )
+
+    def _rank_memory(self, r, rank_of, stages, costs, params) -> MemoryBreakdown:
+        cfg = self.cfg
+        p_b, g_b, o_b = self.static_bytes(params)
+        act = 0.0
+        peak_extra = 0.0
+        for c, idx in enumerate(stages):
+            if rank_of[c] != r:
+                continue
+            act += inflight(cfg.schedule, cfg.pp, cfg.vpp, r, self.m) * sum(costs[i].act_bytes for i in idx)
+            peak_extra = max([peak_extra] + [costs[i].recompute_peak_bytes for i in idx])
+        temp = peak_extra
+        layer_params = [costs[i].param_numel for c, idx in enumerate(stages) if rank_of[c] == r for i in idx]
+        if cfg.zero == 3 and cfg.dp > 1:  # the current and the prefetched layer, gathered in 16 bits
+            top2 = sorted(layer_params)[-2:]
+            temp += sum(top2) * (4 if cfg.precision == "fp32" else 2)
+        elif cfg.zero == 0 and cfg.dp > 1:
+            temp += 2 * DDP_BUCKET_BYTES
+        if self.grad_kind == "powersgd" and cfg.dp > 1:
+            temp += 4 * params  # error feedback: one fp32 copy of the local gradients
+        allocated = p_b + g_b + o_b + act + temp
+        on_gpu = self.cluster.device.name != "cpu"
+        return MemoryBreakdown(params=p_b, grads=g_b, optimizer=o_b, activations=act,
+                               other=temp + allowance(allocated, on_gpu))
+
+
+def estimate(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
+             acs: list[AC] | None = None, stage_of: list[int] | None = None) -> Estimate:
+    """Predict one training step: `Evaluator(lg, cluster, cfg, global_batch).evaluate(acs, stage_of)`."""
+    return Evaluator(lg, cluster, cfg, global_batch).evaluate(acs, stage_of)

@@ -1,0 +1,213 @@
+"""Per-layer costs for one micro-batch under a parallel configuration: compute, recomputation, tensor-parallel
+communication and saved activations.
+
+Compute is a roofline per captured node: ``max(flops / (peak · eff(flops)), bytes / (hbm_bw · memory_eff))`` with
+the size-dependent matmul efficiency of the device (`costmodel.hardware.EfficiencyCurve`). The profile was
+captured at batch ``B0``; FLOPs, bytes and saved activations of a transformer scale linearly with the batch, so
+a micro-batch ``b`` multiplies them by ``b / B0``.
+
+Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) divides the work of nodes with a ``column``, ``row``,
+``sharded`` or ``vocab`` role (profiler/layers.py) by ``t``; ``replicated`` nodes (norms, residual adds, dropout
+outside the attention/MLP) run in full on every rank unless sequence parallelism shards them along the sequence
+(Korthikanti et al. 2022 §4.2.2). Communication per micro-batch, on the critical path: forward, one all-reduce of
+each row-parallel output; backward, one all-reduce of the input gradient of each group of column-parallel linears
+sharing an input (2 + 2 per block, as in Narayanan et al. 2021 §3.3: 8bsh(t−1)/t bytes per layer). With sequence
+parallelism each all-reduce becomes an all-gather plus a reduce-scatter of the same total volume, so the time is
+the same (Korthikanti §4.2.2). A vocabulary-parallel embedding all-reduces its output; the vocabulary-parallel
+head all-reduces its input gradient (loss-parallel statistics are a few bytes per token and are neglected).
+
+Activation checkpointing (Korthikanti et al. 2022 Table 2 and §5):
+- ``none`` keeps every saved activation;
+- ``selective`` recomputes the attention core (ops whose outputs grow as seq² per head), keeping the rest;
+- ``full`` keeps only the layer's input and recomputes its whole forward (tensor-parallel all-reduces
+  included) just before its backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from costmodel.cluster import Cluster, GroupSpan
+from costmodel.collectives import all_reduce_time
+from costmodel.config import AC
+from profiler.graph import Layer, LayerGraph, NodeInfo, ParamInfo
+
+_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "float32": 4, "bfloat16": 2, "float16": 2}
+_SHARDED_ROLES = ("column", "row", "sharded", "vocab")
+
+
+def dtype_bytes(name: str) -> int:
+    return _BYTES[name]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    """What one layer costs one rank for one micro-batch."""
+
+    fwd_s: float  #: forward compute
+    bwd_s: float  #: backward compute
+    recompute_s: float  #: forward recomputation before the backward (AC)
+    tp_comm_s: float  #: tensor-parallel collectives (forward + backward + recomputation), not overlapped
+    act_bytes: float  #: activations kept from forward to backward
+    recompute_peak_bytes: float  #: extra activations alive while this layer's recomputed forward is used
+    param_numel: float  #: parameters held by one rank before ZeRO sharding (after TP)
+    fwd_flops: float  #: forward FLOPs of the whole layer (all TP ranks), for model FLOPs
+    recompute_flops: float  #: recomputed FLOPs of the whole layer, for hardware FLOPs
+    grad_matrices: tuple[tuple[int, int], ...]  #: local 2-D gradient shapes (for PowerSGD), others count as vectors
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostContext:
+    """Everything a layer's cost depends on besides the layer."""
+
+    cluster: Cluster  #: the hardware
+    tp: int  #: tensor-parallel degree
+    sp: bool  #: sequence parallel
+    mbs: int  #: micro-batch size
+    captured_batch: int  #: batch the profile was captured at
+    precision: str  #: training precision (compute dtype of matmuls)
+    act_scale: float = 1.0  #: bytes of an activation element in training / in the capture
+    tp_span: GroupSpan | None = None  #: placement of the tensor-parallel group (None when tp == 1)
+
+    @property
+    def scale(self) -> float:
+        return self.mbs / self.captured_batch
+
+
+def _node_time(flops: float, nbytes: float, ctx: CostContext) -> float:
+    dev = ctx.cluster.device
+    t_mem = nbytes / (dev.hbm_bw * dev.memory_eff) if nbytes else 0.0
+    if not flops:
+        return t_mem
+    dtype = ctx.precision if ctx.precision in dev.peak_flops else next(iter(dev.peak_flops))
+    t_flop = flops / (dev.peak(dtype) * dev.matmul_eff(flops))
+    return max(t_flop, t_mem)
+
+
+def _shard(node: NodeInfo, tp: int, sp: bool, tp_layer: bool) -> float:
+    """Fraction of the node's work one tensor-parallel rank does."""
+    if not tp_layer or tp == 1:
+        return 1.0
+    if node.tp_role in _SHARDED_ROLES:
+        return 1.0 / tp
+    if node.tp_role == "replicated" and sp:
+        return 1.0 / tp
+    return 1.0
+
+
+def is_tp_layer(layer: Layer) -> bool:
+    """Whether the layer has a tensor-parallel layout (a column/row pair, or a vocabulary-parallel op)."""
+    roles = {n.tp_role for n in layer.nodes}
+    return {"column", "row"} <= roles or "vocab" in roles
+
+
+def _tp_comm_bytes(layer: Layer) -> tuple[float, float]:
+    """(forward, backward) all-reduce payload bytes of one micro-batch at the captured batch."""
+    by_name = {n.name: n for n in layer.nodes}
+    fwd = sum(n.output_bytes for n in layer.nodes if n.tp_role == "row")
+    col_inputs: set[str] = set()
+    bwd = 0.0
+    for n in layer.nodes:
+        if n.tp_role == "column":
+            src = next((i for i in n.inputs if i in by_name and by_name[i].tp_role not in _SHARDED_ROLES), None)
+            key = src or f"<input of {n.name}>"
+            if key not in col_inputs:
+                col_inputs.add(key)
+                bwd += by_name[src].output_bytes if src else layer.input_bytes
+        elif n.tp_role == "vocab" and "embedding" in n.op:
+            fwd += n.output_bytes
+        elif n.tp_role == "vocab":
+            bwd += n.input_shapes and _prod(n.input_shapes[0]) * _elt(n.input_dtypes[0]) or 0
+    return fwd, bwd
+
+
+def _prod(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def _elt(dtype: str) -> int:
+    return _BYTES.get(dtype, 4)
+
+
+def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, ...], *,
+               tp_layer: bool | None = None) -> LayerCost:
+    """Cost of ``layer`` with checkpointing ``ac`` for one micro-batch on one rank (see the module docstring).
+
+    ``owned``: the parameters this layer owns (`owned_params`)."""
+    if tp_layer is None:
+        tp_layer = is_tp_layer(layer)
+    tp = ctx.tp if tp_layer else 1
+    k = ctx.scale
+    fwd = bwd = core_fwd = 0.0
+    act_sharded = act_repl = core_act = 0.0
+    fwd_flops = core_flops = 0.0
+    for n in layer.nodes:
+        f = _shard(n, ctx.tp, ctx.sp, tp_layer)
+        t_f = _node_time(n.fwd_flops * k * f, n.fwd_bytes * k * f * ctx.act_scale, ctx)
+        fwd += t_f
+        bwd += _node_time(n.bwd_flops * k * f, n.bwd_bytes * k * f * ctx.act_scale, ctx)
+        fwd_flops += n.fwd_flops * k
+        saved = n.saved_bytes * k * f * ctx.act_scale
+        if n.tp_role in _SHARDED_ROLES and tp_layer:
+            act_sharded += saved
+        else:
+            act_repl += saved
+        if n.is_attention_core:
+            core_fwd += t_f
+            core_act += saved
+            core_flops += n.fwd_flops * k
+    act_none = act_sharded + act_repl
+
+    comm_f = comm_b = 0.0
+    if tp > 1 and ctx.tp_span is not None:
+        bf, bb = _tp_comm_bytes(layer)
+        comm_f = all_reduce_time(bf * k * ctx.act_scale, ctx.tp_span, ctx.cluster) if bf else 0.0
+        comm_b = all_reduce_time(bb * k * ctx.act_scale, ctx.tp_span, ctx.cluster) if bb else 0.0
+
+    if ac == AC.NONE:
+        act, rec, rec_flops, rec_comm, rec_peak = act_none, 0.0, 0.0, 0.0, 0.0
+    elif ac == AC.SELECTIVE:
+        act, rec, rec_flops, rec_comm, rec_peak = act_none - core_act, core_fwd, core_flops, 0.0, core_act
+    else:  # FULL: keep the input (sharded along the sequence with SP), recompute everything
+        keep = layer.input_bytes * k * ctx.act_scale / (ctx.tp if (ctx.sp and tp_layer) else 1)
+        act, rec, rec_flops, rec_comm, rec_peak = keep, fwd, fwd_flops, comm_f, act_none
+
+    param_numel = 0.0
+    matrices = []
+    counted: set[str] = set()
+    numel = {p.fqn: (p.numel, p.shape) for p in owned}
+    for n in layer.nodes:
+        f = 1.0 / tp if (n.tp_role in ("column", "row", "vocab") and tp > 1) else 1.0
+        for p in n.params:
+            if p in numel and p not in counted:
+                counted.add(p)
+                cnt, shape = numel[p]
+                param_numel += cnt * f
+                if len(shape) >= 2:
+                    rows = shape[0] // (tp if f < 1 and n.tp_role in ("column", "vocab") else 1)
+                    cols = _prod(shape[1:]) // (tp if f < 1 and n.tp_role == "row" else 1)
+                    matrices.append((int(rows), int(cols)))
+    return LayerCost(
+        fwd_s=fwd, bwd_s=bwd, recompute_s=rec, tp_comm_s=comm_f + comm_b + rec_comm, act_bytes=act,
+        recompute_peak_bytes=rec_peak, param_numel=param_numel, fwd_flops=fwd_flops, recompute_flops=rec_flops,
+        grad_matrices=tuple(matrices),
+    )
+
+
+def owned_params(lg: LayerGraph) -> dict[str, tuple[ParamInfo, ...]]:
+    """Layer name → the parameters it owns: each parameter belongs to the first layer that reads it."""
+    by_fqn = {p.fqn: p for p in lg.model.params if not p.is_buffer}
+    seen: set[str] = set()
+    out = {}
+    for layer in lg.layers:
+        owned = []
+        for n in layer.nodes:
+            for p in n.params:
+                if p in by_fqn and p not in seen:
+                    seen.add(p)
+                    owned.append(by_fqn[p])
+        out[layer.name] = tuple(owned)
+    return out

@@ -1,0 +1,87 @@
+"""Memory per GPU: model states under ZeRO/FSDP, activations of the in-flight micro-batches, temporaries and the
+allocator allowance.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020, §3.1 and Figure 1): with mixed-precision Adam a
+model of Ψ parameters holds 2Ψ bytes of 16-bit parameters, 2Ψ of 16-bit gradients and KΨ of optimizer state with
+K = 12 (fp32 master weights, momentum and variance); stage 1 shards the optimizer state over the data-parallel
+group of N ranks, stage 2 also the gradients, stage 3 also the parameters. In fp32 training the parameters and
+gradients take 4 bytes each and K = 8 (no separate master copy). FSDP2 with a bf16 `MixedPrecisionPolicy` keeps
+fp32 sharded parameters and gradients instead, 16Ψ/N in all, the same as ZeRO-3's (2 + 2 + 12)Ψ/N.
+
+Activations of one micro-batch come from `costmodel.layercost`. How many micro-batches a pipeline rank holds at
+its peak depends on the schedule (`inflight`): GPipe holds all m; 1F1B holds p − r on rank r (Narayanan et al.
+2021 §2.2.1); the interleaved schedule holds (p − r) + (p − 1)/v on rank r, which for r = 0 is Korthikanti et al.
+2022 eq. 5's factor (1 + (p − 1)/(p·v)) on p micro-batches; zero-bubble ZB-H1 keeps 1F1B's peak (Qi et al. 2023
+§3.1). Never more than m.
+
+Temporaries: the recomputed layer's activations while its backward runs, FSDP's all-gathered parameters of the
+current and the prefetched layer, DDP's two gradient buckets in flight, PowerSGD's error-feedback buffers.
+
+Allowance (stated, not fitted): on GPUs, 1 GiB for the CUDA context, cuBLAS and NCCL workspaces, plus 5 % of the
+allocated peak for caching-allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from costmodel.config import Schedule
+
+GiB = 2**30
+RUNTIME_RESERVED_BYTES = 1 * GiB  #: CUDA context + library workspaces (GPU devices only); an assumption
+FRAGMENTATION = 0.05  #: caching-allocator fragmentation allowance, a fraction of the allocated peak
+DDP_BUCKET_BYTES = 25 * 2**20  #: torch DDP default bucket_cap_mb = 25
+
+
+def state_bytes_per_param(precision: str, zero: int, dp: int) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer) bytes per parameter on one rank: the ZeRO paper's 2Ψ + 2Ψ + KΨ."""
+    p, g, k = (4.0, 4.0, 8.0) if precision == "fp32" else (2.0, 2.0, 12.0)
+    if zero >= 1:
+        k /= dp
+    if zero >= 2:
+        g /= dp
+    if zero >= 3:
+        p /= dp
+    return p, g, k
+
+
+def inflight(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> float:
+    """Micro-batches whose activations pipeline rank ``rank`` holds at its peak (see the module docstring)."""
+    if pp == 1:
+        return 1.0
+    if schedule == Schedule.GPIPE:
+        n = micro_batches
+    elif schedule == Schedule.INTERLEAVED:
+        n = (pp - rank) + (pp - 1) / vpp
+    else:  # 1F1B and ZB-H1
+        n = pp - rank
+    return float(min(n, micro_batches))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """Peak memory of one rank, bytes."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    other: float  #: temporaries + allowance
+
+    @property
+    def peak(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.other
+
+    def to_dict(self) -> dict:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "other": self.other, "peak": self.peak}
+
+
+def allowance(allocated: float, on_gpu: bool) -> float:
+    """Fragmentation and runtime allowance on top of ``allocated`` bytes."""
+    return FRAGMENTATION * allocated + (RUNTIME_RESERVED_BYTES if on_gpu else 0.0)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b) if b else math.inf

@@ -1,0 +1,90 @@
+"""What communication the schedule hides behind compute, and what stays exposed.
+
+- DDP (ZeRO 0/1): gradients are all-reduced in buckets while the last micro-batch's backward runs (Li et al.
+  2020, "PyTorch Distributed", §3.2.3). The part longer than that backward is exposed, and never less than the
+  reduction of the last bucket (the first layer's gradients, at most the 25 MB bucket cap), which can only start
+  when the backward ends. ZeRO-1 then all-gathers the updated parameter shards (exposed).
+- ZeRO-2 (FSDP2 without resharding after forward): gradients are reduce-scattered per micro-batch under that
+  micro-batch's backward; parameters are all-gathered once per step under the first forward.
+- ZeRO-3 (FSDP2): every micro-batch all-gathers each layer's parameters for forward and again for backward,
+  prefetching one layer ahead, and reduce-scatters its gradients; the communication longer than the compute it
+  overlaps is exposed, plus the first layer's all-gather, which nothing hides.
+- While communication overlaps compute, the compute slows down by the device's ``overlap_slowdown`` (the
+  collective kernels take SMs and memory bandwidth); that cost is added to the exposed time.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from costmodel.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
+from costmodel.compression import compressed_grad_comm
+from costmodel.layercost import LayerCost
+from costmodel.memory import DDP_BUCKET_BYTES
+
+if TYPE_CHECKING:
+    from costmodel.estimate import Evaluator
+
+GRAD_REDUCE_BYTES = 4  #: gradients are reduced in fp32 (DDP's fp32 grads; FSDP2 reduce_dtype=float32)
+
+
+def _hidden(comm: float, window: float, slowdown: float) -> tuple[float, float]:
+    """(exposed, slowdown cost) of ``comm`` seconds overlapped with ``window`` seconds of compute."""
+    return max(0.0, comm - window), slowdown * min(comm, window)
+
+
+def dp_exposed(rank_costs: list[LayerCost], ev: "Evaluator") -> tuple[float, float]:
+    """(exposed data-parallel communication after the last backward, compression encode/decode) of one rank."""
+    cfg = ev.cfg
+    if cfg.dp == 1 or not rank_costs:
+        return 0.0, 0.0
+    span, cluster = ev.dp_span, ev.cluster
+    slow = cluster.device.overlap_slowdown
+    window = sum(c.bwd_s + c.recompute_s for c in rank_costs)  # the last micro-batch's backward on this rank
+    params = sum(c.param_numel for c in rank_costs)
+    first = rank_costs[0].param_numel
+    if cfg.zero == 3:
+        return 0.0, 0.0  # reduce-scatters happen per micro-batch, see fsdp_exposed
+    if cfg.zero == 2:
+        # reduce-scatter per micro-batch hidden under backward (counted here once, for the last micro-batch);
+        # the once-per-step all-gather hides under the first forward
+        rs = reduce_scatter_time(params * GRAD_REDUCE_BYTES, span, cluster)
+        ag = all_gather_time(params * 2, span, cluster)
+        fwd = sum(c.fwd_s for c in rank_costs)
+        e1, s1 = _hidden(rs, window, slow)
+        e2, s2 = _hidden(ag, fwd, slow)
+        return e1 + e2 + s1 + s2, 0.0
+    comm, last, encode = compressed_grad_comm(rank_costs, params, first, ev)
+    exposed, slowdown = _hidden(comm, window, slow)
+    exposed = max(exposed, last) + slowdown
+    if cfg.zero == 1:
+        exposed += all_gather_time(params * 2, span, cluster)
+    return exposed, encode
+
+
+def fsdp_exposed(stage_costs: list[LayerCost], ev: "Evaluator") -> float:
+    """Per micro-batch, the ZeRO-3 parameter all-gathers and gradient reduce-scatters not hidden by compute."""
+    span, cluster = ev.dp_span, ev.cluster
+    slow = cluster.device.overlap_slowdown
+    pbytes = 4 if ev.cfg.precision == "fp32" else 2
+    ag = [all_gather_time(c.param_numel * pbytes, span, cluster) for c in stage_costs]
+    rs = [reduce_scatter_time(c.param_numel * GRAD_REDUCE_BYTES, span, cluster) for c in stage_costs]
+    fwd = sum(c.fwd_s for c in stage_costs)
+    bwd = sum(c.bwd_s + c.recompute_s for c in stage_costs)
+    e_f, s_f = _hidden(sum(ag[1:]), fwd, slow)
+    e_b, s_b = _hidden(sum(ag[:-1]) + sum(rs[1:]), bwd, slow)
+    return ag[0] + e_f + s_f + ag[-1] + e_b + s_b + rs[0]
+
+
+def optimizer_time(params: float, ev: "Evaluator") -> float:
+    """Adam(W) step on the local shard: memory-bound. Per parameter it reads the fp32 weight, gradient and two
+    moments (16 bytes), writes weight and moments (12) and the 16-bit copy (2): 30 bytes (fp32 training: 28)."""
+    cfg = ev.cfg
+    local = params / (cfg.dp if cfg.zero >= 1 else 1)
+    per = 28 if cfg.precision == "fp32" else 30
+    dev = ev.cluster.device
+    return local * per / (dev.hbm_bw * dev.memory_eff)
+
+
+__all__ = ["dp_exposed", "fsdp_exposed", "optimizer_time", "GRAD_REDUCE_BYTES", "DDP_BUCKET_BYTES",
+           "all_reduce_time"]
