@@ -27,7 +27,7 @@ class AC(str, Enum):
 
 GRAD_COMPRESS = ("none", "bf16", "fp16")  # plus "powersgd-R" for a rank R
 PP_COMPRESS = ("none", "bf16")
-PRECISIONS = ("bf16", "fp16", "fp32")
+PRECISIONS = ("bf16", "fp16", "fp32", "fp8")  # fp8: float8 matmuls (torchao), bf16 everything else
 
 
 def parse_grad_compress(value: str) -> tuple[str, int]:

@@ -32,7 +32,7 @@ from costmodel.collectives import all_reduce_time
 from costmodel.config import AC
 from profiler.graph import Layer, LayerGraph, NodeInfo, ParamInfo
 
-_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "float32": 4, "bfloat16": 2, "float16": 2}
+_BYTES = {"bf16": 2, "fp16": 2, "fp8": 2, "fp32": 4, "float32": 4, "bfloat16": 2, "float16": 2}
 _SHARDED_ROLES = ("column", "row", "sharded", "vocab")
 
 
@@ -47,13 +47,18 @@ class LayerCost:
     fwd_s: float  #: forward compute
     bwd_s: float  #: backward compute
     recompute_s: float  #: forward recomputation before the backward (AC)
-    tp_comm_s: float  #: tensor-parallel collectives (forward + backward + recomputation), not overlapped
+    tp_comm_fwd_s: float  #: tensor-parallel collectives of the forward, not overlapped
+    tp_comm_bwd_s: float  #: tensor-parallel collectives of the backward and the recomputation, not overlapped
     act_bytes: float  #: activations kept from forward to backward
     recompute_peak_bytes: float  #: extra activations alive while this layer's recomputed forward is used
     param_numel: float  #: parameters held by one rank before ZeRO sharding (after TP)
     fwd_flops: float  #: forward FLOPs of the whole layer (all TP ranks), for model FLOPs
     recompute_flops: float  #: recomputed FLOPs of the whole layer, for hardware FLOPs
     grad_matrices: tuple[tuple[int, int], ...]  #: local 2-D gradient shapes (for PowerSGD), others count as vectors
+
+    @property
+    def tp_comm_s(self) -> float:
+        return self.tp_comm_fwd_s + self.tp_comm_bwd_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +70,7 @@ class CostContext:
     sp: bool  #: sequence parallel
     mbs: int  #: micro-batch size
     captured_batch: int  #: batch the profile was captured at
-    precision: str  #: training precision (compute dtype of matmuls)
+    precision: str  #: training precision (compute dtype of matmuls; fp8 matmuls keep 16-bit activations)
     act_scale: float = 1.0  #: bytes of an activation element in training / in the capture
     tp_span: GroupSpan | None = None  #: placement of the tensor-parallel group (None when tp == 1)
 
@@ -79,7 +84,7 @@ def _node_time(flops: float, nbytes: float, ctx: CostContext) -> float:
     t_mem = nbytes / (dev.hbm_bw * dev.memory_eff) if nbytes else 0.0
     if not flops:
         return t_mem
-    dtype = ctx.precision if ctx.precision in dev.peak_flops else next(iter(dev.peak_flops))
+    dtype = ctx.precision if ctx.precision in dev.peak_flops else max(dev.peak_flops, key=dev.peak_flops.get)
     t_flop = flops / (dev.peak(dtype) * dev.matmul_eff(flops))
     return max(t_flop, t_mem)
 
@@ -191,7 +196,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
                     cols = _prod(shape[1:]) // (tp if f < 1 and n.tp_role == "row" else 1)
                     matrices.append((int(rows), int(cols)))
     return LayerCost(
-        fwd_s=fwd, bwd_s=bwd, recompute_s=rec, tp_comm_s=comm_f + comm_b + rec_comm, act_bytes=act,
+        fwd_s=fwd, bwd_s=bwd, recompute_s=rec, tp_comm_fwd_s=comm_f, tp_comm_bwd_s=comm_b + rec_comm, act_bytes=act,
         recompute_peak_bytes=rec_peak, param_numel=param_numel, fwd_flops=fwd_flops, recompute_flops=rec_flops,
         grad_matrices=tuple(matrices),
     )

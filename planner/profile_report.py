@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from planner.textui import human_bytes, human_count, human_time
 from profiler.graph import LayerGraph
 from profiler.measure import Profile
-from planner.textui import human_bytes, human_count, human_time
 
 
 def runs_of_identical(lg: LayerGraph) -> list[tuple[int, int]]:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 
 import torch
 
 from profiler.capture import capture
+from profiler.fold import unfold
 from profiler.graph import LayerGraph
 from profiler.layers import group_layers
 from profiler.zoo.registry import resolve_model
@@ -30,17 +33,42 @@ def parse_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+#: Blocks captured before `profiler.fold.unfold` repeats the last one (≥ 2 so the repetition can be checked).
+FOLD_BLOCKS = 3
+
+
+def _folded_source(source):
+    """The same model with FOLD_BLOCKS blocks, and its real depth; (source, None) when it cannot be folded."""
+    if source.family in ("gpt", "llama", "moe") and source.config.layers > FOLD_BLOCKS:
+        return dataclasses.replace(source, config=dataclasses.replace(source.config, layers=FOLD_BLOCKS)), \
+            source.config.layers
+    depth = getattr(source.config, "num_hidden_layers", None) if source.family == "hf" else None
+    if depth and depth > FOLD_BLOCKS:
+        cfg = copy.deepcopy(source.config)
+        cfg.num_hidden_layers = FOLD_BLOCKS
+        if getattr(cfg, "layer_types", None):  # per-layer attention kinds must stay uniform to fold
+            if len(set(cfg.layer_types)) > 1:
+                return source, None
+            cfg.layer_types = cfg.layer_types[:FOLD_BLOCKS]
+        return dataclasses.replace(source, config=cfg), depth
+    return source, None
+
+
 def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: str = "bf16",
-                  kernels: str = "gpu") -> LayerGraph:
+                  kernels: str = "gpu", fold: bool = True) -> LayerGraph:
     """Capture the model named by ``spec`` (zoo preset, ``gpt:…``, ``llama:…``, ``hf:…``, ``file.py:factory``) on
     the meta device (Hugging Face models on fake tensors) in ``dtype``, and group it into layers.
 
     ``batch`` is the micro-batch the facts are captured for (they scale linearly with it); ``seq`` overrides
-    the model's default sequence length.
+    the model's default sequence length. ``fold``: capture a few blocks and repeat them to the full depth
+    (`profiler.fold`; exact for identical blocks, much faster for deep models).
     """
     if batch < 1:
         raise ValueError(f"batch must be ≥ 1, got {batch}")
     source = resolve_model(spec)
+    depth = None
+    if fold:
+        source, depth = _folded_source(source)
     torch_dtype = parse_dtype(dtype)
     with _default_dtype(torch_dtype):  # builds in dtype; fake-tensor (Hugging Face) models cannot be cast later
         model, inputs = source.build(batch=batch, seq=seq, device="meta")
@@ -48,4 +76,6 @@ def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: s
         model = model.to(torch_dtype)
     arch = dict(source.arch())
     graph = capture(model, inputs, name=spec, arch=arch, kernels=kernels)
+    if depth:
+        graph = unfold(graph, depth)
     return group_layers(graph)

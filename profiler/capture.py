@@ -24,17 +24,21 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
+import logging
 import operator
+import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from profiler.graph import ModelGraph, NodeInfo, ParamInfo
 
@@ -100,7 +104,7 @@ def _fused_dropout(input, p, train):
 
 
 def _attention_flops(args: Sequence[Any], kwargs: dict, out: torch.Tensor) -> tuple[int, int]:
-    q, k, v = args[0], args[1], args[2]
+    q, k = args[0], args[1]
     kv_shape = list(k.shape)
     kv_shape[-3] = q.shape[-3]  # grouped-query attention computes as many heads as q has
     fwd = sdpa_flop_count(q.shape, tuple(kv_shape), tuple(kv_shape))
@@ -163,9 +167,25 @@ def _explain_failure(exc: BaseException, model: torch.nn.Module, stack: list[tup
 def _export(model: torch.nn.Module, example_inputs: tuple) -> torch.fx.GraphModule:
     fake_mode = next((t.fake_mode for t in list(model.parameters()) + list(example_inputs)
                       if isinstance(t, FakeTensor)), None)
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+    with fake_mode if fake_mode is not None else contextlib.nullcontext(), _quiet_logging():
         ep = torch.export.export(model, tuple(example_inputs), strict=False)
     return ep
+
+
+@contextlib.contextmanager
+def _quiet_logging():
+    """Keep export's noise off stderr: on a data-dependent branch it logs warnings and prints the partial graph
+    to stderr before raising, and the CLI's contract is one line there (`_explain_failure` writes it). What it
+    prints on success is passed on."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(buffer):
+            yield
+    finally:
+        logging.disable(previous)
+    sys.stderr.write(buffer.getvalue())
 
 
 def _trace(model: torch.nn.Module, example_inputs: tuple, stack: _ModuleStack):
@@ -232,7 +252,13 @@ def capture(
     for t in inputs:
         t.requires_grad_(False)
 
-    replay = _Replay(gm, method, mapping, fake, named_params, inputs, mode, constant_storages, kernels, model)
+    # tied parameters have several FQNs (GPT-2's lm_head.weight is transformer.wte.weight) and export may use any
+    # of them: every node names a parameter by its canonical FQN, the first that named_parameters() yields
+    canonical: dict[str, str] = {}
+    first_name: dict[int, str] = {}
+    for fqn, t in named_params.items():
+        canonical[fqn] = first_name.setdefault(id(t), fqn)
+    replay = _Replay(gm, method, mapping, fake, canonical, inputs, mode, constant_storages, kernels, model)
     nodes = replay.run()
 
     seen: set[int] = set()
@@ -255,9 +281,9 @@ def capture(
 class _Replay:
     """Runs the captured graph node by node on fake tensors and records each node's costs."""
 
-    def __init__(self, gm, method, mapping, fake, named_params, inputs, mode, constant_storages, kernels, model):
+    def __init__(self, gm, method, mapping, fake, canonical, inputs, mode, constant_storages, kernels, model):
         self.gm, self.method, self.mapping = gm, method, mapping
-        self.fake, self.named_params, self.inputs, self.mode = fake, named_params, inputs, mode
+        self.fake, self.canonical, self.inputs, self.mode = fake, canonical, inputs, mode
         self.constant_storages = constant_storages
         self.gpu_kernels = kernels == "gpu"
         self.model = model
@@ -286,7 +312,7 @@ class _Replay:
             if kind in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR") and target in self.fake:
                 self.env[node] = self.fake[target]
                 if kind == "PARAMETER":
-                    self.param_of[node] = target
+                    self.param_of[node] = self.canonical.get(target, target)
             elif kind in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR"):
                 const = getattr(self.gm, target) if hasattr(self.gm, target) else None
                 self.env[node] = _to_fake(const, self.mode) if isinstance(const, torch.Tensor) else const
@@ -315,8 +341,8 @@ class _Replay:
             for node in self.gm.graph.nodes:
                 if node.op == "get_attr":
                     self.env[node] = self.fake.get(node.target, getattr(self.gm, node.target, None))
-                    if node.target in self.named_params:
-                        self.param_of[node] = node.target
+                    if node.target in self.canonical:
+                        self.param_of[node] = self.canonical[node.target]
                 elif node.op in ("call_function", "call_method", "call_module"):
                     out_nodes.append(self._run_node(node))
         return out_nodes
@@ -344,6 +370,10 @@ class _Replay:
             return t
 
         args, kwargs = pytree.tree_map(local, (args, kwargs))
+        leaves = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        if _mutates(node):  # an in-place op may not write into a leaf: give it a non-leaf alias of each input
+            args, kwargs = pytree.tree_map(
+                lambda t: t.clone() if isinstance(t, torch.Tensor) and t.requires_grad else t, (args, kwargs))
         fn = self._callable(node)
         self._charged = 0
         self._saved = []
@@ -352,7 +382,7 @@ class _Replay:
         fwd_flops, fwd_bytes, saved = fc.get_total_flops(), bc.total, self._charged
         self.env[node] = out
 
-        ins = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        ins = leaves
         outs = [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
         bwd_flops = bwd_bytes = 0
         if ins and outs:
@@ -387,6 +417,14 @@ class _Replay:
             saved=tuple(dict.fromkeys(self._saved)),
             inputs=tuple(a.name for a in node.all_input_nodes if a.op not in ("placeholder", "get_attr")),
         )
+
+
+def _mutates(node: torch.fx.Node) -> bool:
+    """True for in-place ops (``aten.div_``, ``x.add_(…)``)."""
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.is_mutable
+    return node.op == "call_method" and isinstance(t, str) and t.endswith("_") and not t.startswith("_")
 
 
 def _clean_path(path: str) -> str:

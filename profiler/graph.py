@@ -16,8 +16,8 @@ Conventions:
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Iterable
 
 Shape = tuple[int, ...]
 
@@ -98,7 +98,7 @@ class ModelGraph:
         return asdict(self) | {"fingerprint": self.fingerprint}
 
     @staticmethod
-    def from_dict(d: dict) -> "ModelGraph":
+    def from_dict(d: dict) -> ModelGraph:
         def tup(x):
             return tuple(tuple(s) for s in x)
 

@@ -23,10 +23,12 @@ from collections import Counter
 from profiler.graph import Layer, LayerGraph, ModelGraph, NodeInfo
 
 #: Linear names split column-wise (zoo: wq/wk/wv/w1/w3; Llama-style HF: *_proj; BERT: query/key/value).
+#: GPT-2: c_attn (fused q/k/v), c_fc.
 COLUMN_NAMES = ("wq", "wk", "wv", "w1", "w3", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
-                "query", "key", "value", "fc1", "intermediate.dense")
-#: Linear names split row-wise.
-ROW_NAMES = ("wo", "w2", "o_proj", "down_proj", "out_proj", "fc2", "attention.output.dense", "output.dense")
+                "query", "key", "value", "fc1", "intermediate.dense", "c_attn", "c_fc")
+#: Linear names split row-wise (GPT-2: c_proj, in attention and MLP).
+ROW_NAMES = ("wo", "w2", "o_proj", "down_proj", "out_proj", "fc2", "attention.output.dense", "output.dense",
+             "c_proj")
 
 _INDEX = re.compile(r"^(?P<container>(?:[^.]+\.)*?[^.]+)\.(?P<idx>\d+)(?:\.|$)")
 
@@ -138,9 +140,7 @@ def group_layers(graph: ModelGraph) -> LayerGraph:
         else:
             top = n.module_path.split(".", 1)[0] or "<root>"
             name, kind = (top, "other")
-        if groups and groups[-1][0] == name:
-            groups[-1][2].append(n)
-        elif groups and kind == "between" and groups[-1][1] == "between":
+        if groups and (groups[-1][0] == name or (kind == "between" and groups[-1][1] == "between")):
             groups[-1][2].append(n)
         else:
             groups.append((name, kind, [n]))
@@ -189,3 +189,15 @@ def group_layers(graph: ModelGraph) -> LayerGraph:
             input_bytes=sum(out_bytes[i] for i in incoming),
         ))
     return LayerGraph(model=graph, layers=tuple(layers), block_container=container)
+
+
+def tp_saved_bytes(layer: Layer) -> tuple[int, int]:
+    """Split a block's saved activation bytes into (replicated, sharded) under tensor parallelism.
+
+    A column linear saves its input, the replicated hidden state; a row linear saves its input, the sharded
+    output of the attention or MLP core; every other node saves tensors of its own role. Sharded bytes are
+    divided by the tensor-parallel degree, replicated ones are not (Korthikanti et al. 2022, eq. 2:
+    sbh(10 + 24/t + 5as/(ht)), of which 10·sbh is replicated). A block without roles is all replicated.
+    """
+    replicated = sum(n.saved_bytes for n in layer.nodes if n.tp_role in ("column", "replicated", "none", "vocab"))
+    return replicated, layer.saved_bytes - replicated

@@ -1,0 +1,237 @@
+"""Fit the device efficiency constants on published runs and print predicted vs published, row by row.
+
+    python -m costmodel.calibrate            # fit, write costmodel/data/fitted.yaml, print the tables
+    python -m costmodel.calibrate --check    # no fit: print the tables with the constants in fitted.yaml
+
+Data: costmodel/data/published_runs.json, a copy of shared/calibration/published_runs.json (each record: source,
+model, cluster, configuration, measured result). Rows used:
+
+- Korthikanti et al. 2022 Table 5 (A100): 22B, 175B, 530B, 1T, full recomputation and selective + sequence
+  parallel: 8 iteration times. Megatron-LM of 2022 ran unfused attention with dropout (no FlashAttention), so the
+  models are captured with ``attention=math``; interleaving with 3 virtual stages for 175B and 530B, as published.
+- llm-foundry MPT benchmarks (A100 40/80 GB, H100): pure FSDP (FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2), with
+  or without full activation checkpointing, FlashAttention; tokens/s. MPT has no biases and ALiBi instead of
+  learned positions; our GPT is used with its sizes (the differences are < 0.1 % of the FLOPs).
+
+One set of constants per device *kind* (``a100``: 40 and 80 GB; ``h100``), never per row: the matmul efficiency
+curve (``e_max``, ``f_half``), the memory-bound efficiency and the overlap slowdown. The fit minimises the mean
+absolute relative error of the step time over the kind's rows (Nelder-Mead on bounded, transformed parameters),
+each source weighted equally. Korthikanti Table 4 (per-layer forward/backward of the 22B model) is predicted, not
+fitted, and printed as a check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import json
+import math
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+from costmodel.cluster import Cluster, load_cluster
+from costmodel.config import AC, ParallelConfig, Schedule
+from costmodel.estimate import Evaluator
+from costmodel.hardware import FITTED_FILE, EfficiencyCurve
+
+DATA = Path(__file__).parent / "data" / "published_runs.json"
+KIND_OF_GPU = {"a100_40gb": "a100", "a100_80gb": "a100", "h100_80gb": "h100"}
+PRESET = {"a100_40gb": "dgx-a100-40g", "a100_80gb": "dgx-a100-80g", "h100_80gb": "dgx-h100"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One published run, translated into our terms."""
+
+    id: str
+    source: str  #: "korthikanti" or "llm-foundry"
+    kind: str  #: device kind
+    model: str  #: model spec
+    cluster: str  #: cluster spec
+    config: ParallelConfig
+    global_batch: int
+    measured_step_s: float
+
+
+def load_rows(path: Path = DATA) -> list[Row]:
+    recs = json.loads(path.read_text())["records"]
+    rows = []
+    for r in recs:
+        rid, m, c, meas = r["id"], r["model"], r["config"], r["measured"]
+        if rid.startswith("korthikanti22_t5_"):
+            spec = (f"gpt:layers={m['layers']},hidden={m['hidden']},heads={m['heads']},seq={m['seq']},"
+                    f"vocab={m['vocab']},attention=math")
+            v = c.get("interleaved_stages") or 1
+            cfg = ParallelConfig(dp=c["d"], tp=c["t"], pp=c["p"], mbs=c["micro_batch"], vpp=v,
+                                 schedule=Schedule.INTERLEAVED if v > 1 else Schedule.ONE_F_ONE_B,
+                                 ac=AC.FULL if c["recompute"] == "full" else AC.SELECTIVE, sp=bool(c["sp"]))
+            n = c["t"] * c["p"] * c["d"]
+            rows.append(Row(id=rid, source="korthikanti", kind="a100", model=spec,
+                            cluster=f"dgx-a100-80g:nodes={n // 8}", config=cfg, global_batch=c["global_batch"],
+                            measured_step_s=meas["step_time_s"]))
+        elif rid.startswith("llmfoundry_"):
+            gpu = r["cluster"]["gpu"]
+            if gpu not in PRESET:
+                continue
+            spec = (f"gpt:layers={m['layers']},hidden={m['hidden']},heads={m['heads']},seq={m['seq']},"
+                    f"vocab={m['vocab']},dropout=0")
+            zero = 3 if "FULL_SHARD" in c["zero"] else 2 if "SHARD_GRAD_OP" in c["zero"] else 0
+            prec = "fp8" if "fp8" in c["precision"] else "bf16"
+            n = r["cluster"]["n_gpus"]
+            cfg = ParallelConfig(dp=c["d"], mbs=c["micro_batch"], zero=zero,
+                                 ac=AC.FULL if c["recompute"] == "full" else AC.NONE, precision=prec)
+            gb = c["global_batch"]
+            step = gb * m["seq"] / meas["tokens_per_s"]
+            rows.append(Row(id=rid, source="llm-foundry", kind=KIND_OF_GPU[gpu], model=spec,
+                            cluster=f"{PRESET[gpu]}:nodes={max(1, n // 8)}", config=cfg, global_batch=gb,
+                            measured_step_s=step))
+    return rows
+
+
+@lru_cache(maxsize=None)
+def _graph(spec: str):
+    from profiler.api import profile_model
+
+    return profile_model(spec)
+
+
+@lru_cache(maxsize=None)
+def _cluster(spec: str) -> Cluster:
+    return load_cluster(spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class Constants:
+    e_max: float
+    f_half: float
+    memory_eff: float
+    overlap_slowdown: float
+
+    def apply(self, cluster: Cluster, source: str) -> Cluster:
+        dev = dataclasses.replace(cluster.device,
+                                  matmul_eff=EfficiencyCurve(e_max=self.e_max, f_half=self.f_half, source=source),
+                                  memory_eff=self.memory_eff, overlap_slowdown=self.overlap_slowdown)
+        return dataclasses.replace(cluster, device=dev)
+
+
+def predict(row: Row, k: Constants | None = None):
+    cluster = _cluster(row.cluster)
+    if k is not None:
+        cluster = k.apply(cluster, "fit in progress")
+    return Evaluator(_graph(row.model), cluster, row.config, row.global_batch).evaluate()
+
+
+def _error(rows: list[Row], k: Constants) -> float:
+    by_source: dict[str, list[float]] = {}
+    for row in rows:
+        est = predict(row, k)
+        by_source.setdefault(row.source, []).append(abs(est.step_time_s / row.measured_step_s - 1))
+    return sum(sum(v) / len(v) for v in by_source.values()) / len(by_source)
+
+
+def _unpack(x) -> Constants:
+    sig = lambda v: 1 / (1 + math.exp(-v))  # noqa: E731
+    return Constants(e_max=0.3 + 0.7 * sig(x[0]), f_half=math.exp(x[1]), memory_eff=0.2 + 0.8 * sig(x[2]),
+                     overlap_slowdown=0.5 * sig(x[3]))
+
+
+def fit(rows: list[Row]) -> tuple[Constants, float]:
+    from scipy.optimize import minimize
+
+    x0 = [1.0, math.log(2e9), 1.0, -2.0]
+    res = minimize(lambda x: _error(rows, _unpack(x)), x0, method="Nelder-Mead",
+                   options={"maxiter": 300, "xatol": 1e-3, "fatol": 1e-5})
+    return _unpack(res.x), float(res.fun)
+
+
+def write_fitted(fits: dict[str, tuple[Constants, float, list[Row]]]) -> None:
+    out = {}
+    today = _dt.date.today().isoformat()
+    for kind, (k, err, rows) in sorted(fits.items()):
+        srcs = sorted({r.source for r in rows})
+        out[kind] = {
+            "matmul_e_max": round(k.e_max, 4), "matmul_f_half": float(f"{k.f_half:.4g}"),
+            "memory_eff": round(k.memory_eff, 4), "overlap_slowdown": round(k.overlap_slowdown, 4),
+            "source": f"fitted {today} by python -m costmodel.calibrate on {len(rows)} published runs "
+                      f"({', '.join(srcs)}); mean abs error {err:.1%}",
+        }
+    text = "# Written by `python -m costmodel.calibrate`; one set of constants per device kind.\n"
+    FITTED_FILE.write_text(text + yaml.safe_dump(out, sort_keys=True))
+
+
+def report(rows: list[Row], file=sys.stdout) -> dict[str, list[float]]:
+    """Print predicted vs published per row; return the relative errors by source."""
+    errs: dict[str, list[float]] = {}
+    fits_all: dict[str, bool] = {}
+    print(f"{'row':<70} {'published':>10} {'predicted':>10} {'error':>8} {'fits':>5}", file=file)
+    for row in rows:
+        est = predict(row)
+        e = est.step_time_s / row.measured_step_s - 1
+        errs.setdefault(row.source, []).append(e)
+        fits_all[row.id] = est.fits
+        print(f"{row.id[:70]:<70} {row.measured_step_s:>9.3f}s {est.step_time_s:>9.3f}s {e:>+7.1%} "
+              f"{'yes' if est.fits else 'NO':>5}", file=file)
+    for src, v in errs.items():
+        mae = sum(abs(x) for x in v) / len(v)
+        print(f"{src}: {len(v)} rows, mean abs error {mae:.1%}, max {max(abs(x) for x in v):.1%}", file=file)
+    print(f"predicted to fit: {sum(fits_all.values())}/{len(fits_all)}", file=file)
+    return errs
+
+
+def table4(file=sys.stdout) -> list[tuple[str, float, float, float, float]]:
+    """Korthikanti Table 4: per-layer forward/backward of the 22B model (t = 8, b = 4), predicted vs published."""
+    recs = {r["id"]: r for r in json.loads(DATA.read_text())["records"] if r["id"].startswith("korthikanti22_t4")}
+    spec = "gpt:layers=48,hidden=6144,heads=64,seq=2048,vocab=51200,attention=math"
+    lg = _graph(spec)
+    cluster = _cluster("dgx-a100-80g")
+    out = []
+    print(f"{'Table 4 row':<50} {'fwd pub':>8} {'fwd pred':>9} {'bwd pub':>8} {'bwd pred':>9}", file=file)
+    for rid, r in recs.items():
+        c = r["config"]
+        ac = {"none": AC.NONE, "full": AC.FULL, "selective": AC.SELECTIVE}[c["recompute"]]
+        cfg = ParallelConfig(tp=8, mbs=4, sp=bool(c["sp"]), ac=ac)
+        ev = Evaluator(lg, cluster, cfg, 4)
+        block = next(i for i, layer in enumerate(lg.layers) if layer.kind == "block")
+        lc = ev.cost(block, ac)
+        fwd = (lc.fwd_s + lc.tp_comm_fwd_s) * 1e3
+        bwd = (lc.bwd_s + lc.recompute_s + lc.tp_comm_bwd_s) * 1e3
+        pf, pb = r["measured"]["layer_forward_ms"], r["measured"]["layer_backward_ms"]
+        out.append((rid, pf, fwd, pb, bwd))
+        print(f"{rid.removeprefix('korthikanti22_t4_22B_layer_'):<50} {pf:>7.1f}ms {fwd:>8.1f}ms {pb:>7.1f}ms "
+              f"{bwd:>8.1f}ms", file=file)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m costmodel.calibrate", description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="do not fit; report with the constants in fitted.yaml")
+    args = ap.parse_args(argv)
+    rows = load_rows()
+    if not args.check:
+        fits = {}
+        for kind in sorted({r.kind for r in rows}):
+            kr = [r for r in rows if r.kind == kind]
+            k, err = fit(kr)
+            fits[kind] = (k, err, kr)
+            print(f"{kind}: e_max {k.e_max:.3f}, f_half {k.f_half:.3g} FLOP, memory_eff {k.memory_eff:.3f}, "
+                  f"overlap_slowdown {k.overlap_slowdown:.3f}; objective {err:.2%}")
+        write_fitted(fits)
+        # the catalog reads fitted.yaml when a device is first built: rebuild the clusters
+        from costmodel import hardware
+
+        hardware.DEVICES._built.clear()
+        from costmodel import cluster as cl
+
+        cl.CLUSTER_PRESETS._built.clear()
+        _cluster.cache_clear()
+    report(rows)
+    table4()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

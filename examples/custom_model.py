@@ -1,0 +1,59 @@
+"""A model of your own for autopar: ``autopar profile examples/custom_model.py:factory``.
+
+autopar calls ``factory(batch=…, seq=…)`` (each keyword only if the factory takes it) under the meta device, so
+the model costs no memory however large it is, and captures ``model(*example_inputs)`` with ``torch.export``. Two
+rules make a model capturable: ``forward`` returns the scalar training loss, and no Python ``if`` looks at a
+tensor's *values* (shapes are fine; use ``torch.where`` for value-dependent choices). Keep the repeated blocks in
+an ``nn.ModuleList``: autopar groups the graph into embed, one layer per block, and head.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: causal self-attention, then a GELU MLP."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.attention_norm = nn.LayerNorm(dim)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.ffn_norm = nn.LayerNorm(dim)
+        self.w1 = nn.Linear(dim, 4 * dim)
+        self.w2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        h = self.attention_norm(x)
+        q, k, v = (w(h).view(b, s, self.heads, d // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(attn.transpose(1, 2).reshape(b, s, d))
+        return x + self.w2(F.gelu(self.w1(self.ffn_norm(x))))
+
+
+class TinyLM(nn.Module):
+    """Token embedding, ``layers`` blocks, a final norm and an untied output projection."""
+
+    def __init__(self, vocab: int = 256, dim: int = 64, heads: int = 4, layers: int = 3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def factory(batch: int = 1, seq: int = 64):
+    """The model and its example inputs ``(input_ids, labels)``, each (batch, seq) token ids."""
+    model = TinyLM()
+    input_ids = torch.randint(0, 256, (batch, seq))
+    labels = torch.randint(0, 256, (batch, seq))
+    return model, (input_ids, labels)
