@@ -18,7 +18,8 @@ head all-reduces its input gradient (loss-parallel statistics are a few bytes pe
 
 Activation checkpointing (Korthikanti et al. 2022 Table 2 and §5):
 - ``none`` keeps every saved activation;
-- ``selective`` recomputes the attention core (ops whose outputs grow as seq² per head), keeping the rest;
+- ``selective`` recomputes the unfused attention core (ops producing or reading seq×seq scores) and drops its
+  seq×seq saved tensors, keeping the rest; with a fused (flash) attention kernel there is nothing to drop;
 - ``full`` keeps only the layer's input and recomputes its whole forward (tensor-parallel all-reduces
   included) just before its backward.
 """
@@ -162,8 +163,8 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
             act_repl += saved
         if n.is_attention_core:
             core_fwd += t_f
-            core_act += saved
             core_flops += n.fwd_flops * k
+            core_act += n.saved_square_bytes * k * f * ctx.act_scale
     act_none = act_sharded + act_repl
 
     comm_f = comm_b = 0.0

@@ -50,7 +50,10 @@ class CaptureError(ValueError):
 _SDPA = {torch.ops.aten.scaled_dot_product_attention.default}
 _VIEW_TARGETS = {operator.getitem}
 _CPU = torch.device("cpu")
-_NO_TRAFFIC = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
+# ops that move no data: aliases, and allocations whose contents are never read (baddbmm with beta=0)
+_NO_TRAFFIC = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default,
+               torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
+               torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty.default}
 _KERNELS = ("gpu", "native")
 _DROPOUT = {torch.ops.aten.dropout.default}
 
@@ -288,7 +291,7 @@ class _Replay:
         self.gpu_kernels = kernels == "gpu"
         self.model = model
         self.storage_ids: dict = {}  # activation storage → id, in the order first saved
-        self._saved: list[tuple[int, int]] = []
+        self._saved: list[tuple[int, int, bool]] = []
         self.env: dict[torch.fx.Node, Any] = {}
         self.param_of: dict[torch.fx.Node, str] = {}  # node → FQN of the parameter it is (a view of)
         self._charged = 0
@@ -300,7 +303,10 @@ class _Replay:
         if ref not in self.storage_ids:
             self.storage_ids[ref] = len(self.storage_ids)
             self._charged += t.untyped_storage().nbytes()
-        self._saved.append((self.storage_ids[ref], t.untyped_storage().nbytes()))
+            if t.dim() >= 2 and t.shape[-1] == t.shape[-2] > 1:
+                self._square_charged += t.untyped_storage().nbytes()
+        square = t.dim() >= 2 and t.shape[-1] == t.shape[-2] > 1  # seq×seq attention scores/probabilities
+        self._saved.append((self.storage_ids[ref], t.untyped_storage().nbytes(), bool(square)))
         return t
 
     def _placeholders(self) -> None:
@@ -377,6 +383,7 @@ class _Replay:
         fn = self._callable(node)
         self._charged = 0
         self._saved = []
+        self._square_charged = 0
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), _counting() as (fc, bc):
             out = fn(*args, **kwargs)
         fwd_flops, fwd_bytes, saved = fc.get_total_flops(), bc.total, self._charged
@@ -414,6 +421,7 @@ class _Replay:
             output_dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in out_t),
             fwd_flops=int(fwd_flops), bwd_flops=int(bwd_flops), fwd_bytes=int(fwd_bytes), bwd_bytes=int(bwd_bytes),
             output_bytes=sum(_nbytes(t) for t in out_t), params=tuple(params), saved_bytes=int(saved),
+            saved_square_bytes=int(self._square_charged),
             saved=tuple(dict.fromkeys(self._saved)),
             inputs=tuple(a.name for a in node.all_input_nodes if a.op not in ("placeholder", "get_attr")),
         )

@@ -45,10 +45,10 @@ def unfold(graph: ModelGraph, depth: int) -> ModelGraph:
 
     first_seen: dict[int, str] = {}
     for n in graph.nodes:
-        for sid, _ in n.saved:
+        for sid, *_ in n.saved:
             first_seen.setdefault(sid, n.name)
     tmpl_names = {n.name for n in tmpl}
-    own_ids = {sid for n in tmpl for sid, _ in n.saved if first_seen[sid] in tmpl_names}
+    own_ids = {sid for n in tmpl for sid, *_ in n.saved if first_seen[sid] in tmpl_names}
     next_id = max(first_seen, default=-1) + 1
 
     prefix_t = f"{container}.{k - 1}"
@@ -74,7 +74,7 @@ def unfold(graph: ModelGraph, depth: int) -> ModelGraph:
             copy.append(replace(
                 n, name=f"{n.name}__b{i}", module_path=pattern.sub(f"{container}.{i}", n.module_path),
                 params=tuple(pattern.sub(f"{container}.{i}", p) for p in n.params), inputs=tuple(inputs),
-                saved=tuple((id_map.get(sid, sid), b) for sid, b in n.saved),
+                saved=tuple((id_map.get(sid, sid), *rest) for sid, *rest in n.saved),
             ))
         new_blocks.append(copy)
 

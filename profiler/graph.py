@@ -42,15 +42,19 @@ class NodeInfo:
     output_bytes: int  #: bytes of the node's tensor outputs
     params: tuple[str, ...]  #: FQNs of the parameters this node reads directly
     inputs: tuple[str, ...] = ()  #: names of the call nodes whose outputs this node reads
-    saved: tuple[tuple[int, int], ...] = ()  #: (storage id, bytes) of every activation storage it saves
+    saved: tuple[tuple[int, int, bool], ...] = ()  #: (storage id, bytes, is seq×seq) of every storage it saves
+    saved_square_bytes: int = 0  #: the part of saved_bytes in seq×seq tensors (attention scores/probabilities)
     saved_bytes: int  #: activation bytes first saved for backward by this node
     tp_role: str = "none"  #: ``column`` | ``row`` | ``sharded`` | ``replicated`` | ``vocab`` | ``none``
 
     @property
     def is_attention_core(self) -> bool:
-        """True for ops whose output grows with seq² per head (the part selective recomputation drops)."""
-        return self.kind == "attention" or any(
-            len(s) >= 3 and s[-1] == s[-2] and s[-1] > 1 for s in self.output_shapes
+        """True for the unfused attention core: ops that produce or read seq×seq scores or probabilities
+        (QKᵀ, mask, softmax, dropout, ·V). Selective recomputation (Korthikanti et al. 2022 §4.2) recomputes
+        them and drops their seq×seq saved tensors. A fused attention kernel exposes none, so selective
+        recomputation leaves it alone."""
+        return self.kind != "attention" and any(
+            len(s) >= 3 and s[-1] == s[-2] and s[-1] > 1 for s in self.output_shapes + self.input_shapes
         )
 
 

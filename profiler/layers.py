@@ -110,9 +110,10 @@ def _dedupe_saved_within(nodes: list[NodeInfo]) -> list[NodeInfo]:
     seen: set[int] = set()
     out = []
     for n in nodes:
-        fresh = [(sid, b) for sid, b in n.saved if sid not in seen]
-        seen.update(sid for sid, _ in fresh)
-        out.append(_with(n, saved_bytes=sum(b for _, b in fresh)))
+        fresh = [(sid, b, sq) for sid, b, sq in n.saved if sid not in seen]
+        seen.update(sid for sid, _, _ in fresh)
+        out.append(_with(n, saved_bytes=sum(b for _, b, _ in fresh),
+                         saved_square_bytes=sum(b for _, b, sq in fresh if sq)))
     return out
 
 

@@ -1,0 +1,90 @@
+"""`auto_parallelize`: apply a plan to a model inside a torchrun process, with the functions emitted scripts use."""
+
+from __future__ import annotations
+
+import copy as _copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from planner import runtime
+from planner.emit_config import runtime_config
+from planner.plan import Plan
+
+
+@dataclass
+class ParallelHandle:
+    """A parallelised model: ``step(batch)`` trains one optimizer step; the parts are there for your own loop."""
+
+    parallel: runtime.Parallel  #: everything `planner.runtime.parallelize` built
+    optimizer: torch.optim.Optimizer  #: over this rank's parameters
+    plan: Plan  #: the plan applied
+
+    @property
+    def module(self) -> nn.Module:
+        """The (DDP/FSDP-wrapped) model; with pipeline parallelism, this rank's first stage module."""
+        return self.parallel.modules[0]
+
+    @property
+    def stages(self) -> list:
+        """This rank's PipelineStage objects (empty without pipeline parallelism)."""
+        return self.parallel.stages
+
+    @property
+    def schedule(self):
+        """The pipeline schedule (None without pipeline parallelism)."""
+        return self.parallel.schedule
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        """One optimizer step on the **global** batch ``(input_ids, labels)`` (the same on every rank, rows =
+        ``plan.global_batch``); returns the global mean loss."""
+        inputs, labels = batch
+        if inputs.shape[0] != self.plan.global_batch:
+            raise ValueError(f"batch has {inputs.shape[0]} rows but the plan's global batch is "
+                             f"{self.plan.global_batch}; pass the whole global batch on every rank")
+        return runtime.train_step(self.parallel, self.optimizer, inputs, labels)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters, unsharded, under their original names (collective: call on every rank)."""
+        return runtime.full_parameters(self.parallel)
+
+
+def _load_plan(plan: Plan | str | Path | None, model: nn.Module, example_inputs, cluster: str,
+               plan_kwargs: dict | None) -> Plan:
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, Path)):
+        return Plan.load(plan)
+    try:
+        from planner.search import plan_for_module
+    except ImportError:
+        raise ValueError("automatic planning (planner.search.plan_for_module) is not available in this build; "
+                         "pass plan=Plan(...) or plan='plan.yaml' written by `autopar plan`") from None
+    world = dist.get_world_size() if dist.is_initialized() else int(__import__("os").environ.get("WORLD_SIZE", 1))
+    return plan_for_module(model, example_inputs, cluster=cluster, world_size=world, **(plan_kwargs or {}))
+
+
+def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str = "cpu-local",
+                     plan: Plan | str | Path | None = None, plan_kwargs: dict | None = None, copy: bool = True,
+                     optimizer: str = "adamw", lr: float = 1e-3, seed: int = 0) -> ParallelHandle:
+    """Parallelise ``model`` by ``plan`` (a Plan, a plan file, or None to plan it for ``cluster`` now) in a torchrun
+    process, and return a handle that trains it.
+
+    Applies exactly what an emitted script applies (`planner.runtime.parallelize`). The caller's ``model`` is left
+    untouched: it is deep-copied first. With ``copy=False`` the model itself is modified in place (wrapped, sharded,
+    and with pipeline parallelism stripped of the blocks other stages own). Rank 0's weights are broadcast to every
+    rank first, so all ranks start from the same model. The process group is started if needed (gloo on CPU, NCCL
+    with CUDA), after checking the world size against the plan.
+    """
+    the_plan = _load_plan(plan, model, example_inputs, cluster, plan_kwargs)
+    config = runtime_config(the_plan, model, seed=seed, optimizer=optimizer, lr=lr)
+    mesh = runtime.init_distributed(config)
+    source = (_copy.deepcopy(model) if copy else model).to(runtime.current_device())
+    with torch.no_grad():
+        for tensor in [*source.parameters(), *source.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+    par = runtime.parallelize(lambda: source, config, mesh)
+    return ParallelHandle(parallel=par, optimizer=runtime.build_optimizer(par, config), plan=the_plan)

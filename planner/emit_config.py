@@ -1,0 +1,112 @@
+"""From a `Plan` and the model's module tree to the literal dict ``PLAN`` that `planner.runtime` applies.
+
+Both the emitted script (as a literal) and `auto_parallelize` (in-process) use this dict, so the two paths apply
+the same decisions. The tensor-parallel layout comes from the module names in `profiler.layers` (`COLUMN_NAMES`,
+`ROW_NAMES`), the same the cost model reads.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from planner.plan import AC, Plan, parse_grad_compress
+from profiler.layers import COLUMN_NAMES, ROW_NAMES
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def _matches(path: str, names: tuple[str, ...]) -> bool:
+    return any(path == n or path.endswith("." + n) for n in names)
+
+
+def block_container(plan: Plan) -> str:
+    """The ModuleList holding the blocks, from the plan's layer names (``layers.3`` → ``layers``)."""
+    blocks = [lay.name for lay in plan.layers if lay.name not in ("embed", "head")]
+    if not blocks:
+        raise ValueError(f"plan for {plan.model} has no block layers; re-plan the model")
+    containers = {name.rpartition(".")[0] for name in blocks}
+    if len(containers) != 1 or "" in containers:
+        raise ValueError(f"plan layers {blocks[:3]}… are not numbered children of one module list; re-plan")
+    return containers.pop()
+
+
+def tp_layout(block: nn.Module) -> dict[str, str]:
+    """``{relative linear name: "colwise" | "rowwise"}`` for one block, by module name."""
+    layout = {}
+    for name, module in block.named_modules():
+        if isinstance(module, nn.Linear):
+            if _matches(name, COLUMN_NAMES):
+                layout[name] = "colwise"
+            elif _matches(name, ROW_NAMES):
+                layout[name] = "rowwise"
+    return layout
+
+
+def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: str = "adamw", lr: float = 1e-3,
+                   powersgd_start_iter: int = 2) -> dict:
+    """The ``PLAN`` dict of `planner.runtime` for ``plan`` applied to ``model`` (any device, meta included)."""
+    c = plan.config
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    if plan.global_batch % (c.dp * c.mbs):
+        raise ValueError(f"global_batch {plan.global_batch} is not a multiple of dp·mbs = {c.dp}·{c.mbs}")
+    container = block_container(plan)
+    try:
+        blocks = model.get_submodule(container)
+    except AttributeError:
+        raise ValueError(f"plan for {plan.model} expects blocks at {container!r}, which this model lacks") from None
+    if c.pp > 1 and "." in container:
+        raise ValueError(f"pp={c.pp}: pipeline splitting needs the blocks in a top-level ModuleList with None-able "
+                         f"embedding/head (the zoo convention); {plan.model} keeps them at {container!r}; use pp=1")
+    names = {lay.name for lay in plan.layers}
+    expected = {"embed", "head"} | {f"{container}.{i}" for i in range(len(blocks))}
+    if names != expected:
+        missing = sorted(expected - names) or sorted(names - expected)
+        raise ValueError(f"plan layers do not match the model's {len(blocks)} blocks (first difference: "
+                         f"{missing[0]!r}); re-plan for this model")
+    block_layers = [lay for lay in plan.layers if lay.name not in ("embed", "head")]
+    ac = {lay.name: lay.ac.value for lay in block_layers if lay.ac != AC.NONE}
+    if not ac and c.ac != AC.NONE:  # no per-layer choice: the configuration's default applies to every block
+        ac = {lay.name: c.ac.value for lay in block_layers}
+    tp_blocks = [lay.name for lay in block_layers if lay.tp]
+    if c.tp > 1 and not tp_blocks:  # no per-layer choice: every block is split
+        tp_blocks = [lay.name for lay in block_layers]
+    layout = tp_layout(blocks[0]) if len(blocks) else {}
+    if c.tp > 1:
+        _check_tp(plan, blocks[0], layout)
+    n_stages = c.pp * c.vpp
+    if plan.stages and c.pp > 1:
+        stage_rank = [s.rank for s in sorted(plan.stages, key=lambda s: s.index)]
+        if len(stage_rank) != n_stages:
+            raise ValueError(f"plan has {len(stage_rank)} stage entries for pp·vpp = {n_stages}; re-plan")
+    else:
+        stage_rank = [s % c.pp for s in range(n_stages)]
+    kind, rank = parse_grad_compress(c.grad_compress)
+    if c.pp > 1 and plan.grad_accum < c.pp:
+        raise ValueError(f"pp={c.pp} needs at least {c.pp} micro-batches, but global_batch/(dp·mbs) = "
+                         f"{plan.grad_accum}; raise global_batch or lower mbs")
+    block0 = blocks[0] if len(blocks) else nn.Module()
+    sp_norms = [n for n, m in block0.named_children() if "norm" in type(m).__name__.lower()]
+    sp_gather = sorted({rel.rpartition(".")[0] for rel, k in layout.items() if k == "colwise"} - {""})
+    return {
+        "model": plan.model, "world": c.world, "pp": c.pp, "dp": c.dp, "tp": c.tp, "vpp": c.vpp,
+        "schedule": c.schedule.value, "zero": c.zero, "sp": c.sp, "grad_compress": kind, "powersgd_rank": rank,
+        "powersgd_start_iter": powersgd_start_iter, "pp_compress": c.pp_compress, "precision": c.precision,
+        "mbs": c.mbs, "grad_accum": plan.grad_accum, "global_batch": plan.global_batch, "seq": plan.seq,
+        "block_container": container, "stage_of": {lay.name: lay.stage for lay in plan.layers},
+        "stage_rank": stage_rank, "ac": ac, "tp_blocks": tp_blocks, "tp_layout": layout, "sp_norms": sp_norms,
+        "sp_gather": sp_gather, "optimizer": optimizer, "lr": lr, "seed": seed,
+    }
+
+
+def _check_tp(plan: Plan, block: nn.Module, layout: dict[str, str]) -> None:
+    tp = plan.config.tp
+    if "colwise" not in layout.values() or "rowwise" not in layout.values():
+        raise ValueError(f"tp={tp}: no column/row linear pair found in {plan.model}'s blocks by name; plan tp=1")
+    for rel, kind in layout.items():
+        linear = block.get_submodule(rel)
+        width = linear.out_features if kind == "colwise" else linear.in_features
+        head_dim = getattr(block.get_submodule(rel.rpartition(".")[0]) if "." in rel else block, "head_dim", 1)
+        if width % (tp * head_dim):
+            raise ValueError(f"tp={tp} does not divide {rel} ({width} features, head size {head_dim}); "
+                             f"choose tp among the divisors of the head counts")

@@ -1,0 +1,594 @@
+"""The inner problem: for one outer candidate (dp, tp, pp, vpp, schedule, mbs, zero, sp), choose activation
+checkpointing per layer, contiguous (virtual) pipeline stages and compression per communication group, minimising
+the predicted step time of `costmodel.estimate.Evaluator.evaluate` subject to memory per rank. A mixed-integer
+program solved with pywraplp (SCIP; CBC or HiGHS when SCIP is missing).
+
+Data. S = pp·vpp stages; stage c runs on pipeline rank r(c) = c mod pp. Identical blocks (one signature) are
+interchangeable, so they are *counted*, not placed: the layers before the first block ("pre", the embedding) sit on
+stage 0, the layers after the last one ("post", the head) on stage S − 1, and every stage holds ≥ 1 block. Per AC
+mode a and layer i the evaluator gives t = fwd + bwd + recompute + tp_comm, the backward window bwd + recompute,
+activations, the recomputation peak and parameters (`Evaluator.cost`). Functions of the number n of blocks on a
+rank that are not linear (collective times, PowerSGD encode, FSDP's two largest layers) are tabulated exactly with
+the cost model's own functions, one value per possible n. All times are in units of ``time_unit`` seconds and all
+bytes in units of ``mem_unit`` so that the solver's tolerances are relative.
+
+Variables (dicts keyed by meaning):
+- ``blocks[c, a]`` ∈ ℤ≥0: blocks on stage c with AC mode a (Σ_a ≥ 1; Σ_c,a = number of blocks).
+- ``fixed_ac[i, a]`` ∈ {0,1}: AC mode of a pre/post layer i (one per layer).
+- ``rank_blocks[r, n]`` ∈ {0,1}: rank r holds exactly n blocks (one n per rank; only when n can vary).
+- ``uses_ac[r, a]`` ∈ {0,1}: some block on rank r uses AC mode a (for the recomputation peak).
+- ``compress["dp", k]``, ``compress["pp", k]`` ∈ {0,1}: gradient / boundary compression (one each).
+- continuous: ``stage_time[c]``, ``bottleneck``, ``finish``, the epigraph variables of the max(0, ·) terms
+  (``fsdp_excess[c, "fwd"|"bwd"]``, ``dp_excess[r, k]``, ``dp_tail[r, k]``, ``zero2_excess[r, …]``), the
+  recomputation peak ``rec_peak[r]``.
+
+Objective (`add_objective`): step = (m − φ)·bottleneck + φ·Σ_r T_r + finish, which equals evaluate's
+m·max_r T_r + φ·(Σ_r T_r − max_r T_r) + max_r finish_r because m ≥ φ (m ≥ 1, φ ≤ 1).
+
+Constraint families, one function each:
+1. `add_assignment`: one AC per fixed layer; all blocks placed; every stage non-empty; one compression per group.
+2. `add_rank_counts`: rank r's block count N_r = Σ_{c≡r} Σ_a blocks[c, a] equals Σ_n n·rank_blocks[r, n].
+3. `add_stage_times`: T_c = Σ layer t + [c > 0]·p2p(chosen pp compression) + fsdp_c. Under ZeRO-3 fsdp_c =
+   ag_first + ag_last + rs_first + (1 − s)·E_f + s·A_f + (1 − s)·E_b + s·A_b with E ≥ A − window, E ≥ 0
+   (`costmodel.overlap.fsdp_exposed`; s = overlap_slowdown). max(0, A − W) + s·min(A, W) = (1 − s)·max(0, A − W)
+   + s·A, and 1 − s > 0, so the concave min needs no binary: the epigraph is tight at the optimum.
+4. `add_bottleneck`: bottleneck ≥ T_r = Σ_{c≡r} T_c.
+5. `add_finish`: finish ≥ dp_exposed_r + encode_r + optimizer_r for every rank (for the chosen gradient
+   compression k, big-M-gated by compress["dp", k]). DDP/ZeRO-1 (`costmodel.overlap.dp_exposed`): exposed =
+   max(max(0, x), L) + s·min(C, W) with x = C − W, C the all-reduce time (tabulated in N_r), W the rank's backward
+   window, L the last bucket. Written as s·C + G with G ≥ (1 − s)·x, G ≥ 0, G ≥ L − s·P and P ≤ max(0, x) by a
+   binary δ (P ≤ x + M(1 − δ), P ≤ M·δ): the concave part of the max is what needs the binary. ZeRO-2: two tight
+   epigraphs as in 3. ZeRO-1 adds the parameter all-gather (tabulated).
+6. `add_memory`: per rank, 1.05·(params + grads + optimizer + in-flight activations + recompute peak +
+   temporaries) + reserve ≤ capacity (`costmodel.memory`); the recompute peak is the max over the rank's layers,
+   rec_peak[r] ≥ peak_a·uses_ac[r, a] with blocks[c, a] ≤ nb·uses_ac[r, a]; PowerSGD's error buffer is gated by
+   its compress binary.
+
+Decode (`decode`) assigns blocks in order (stage 0 first; within a stage AC modes in the order none, selective,
+full), checks one AC per layer, contiguous non-empty stages and memory, and re-evaluates with
+`Evaluator.evaluate`; the solver's objective must agree with it to 1e-6 relative: that is the consistency proof.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from ortools.linear_solver import pywraplp
+
+from costmodel.cluster import Cluster
+from costmodel.collectives import all_gather_time, reduce_scatter_time
+from costmodel.compression import compressed_grad_comm
+from costmodel.config import AC, ParallelConfig, parse_grad_compress
+from costmodel.estimate import Estimate, Evaluator, pipeline_factor
+from costmodel.memory import DDP_BUCKET_BYTES, FRAGMENTATION, RUNTIME_RESERVED_BYTES, inflight
+from costmodel.overlap import GRAD_REDUCE_BYTES, optimizer_time
+from profiler.graph import LayerGraph
+
+AC_ORDER = (AC.NONE, AC.SELECTIVE, AC.FULL)  #: decode order inside a stage and tie-break order
+GRAD_OPTIONS = ("none", "bf16", "powersgd-4", "powersgd-8")  #: data-parallel gradient compression searched
+PP_OPTIONS = ("none", "bf16")  #: pipeline-boundary activation compression searched
+BACKENDS = ("SCIP", "CBC", "HIGHS")
+AGREEMENT = 1e-6  #: relative tolerance between the solver's objective and Evaluator.evaluate
+
+
+class NotSupportedError(ValueError):
+    """The model's shape is outside what the ILP handles yet; the message says what to do."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Solution:
+    """The solved inner problem of one candidate."""
+
+    config: ParallelConfig  #: the candidate with the chosen compression (and the blocks' usual AC) filled in
+    acs: tuple[AC, ...]  #: AC mode per layer
+    stage_of: tuple[int, ...]  #: (virtual) stage per layer
+    estimate: Estimate  #: Evaluator.evaluate of the decoded plan
+    status: str  #: OPTIMAL or FEASIBLE (time limit hit)
+    objective: float  #: the solver's objective, seconds
+    bound: float  #: the solver's best bound, seconds
+    gap: float  #: (objective − bound) / objective
+    time_s: float  #: build + solve + decode
+    backend: str  #: SCIP, CBC or HIGHS
+
+
+class Infeasible(Exception):
+    """No assignment of this candidate fits in memory (or the solver found none within the time limit)."""
+
+    def __init__(self, status: str, time_s: float) -> None:
+        super().__init__(status)
+        self.status, self.time_s = status, time_s
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+@dataclass
+class Data:
+    """Coefficients of one candidate, read from the cost model (see the module docstring)."""
+
+    ev: Evaluator
+    cfg: ParallelConfig
+    S: int
+    pp: int
+    m: int
+    phi: float
+    slow: float
+    pre: list[int]
+    post: list[int]
+    blocks: list[int]
+    acs: tuple[AC, ...]  #: AC modes offered to the blocks
+    fixed_acs: dict  #: pre/post layer → AC modes offered to it
+    grad_opts: tuple[str, ...]
+    pp_opts: tuple[str, ...]
+    p2p: dict  #: pp option → per-micro-batch boundary time
+    n_range: dict  #: rank → (lowest, highest) block count
+    fixed_rank: dict  #: fixed layer → rank
+    time_unit: float
+    mem_unit: float
+    evs: dict  #: grad option → evaluator with that compression
+
+
+def _evaluator(lg, cluster, cfg, global_batch, cache):
+    ev = Evaluator(lg, cluster, cfg, global_batch)
+    if cache is not None:  # layer costs depend only on the CostContext (tp, sp, mbs, precision): share them
+        key = (cfg.tp, cfg.sp, cfg.mbs, cfg.precision)
+        ev._cache = cache.setdefault(key, ev._cache)
+    return ev
+
+
+def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
+               acs=AC_ORDER, grad_opts=None, pp_opts=None, cost_cache=None) -> Data:
+    base = replace(cfg, grad_compress="none", pp_compress="none")
+    ev = _evaluator(lg, cluster, base, global_batch, cost_cache)
+    S = cfg.pp * cfg.vpp
+    kinds = [layer.kind for layer in lg.layers]
+    blocks = [i for i, k in enumerate(kinds) if k == "block"]
+    one_signature = len({lg.layers[i].signature for i in blocks}) <= 1
+    if not one_signature or not blocks:
+        if S > 1:
+            raise NotSupportedError(f"{lg.model.name}: pipeline stages need identical repeated blocks (found "
+                                    f"{len({lg.layers[i].signature for i in blocks})} block signatures); use pp=1")
+        pre, post, blocks = list(range(len(kinds))), [], []
+    else:
+        pre, post = list(range(blocks[0])), list(range(blocks[-1] + 1, len(kinds)))
+        if any(k != "block" for k in kinds[blocks[0]:blocks[-1] + 1]):
+            raise NotSupportedError(f"{lg.model.name}: non-block layers between blocks; use pp=1")
+    nb = len(blocks)
+    if S > 1 and nb < S:
+        raise NotSupportedError(f"pp·vpp = {S} stages but only {nb} blocks; every stage needs one")
+    # offer an AC mode only when it changes the layer's costs (selective on a layer without an attention core is
+    # none): equal-cost choices would otherwise be broken arbitrarily by the solver
+    block_acs = _distinct_acs(ev, blocks[0], acs) if blocks else tuple(acs)
+    fixed_acs = {i: _distinct_acs(ev, i, acs) for i in pre + post}
+    # offer a compression option only when it can change some coefficient
+    if grad_opts is None:
+        grad_opts = ("none",) if cfg.dp == 1 or cfg.zero >= 2 else GRAD_OPTIONS
+    if pp_opts is None:
+        pp_opts = ("none",) if S == 1 else PP_OPTIONS
+    evs = {k: (ev if k == "none" else _evaluator(lg, cluster, replace(base, grad_compress=k), global_batch,
+                                                   cost_cache)) for k in grad_opts}
+    p2p = {}
+    for k in pp_opts:
+        e = ev if k == "none" else _evaluator(lg, cluster, replace(base, pp_compress=k), global_batch, cost_cache)
+        vals = {e.p2p_time(i) for i in blocks[1:]} if S > 1 else {0.0}
+        assert len(vals) == 1, "identical blocks must have identical boundary transfers"
+        p2p[k] = vals.pop()
+    if len(p2p) > 1 and p2p.get("bf16") == p2p["none"]:
+        del p2p["bf16"]  # bf16 boundary casts change nothing when activations are already 16-bit
+    pp_opts = tuple(p2p)
+    n_range = {}
+    for r in range(cfg.pp):
+        own = sum(1 for c in range(S) if c % cfg.pp == r)
+        n_range[r] = (own, nb - (S - own)) if nb else (0, 0)
+    fixed_rank = {i: 0 for i in pre} | {i: (S - 1) % cfg.pp for i in post}
+    # units: the even, no-recompute step for time, capacity/1000 for memory (solver tolerances become relative)
+    t_ref = sum(ev.cost(i, AC.NONE).fwd_s + ev.cost(i, AC.NONE).bwd_s for i in range(len(kinds))) * ev.m
+    return Data(ev=ev, cfg=cfg, S=S, pp=cfg.pp, m=ev.m, phi=pipeline_factor(cfg.schedule, cfg.vpp),
+                slow=cluster.device.overlap_slowdown, pre=pre, post=post, blocks=blocks, acs=block_acs,
+                fixed_acs=fixed_acs,
+                grad_opts=tuple(grad_opts), pp_opts=pp_opts, p2p=p2p, n_range=n_range, fixed_rank=fixed_rank,
+                time_unit=max(t_ref, 1e-12) / 1000.0, mem_unit=cluster.device.memory_bytes / 1000.0, evs=evs)
+
+
+def _distinct_acs(ev: Evaluator, i: int, acs) -> tuple[AC, ...]:
+    kept: list[AC] = []
+    for a in AC_ORDER:
+        if a in acs and all(ev.cost(i, a) != ev.cost(i, b) for b in kept):
+            kept.append(a)
+    return tuple(kept)
+
+
+def _fixed_on_stage(d: Data, c: int) -> list[int]:
+    return (d.pre if c == 0 else []) + (d.post if c == d.S - 1 else [])
+
+
+def _rank_layer_costs(d: Data, r: int, n: int) -> list:
+    """Costs (AC none: only parameters are read) of rank r holding n blocks, in evaluate's order: every stage
+    holds a block, so the rank's first layer is a block unless the rank holds the pre layers."""
+    ev = d.ev
+    first = [ev.cost(i, AC.NONE) for i in d.pre] if r == 0 else []
+    blocks = [ev.cost(d.blocks[0], AC.NONE)] * n if d.blocks else []
+    last = [ev.cost(i, AC.NONE) for i in d.post] if (d.S - 1) % d.pp == r else []
+    return first + blocks + last
+
+
+# ---------------------------------------------------------------------------------------------------- the model
+class Model:
+    """The MIP of one candidate: build with `Model(data)`, then `solve`, then `decode`."""
+
+    def __init__(self, d: Data, backend: str | None = None) -> None:
+        self.d = d
+        self.solver, self.backend = _create_solver(backend)
+        self.inf = self.solver.infinity()
+        self.add_variables()
+        self.add_assignment()
+        self.add_rank_counts()
+        self.add_stage_times()
+        self.add_bottleneck()
+        self.add_finish()
+        self.add_memory()
+        self.add_objective()
+
+    # -- variables -------------------------------------------------------------------------------------------
+    def add_variables(self) -> None:
+        d, s = self.d, self.solver
+        nb = len(d.blocks)
+        self.blocks = {(c, a): s.IntVar(0, nb, f"blocks[{c},{a.value}]") for c in range(d.S) for a in d.acs}
+        self.fixed_ac = {(i, a): s.BoolVar(f"fixed_ac[{i},{a.value}]") for i in d.pre + d.post for a in d.fixed_acs[i]}
+        self.rank_blocks = {}
+        for r, (lo, hi) in d.n_range.items():
+            if hi > lo:
+                for n in range(lo, hi + 1):
+                    self.rank_blocks[r, n] = s.BoolVar(f"rank_blocks[{r},{n}]")
+        self.compress = {("dp", k): s.BoolVar(f"compress[dp,{k}]") for k in d.grad_opts}
+        self.compress |= {("pp", k): s.BoolVar(f"compress[pp,{k}]") for k in d.pp_opts}
+        self.stage_time = {c: s.NumVar(0, self.inf, f"stage_time[{c}]") for c in range(d.S)}
+        self.bottleneck = s.NumVar(0, self.inf, "bottleneck")
+        self.finish = s.NumVar(0, self.inf, "finish")
+
+    # -- helpers: linear expressions in the model's units ----------------------------------------------------
+    def _t(self, seconds: float) -> float:
+        return seconds / self.d.time_unit
+
+    def _b(self, nbytes: float) -> float:
+        return nbytes / self.d.mem_unit
+
+    def layer_sum(self, stages, attr) -> "pywraplp.LinearExpr":
+        """Σ over the stages' layers of ``attr(cost)`` (a function of a LayerCost), linear in the AC choices."""
+        d, ev, b = self.d, self.d.ev, self.d.blocks[0] if self.d.blocks else None
+        terms = []
+        for c in stages:
+            if b is not None:
+                terms += [attr(ev.cost(b, a)) * self.blocks[c, a] for a in d.acs]
+            for i in _fixed_on_stage(d, c):
+                terms += [attr(ev.cost(i, a)) * self.fixed_ac[i, a] for a in d.fixed_acs[i]]
+        return sum(terms, 0.0 * self.bottleneck)
+
+    def n_stage(self, c):
+        return sum((self.blocks[c, a] for a in self.d.acs), 0.0 * self.bottleneck)
+
+    def n_rank(self, r):
+        return sum((self.n_stage(c) for c in range(r, self.d.S, self.d.pp)), 0.0 * self.bottleneck)
+
+    def tab(self, r: int, f) -> tuple:
+        """(expression, lowest, highest) of f(n) for the rank's block count n, exact through rank_blocks."""
+        lo, hi = self.d.n_range[r]
+        if hi == lo:
+            v = f(lo)
+            return v + 0.0 * self.bottleneck, v, v
+        vals = {n: f(n) for n in range(lo, hi + 1)}
+        return (sum(v * self.rank_blocks[r, n] for n, v in vals.items()), min(vals.values()), max(vals.values()))
+
+    # -- 1. assignment ---------------------------------------------------------------------------------------
+    def add_assignment(self) -> None:
+        d, s = self.d, self.solver
+        # each pre/post layer takes exactly one AC mode
+        for i in d.pre + d.post:
+            s.Add(sum(self.fixed_ac[i, a] for a in d.fixed_acs[i]) == 1)
+        # every block is placed, every stage holds at least one block
+        if d.blocks:
+            s.Add(sum(self.blocks.values()) == len(d.blocks))
+            for c in range(d.S):
+                s.Add(self.n_stage(c) >= 1)
+        # exactly one compression per communication group
+        for group, opts in (("dp", d.grad_opts), ("pp", d.pp_opts)):
+            s.Add(sum(self.compress[group, k] for k in opts) == 1)
+
+    # -- 2. rank block counts --------------------------------------------------------------------------------
+    def add_rank_counts(self) -> None:
+        d, s = self.d, self.solver
+        for r, (lo, hi) in d.n_range.items():
+            if hi > lo:  # the rank's block count is n for exactly one n
+                s.Add(sum(self.rank_blocks[r, n] for n in range(lo, hi + 1)) == 1)
+                s.Add(self.n_rank(r) == sum(n * self.rank_blocks[r, n] for n in range(lo, hi + 1)))
+
+    # -- 3. stage times --------------------------------------------------------------------------------------
+    def add_stage_times(self) -> None:
+        d, s, ev = self.d, self.solver, self.d.ev
+        self.fsdp_excess = {}
+        for c in range(d.S):
+            # compute + recompute + tensor-parallel collectives of the stage's layers, per micro-batch
+            t = self.layer_sum([c], lambda x: self._t(x.fwd_s + x.bwd_s + x.recompute_s + x.tp_comm_s))
+            if c > 0:  # boundary transfer into the stage, with the chosen pp compression
+                t += sum(self._t(d.p2p[k]) * self.compress["pp", k] for k in d.pp_opts)
+            if d.cfg.zero == 3 and d.cfg.dp > 1:
+                t += self._fsdp(c)
+            s.Add(self.stage_time[c] == t)
+
+    def _fsdp(self, c):
+        """ZeRO-3 exposed all-gathers and reduce-scatters of stage c (costmodel.overlap.fsdp_exposed)."""
+        d, s, ev = self.d, self.solver, self.d.ev
+        span, cl = ev.dp_span, ev.cluster
+        pbytes = 4 if d.cfg.precision == "fp32" else 2
+
+        def ag(i):
+            return all_gather_time(ev.cost(i, AC.NONE).param_numel * pbytes, span, cl)
+
+        def rs(i):
+            return reduce_scatter_time(ev.cost(i, AC.NONE).param_numel * GRAD_REDUCE_BYTES, span, cl)
+
+        b, fixed = (d.blocks[0] if d.blocks else None), _fixed_on_stage(d, c)
+        first = d.pre[0] if (c == 0 and d.pre) else b
+        last = d.post[-1] if (c == d.S - 1 and d.post) else b
+        n = self.n_stage(c)
+        sum_ag = (ag(b) * n if b is not None else 0) + sum(ag(i) for i in fixed)
+        sum_rs = (rs(b) * n if b is not None else 0) + sum(rs(i) for i in fixed)
+        a_f = self._t(1) * (sum_ag - ag(first))
+        a_b = self._t(1) * (sum_ag - ag(last) + sum_rs - rs(first))
+        fwd = self.layer_sum([c], lambda x: self._t(x.fwd_s))
+        bwd = self.layer_sum([c], lambda x: self._t(x.bwd_s + x.recompute_s))
+        e_f = self.fsdp_excess[c, "fwd"] = s.NumVar(0, self.inf, f"fsdp_excess[{c},fwd]")
+        e_b = self.fsdp_excess[c, "bwd"] = s.NumVar(0, self.inf, f"fsdp_excess[{c},bwd]")
+        s.Add(e_f >= a_f - fwd)
+        s.Add(e_b >= a_b - bwd)
+        sl = d.slow
+        return self._t(ag(first) + ag(last) + rs(first)) + (1 - sl) * (e_f + e_b) + sl * (a_f + a_b)
+
+    # -- 4. bottleneck ---------------------------------------------------------------------------------------
+    def rank_time(self, r):
+        return sum((self.stage_time[c] for c in range(r, self.d.S, self.d.pp)), 0.0 * self.bottleneck)
+
+    def add_bottleneck(self) -> None:
+        for r in range(self.d.pp):  # the bottleneck rank is at least as slow as every rank
+            self.solver.Add(self.bottleneck >= self.rank_time(r))
+
+    # -- 5. finish: exposed data-parallel communication, encode, optimizer -----------------------------------
+    def add_finish(self) -> None:
+        d, s = self.d, self.solver
+        self.dp_excess, self.dp_tail, self.dp_delta = {}, {}, {}
+        for r in range(d.pp):
+            opt, _, opt_hi = self.tab(r, lambda n, r=r: self._t(optimizer_time(self._params(r, n), d.ev)))
+            if d.cfg.dp == 1 or d.cfg.zero == 3:
+                s.Add(self.finish >= opt)
+            elif d.cfg.zero == 2:
+                s.Add(self.finish >= opt + self._zero2(r))
+            else:
+                for k in d.grad_opts:
+                    expr, hi = self._ddp(r, k)
+                    if len(d.grad_opts) == 1:
+                        s.Add(self.finish >= opt + expr)
+                    else:  # only the chosen compression counts
+                        s.Add(self.finish >= opt + expr - (opt_hi + hi) * (1 - self.compress["dp", k]))
+
+    def _params(self, r: int, n: int) -> float:
+        return sum(x.param_numel for x in _rank_layer_costs(self.d, r, n))
+
+    def _window(self, r, attr):
+        return self.layer_sum(range(r, self.d.S, self.d.pp), attr)
+
+    def _zero2(self, r):
+        d, s, ev = self.d, self.solver, self.d.ev
+        span, cl, sl = ev.dp_span, ev.cluster, d.slow
+        rs, _, _ = self.tab(r, lambda n: self._t(reduce_scatter_time(self._params(r, n) * GRAD_REDUCE_BYTES,
+                                                                      span, cl)))
+        ag, _, _ = self.tab(r, lambda n: self._t(all_gather_time(self._params(r, n) * 2, span, cl)))
+        e1 = self.dp_excess[r, "rs"] = s.NumVar(0, self.inf, f"zero2_excess[{r},rs]")
+        e2 = self.dp_excess[r, "ag"] = s.NumVar(0, self.inf, f"zero2_excess[{r},ag]")
+        s.Add(e1 >= rs - self._window(r, lambda x: self._t(x.bwd_s + x.recompute_s)))
+        s.Add(e2 >= ag - self._window(r, lambda x: self._t(x.fwd_s)))
+        return (1 - sl) * (e1 + e2) + sl * (rs + ag)
+
+    def _ddp(self, r, k):
+        """(expression, upper bound) of exposed DDP reduction + encode (+ ZeRO-1 all-gather) under option k."""
+        d, s = self.d, self.solver
+        ev_k, sl = d.evs[k], d.slow
+
+        def comm(n):
+            costs = _rank_layer_costs(d, r, n)
+            params = sum(x.param_numel for x in costs)
+            return compressed_grad_comm(costs, params, costs[0].param_numel, ev_k)
+
+        table = {n: comm(n) for n in range(d.n_range[r][0], d.n_range[r][1] + 1)}
+        c_expr, c_lo, c_hi = self.tab(r, lambda n: self._t(table[n][0]))
+        enc, _, enc_hi = self.tab(r, lambda n: self._t(table[n][2]))
+        lasts = {self._t(v[1]) for v in table.values()}
+        assert len(lasts) == 1, "the last bucket depends on the rank's first layer only"
+        tail = lasts.pop()
+        w = self._window(r, lambda x: self._t(x.bwd_s + x.recompute_s))
+        w_lo, w_hi = self._window_bounds(r)
+        x = c_expr - w
+        g = self.dp_excess[r, k] = s.NumVar(0, self.inf, f"dp_excess[{r},{k}]")
+        p = self.dp_tail[r, k] = s.NumVar(0, self.inf, f"dp_tail[{r},{k}]")
+        delta = self.dp_delta[r, k] = s.BoolVar(f"dp_delta[{r},{k}]")
+        m_up, m_dn = max(0.0, c_hi - w_lo), max(0.0, w_hi - c_lo)
+        # G = max((1 − s)·max(0, x), L − s·max(0, x)); P ≤ max(0, x) through δ
+        s.Add(g >= (1 - sl) * x)
+        s.Add(g >= tail - sl * p)
+        s.Add(p <= x + m_dn * (1 - delta))
+        s.Add(p <= m_up * delta)
+        expr = sl * c_expr + g + enc
+        hi = sl * c_hi + max((1 - sl) * m_up, tail) + enc_hi
+        if d.cfg.zero == 1:
+            span, cl = d.ev.dp_span, d.ev.cluster
+            ag, _, ag_hi = self.tab(r, lambda n: self._t(all_gather_time(self._params(r, n) * 2, span, cl)))
+            expr, hi = expr + ag, hi + ag_hi
+        return expr, hi
+
+    def _window_bounds(self, r):
+        d, ev = self.d, self.d.ev
+        lo, hi = d.n_range[r]
+        vals = [self._t(ev.cost(d.blocks[0], a).bwd_s + ev.cost(d.blocks[0], a).recompute_s)
+                for a in d.acs] if d.blocks else [0.0]
+        fixed = [[self._t(ev.cost(i, a).bwd_s + ev.cost(i, a).recompute_s) for a in d.fixed_acs[i]]
+                 for i, rr in d.fixed_rank.items() if rr == r]
+        return (lo * min(vals) + sum(min(f) for f in fixed), hi * max(vals) + sum(max(f) for f in fixed))
+
+    # -- 6. memory -------------------------------------------------------------------------------------------
+    def add_memory(self) -> None:
+        d, s, ev, cfg = self.d, self.solver, self.d.ev, self.d.cfg
+        on_gpu = ev.cluster.device.name != "cpu"
+        cap = self._b(ev.cluster.device.memory_bytes) * (1 - 1e-9)
+        reserve = self._b(RUNTIME_RESERVED_BYTES if on_gpu else 0.0)
+        per_param = sum(ev.static_bytes(1.0))
+        self.rec_peak, self.uses_ac = {}, {}
+        nb = len(d.blocks)
+        for r in range(d.pp):
+            stages = range(r, d.S, d.pp)
+            params = self.tab(r, lambda n, r=r: self._params(r, n))[0]
+            act = inflight(cfg.schedule, cfg.pp, cfg.vpp, r, d.m) * self.layer_sum(
+                stages, lambda x: self._b(x.act_bytes))
+            # the recomputation peak is the largest over the rank's layers
+            peak = self.rec_peak[r] = s.NumVar(0, self.inf, f"rec_peak[{r}]")
+            if d.blocks:
+                for a in d.acs:
+                    u = self.uses_ac[r, a] = s.BoolVar(f"uses_ac[{r},{a.value}]")
+                    for c in stages:
+                        s.Add(self.blocks[c, a] <= nb * u)
+                    s.Add(peak >= self._b(ev.cost(d.blocks[0], a).recompute_peak_bytes) * u)
+            for i, rr in d.fixed_rank.items():
+                if rr == r:
+                    s.Add(peak >= sum(self._b(ev.cost(i, a).recompute_peak_bytes) * self.fixed_ac[i, a]
+                                      for a in d.fixed_acs[i]))
+            temp = 0.0
+            if cfg.zero == 3 and cfg.dp > 1:  # the current and the prefetched layer, gathered in 16 bits
+                pb = 4 if cfg.precision == "fp32" else 2
+                temp = self.tab(r, lambda n, r=r: self._b(pb * sum(sorted(
+                    x.param_numel for x in _rank_layer_costs(d, r, n))[-2:])))[0]
+            elif cfg.zero == 0 and cfg.dp > 1:
+                temp = self._b(2 * DDP_BUCKET_BYTES)
+            allocated = self._b(per_param) * params + act + peak + temp
+            for k in d.grad_opts:
+                extra = 0.0
+                if parse_grad_compress(k)[0] == "powersgd" and cfg.dp > 1:
+                    extra = self._b(4.0) * params  # error feedback buffer
+                lhs = (1 + FRAGMENTATION) * (allocated + extra) + reserve
+                if len(d.grad_opts) == 1:
+                    s.Add(lhs <= cap)
+                else:
+                    big = 1e6  # memory in thousandths of the capacity: 1e6 is far above any rank's total
+                    s.Add(lhs <= cap + big * (1 - self.compress["dp", k]))
+
+    # -- objective -------------------------------------------------------------------------------------------
+    def add_objective(self) -> None:
+        d = self.d
+        total = sum((self.rank_time(r) for r in range(d.pp)), 0.0 * self.bottleneck)
+        self.solver.Minimize((d.m - d.phi) * self.bottleneck + d.phi * total + self.finish)
+
+    # -- hint, solve, decode ---------------------------------------------------------------------------------
+    def hint(self, acs: list[AC], stage_of: list[int], grad: str, ppc: str) -> None:
+        d = self.d
+        pairs = []
+        for c in range(d.S):
+            for a in d.acs:
+                pairs.append((self.blocks[c, a], sum(1 for i in d.blocks if stage_of[i] == c and acs[i] == a)))
+        for i in d.pre + d.post:
+            pairs += [(self.fixed_ac[i, a], 1.0 if acs[i] == a else 0.0) for a in d.fixed_acs[i]]
+        pairs += [(self.compress["dp", k], 1.0 if k == grad else 0.0) for k in d.grad_opts]
+        pairs += [(self.compress["pp", k], 1.0 if k == ppc else 0.0) for k in d.pp_opts]
+        self.solver.SetHint([v for v, _ in pairs], [float(x) for _, x in pairs])
+
+    def solve(self, time_limit: float) -> int:
+        self.solver.SetTimeLimit(max(1, int(time_limit * 1000)))
+        params = pywraplp.MPSolverParameters()
+        params.SetDoubleParam(params.RELATIVE_MIP_GAP, 1e-9)
+        return self.solver.Solve(params)
+
+    def decode(self) -> tuple[list[AC], list[int], str, str]:
+        d = self.d
+        n_layers = len(d.ev.lg.layers)
+        acs: list[AC | None] = [None] * n_layers
+        stage_of: list[int | None] = [None] * n_layers
+        for i in d.pre + d.post:
+            chosen = [a for a in d.fixed_acs[i] if self.fixed_ac[i, a].solution_value() > 0.5]
+            assert len(chosen) == 1, f"layer {i}: {len(chosen)} AC modes chosen"
+            acs[i] = chosen[0]
+            stage_of[i] = 0 if i in d.pre else d.S - 1
+        it = iter(d.blocks)
+        for c in range(d.S):
+            for a in d.acs:
+                for _ in range(round(self.blocks[c, a].solution_value())):
+                    i = next(it)
+                    acs[i], stage_of[i] = a, c
+        assert next(it, None) is None and None not in acs, "every layer gets one AC and one stage"
+        grad = [k for k in d.grad_opts if self.compress["dp", k].solution_value() > 0.5]
+        ppc = [k for k in d.pp_opts if self.compress["pp", k].solution_value() > 0.5]
+        assert len(grad) == 1 and len(ppc) == 1, "one compression per group"
+        return acs, stage_of, grad[0], ppc[0]
+
+
+def _create_solver(backend: str | None):
+    for name in ([backend] if backend else BACKENDS):
+        solver = pywraplp.Solver.CreateSolver(name)
+        if solver is not None:
+            return solver, name
+    raise RuntimeError(f"no MIP backend available in OR-Tools (tried {', '.join(BACKENDS)})")
+
+
+_STATUS = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
+           pywraplp.Solver.INFEASIBLE: "INFEASIBLE", pywraplp.Solver.UNBOUNDED: "UNBOUNDED",
+           pywraplp.Solver.ABNORMAL: "ABNORMAL", pywraplp.Solver.NOT_SOLVED: "NOT_SOLVED"}
+
+
+def usual_ac(acs, blocks) -> AC:
+    """The blocks' most common AC mode (ties: the first in AC_ORDER): the configuration's ``ac``."""
+    pool = [acs[i] for i in blocks] or list(acs)
+    return max(AC_ORDER, key=lambda a: (pool.count(a), -AC_ORDER.index(a)))
+
+
+def greedy(d: Data) -> tuple[list[AC], list[int]]:
+    """Even stages (Megatron's split) with the least recomputation that fits, uniform over the layers."""
+    from costmodel.estimate import even_stages
+
+    stage_of = even_stages(d.ev.lg, d.S) if d.blocks else [0] * len(d.ev.lg.layers)
+    for a in d.acs:
+        acs = [a] * len(stage_of)
+        if d.ev.evaluate(acs, stage_of).fits:
+            return acs, stage_of
+    return [d.acs[-1]] * len(stage_of), stage_of
+
+
+def solve(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *, time_limit: float = 10.0,
+          acs=AC_ORDER, grad_opts=None, pp_opts=None, backend: str | None = None, cost_cache=None) -> Solution:
+    """Solve the inner problem of ``cfg`` (its compression and ac fields are ignored: chosen here, within
+    ``acs``/``grad_opts``/``pp_opts``). Raise `Infeasible` when nothing fits."""
+    t0 = time.perf_counter()
+    d = build_data(lg, cluster, cfg, global_batch, acs=acs, grad_opts=grad_opts, pp_opts=pp_opts,
+                   cost_cache=cost_cache)
+    model = Model(d, backend)
+    h_acs, h_stage = greedy(d)
+    model.hint(h_acs, h_stage, "none" if "none" in d.grad_opts else d.grad_opts[0],
+               "none" if "none" in d.pp_opts else d.pp_opts[0])
+    code = model.solve(time_limit)
+    status = _STATUS.get(code, str(code))
+    if code not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        raise Infeasible(status, time.perf_counter() - t0)
+    acs_out, stage_of, grad, ppc = model.decode()
+    final = replace(cfg, grad_compress=grad, pp_compress=ppc, ac=usual_ac(acs_out, d.blocks))
+    est = Evaluator(lg, cluster, final, global_batch).evaluate(acs_out, stage_of)
+    objective = model.solver.Objective().Value() * d.time_unit
+    bound = model.solver.Objective().BestBound() * d.time_unit
+    # the consistency proof: the linearisation is the cost model
+    assert abs(objective - est.step_time_s) <= AGREEMENT * est.step_time_s + 1e-12, (
+        f"ILP objective {objective!r} != Evaluator.evaluate {est.step_time_s!r} for {final}")
+    assert est.fits, f"decoded plan does not fit: {est.memory.peak} > {est.capacity_bytes}"
+    validate(stage_of, d.S)
+    bound = min(bound, est.step_time_s)
+    gap = max(0.0, (est.step_time_s - bound) / est.step_time_s)
+    return Solution(config=final, acs=tuple(acs_out), stage_of=tuple(stage_of), estimate=est, status=status,
+                    objective=est.step_time_s, bound=bound, gap=gap, time_s=time.perf_counter() - t0,
+                    backend=model.backend)
+
+
+def validate(stage_of, n_stages: int) -> None:
+    """Contiguous, non-decreasing stages covering 0..n_stages-1."""
+    assert list(stage_of) == sorted(stage_of), "stages are contiguous"
+    assert set(stage_of) == set(range(n_stages)), "every stage holds a layer"

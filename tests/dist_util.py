@@ -1,0 +1,146 @@
+"""Multi-process checks: run many plans in one torchrun launch, compare each with a one-process reference.
+
+One launch per world size runs every case twice in the same processes: the emitted script (imported as a module,
+its ``train()`` called) and `auto_parallelize`. Each rank saves its losses and unsharded parameters; the test
+process merges the ranks and compares them with a plain single-process run on the same seed and data.
+
+Run as a script under torchrun: ``python -m torch.distributed.run --nproc-per-node N tests/dist_util.py CASES.json``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(path: str | Path, name: str):
+    """Import an emitted script as a module (its ``main()`` does not run)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def reference(script: str | Path, steps: int) -> dict:
+    """One process, no parallelism: the emitted script's model, data, seed and optimizer settings."""
+    mod = load_script(script, f"ref_{Path(script).stem}")
+    plan = mod.PLAN
+    torch.manual_seed(plan["seed"])
+    model = mod.build_model()
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=plan["lr"])
+    losses = []
+    for step in range(steps):
+        inputs, labels = mod.get_batch(step)
+        opt.zero_grad()
+        loss = model(inputs, labels)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}, "init": init}
+
+
+def launch(cases: list[dict], nproc: int, workdir: Path, timeout: float = 300) -> tuple[float, str]:
+    """Run ``cases`` in one torchrun launch of ``nproc`` gloo ranks; returns (wall seconds, output)."""
+    manifest = workdir / f"cases_{nproc}.json"
+    manifest.write_text(json.dumps(cases))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(Path(__file__).resolve()),
+        str(manifest),
+    ]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
+    wall = time.perf_counter() - start
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun with {nproc} ranks failed (rc {proc.returncode}):\n{out[-6000:]}")
+    return wall, out
+
+
+def merged(out_dir: Path, name: str, nproc: int) -> dict:
+    """Losses of rank 0 and the union of every rank's parameters."""
+    params, losses = {}, None
+    for rank in range(nproc):
+        got = torch.load(out_dir / f"{name}.rank{rank}.pt")
+        losses = losses or got["losses"]
+        assert got["losses"] == losses, f"{name}: ranks disagree on the loss"
+        params.update(got["params"])
+    return {"losses": losses, "params": params}
+
+
+def compare(got: dict, ref: dict, *, loss_rtol: float, delta_rtol: float) -> list[str]:
+    """Problems found: losses within ``loss_rtol``; per parameter, the update p_T − p_0 within ``delta_rtol`` of
+    the reference update (norm-wise, plus 1e-6 of the largest update for parameters that barely move)."""
+    problems = []
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+        if abs(a - b) > loss_rtol * abs(b):
+            problems.append(f"step {step}: loss {a:.7f} vs reference {b:.7f}")
+    if set(got["params"]) != set(ref["params"]):
+        problems.append(f"parameter names differ: {sorted(set(got['params']) ^ set(ref['params']))[:4]}")
+        return problems
+    deltas = {n: ref["params"][n] - ref["init"][n] for n in ref["params"]}
+    floor = 1e-6 * max(d.norm().item() for d in deltas.values())
+    for name, d_ref in deltas.items():
+        d_got = got["params"][name] - ref["init"][name]
+        err = (d_got - d_ref).norm().item()
+        if err > delta_rtol * d_ref.norm().item() + floor:
+            problems.append(f"{name}: update differs by {err:.3g} (reference norm {d_ref.norm().item():.3g})")
+    return problems
+
+
+def _main(manifest: str) -> None:
+    import torch.distributed as dist
+
+    from planner import runtime
+    from planner.apply import auto_parallelize
+    from planner.plan import Plan
+    from profiler.zoo.registry import resolve_model
+
+    cases = json.loads(Path(manifest).read_text())
+    for case in cases:
+        out = Path(case["out"])
+        # 1. The emitted script, imported as a module.
+        mod = load_script(case["script"], f"emitted_{case['name']}")
+        par, losses = mod.train(case["steps"])
+        params = mod.full_parameters(par)
+        rank = dist.get_rank()
+        torch.save({"losses": losses, "params": params}, out / f"{case['name']}.emit.rank{rank}.pt")
+        dist.barrier()
+        # 2. auto_parallelize on a model built the same way.
+        plan = Plan.load(case["plan"])
+        torch.manual_seed(mod.PLAN["seed"])
+        model = mod.build_model()
+        inputs = resolve_model(plan.model).build(batch=1, seq=plan.seq, device="meta")[1]
+        handle = auto_parallelize(model, inputs, plan=plan, optimizer="sgd", lr=mod.PLAN["lr"])
+        losses = [
+            handle.step(
+                runtime.synthetic_batch(
+                    step, batch=plan.global_batch, seq=plan.seq, vocab=mod.VOCAB, seed=mod.PLAN["seed"]
+                )
+            )
+            for step in range(case["steps"])
+        ]
+        params = handle.full_parameters()
+        torch.save({"losses": losses, "params": params}, out / f"{case['name']}.apply.rank{rank}.pt")
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    _main(sys.argv[1])

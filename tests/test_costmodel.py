@@ -1,0 +1,213 @@
+"""Closed forms and properties of the cost model (costmodel/estimate.py and friends)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from costmodel.cluster import load_cluster, parse_cluster_yaml
+from costmodel.config import AC, ParallelConfig, Schedule, parse_kv
+from costmodel.estimate import ConfigError, Evaluator, estimate, even_stages
+from costmodel.memory import inflight, state_bytes_per_param
+from profiler.api import profile_model
+
+GPT = "gpt:layers=8,hidden=1024,heads=16,seq=1024,vocab=8192,dropout=0"
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return profile_model(GPT)
+
+
+def _cluster(nodes=1, inter_bw=24, intra_bw=230, memory_gib=80):
+    return parse_cluster_yaml(f"""
+name: test
+device: {{name: t, peak_tflops: {{bf16: 312, fp32: 19.5}}, memory_GiB: {memory_gib}, hbm_bw_GBps: 2039,
+          matmul_eff: {{e_max: 0.7, f_half_gflop: 2}}, memory_eff: 0.8}}
+gpus_per_node: 8
+nodes: {nodes}
+intra: {{bw_GBps: {intra_bw}, latency_us: 3}}
+inter: {{bw_GBps: {inter_bw}, latency_us: 8}}
+""", "test.yaml")
+
+
+def cfg(s: str) -> ParallelConfig:
+    return ParallelConfig(**parse_kv(s))
+
+
+# ------------------------------------------------------------------------------------------------- memory
+@pytest.mark.parametrize("zero,expected", [(0, 16), (1, 4 + 12 / 8), (2, 2 + 14 / 8), (3, 16 / 8)])
+def test_zero_model_states_follow_the_zero_paper(zero, expected):
+    """Rajbhandari et al. 2020 §3.1/Fig. 1: 2Ψ + 2Ψ + KΨ with K = 12, partitioned over N_d = 8 by stage."""
+    p, g, k = state_bytes_per_param("bf16", zero, 8)
+    assert p + g + k == pytest.approx(expected)
+
+
+def test_zero_stage_never_increases_memory(gpt):
+    cl = _cluster()
+    peaks = [estimate(gpt, cl, cfg(f"dp=8,zero={z}"), 64).memory.peak for z in range(4)]
+    assert peaks == sorted(peaks, reverse=True)
+    assert peaks[3] < peaks[0]
+
+
+def test_estimate_model_states_match_zero_formula(gpt):
+    cl = _cluster()
+    psi = gpt.model.num_params
+    for z in range(4):
+        m = estimate(gpt, cl, cfg(f"dp=8,zero={z}"), 64).memory
+        p, g, k = state_bytes_per_param("bf16", z, 8)
+        assert m.params == pytest.approx(p * psi, rel=1e-9)
+        assert m.grads == pytest.approx(g * psi, rel=1e-9)
+        assert m.optimizer == pytest.approx(k * psi, rel=1e-9)
+
+
+def test_inflight_micro_batches_per_schedule():
+    assert inflight(Schedule.GPIPE, 4, 1, 0, 16) == 16
+    assert [inflight(Schedule.ONE_F_ONE_B, 4, 1, r, 16) for r in range(4)] == [4, 3, 2, 1]
+    # Korthikanti et al. 2022 eq. 5: the first stage holds p(1 + (p-1)/(p·v)) micro-batches' worth
+    assert inflight(Schedule.INTERLEAVED, 4, 2, 0, 16) == pytest.approx(4 * (1 + 3 / 8))
+    assert inflight(Schedule.ONE_F_ONE_B, 8, 1, 0, 2) == 2  # never more than m
+
+
+def test_checkpointing_reduces_activations_and_adds_recompute(gpt):
+    cl = _cluster()
+    e = {ac: estimate(gpt, cl, cfg(f"dp=8,ac={ac}"), 64) for ac in ("none", "selective", "full")}
+    assert e["full"].memory.activations < e["selective"].memory.activations <= e["none"].memory.activations
+    assert e["none"].breakdown_s["recompute"] == 0
+    assert e["full"].breakdown_s["recompute"] > e["selective"].breakdown_s["recompute"]
+
+
+# ------------------------------------------------------------------------------------------------- schedule
+def test_1f1b_bubble_is_p_minus_1_over_m():
+    """Narayanan et al. 2021: with p stages of equal time T and m micro-batches, the step is (m + p − 1)·T, so the
+    bubble is (p − 1)/m of the ideal time. A 64-word vocabulary makes embed and head negligible, so the evenly
+    split blocks give (nearly) equal stages."""
+    gpt = profile_model("gpt:layers=8,hidden=1024,heads=16,seq=1024,vocab=64,dropout=0")
+    cl = _cluster()
+    m = 16
+    ev = Evaluator(gpt, cl, cfg("dp=2,pp=4,schedule=1f1b"), 2 * m)
+    blocks = [i for i, layer in enumerate(gpt.layers) if layer.kind == "block"]
+    stage_of = even_stages(gpt, 4)
+    est = ev.evaluate(stage_of=stage_of)
+    per_stage = [s.time_s for s in est.stages]
+    t_max = max(per_stage)
+    assert est.breakdown_s["bubble"] == pytest.approx(sum(per_stage) - t_max, rel=1e-9)
+    assert len(blocks) == 8
+    # (p-1)/m relative to the m·T of the bottleneck, when stages are equal up to the embed/head extras
+    bubble_ratio = est.breakdown_s["bubble"] / (m * t_max)
+    assert bubble_ratio == pytest.approx(3 / m, rel=0.05)
+
+
+def test_interleaving_divides_the_bubble_by_v(gpt):
+    cl = _cluster()
+    e1 = estimate(gpt, cl, cfg("dp=2,pp=4,schedule=1f1b"), 32)
+    e2 = estimate(gpt, cl, cfg("dp=2,pp=2,vpp=2,schedule=interleaved,tp=2"), 32)
+    assert e2.breakdown_s["bubble"] < e1.breakdown_s["bubble"]
+
+
+def test_gpipe_holds_all_micro_batches(gpt):
+    cl = _cluster()
+    g = estimate(gpt, cl, cfg("dp=2,pp=4,schedule=gpipe"), 64)
+    f = estimate(gpt, cl, cfg("dp=2,pp=4,schedule=1f1b"), 64)
+    assert g.step_time_s == pytest.approx(f.step_time_s)
+    assert g.memory.activations > f.memory.activations
+
+
+# ------------------------------------------------------------------------------------------------- properties
+@pytest.mark.parametrize("config", ["dp=16", "dp=16,zero=3", "dp=2,tp=8", "dp=4,pp=4", "dp=2,tp=2,pp=4"])
+def test_more_bandwidth_is_never_slower(gpt, config):
+    slow, fast = _cluster(nodes=2, inter_bw=5, intra_bw=50), _cluster(nodes=2, inter_bw=50, intra_bw=400)
+    assert estimate(gpt, fast, cfg(config), 64).step_time_s <= estimate(gpt, slow, cfg(config), 64).step_time_s
+
+
+def test_compression_never_helps_hidden_communication(gpt):
+    """With a very fast network the gradient all-reduce hides under the backward: compression only costs."""
+    fast = _cluster(nodes=2, inter_bw=10_000, intra_bw=10_000)
+    base = estimate(gpt, fast, cfg("dp=16"), 128)
+    for comp in ("bf16", "powersgd-4"):
+        c = estimate(gpt, fast, cfg(f"dp=16,grad_compress={comp}"), 128)
+        assert c.step_time_s >= base.step_time_s
+        assert c.breakdown_s["compression"] > 0
+
+
+def test_compression_helps_exposed_communication(gpt):
+    slow = _cluster(nodes=2, inter_bw=0.5)
+    base = estimate(gpt, slow, cfg("dp=16"), 16)
+    assert base.breakdown_s["dp_comm_exposed"] > 0.1 * base.step_time_s
+    for comp in ("bf16", "powersgd-4"):
+        assert estimate(gpt, slow, cfg(f"dp=16,grad_compress={comp}"), 16).step_time_s < base.step_time_s
+
+
+def test_tensor_parallel_across_nodes_is_slower(gpt):
+    """Same model, tp=8 inside a node vs tp=16 spanning two: the second pays the network on every layer."""
+    cl = _cluster(nodes=2)
+    inside = estimate(gpt, cl, cfg("dp=2,tp=8"), 32)
+    across = estimate(gpt, cl, cfg("tp=16"), 32)
+    assert across.breakdown_s["tp_comm"] > inside.breakdown_s["tp_comm"]
+
+
+def test_breakdown_sums_to_step_time(gpt):
+    cl = _cluster(nodes=2)
+    for c in ("dp=16", "dp=2,tp=2,pp=4,ac=full", "dp=4,pp=2,vpp=2,schedule=interleaved,tp=2,sp=on",
+              "dp=16,zero=3,ac=selective", "dp=8,pp=2,schedule=zb,grad_compress=bf16"):
+        e = estimate(gpt, cl, cfg(c), 64)
+        assert sum(e.breakdown_s.values()) == pytest.approx(e.step_time_s, rel=1e-9), c
+
+
+def test_mfu_uses_model_flops(gpt):
+    """Model FLOPs = 3 × forward (Korthikanti eq. 7 convention); HFU adds recomputation."""
+    cl = _cluster()
+    e = estimate(gpt, cl, cfg("dp=8,ac=full"), 64)
+    fwd = sum(layer.fwd_flops for layer in gpt.layers)  # per sequence at the captured batch of 1
+    model_flops = 3 * fwd * 64
+    assert e.mfu == pytest.approx(model_flops / e.step_time_s / 8 / 312e12, rel=1e-6)
+    assert e.hfu == pytest.approx(e.mfu * 4 / 3, rel=0.02)
+
+
+# ------------------------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("config,match", [
+    ("dp=3", "ranks"), ("dp=8,mbs=3", "multiple"), ("tp=8,heads=0", None),
+])
+def test_bad_configurations_explain_themselves(gpt, config, match):
+    if match is None:
+        with pytest.raises(ValueError, match="unknown key"):
+            cfg(config)
+        return
+    with pytest.raises(ConfigError, match=match):
+        estimate(gpt, _cluster(), cfg(config), 64)
+
+
+def test_tp_must_divide_heads():
+    lg = profile_model("gpt:layers=2,hidden=96,heads=6,seq=64,vocab=256")
+    with pytest.raises(ConfigError, match="does not divide heads=6"):
+        estimate(lg, _cluster(), cfg("tp=4,dp=2"), 8)
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def test_estimate_json_has_the_design_fields():
+    out = subprocess.run([sys.executable, "-m", "planner", "estimate", "gpt-tiny", "--cluster", "dgx-h100",
+                          "--config", "dp=8,zero=3,ac=selective", "--global-batch", "16", "--json"],
+                         capture_output=True, text=True, check=True)
+    d = json.loads(out.stdout)
+    for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu_model", "tflops_per_gpu_hw", "mfu", "hfu", "fits"):
+        assert key in d
+    assert set(d["memory_per_gpu_bytes"]) == {"params", "grads", "optimizer", "activations", "other", "peak"}
+    assert set(d["breakdown_s"]) == {"compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm_exposed",
+                                     "bubble", "optimizer", "compression"}
+
+
+def test_estimate_bad_config_is_one_line_exit_2():
+    out = subprocess.run([sys.executable, "-m", "planner", "estimate", "gpt-tiny", "--cluster", "dgx-h100",
+                          "--config", "dp=3"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert len(out.stderr.strip().splitlines()) == 1 and "dp·tp·pp·cp" in out.stderr
+
+
+def test_presets_have_cited_links():
+    cl = load_cluster("dgx-a100-80g:nodes=2")
+    assert cl.world_size == 16 and "nccl" in cl.intra.source.lower()
+    assert dataclasses.replace(cl, nodes=4).world_size == 32

@@ -1,0 +1,136 @@
+"""The emitted script as text: golden files, compile and lint checks, launch checks and short training runs."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.emit import emit, write_script
+from planner.plan import Plan
+from tests.test_emit_dist import GPT, LLAMA4, make_plan
+
+GOLDEN = Path(__file__).parent / "golden"
+HF_LLAMA = (
+    "hf:llama:num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
+    "num_key_value_heads=2,vocab_size=128,seq=32"
+)
+ROOT = Path(__file__).resolve().parents[1]
+
+GOLDEN_PLANS = {
+    "gpt_dp2_zero3_ac": lambda: make_plan(GPT, 2, dp=2, zero=3, ac={"layers.1": "full"}),
+    "llama_pp2_interleaved_bf16": lambda: make_plan(
+        LLAMA4, 4, pp=2, vpp=2, mbs=2, schedule="interleaved", pp_compress="bf16"
+    ),
+    "llama_dp2_tp2_sp": lambda: make_plan(LLAMA4, 4, dp=2, tp=2, zero=2, sp=True, grad_compress="bf16"),
+}
+
+
+def _hf_plan(**cfg) -> Plan:
+    from planner.plan import LayerStrategy, ParallelConfig
+
+    names = ["embed", "model.model.layers.0", "model.model.layers.1", "head"]
+    config = ParallelConfig(precision="fp32", **cfg)
+    layers = tuple(LayerStrategy(name=n, stage=0, tp=config.tp > 1 and n.startswith("model.")) for n in names)
+    return Plan(
+        model=HF_LLAMA,
+        fingerprint="hand-built",
+        seq=32,
+        global_batch=8,
+        cluster="cpu-local",
+        config=config,
+        layers=layers,
+    )
+
+
+@pytest.mark.parametrize("name", list(GOLDEN_PLANS))
+def test_golden(name):
+    text = emit(GOLDEN_PLANS[name]())
+    path = GOLDEN / f"{name}.py"
+    if os.environ.get("AUTOPAR_UPDATE_GOLDEN") == "1" or not path.exists():
+        path.write_text(text)
+    assert text == path.read_text(), "emitted text changed; if intended, rerun with AUTOPAR_UPDATE_GOLDEN=1"
+
+
+@pytest.mark.parametrize("name", [*GOLDEN_PLANS, "hf"])
+def test_compiles_and_lints(name, tmp_path):
+    plan = _hf_plan(tp=2) if name == "hf" else GOLDEN_PLANS[name]()
+    script = write_script(plan, tmp_path / "train.py")
+    subprocess.run([sys.executable, "-m", "py_compile", str(script)], check=True)
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff not installed (pip install ruff)")
+    result = subprocess.run(
+        [ruff, "check", "--isolated", "--line-length", "120", str(script)], check=False, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout
+
+
+def test_no_autopar_import_and_names_escaped(tmp_path):
+    text = emit(GOLDEN_PLANS["llama_dp2_tp2_sp"]())
+    assert not re.search(r"^\s*(from|import) (planner|profiler|costmodel)\b", text, re.MULTILINE)
+    assert "'layers.1'" in text or '"layers.1"' in text  # module names only as string literals
+
+
+def test_unknown_data_source_is_refused():
+    with pytest.raises(ValueError, match="data="):
+        emit(GOLDEN_PLANS["gpt_dp2_zero3_ac"](), data="s3://bucket")
+
+
+def _torchrun(script: Path, nproc: int, timeout: float = 120) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=script.parent)
+
+
+@pytest.mark.dist
+def test_wrong_world_size_stops_every_rank(tmp_path):
+    script = write_script(make_plan(GPT, 2, dp=2, tp=2), tmp_path / "train.py", steps=1)
+    result = _torchrun(script, 2, timeout=60)
+    assert result.returncode != 0
+    out = result.stdout + result.stderr
+    assert out.count("this plan needs 4 processes") == 2, out[-3000:]
+    assert "torchrun --nproc-per-node 4" in out
+
+
+def _losses(output: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\[rank 0\] step \d+ loss ([0-9.]+)", output)]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("which", ["gpt", "hf_llama"])
+def test_tp2_loss_decreases_over_20_steps(which, tmp_path):
+    plan = make_plan("gpt-tiny", 2, tp=2) if which == "gpt" else _hf_plan(tp=2)
+    script = write_script(plan, tmp_path / "train.py", steps=20, lr=3e-3)
+    result = _torchrun(script, 2, timeout=180)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    losses = _losses(result.stdout)
+    assert len(losses) == 20
+    assert sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3, losses
+
+
+@pytest.mark.dist
+def test_example_train_auto_parallelize(tmp_path):
+    plan_path = tmp_path / "plan.yaml"
+    make_plan("gpt-tiny", 2, dp=2).save(plan_path)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(ROOT / "examples" / "train_auto_parallelize.py"),
+        "--plan",
+        str(plan_path),
+        "--steps",
+        "5",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert len(_losses(result.stdout)) == 5

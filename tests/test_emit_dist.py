@@ -1,0 +1,114 @@
+"""The acceptance matrix of issue 5: every plan through the emitted script and through auto_parallelize, on gloo,
+against one process on the same seed and data (3 SGD steps).
+
+Two torchrun launches in all (2 ranks, 4 ranks), each running every case of its size in the same processes.
+Tolerances: losses 1e-4 relative and parameter updates 1e-4 relative (norm-wise) for exact techniques; bf16/fp16
+gradient reduction and bf16 pipeline boundaries 2e-2 on updates, 1e-3 on losses (bf16 keeps 8 mantissa bits);
+PowerSGD is exact for its first ``start_powerSGD_iter = 2`` steps and low-rank on the third, so its losses (all
+computed before the third update) are compared at 1e-4 and its updates at 0.5.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from planner.emit import write_script
+from planner.plan import AC, LayerStrategy, ParallelConfig, Plan
+from tests import dist_util
+
+pytestmark = pytest.mark.dist
+
+GPT = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128,dropout=0"
+LLAMA4 = "llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32"
+EXACT = (1e-4, 1e-4)
+CAST = (1e-3, 2e-2)
+POWERSGD = (1e-4, 0.5)
+STEPS = 3
+
+
+def make_plan(spec: str, n_blocks: int, *, stages: list[int] | None = None, ac: dict | None = None,
+              tp_blocks: set | None = None, global_batch: int = 8, **cfg) -> Plan:
+    """A hand-built plan: blocks split evenly over pp·vpp stages unless ``stages`` (one per block) is given."""
+    cfg.setdefault("precision", "fp32")
+    config = ParallelConfig(**cfg)
+    n_stages = config.pp * config.vpp
+    stages = stages or [i * n_stages // n_blocks for i in range(n_blocks)]
+    ac = ac or {}
+    layers = [LayerStrategy(name="embed", stage=0)]
+    for i in range(n_blocks):
+        name = f"layers.{i}"
+        layers.append(LayerStrategy(name=name, stage=stages[i], ac=AC(ac.get(name, "none")),
+                                    tp=config.tp > 1 and (tp_blocks is None or name in tp_blocks)))
+    layers.append(LayerStrategy(name="head", stage=n_stages - 1))
+    return Plan(model=spec, fingerprint="hand-built", seq=32, global_batch=global_batch, cluster="cpu-local",
+                config=config, layers=tuple(layers))
+
+
+# name: (world, plan, (loss_rtol, delta_rtol))
+CASES = {
+    "dp": (2, lambda: make_plan(GPT, 2, dp=2), EXACT),
+    "fsdp_zero3": (2, lambda: make_plan(GPT, 2, dp=2, zero=3), EXACT),
+    "zero2_like": (2, lambda: make_plan(GPT, 2, dp=2, zero=2), EXACT),
+    "tp": (2, lambda: make_plan(GPT, 2, tp=2), EXACT),
+    "tp_sp": (2, lambda: make_plan(GPT, 2, tp=2, sp=True), EXACT),
+    "tp_sp_llama_partial": (2, lambda: make_plan(LLAMA4, 4, tp=2, sp=True, tp_blocks={"layers.1", "layers.2"}),
+                            EXACT),
+    "pp_gpipe": (2, lambda: make_plan(LLAMA4, 4, pp=2, mbs=2, schedule="gpipe"), EXACT),
+    "pp_1f1b": (2, lambda: make_plan(LLAMA4, 4, pp=2, mbs=2, schedule="1f1b"), EXACT),
+    "pp_interleaved": (2, lambda: make_plan(LLAMA4, 4, pp=2, vpp=2, mbs=2, schedule="interleaved"), EXACT),
+    "pp_zero_bubble": (2, lambda: make_plan(LLAMA4, 4, pp=2, vpp=2, mbs=2, schedule="zb"), EXACT),
+    "pp_uneven": (2, lambda: make_plan(LLAMA4, 4, pp=2, mbs=2, stages=[0, 1, 1, 1]), EXACT),
+    "ac_some_layers": (2, lambda: make_plan(LLAMA4, 4, dp=2, ac={"layers.0": "full", "layers.2": "selective"}),
+                       EXACT),
+    "bf16_reduce": (2, lambda: make_plan(GPT, 2, dp=2, grad_compress="bf16"), CAST),
+    "fp16_reduce": (2, lambda: make_plan(GPT, 2, dp=2, grad_compress="fp16"), CAST),
+    "fsdp_bf16_reduce": (2, lambda: make_plan(GPT, 2, dp=2, zero=3, grad_compress="bf16"), CAST),
+    "powersgd": (2, lambda: make_plan(GPT, 2, dp=2, grad_compress="powersgd-2"), POWERSGD),
+    "pp_bf16_boundary": (2, lambda: make_plan(LLAMA4, 4, pp=2, mbs=2, pp_compress="bf16"), CAST),
+    "dp2_tp2": (4, lambda: make_plan(GPT, 2, dp=2, tp=2), EXACT),
+    "fsdp2_tp2_sp": (4, lambda: make_plan(LLAMA4, 4, dp=2, tp=2, zero=3, sp=True), EXACT),
+    "pp2_dp2": (4, lambda: make_plan(LLAMA4, 4, pp=2, dp=2, schedule="1f1b"), EXACT),
+    "pp2_fsdp2": (4, lambda: make_plan(LLAMA4, 4, pp=2, dp=2, zero=3, schedule="gpipe"), EXACT),
+    "pp2_tp2": (4, lambda: make_plan(LLAMA4, 4, pp=2, tp=2, mbs=2, schedule="1f1b"), EXACT),
+}
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    """Emit every case, launch once per world size, compute references; returns (dirs, references, timing)."""
+    work = tmp_path_factory.mktemp("matrix")
+    out = work / "out"
+    out.mkdir()
+    by_world: dict[int, list[dict]] = {}
+    refs = {}
+    start = time.perf_counter()
+    for name, (world, make, _) in CASES.items():
+        plan = make()
+        script = write_script(plan, work / f"{name}.py", steps=STEPS, optimizer="sgd", lr=0.5)
+        plan.save(work / f"{name}.yaml")
+        by_world.setdefault(world, []).append({"name": name, "script": str(script), "plan": str(work / f"{name}.yaml"),
+                                               "steps": STEPS, "out": str(out)})
+        refs[name] = dist_util.reference(script, STEPS)
+    timing = {"emit_and_reference_s": time.perf_counter() - start}
+    failures = {}
+    for world, cases in sorted(by_world.items()):
+        try:
+            timing[f"launch_{world}_ranks_s"], _ = dist_util.launch(cases, world, work)
+        except RuntimeError as exc:
+            failures[world] = str(exc)
+    print(f"\ndistributed matrix timing: {timing}")
+    return out, refs, failures
+
+
+@pytest.mark.parametrize("mode", ["emit", "apply"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_one_process(matrix, name, mode):
+    out, refs, failures = matrix
+    world, _, (loss_rtol, delta_rtol) = CASES[name]
+    if world in failures:
+        pytest.fail(failures[world])
+    got = dist_util.merged(out, f"{name}.{mode}", world)
+    problems = dist_util.compare(got, refs[name], loss_rtol=loss_rtol, delta_rtol=delta_rtol)
+    assert not problems, f"{name} via {mode}:\n" + "\n".join(problems[:10])

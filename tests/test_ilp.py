@@ -1,0 +1,159 @@
+"""The inner ILP equals brute-force enumeration of the same space, evaluated by `Evaluator.evaluate`.
+
+Space of one candidate: an AC mode per layer (none, selective, full), contiguous stages with every stage holding
+≥ 1 block (embedding on stage 0, head on the last), one gradient compression and one boundary compression. The
+brute force enumerates every per-layer AC assignment (3^layers), every stage split and every compression pair.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import replace
+from functools import lru_cache
+
+import pytest
+
+from costmodel.cluster import parse_cluster_yaml
+from costmodel.config import AC, ParallelConfig, Schedule
+from costmodel.estimate import Evaluator
+from planner import ilp
+from profiler.api import profile_model
+
+MODELS = ("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128", "gpt:layers=3,hidden=64,heads=4,seq=64,vocab=256",
+          "gpt:layers=4,hidden=32,heads=2,seq=32,vocab=64")
+
+
+@lru_cache(maxsize=None)
+def graph(spec):
+    return profile_model(spec)
+
+
+def cluster(rng: random.Random, memory_gib: float, gpus_per_node: int, nodes: int):
+    text = f"""
+name: random
+gpus_per_node: {gpus_per_node}
+nodes: {nodes}
+device:
+  name: tiny-gpu
+  peak_tflops: {{bf16: {rng.choice([0.5, 2.0, 10.0])}, fp32: 0.5}}
+  memory_GiB: {memory_gib!r}
+  hbm_bw_GBps: {rng.choice([20, 100, 500])}
+intra: {{bw_GBps: {rng.choice([1, 10, 100])}, latency_us: {rng.choice([1, 10])}}}
+inter: {{bw_GBps: {rng.choice([0.05, 0.5, 5])}, latency_us: {rng.choice([5, 50])}}}
+"""
+    cl = parse_cluster_yaml(text)  # the YAML has no overlap_slowdown key: set it on the device
+    return replace(cl, device=replace(cl.device, overlap_slowdown=rng.choice([0.0, 0.1, 0.3])))
+
+
+def splits(n_blocks: int, n_stages: int):
+    """Every way to give each stage ≥ 1 of the blocks, in order."""
+    for cuts in itertools.combinations(range(1, n_blocks), n_stages - 1):
+        bounds = (0,) + cuts + (n_blocks,)
+        yield [bounds[k + 1] - bounds[k] for k in range(n_stages)]
+
+
+def brute_force(lg, cl, cfg, gb, grad_opts, pp_opts):
+    n = len(lg.layers)
+    blocks = [i for i, layer in enumerate(lg.layers) if layer.kind == "block"]
+    S = cfg.pp * cfg.vpp
+    best = None
+    for counts in splits(len(blocks), S):
+        stage_of = [0] * blocks[0]
+        for c, k in enumerate(counts):
+            stage_of += [c] * k
+        stage_of += [S - 1] * (n - len(stage_of))
+        for g, p in itertools.product(grad_opts, pp_opts):
+            ev = Evaluator(lg, cl, replace(cfg, grad_compress=g, pp_compress=p), gb)
+            for acs in itertools.product(ilp.AC_ORDER, repeat=n):
+                est = ev.evaluate(list(acs), stage_of)
+                if est.fits and (best is None or est.step_time_s < best):
+                    best = est.step_time_s
+    return best
+
+
+def random_problem(seed: int):
+    rng = random.Random(seed)
+    spec = rng.choice(MODELS)
+    lg = graph(spec)
+    nb = sum(1 for layer in lg.layers if layer.kind == "block")
+    gpn, nodes = rng.choice([(2, 1), (2, 2), (4, 1), (1, 4)])
+    world = gpn * nodes
+    tp = rng.choice([t for t in (1, 2) if world % t == 0 and t <= gpn])
+    pp = rng.choice([p for p in (1, 2, 3) if (world // tp) % p == 0 and p <= nb] or [1])
+    dp = world // (tp * pp)
+    schedule, vpp = Schedule.ONE_F_ONE_B, 1
+    if pp > 1:
+        schedule = rng.choice(list(Schedule))
+        if schedule == Schedule.INTERLEAVED:
+            if 2 * pp > nb:
+                schedule = Schedule.ZERO_BUBBLE
+            else:
+                vpp = 2
+    zero = rng.choice([0, 1, 2, 3]) if dp > 1 else 0
+    mbs = rng.choice([1, 2])
+    gb = dp * mbs * rng.choice([1, 2, 4])
+    cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=schedule, mbs=mbs, zero=zero,
+                         sp=tp > 1 and rng.random() < 0.5, precision=rng.choice(["bf16", "bf16", "fp32"]))
+    # memory from a little below the all-full-AC plan's need to above the no-AC one's, so that memory binds in some problems
+    probe = cluster(random.Random(seed), 1000.0, gpn, nodes)
+    lo = Evaluator(lg, probe, cfg, gb).evaluate([AC.FULL] * len(lg.layers)).memory.peak
+    hi = Evaluator(lg, probe, cfg, gb).evaluate([AC.NONE] * len(lg.layers)).memory.peak
+    span = max(hi - lo, 0.02 * lo)
+    memory = (lo + (rng.random() * 1.4 - 0.15) * span) / 2**30
+    cl = cluster(random.Random(seed), memory, gpn, nodes)
+    grad_opts = ("none",) if dp == 1 or zero >= 2 else ("none", "bf16", "powersgd-4")
+    pp_opts = ("none", "bf16") if pp > 1 else ("none",)
+    return lg, cl, cfg, gb, grad_opts, pp_opts
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_ilp_equals_brute_force(seed):
+    lg, cl, cfg, gb, grad_opts, pp_opts = random_problem(seed)
+    expected = brute_force(lg, cl, cfg, gb, grad_opts, pp_opts)
+    if expected is None:
+        with pytest.raises(ilp.Infeasible):
+            ilp.solve(lg, cl, cfg, gb, grad_opts=grad_opts, pp_opts=pp_opts)
+        return
+    sol = ilp.solve(lg, cl, cfg, gb, grad_opts=grad_opts, pp_opts=pp_opts)
+    assert sol.status == "OPTIMAL"
+    assert sol.objective == pytest.approx(expected, rel=1e-6), (cfg, sol.config, sol.acs, sol.stage_of)
+    assert sol.gap <= 1e-6
+
+
+def test_some_random_problems_bind_memory_and_some_are_infeasible():
+    """The random suite is not trivial: memory changes the answer in some problems."""
+    kinds = set()
+    for seed in range(60):
+        lg, cl, cfg, gb, grad_opts, pp_opts = random_problem(seed)
+        try:
+            sol = ilp.solve(lg, cl, cfg, gb, grad_opts=grad_opts, pp_opts=pp_opts)
+        except ilp.Infeasible:
+            kinds.add("infeasible")
+            continue
+        kinds.add("recompute" if any(a != AC.NONE for a in sol.acs) else "none")
+        kinds.add(f"grad={sol.config.grad_compress}")
+    assert {"infeasible", "recompute", "none"} <= kinds, kinds
+
+
+def test_decoded_plan_is_evaluated_and_reports_solver_facts():
+    lg = graph(MODELS[2])
+    cl = cluster(random.Random(0), 100.0, 2, 2)
+    sol = ilp.solve(lg, cl, ParallelConfig(dp=2, pp=2), 8)
+    assert sol.status == "OPTIMAL" and sol.backend in ilp.BACKENDS
+    assert sol.bound <= sol.objective and sol.gap == pytest.approx(0.0, abs=1e-9)
+    est = Evaluator(lg, cl, sol.config, 8).evaluate(list(sol.acs), list(sol.stage_of))
+    assert est.step_time_s == sol.objective
+    assert list(sol.stage_of) == sorted(sol.stage_of) and set(sol.stage_of) == {0, 1}
+
+
+def test_heterogeneous_blocks_with_stages_are_refused_clearly(monkeypatch):
+    lg = graph(MODELS[1])
+    blocks = [i for i, layer in enumerate(lg.layers) if layer.kind == "block"]
+    layers = list(lg.layers)
+    layers[blocks[1]] = replace(layers[blocks[1]], signature="other")
+    lg2 = replace(lg, layers=tuple(layers))
+    cl = cluster(random.Random(0), 100.0, 2, 1)
+    with pytest.raises(ilp.NotSupportedError, match="identical repeated blocks"):
+        ilp.solve(lg2, cl, ParallelConfig(pp=2), 4)
+    assert ilp.solve(lg2, cl, ParallelConfig(dp=2), 4).status == "OPTIMAL"  # one stage: per-layer choices
