@@ -88,6 +88,12 @@ class DeviceSpec:
     matmul_eff: EfficiencyCurve
     #: achieved fraction of ``hbm_bw`` for memory-bound ops (elementwise, norms, softmax), in (0, 1].
     memory_eff: float
+    #: efficiency of fused attention kernels (FlashAttention) relative to a GEMM of the same FLOPs, in (0, 1]:
+    #: FlashAttention-2 reaches 50-73 % of A100 peak vs ~80 % for GEMMs, and 35-50 % of H100 peak (Dao 2023, §4.1).
+    attention_eff: float = 1.0
+    #: achieved fraction of the fp8 peak relative to the bf16 curve (fp8 GEMMs are smaller per FLOP and pay
+    #: scaling/casting work), in (0, 1].
+    fp8_eff: float = 1.0
     #: fractional slowdown of compute while a collective overlaps it (the collective's kernels take SMs and HBM
     #: bandwidth): overlapped compute time is multiplied by ``1 + overlap_slowdown``. ≥ 0.
     overlap_slowdown: float = 0.0
@@ -110,13 +116,17 @@ class DeviceSpec:
             raise ValueError(f"device {self.name!r}: hbm_bw must be > 0 bytes/s, got {self.hbm_bw!r}")
         if not 0.0 < self.memory_eff <= 1.0:
             raise ValueError(f"device {self.name!r}: memory_eff must be in (0, 1], got {self.memory_eff!r}")
+        for key in ("attention_eff", "fp8_eff"):
+            if not 0.0 < getattr(self, key) <= 1.0:
+                raise ValueError(f"device {self.name!r}: {key} must be in (0, 1], got {getattr(self, key)!r}")
         if not 0.0 <= self.overlap_slowdown < 1.0:
             raise ValueError(f"device {self.name!r}: overlap_slowdown must be in [0, 1), got {self.overlap_slowdown!r}")
         object.__setattr__(self, "peak_flops", _frozen_map(self.peak_flops))
 
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes, self.hbm_bw,
-                     self.matmul_eff, self.memory_eff, self.overlap_slowdown, self.source))
+                     self.matmul_eff, self.memory_eff, self.attention_eff, self.fp8_eff, self.overlap_slowdown,
+                     self.source))
 
     def peak(self, dtype: str) -> float:
         """Dense peak for ``dtype`` in FLOP/s; ValueError naming the dtypes this device has if it is unknown."""
@@ -161,8 +171,10 @@ def _gpu(name: str, peaks: Mapping[str, float], memory_bytes: float, hbm_bw: flo
     if fit:
         matmul = EfficiencyCurve(e_max=fit["matmul_e_max"], f_half=fit["matmul_f_half"], source=fit["source"])
         memory_eff, slowdown, note = fit["memory_eff"], fit["overlap_slowdown"], f"efficiencies: {fit['source']}"
+        attention, fp8 = fit.get("attention_eff", 1.0), fit.get("fp8_eff", 1.0)
     else:
         matmul, memory_eff, slowdown = _GPU_MATMUL_PRIOR, _GPU_MEMORY_EFF_PRIOR, 0.0
+        attention, fp8 = 1.0, 1.0
         note = "efficiencies: prior: unfitted"
     return DeviceSpec(
         name=name,
@@ -171,6 +183,8 @@ def _gpu(name: str, peaks: Mapping[str, float], memory_bytes: float, hbm_bw: flo
         hbm_bw=hbm_bw,
         matmul_eff=matmul,
         memory_eff=memory_eff,
+        attention_eff=attention,
+        fp8_eff=fp8,
         overlap_slowdown=slowdown,
         source=f"{_PEAK_SOURCE}; {memory_note}; {note}",
     )

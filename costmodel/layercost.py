@@ -80,13 +80,22 @@ class CostContext:
         return self.mbs / self.captured_batch
 
 
-def _node_time(flops: float, nbytes: float, ctx: CostContext) -> float:
+def _node_time(flops: float, nbytes: float, ctx: CostContext, *, attention: bool = False) -> float:
+    """Roofline of one op: the slower of its FLOPs at the size-dependent matmul efficiency (scaled for fused
+    attention kernels and fp8) and its bytes at the achieved memory bandwidth."""
     dev = ctx.cluster.device
     t_mem = nbytes / (dev.hbm_bw * dev.memory_eff) if nbytes else 0.0
     if not flops:
         return t_mem
     dtype = ctx.precision if ctx.precision in dev.peak_flops else max(dev.peak_flops, key=dev.peak_flops.get)
-    t_flop = flops / (dev.peak(dtype) * dev.matmul_eff(flops))
+    eff = dev.matmul_eff(flops)
+    if attention:
+        eff *= dev.attention_eff
+    if dtype == "fp8" and not attention:  # attention stays in 16 bits under float8 training
+        eff *= dev.fp8_eff
+    elif dtype == "fp8":
+        dtype = "bf16"
+    t_flop = flops / (dev.peak(dtype) * eff)
     return max(t_flop, t_mem)
 
 
@@ -152,9 +161,10 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     fwd_flops = core_flops = 0.0
     for n in layer.nodes:
         f = _shard(n, ctx.tp, ctx.sp, tp_layer)
-        t_f = _node_time(n.fwd_flops * k * f, n.fwd_bytes * k * f * ctx.act_scale, ctx)
+        attn = n.kind == "attention"
+        t_f = _node_time(n.fwd_flops * k * f, n.fwd_bytes * k * f * ctx.act_scale, ctx, attention=attn)
         fwd += t_f
-        bwd += _node_time(n.bwd_flops * k * f, n.bwd_bytes * k * f * ctx.act_scale, ctx)
+        bwd += _node_time(n.bwd_flops * k * f, n.bwd_bytes * k * f * ctx.act_scale, ctx, attention=attn)
         fwd_flops += n.fwd_flops * k
         saved = n.saved_bytes * k * f * ctx.act_scale
         if n.tp_role in _SHARDED_ROLES and tp_layer:

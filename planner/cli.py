@@ -27,6 +27,7 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; an output file is as readable as any other
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -119,9 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("models", help="list model presets and forms").set_defaults(func=cmd_models)
     sub.add_parser("clusters", help="list cluster presets").set_defaults(func=cmd_clusters)
 
-    from planner import cli_plan  # the plan/estimate/inspect commands register themselves
+    # the commands that need the cost model and planner register themselves (imported lazily where they run)
+    from planner import cli_inspect, cli_plan, cli_validate
 
-    cli_plan.register(sub)
+    for module in (cli_plan, cli_inspect, cli_validate):
+        module.register(sub)
     return p
 
 
