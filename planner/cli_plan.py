@@ -44,7 +44,68 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from costmodel.config import parse_kv
+    from planner.cli import _print_json, write_atomic
+    from planner.search import default_global_batch, make_plan, search
+
+    fix = parse_kv(args.fix or "", what="--fix")
+    lg, cluster = load_job(args)
+    gb = args.global_batch or default_global_batch(cluster)
+    result = search(lg, cluster, gb, fix=fix, top_k=args.top_k, time_limit=args.time_limit)
+    plan = make_plan(lg, cluster, gb, result, model=args.model, cluster_spec=args.cluster)
+    if args.emit:
+        try:
+            from planner.emit import write_script
+        except ImportError:
+            raise ValueError("--emit is not available yet (planner.emit is missing); write the plan with --out") \
+                from None
+        write_script(plan, args.emit)
+    if args.out:
+        write_atomic(args.out, plan.dumps())
+    if args.json:
+        d = plan.to_dict()
+        _print_json({"predicted": d["predicted"], "config": d["config"], "stages": d["stages"],
+                     "solver": d["solver"], "alternatives": d["alternatives"], "layers": d["layers"],
+                     "global_batch": gb, "seq": plan.seq, "model": args.model, "cluster": args.cluster})
+        return 0
+    p, c = plan.predicted, plan.config
+    print(f"{args.model} on {args.cluster} ({cluster.world_size} GPUs), global batch {gb}: "
+          f"dp={c.dp} tp={c.tp} pp={c.pp} vpp={c.vpp} schedule={c.schedule.value} mbs={c.mbs} zero={c.zero} "
+          f"sp={'on' if c.sp else 'off'} grad_compress={c.grad_compress} pp_compress={c.pp_compress}")
+    acs = {}
+    for lay in plan.layers:
+        acs[lay.ac.value] = acs.get(lay.ac.value, 0) + 1
+    print(f"  step {p['step_time_s']:.4g} s, {p['tokens_per_s']:.4g} tokens/s, MFU {p['mfu']:.1%}, "
+          f"peak memory {p['memory_per_gpu_bytes']['peak'] / 2**30:.2f} GiB per GPU; AC per layer {json.dumps(acs)}")
+    sv = plan.solver
+    print(f"  solver: {sv['status']} gap {sv['gap']:.2g}, {sv['candidates']} candidates, {sv['pruned']} pruned, "
+          f"{sv['solved']} ILPs ({sv['backend']}), {sv['time_s']:.2f} s")
+    for a in plan.alternatives:
+        ac = a["config"]
+        print(f"  alternative dp={ac['dp']} tp={ac['tp']} pp={ac['pp']} zero={ac['zero']} mbs={ac['mbs']}: "
+              f"{a['predicted']['step_time_s']:.4g} s (lost by {a['lost_by']} +{a['lost_by_s']:.3g} s)")
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
 def register(sub) -> None:
+    pl = sub.add_parser("plan", help="search the fastest parallel plan that fits")
+    _add_job_args(pl)
+    pl.set_defaults(func=cmd_plan)
+    for action in pl._actions:
+        if action.dest == "global_batch":
+            action.help = "sequences per optimizer step (default: 8 per GPU, i.e. 8 × the cluster's GPUs)"
+    pl.add_argument("--fix", help="pin configuration keys, k=v,… e.g. tp=8,pp=4 (any --config key)")
+    pl.add_argument("--top-k", type=int, default=3, help="alternatives to keep (default 3)")
+    pl.add_argument("--time-limit", type=float, default=60.0,
+                    help="seconds for the whole search; when exceeded the best plan so far is returned with its gap")
+    pl.add_argument("--out", help="write the plan as YAML to this file")
+    pl.add_argument("--emit", help="also write a training script for the plan (planner.emit)")
+
     es = sub.add_parser("estimate", help="predict step time and memory of one configuration")
     _add_job_args(es)
     es.add_argument("--config", required=True, help="k=v,… e.g. dp=8,tp=8,pp=4,mbs=1,schedule=1f1b,ac=selective")

@@ -122,6 +122,7 @@ class Data:
     p2p: dict  #: pp option → per-micro-batch boundary time
     n_range: dict  #: rank → (lowest, highest) block count
     fixed_rank: dict  #: fixed layer → rank
+    units: list  #: groups of stages counted together: one per rank, or one per stage under ZeRO-3
     time_unit: float
     mem_unit: float
     evs: dict  #: grad option → evaluator with that compression
@@ -180,12 +181,18 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
         own = sum(1 for c in range(S) if c % cfg.pp == r)
         n_range[r] = (own, nb - (S - own)) if nb else (0, 0)
     fixed_rank = {i: 0 for i in pre} | {i: (S - 1) % cfg.pp for i in post}
+    # Only a rank's totals matter (T_r, memory, dp) unless ZeRO-3's per-stage overlap applies: then count blocks
+    # per rank (vpp stages each, split evenly on decode) which removes the symmetry between a rank's stages
+    if cfg.zero == 3 and cfg.dp > 1:
+        units = [(c,) for c in range(S)]
+    else:
+        units = [tuple(range(r, S, cfg.pp)) for r in range(cfg.pp)]
     # units: the even, no-recompute step for time, capacity/1000 for memory (solver tolerances become relative)
     t_ref = sum(ev.cost(i, AC.NONE).fwd_s + ev.cost(i, AC.NONE).bwd_s for i in range(len(kinds))) * ev.m
     return Data(ev=ev, cfg=cfg, S=S, pp=cfg.pp, m=ev.m, phi=pipeline_factor(cfg.schedule, cfg.vpp),
                 slow=cluster.device.overlap_slowdown, pre=pre, post=post, blocks=blocks, acs=block_acs,
                 fixed_acs=fixed_acs,
-                grad_opts=tuple(grad_opts), pp_opts=pp_opts, p2p=p2p, n_range=n_range, fixed_rank=fixed_rank,
+                grad_opts=tuple(grad_opts), pp_opts=pp_opts, p2p=p2p, n_range=n_range, fixed_rank=fixed_rank, units=units,
                 time_unit=max(t_ref, 1e-12) / 1000.0, mem_unit=cluster.device.memory_bytes / 1000.0, evs=evs)
 
 
@@ -197,8 +204,13 @@ def _distinct_acs(ev: Evaluator, i: int, acs) -> tuple[AC, ...]:
     return tuple(kept)
 
 
-def _fixed_on_stage(d: Data, c: int) -> list[int]:
-    return (d.pre if c == 0 else []) + (d.post if c == d.S - 1 else [])
+def _fixed_on_stage(d: Data, u: int) -> list[int]:
+    """The pre/post layers of unit u."""
+    return (d.pre if 0 in d.units[u] else []) + (d.post if d.S - 1 in d.units[u] else [])
+
+
+def _units_of(d: Data, r: int) -> list[int]:
+    return [u for u, st in enumerate(d.units) if st[0] % d.pp == r]
 
 
 def _rank_layer_costs(d: Data, r: int, n: int) -> list:
@@ -221,7 +233,6 @@ class Model:
         self.inf = self.solver.infinity()
         self.add_variables()
         self.add_assignment()
-        self.add_rank_counts()
         self.add_stage_times()
         self.add_bottleneck()
         self.add_finish()
@@ -232,16 +243,12 @@ class Model:
     def add_variables(self) -> None:
         d, s = self.d, self.solver
         nb = len(d.blocks)
-        self.blocks = {(c, a): s.IntVar(0, nb, f"blocks[{c},{a.value}]") for c in range(d.S) for a in d.acs}
+        self.blocks = {(u, a): s.IntVar(0, nb, f"blocks[{u},{a.value}]") for u in range(len(d.units)) for a in d.acs}
         self.fixed_ac = {(i, a): s.BoolVar(f"fixed_ac[{i},{a.value}]") for i in d.pre + d.post for a in d.fixed_acs[i]}
-        self.rank_blocks = {}
-        for r, (lo, hi) in d.n_range.items():
-            if hi > lo:
-                for n in range(lo, hi + 1):
-                    self.rank_blocks[r, n] = s.BoolVar(f"rank_blocks[{r},{n}]")
+        self.rank_blocks = {}  # created per rank only where a table is not affine (`tab`)
         self.compress = {("dp", k): s.BoolVar(f"compress[dp,{k}]") for k in d.grad_opts}
         self.compress |= {("pp", k): s.BoolVar(f"compress[pp,{k}]") for k in d.pp_opts}
-        self.stage_time = {c: s.NumVar(0, self.inf, f"stage_time[{c}]") for c in range(d.S)}
+        self.stage_time = {u: s.NumVar(0, self.inf, f"stage_time[{u}]") for u in range(len(d.units))}
         self.bottleneck = s.NumVar(0, self.inf, "bottleneck")
         self.finish = s.NumVar(0, self.inf, "finish")
 
@@ -267,7 +274,7 @@ class Model:
         return sum((self.blocks[c, a] for a in self.d.acs), 0.0 * self.bottleneck)
 
     def n_rank(self, r):
-        return sum((self.n_stage(c) for c in range(r, self.d.S, self.d.pp)), 0.0 * self.bottleneck)
+        return sum((self.n_stage(u) for u in _units_of(self.d, r)), 0.0 * self.bottleneck)
 
     def tab(self, r: int, f) -> tuple:
         """(expression, lowest, highest) of f(n) for the rank's block count n, exact through rank_blocks."""
@@ -276,7 +283,25 @@ class Model:
             v = f(lo)
             return v + 0.0 * self.bottleneck, v, v
         vals = {n: f(n) for n in range(lo, hi + 1)}
+        slope = (vals[hi] - vals[lo]) / (hi - lo)
+        scale = max(abs(v) for v in vals.values()) or 1.0
+        if all(abs(vals[lo] + slope * (n - lo) - v) <= 1e-12 * scale for n, v in vals.items()):
+            # an affine table (collective times are α + β·bytes) needs no one-hot: use the line in N_r
+            return vals[lo] + slope * (self.n_rank(r) - lo), min(vals.values()), max(vals.values())
+        self._need_onehot(r)
         return (sum(v * self.rank_blocks[r, n] for n, v in vals.items()), min(vals.values()), max(vals.values()))
+
+    def _need_onehot(self, r: int) -> None:
+        """Create rank r's one-hot block count on first use (family 2)."""
+        if (r, self.d.n_range[r][0]) in self.rank_blocks:
+            return
+        lo, hi = self.d.n_range[r]
+        s = self.solver
+        for n in range(lo, hi + 1):
+            self.rank_blocks[r, n] = s.BoolVar(f"rank_blocks[{r},{n}]")
+        # the rank's block count is n for exactly one n
+        s.Add(sum(self.rank_blocks[r, n] for n in range(lo, hi + 1)) == 1)
+        s.Add(self.n_rank(r) == sum(n * self.rank_blocks[r, n] for n in range(lo, hi + 1)))
 
     # -- 1. assignment ---------------------------------------------------------------------------------------
     def add_assignment(self) -> None:
@@ -287,35 +312,33 @@ class Model:
         # every block is placed, every stage holds at least one block
         if d.blocks:
             s.Add(sum(self.blocks.values()) == len(d.blocks))
-            for c in range(d.S):
-                s.Add(self.n_stage(c) >= 1)
+            for u, stages in enumerate(d.units):
+                s.Add(self.n_stage(u) >= len(stages))
         # exactly one compression per communication group
         for group, opts in (("dp", d.grad_opts), ("pp", d.pp_opts)):
             s.Add(sum(self.compress[group, k] for k in opts) == 1)
 
     # -- 2. rank block counts --------------------------------------------------------------------------------
     def add_rank_counts(self) -> None:
-        d, s = self.d, self.solver
-        for r, (lo, hi) in d.n_range.items():
-            if hi > lo:  # the rank's block count is n for exactly one n
-                s.Add(sum(self.rank_blocks[r, n] for n in range(lo, hi + 1)) == 1)
-                s.Add(self.n_rank(r) == sum(n * self.rank_blocks[r, n] for n in range(lo, hi + 1)))
+        """Family 2 is added lazily by `tab` (`_need_onehot`): only ranks with a non-affine table need it."""
 
     # -- 3. stage times --------------------------------------------------------------------------------------
     def add_stage_times(self) -> None:
         d, s, ev = self.d, self.solver, self.d.ev
         self.fsdp_excess = {}
-        for c in range(d.S):
-            # compute + recompute + tensor-parallel collectives of the stage's layers, per micro-batch
-            t = self.layer_sum([c], lambda x: self._t(x.fwd_s + x.bwd_s + x.recompute_s + x.tp_comm_s))
-            if c > 0:  # boundary transfer into the stage, with the chosen pp compression
-                t += sum(self._t(d.p2p[k]) * self.compress["pp", k] for k in d.pp_opts)
+        for u, stages in enumerate(d.units):
+            # compute + recompute + tensor-parallel collectives of the unit's layers, per micro-batch
+            t = self.layer_sum([u], lambda x: self._t(x.fwd_s + x.bwd_s + x.recompute_s + x.tp_comm_s))
+            # boundary transfers into its stages (all but stage 0), with the chosen pp compression
+            n_in = sum(1 for c in stages if c > 0)
+            t += n_in * sum(self._t(d.p2p[k]) * self.compress["pp", k] for k in d.pp_opts)
             if d.cfg.zero == 3 and d.cfg.dp > 1:
-                t += self._fsdp(c)
-            s.Add(self.stage_time[c] == t)
+                t += self._fsdp(u)
+            s.Add(self.stage_time[u] == t)
 
-    def _fsdp(self, c):
+    def _fsdp(self, u):
         """ZeRO-3 exposed all-gathers and reduce-scatters of stage c (costmodel.overlap.fsdp_exposed)."""
+        c = self.d.units[u][0]  # one stage per unit under ZeRO-3
         d, s, ev = self.d, self.solver, self.d.ev
         span, cl = ev.dp_span, ev.cluster
         pbytes = 4 if d.cfg.precision == "fp32" else 2
@@ -326,16 +349,16 @@ class Model:
         def rs(i):
             return reduce_scatter_time(ev.cost(i, AC.NONE).param_numel * GRAD_REDUCE_BYTES, span, cl)
 
-        b, fixed = (d.blocks[0] if d.blocks else None), _fixed_on_stage(d, c)
+        b, fixed = (d.blocks[0] if d.blocks else None), _fixed_on_stage(d, u)
         first = d.pre[0] if (c == 0 and d.pre) else b
         last = d.post[-1] if (c == d.S - 1 and d.post) else b
-        n = self.n_stage(c)
+        n = self.n_stage(u)
         sum_ag = (ag(b) * n if b is not None else 0) + sum(ag(i) for i in fixed)
         sum_rs = (rs(b) * n if b is not None else 0) + sum(rs(i) for i in fixed)
         a_f = self._t(1) * (sum_ag - ag(first))
         a_b = self._t(1) * (sum_ag - ag(last) + sum_rs - rs(first))
-        fwd = self.layer_sum([c], lambda x: self._t(x.fwd_s))
-        bwd = self.layer_sum([c], lambda x: self._t(x.bwd_s + x.recompute_s))
+        fwd = self.layer_sum([u], lambda x: self._t(x.fwd_s))
+        bwd = self.layer_sum([u], lambda x: self._t(x.bwd_s + x.recompute_s))
         e_f = self.fsdp_excess[c, "fwd"] = s.NumVar(0, self.inf, f"fsdp_excess[{c},fwd]")
         e_b = self.fsdp_excess[c, "bwd"] = s.NumVar(0, self.inf, f"fsdp_excess[{c},bwd]")
         s.Add(e_f >= a_f - fwd)
@@ -345,7 +368,7 @@ class Model:
 
     # -- 4. bottleneck ---------------------------------------------------------------------------------------
     def rank_time(self, r):
-        return sum((self.stage_time[c] for c in range(r, self.d.S, self.d.pp)), 0.0 * self.bottleneck)
+        return sum((self.stage_time[u] for u in _units_of(self.d, r)), 0.0 * self.bottleneck)
 
     def add_bottleneck(self) -> None:
         for r in range(self.d.pp):  # the bottleneck rank is at least as slow as every rank
@@ -373,7 +396,7 @@ class Model:
         return sum(x.param_numel for x in _rank_layer_costs(self.d, r, n))
 
     def _window(self, r, attr):
-        return self.layer_sum(range(r, self.d.S, self.d.pp), attr)
+        return self.layer_sum(_units_of(self.d, r), attr)
 
     def _zero2(self, r):
         d, s, ev = self.d, self.solver, self.d.ev
@@ -442,7 +465,7 @@ class Model:
         self.rec_peak, self.uses_ac = {}, {}
         nb = len(d.blocks)
         for r in range(d.pp):
-            stages = range(r, d.S, d.pp)
+            stages = _units_of(d, r)
             params = self.tab(r, lambda n, r=r: self._params(r, n))[0]
             act = inflight(cfg.schedule, cfg.pp, cfg.vpp, r, d.m) * self.layer_sum(
                 stages, lambda x: self._b(x.act_bytes))
@@ -487,9 +510,9 @@ class Model:
     def hint(self, acs: list[AC], stage_of: list[int], grad: str, ppc: str) -> None:
         d = self.d
         pairs = []
-        for c in range(d.S):
+        for u, stages in enumerate(d.units):
             for a in d.acs:
-                pairs.append((self.blocks[c, a], sum(1 for i in d.blocks if stage_of[i] == c and acs[i] == a)))
+                pairs.append((self.blocks[u, a], sum(1 for i in d.blocks if stage_of[i] in stages and acs[i] == a)))
         for i in d.pre + d.post:
             pairs += [(self.fixed_ac[i, a], 1.0 if acs[i] == a else 0.0) for a in d.fixed_acs[i]]
         pairs += [(self.compress["dp", k], 1.0 if k == grad else 0.0) for k in d.grad_opts]
@@ -512,12 +535,20 @@ class Model:
             assert len(chosen) == 1, f"layer {i}: {len(chosen)} AC modes chosen"
             acs[i] = chosen[0]
             stage_of[i] = 0 if i in d.pre else d.S - 1
+        # a unit's blocks are split evenly over its stages (earlier stages take the extra ones), AC modes in order
+        per_stage: dict[int, list[AC]] = {}
+        for u, stages in enumerate(d.units):
+            modes = [a for a in d.acs for _ in range(round(self.blocks[u, a].solution_value()))]
+            base, extra = divmod(len(modes), len(stages))
+            k = 0
+            for j, c in enumerate(stages):
+                take = base + (1 if j < extra else 0)
+                per_stage[c], k = modes[k:k + take], k + take
         it = iter(d.blocks)
         for c in range(d.S):
-            for a in d.acs:
-                for _ in range(round(self.blocks[c, a].solution_value())):
-                    i = next(it)
-                    acs[i], stage_of[i] = a, c
+            for a in per_stage[c]:
+                i = next(it)
+                acs[i], stage_of[i] = a, c
         assert next(it, None) is None and None not in acs, "every layer gets one AC and one stage"
         grad = [k for k in d.grad_opts if self.compress["dp", k].solution_value() > 0.5]
         ppc = [k for k in d.pp_opts if self.compress["pp", k].solution_value() > 0.5]

@@ -173,6 +173,6 @@ def provenance(cluster_desc: dict) -> dict:
 
     from planner import __version__
 
-    return {"autopar_version": __version__, "torch_version": torch.__version__,
+    return {"autopar_version": __version__, "torch_version": str(torch.__version__),
             "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
             "cluster": cluster_desc}

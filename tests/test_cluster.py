@@ -43,7 +43,9 @@ def test_device_catalog_figures():
     assert DEVICES["a100-80g"].memory_bytes == 80 * 2**30
     assert DEVICES["h200"].memory_bytes == 141e9
     assert DEVICES["h100-sxm"].hbm_bw == 3.35e12
-    assert DEVICES["h100-sxm"].matmul_eff.source == "prior: unfitted"
+    # efficiencies come from the calibration fit (costmodel/data/fitted.yaml) and say so
+    assert DEVICES["h100-sxm"].matmul_eff.source.startswith("fitted ")
+    assert DEVICES["h200"].matmul_eff == DEVICES["h100-sxm"].matmul_eff  # one set per device kind
 
 
 def test_unknown_dtype_and_device_errors_name_the_choices():

@@ -1,0 +1,69 @@
+"""`autopar validate`: run plans, compare measured with predicted part by part, recalibrate the cluster."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from costmodel.cluster import load_cluster
+    from planner.cli import UsageError, _print_json, write_atomic
+    from planner.plan import Plan
+    from planner.validate import compare, profile_for, render, repredict, run_plans, summary
+
+    if args.steps < 1 or args.warmup < 0:
+        raise UsageError(f"--steps {args.steps} must be ≥ 1 and --warmup {args.warmup} ≥ 0")
+    plans = {}
+    for path in args.plans:
+        name = Path(path).stem
+        while name in plans:
+            name += "_"
+        plans[name] = Plan.load(path)
+    clusters = {p.cluster for p in plans.values()}
+    if args.recalibrate and len(clusters) > 1 and not args.cluster:
+        raise UsageError(f"--recalibrate: the plans were made for different clusters ({', '.join(sorted(clusters))});"
+                         " pass --cluster to say which one to recalibrate")
+    if args.recalibrate and Path(args.recalibrate).parent and not Path(args.recalibrate).parent.exists():
+        raise UsageError(f"--recalibrate {args.recalibrate}: folder {Path(args.recalibrate).parent} does not exist")
+    measured = run_plans(plans, steps=args.steps, warmup=args.warmup, nproc=args.nproc)
+    comps = [compare(n, plans[n], measured[n]) for n in plans]
+    result = {"plans": {n: c.to_dict() | {"measured": measured[n].to_dict()} for n, c in zip(plans, comps)},
+              "summary": summary(comps)}
+    after = None
+    if args.recalibrate:
+        from planner.validate_fit import fit
+
+        base = load_cluster(args.cluster or next(iter(clusters)))
+        lgs = [profile_for(p.model, base, seq=p.seq) for p in plans.values()]
+        res = fit(base, list(plans.values()), [measured[n] for n in plans], lgs)
+        write_atomic(args.recalibrate, res.yaml(list(plans)))
+        after = [compare(n, p, measured[n], repredict(p, res.cluster, lg))
+                 for (n, p), lg in zip(plans.items(), lgs)]
+        result["recalibrated"] = {"cluster_file": args.recalibrate, "scales": res.scales.to_dict(),
+                                  "cost_before": res.cost_before, "cost_after": res.cost_after,
+                                  "plans": {c.name: c.to_dict() for c in after}, "summary": summary(after)}
+    if args.json:
+        _print_json(result)
+        return 0
+    render(comps, title="predicted (as planned) vs measured")
+    if after is not None:
+        print()
+        render(after, title=f"predicted with the recalibrated cluster ({args.recalibrate}) vs measured")
+        print(f"wrote {args.recalibrate}: use it with `autopar plan … --cluster {args.recalibrate}`", file=sys.stdout)
+    return 0
+
+
+def register(sub) -> None:
+    v = sub.add_parser("validate", help="run plans for a few steps and compare measured with predicted")
+    v.add_argument("plans", nargs="+", metavar="PLAN.yaml", help="plan files written by `autopar plan --out`")
+    v.add_argument("--steps", type=int, default=5, help="timed steps after warm-up (default 5)")
+    v.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
+    v.add_argument("--nproc", type=int, help="processes per launch (default: each plan's world size)")
+    v.add_argument("--recalibrate", metavar="OUT.yaml",
+                   help="fit the cluster's device efficiency and link latency/bandwidth to the measurements and "
+                        "write a cluster file for --cluster")
+    v.add_argument("--cluster", help="the cluster to recalibrate (default: the plans' cluster)")
+    v.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
+    v.set_defaults(func=cmd_validate)

@@ -1,0 +1,95 @@
+"""Rediscovery: the search finds the known answers (plain DP, ZeRO-3, pipelines, TP inside a node, compression)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+
+import pytest
+
+from costmodel.cluster import load_cluster, parse_cluster_yaml
+from planner.search import NoPlanFits, make_plan, search
+from profiler.api import profile_model
+
+SMALL = "gpt:layers=4,hidden=1024,heads=16,seq=512,vocab=8192"
+
+
+@lru_cache(maxsize=None)
+def graph(spec):
+    return profile_model(spec)
+
+
+def node_cluster(memory_gib: float, *, inter_GBps: float = 24.0, nodes: int = 1, gpn: int = 8):
+    return parse_cluster_yaml(f"""
+name: test
+gpus_per_node: {gpn}
+nodes: {nodes}
+device: {{name: gpu, peak_tflops: {{bf16: 312, fp32: 19.5}}, memory_GiB: {memory_gib}, hbm_bw_GBps: 2039}}
+intra: {{bw_GBps: 230, latency_us: 3.4}}
+inter: {{bw_GBps: {inter_GBps}, latency_us: 8}}
+""")
+
+
+def test_ample_memory_gives_plain_data_parallel():
+    r = search(graph(SMALL), node_cluster(80), 256)
+    c = r.best.config
+    assert (c.dp, c.tp, c.pp) == (8, 1, 1) and c.zero < 3
+    assert all(a.value == "none" for a in r.best.acs)
+
+
+def test_memory_for_a_1_over_world_share_gives_zero3():
+    lg = graph(SMALL)
+    params = lg.model.num_params
+    # room for the 16-byte model states of 1/8 of the model plus activations, not for a replica
+    r0 = search(lg, node_cluster(80), 256, fix={"dp": 8, "zero": 3, "mbs": 1})
+    need = r0.best.estimate.memory.peak
+    cap = (need + 0.2 * params) / 2**30  # ZeRO-2 would need 1.75 more bytes per parameter
+    r = search(lg, replace_memory(node_cluster(80), cap), 256, fix={"mbs": 1, "ac": "none", "tp": 1, "pp": 1})
+    assert r.best.config.zero == 3 and r.best.config.dp == 8
+
+
+def replace_memory(cl, gib):
+    return replace(cl, device=replace(cl.device, memory_bytes=gib * 2**30))
+
+
+def test_model_too_big_for_a_node_with_tp_alone_gets_pipeline_stages():
+    lg = graph("gpt:layers=8,hidden=4096,heads=32,seq=1024,vocab=8192")
+    cl = node_cluster(4, nodes=4)  # 4 GiB GPUs: tp=8 inside a node does not hold the model states
+    with pytest.raises(NoPlanFits):
+        search(lg, replace(cl, nodes=1), 32, fix={"tp": 8, "zero": 0})
+    r = search(lg, cl, 64, fix={"zero": 0})
+    assert r.best.config.pp > 1 and r.best.config.tp <= 8
+
+
+def test_tensor_parallel_stays_inside_a_node():
+    lg = graph("gpt:layers=4,hidden=2048,heads=32,seq=1024,vocab=8192")
+    r = search(lg, node_cluster(80, nodes=2, gpn=4), 32)
+    assert r.best.config.tp <= 4
+
+
+def test_slow_network_turns_gradient_compression_on_fast_network_off():
+    lg = graph(SMALL)
+    fix = {"tp": 1, "pp": 1, "zero": 0, "mbs": 8}
+    slow = search(lg, node_cluster(80, inter_GBps=0.05, nodes=2, gpn=1), 16, fix=fix)
+    fast = search(lg, node_cluster(80, inter_GBps=400, nodes=2, gpn=1), 16, fix=fix)
+    assert slow.best.config.grad_compress != "none"
+    assert fast.best.config.grad_compress == "none"
+
+
+def test_deterministic_plan_files():
+    lg, cl = graph(SMALL), node_cluster(80, nodes=2)
+    texts = []
+    for _ in range(2):
+        plan = make_plan(lg, cl, 128, search(lg, cl, 128), model=SMALL, cluster_spec="test")
+        d = plan.to_dict()
+        d["solver"].pop("time_s")  # the only clock-dependent fields
+        d["provenance"].pop("created")
+        texts.append(repr(d))
+    assert texts[0] == texts[1]
+
+
+def test_alternatives_say_why_they_lost():
+    r = search(graph(SMALL), node_cluster(80, nodes=2), 128, top_k=2)
+    assert len(r.alternatives) == 2
+    for a in r.alternatives:
+        assert a.solution.objective >= r.best.objective and a.lost_by in r.best.estimate.breakdown_s

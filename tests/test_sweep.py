@@ -1,0 +1,39 @@
+"""What-if sweeps: parsing, plain data, and each value's winner is optimal for its value."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner.sweep import check_optimal, parse_sweep, sweep, with_inter_bandwidth
+
+MODEL = "gpt:layers=8,hidden=1024,heads=16,seq=1024,vocab=8192"
+CLUSTER = "dgx-a100-80g:nodes=2"
+
+
+def test_parse_sweep():
+    assert parse_sweep("inter_bw_GBps=1,2.5,25") == ("inter_bw_GBps", [1.0, 2.5, 25.0])
+    assert parse_sweep("nodes=1,2") == ("nodes", [1, 2])
+    with pytest.raises(ValueError, match="sweepable|KEY"):
+        parse_sweep("bandwidth=1,2")
+    with pytest.raises(ValueError, match="integer"):
+        parse_sweep("nodes=1.5")
+
+
+def test_inter_bandwidth_scales_link():
+    from costmodel.cluster import load_cluster
+
+    c = with_inter_bandwidth(load_cluster(CLUSTER), 5)
+    assert c.inter.bandwidth == pytest.approx(5e9)
+    assert c.intra == load_cluster(CLUSTER).intra
+
+
+def test_bandwidth_sweep_winners_are_optimal_and_change():
+    res = sweep(MODEL, CLUSTER, "inter_bw_GBps", [0.5, 5, 50], global_batch=64, time_limit=10)
+    d = json.loads(json.dumps(res.to_dict()))
+    assert [p["value"] for p in d["points"]] == [0.5, 5, 50]
+    assert all(p["step_time_s"] > 0 for p in d["points"])
+    times = [p.step_time_s for p in res.points]
+    assert times == sorted(times, reverse=True)  # more bandwidth never hurts the best plan
+    assert check_optimal(res, CLUSTER, time_limit=10) == []
