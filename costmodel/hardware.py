@@ -216,8 +216,39 @@ class LazyCatalog(Mapping[str, _T], Generic[_T]):
         return len(self._factories)
 
 
+def _cpu_cache_file() -> Path:
+    import platform
+
+    import torch
+
+    root = Path(os.environ.get("AUTOPAR_CACHE", Path.home() / ".cache" / "autopar"))
+    key = f"{platform.machine()}-{platform.processor() or 'cpu'}-{os.cpu_count()}-torch{torch.__version__}"
+    return root / "devices" / f"cpu-{''.join(c if c.isalnum() or c in '.-' else '_' for c in key)}.json"
+
+
 @functools.lru_cache(maxsize=1)
 def measure_cpu_device() -> DeviceSpec:
+    """This machine's CPU as a device, measured once per machine and cached on disk (``$AUTOPAR_CACHE/devices``),
+    so every process plans with the same figures; delete the file to measure again."""
+    import json
+
+    path = _cpu_cache_file()
+    if path.exists():
+        d = json.loads(path.read_text())
+        curve = EfficiencyCurve(**d.pop("matmul_eff"))
+        return DeviceSpec(**d, matmul_eff=curve)
+    dev = _measure_cpu_device()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"name": dev.name, "peak_flops": dict(dev.peak_flops), "memory_bytes": dev.memory_bytes,
+                               "hbm_bw": dev.hbm_bw, "memory_eff": dev.memory_eff, "source": dev.source,
+                               "matmul_eff": {"e_max": dev.matmul_eff.e_max, "f_half": dev.matmul_eff.f_half,
+                                              "source": dev.matmul_eff.source}}))
+    tmp.replace(path)
+    return dev
+
+
+def _measure_cpu_device() -> DeviceSpec:
     """Measure this machine's CPU as a device: one thread, as the ``cpu-local`` gloo ranks run.
 
     Peak fp32 = best of several 1024×1024×1024 fp32 matmuls (2·1024³ FLOPs) with ``torch.set_num_threads(1)``;

@@ -51,20 +51,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from planner.cli import _print_json, write_atomic
     from planner.search import default_global_batch, make_plan, search
 
+    if args.sweep:
+        from planner.sweep import run_sweep
+
+        return run_sweep(args)
     fix = parse_kv(args.fix or "", what="--fix")
     lg, cluster = load_job(args)
     gb = args.global_batch or default_global_batch(cluster)
     result = search(lg, cluster, gb, fix=fix, top_k=args.top_k, time_limit=args.time_limit)
     plan = make_plan(lg, cluster, gb, result, model=args.model, cluster_spec=args.cluster)
-    if args.emit:
-        try:
-            from planner.emit import write_script
-        except ImportError:
-            raise ValueError("--emit is not available yet (planner.emit is missing); write the plan with --out") \
-                from None
-        write_script(plan, args.emit)
+    script = None
+    if args.emit:  # emit first: a plan the emitter refuses leaves no file behind
+        from planner.emit import emit
+
+        script = emit(plan)
     if args.out:
         write_atomic(args.out, plan.dumps())
+    if script is not None:
+        write_atomic(args.emit, script)
     if args.json:
         d = plan.to_dict()
         _print_json({"predicted": d["predicted"], "config": d["config"], "stages": d["stages"],
@@ -104,7 +108,10 @@ def register(sub) -> None:
     pl.add_argument("--time-limit", type=float, default=60.0,
                     help="seconds for the whole search; when exceeded the best plan so far is returned with its gap")
     pl.add_argument("--out", help="write the plan as YAML to this file")
-    pl.add_argument("--emit", help="also write a training script for the plan (planner.emit)")
+    pl.add_argument("--emit", help="also write a torchrun training script for the plan")
+    from planner.sweep import register_sweep_arg
+
+    register_sweep_arg(pl)
 
     es = sub.add_parser("estimate", help="predict step time and memory of one configuration")
     _add_job_args(es)

@@ -219,6 +219,8 @@ def format_source(text: str) -> str:
 
 def write_script(plan: Plan, path: str | Path, **kwargs) -> Path:
     """Write ``emit(plan, **kwargs)`` to ``path`` and return it."""
+    from planner.cli import write_atomic
+
     path = Path(path)
-    path.write_text(emit(plan, **kwargs))
+    write_atomic(path, emit(plan, **kwargs))
     return path

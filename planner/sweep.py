@@ -215,6 +215,7 @@ def register_sweep_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", metavar="KEY=v1,v2,…",
                         help=f"plan once per value of one parameter ({', '.join(SWEEP_KEYS)}) and show where the "
                              "best plan changes")
+    parser.add_argument("--html", help="with --sweep: write the sweep as a self-contained HTML page with a plot")
 
 
 def run_sweep(args: argparse.Namespace) -> int:
@@ -232,6 +233,11 @@ def run_sweep(args: argparse.Namespace) -> int:
         import json
 
         write_atomic(out, json.dumps(res.to_dict(), indent=2) + "\n")
+    html = getattr(args, "html", None)
+    if html:
+        from planner.report_sweep import render_sweep_html
+
+        write_atomic(html, render_sweep_html(res.to_dict()))
     if getattr(args, "json", False):
         _print_json(res.to_dict())
     else:

@@ -37,3 +37,20 @@ def test_bandwidth_sweep_winners_are_optimal_and_change():
     times = [p.step_time_s for p in res.points]
     assert times == sorted(times, reverse=True)  # more bandwidth never hurts the best plan
     assert check_optimal(res, CLUSTER, time_limit=10) == []
+
+
+def test_sweep_html_plots_each_value_and_marks_changes(tmp_path):
+    """`autopar plan … --sweep … --html` writes a self-contained page: one point per value, a dashed line where
+    the best plan changes (slow network: compression on; fast: off), and the table of winners."""
+    from planner.cli import main
+
+    out = tmp_path / "sweep.html"
+    rc = main(["plan", "gpt:layers=8,hidden=2048,heads=16,seq=1024,vocab=32000", "--cluster", CLUSTER,
+               "--global-batch", "64", "--sweep", "inter_bw_GBps=0.2,5,100", "--html", str(out),
+               "--time-limit", "20"])
+    assert rc == 0
+    html = out.read_text()
+    assert 'id="sweep-plot"' in html and "http" not in html.replace("http-equiv", "")
+    assert html.count('<g class="pt">') == 3
+    assert html.count('class="change"') >= 1
+    assert "grad=powersgd" in html or "grad=bf16" in html  # the slow end compresses its gradients
