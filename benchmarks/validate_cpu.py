@@ -21,7 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from costmodel.cluster import load_cluster  # noqa: E402
 from planner.validate import (  # noqa: E402
-    compare, plan_from_config, plan_from_search, profile_for, render, repredict, run_plans, short_config, summary,
+    compare,
+    plan_from_config,
+    plan_from_search,
+    profile_for,
+    render,
+    repredict,
+    run_plans,
+    short_config,
+    summary,
 )
 from planner.validate_fit import fit  # noqa: E402
 
@@ -75,22 +83,43 @@ def main(argv=None) -> int:
         pick_step = run_plans({pick_name: picked}, steps=args.steps, warmup=args.warmup)[pick_name].step_s
     fastest = min(measured, key=lambda n: measured[n].step_s)
     gap = pick_step / measured[fastest].step_s - 1
-    print(f"\nsearch on {args.out} picks {short_config(pick_cfg)} ({pick_name}): measured {pick_step * 1e3:.1f} ms; "
-          f"fastest measured {fastest} {measured[fastest].step_s * 1e3:.1f} ms; pick is {gap * 100:+.1f} %")
+    print(
+        f"\nsearch on {args.out} picks {short_config(pick_cfg)} ({pick_name}): measured {pick_step * 1e3:.1f} ms; "
+        f"fastest measured {fastest} {measured[fastest].step_s * 1e3:.1f} ms; pick is {gap * 100:+.1f} %"
+    )
 
     s0, s1 = summary(before), summary(after)
     print("\nplan                   predicted before  predicted after   measured")
     for b, a in zip(before, after):
-        print(f"{b.name:22s} {b.predicted['step'] * 1e3:13.1f} ms {a.predicted['step'] * 1e3:13.1f} ms "
-              f"{b.measured['step'] * 1e3:8.1f} ms")
-    print(f"MAE before {s0['step_mae'] * 100:.1f} % (Spearman {s0['spearman']:.2f}); after {s1['step_mae'] * 100:.1f} % "
-          f"(Spearman {s1['spearman']:.2f}); {time.perf_counter() - t0:.0f} s")
+        print(
+            f"{b.name:22s} {b.predicted['step'] * 1e3:13.1f} ms {a.predicted['step'] * 1e3:13.1f} ms "
+            f"{b.measured['step'] * 1e3:8.1f} ms"
+        )
+    print(
+        f"MAE before {s0['step_mae'] * 100:.1f} % (Spearman {s0['spearman']:.2f}); after {s1['step_mae'] * 100:.1f} % "
+        f"(Spearman {s1['spearman']:.2f}); {time.perf_counter() - t0:.0f} s"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "before": [c.to_dict() for c in before], "after": [c.to_dict() for c in after],
-            "summary_before": s0, "summary_after": s1, "scales": res.scales.to_dict(),
-            "search_pick": {"config": pick_cfg, "name": pick_name, "measured_step_s": pick_step,
-                            "fastest": fastest, "gap": gap}}, indent=2, default=str))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "before": [c.to_dict() for c in before],
+                    "after": [c.to_dict() for c in after],
+                    "summary_before": s0,
+                    "summary_after": s1,
+                    "scales": res.scales.to_dict(),
+                    "search_pick": {
+                        "config": pick_cfg,
+                        "name": pick_name,
+                        "measured_step_s": pick_step,
+                        "fastest": fastest,
+                        "gap": gap,
+                    },
+                },
+                indent=2,
+                default=str,
+            )
+        )
     return 0
 
 

@@ -29,7 +29,7 @@ import datetime as _dt
 import json
 import math
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import yaml
@@ -93,14 +93,14 @@ def load_rows(path: Path = DATA) -> list[Row]:
     return rows
 
 
-@lru_cache(maxsize=None)
+@cache
 def _graph(spec: str):
     from profiler.api import profile_model
 
     return profile_model(spec)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cluster(spec: str) -> Cluster:
     return load_cluster(spec)
 

@@ -38,8 +38,8 @@ def pp_cast_time(nbytes_bf16: float, cluster) -> float:
     return _memory_time(3 * nbytes_bf16, cluster)
 
 
-def compressed_grad_comm(rank_costs: list["LayerCost"], params: float, first_layer_params: float,
-                         ev: "Evaluator") -> tuple[float, float, float]:
+def compressed_grad_comm(rank_costs: list[LayerCost], params: float, first_layer_params: float,
+                         ev: Evaluator) -> tuple[float, float, float]:
     """(all-reduce time of the rank's gradients, time of its last bucket, encode+decode time) under the
     configuration's ``grad_compress``."""
     span, cluster = ev.dp_span, ev.cluster

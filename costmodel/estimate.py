@@ -28,7 +28,7 @@ from costmodel.collectives import send_recv_time
 from costmodel.compression import pp_cast_time
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.layercost import CostContext, LayerCost, dtype_bytes, is_tp_layer, layer_cost, owned_params
-from costmodel.memory import MemoryBreakdown, allowance, inflight, state_bytes_per_param, DDP_BUCKET_BYTES
+from costmodel.memory import DDP_BUCKET_BYTES, MemoryBreakdown, allowance, inflight, state_bytes_per_param
 from costmodel.overlap import dp_exposed, fsdp_exposed, optimizer_time
 from profiler.graph import LayerGraph
 
@@ -122,7 +122,7 @@ def even_stages(lg: LayerGraph, n_stages: int) -> list[int]:
         counts[middle[j % len(middle)]] += 1
     stage_of = []
     k, used = 0, 0
-    for i, layer in enumerate(lg.layers):
+    for i in range(len(lg.layers)):
         if i < blocks[0]:
             stage_of.append(0)
         elif i > blocks[-1]:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import functools
 import os
 import time
-from pathlib import Path
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Generic, TypeVar
 

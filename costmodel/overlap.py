@@ -33,7 +33,7 @@ def _hidden(comm: float, window: float, slowdown: float) -> tuple[float, float]:
     return max(0.0, comm - window), slowdown * min(comm, window)
 
 
-def dp_exposed(rank_costs: list[LayerCost], ev: "Evaluator") -> tuple[float, float]:
+def dp_exposed(rank_costs: list[LayerCost], ev: Evaluator) -> tuple[float, float]:
     """(exposed data-parallel communication after the last backward, compression encode/decode) of one rank."""
     cfg = ev.cfg
     if cfg.dp == 1 or not rank_costs:
@@ -62,7 +62,7 @@ def dp_exposed(rank_costs: list[LayerCost], ev: "Evaluator") -> tuple[float, flo
     return exposed, encode
 
 
-def fsdp_exposed(stage_costs: list[LayerCost], ev: "Evaluator") -> float:
+def fsdp_exposed(stage_costs: list[LayerCost], ev: Evaluator) -> float:
     """Per micro-batch, the ZeRO-3 parameter all-gathers and gradient reduce-scatters not hidden by compute."""
     span, cluster = ev.dp_span, ev.cluster
     slow = cluster.device.overlap_slowdown
@@ -76,7 +76,7 @@ def fsdp_exposed(stage_costs: list[LayerCost], ev: "Evaluator") -> float:
     return ag[0] + e_f + s_f + ag[-1] + e_b + s_b + rs[0]
 
 
-def optimizer_time(params: float, ev: "Evaluator") -> float:
+def optimizer_time(params: float, ev: Evaluator) -> float:
     """Adam(W) step on the local shard: memory-bound. Per parameter it reads the fp32 weight, gradient and two
     moments (16 bytes), writes weight and moments (12) and the 16-bit copy (2): 30 bytes (fp32 training: 28)."""
     cfg = ev.cfg

@@ -48,11 +48,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     lg = profile_model(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, kernels=args.kernels)
     prof = None
     if args.device:
-        from profiler.measure import measure
-        from profiler.zoo.registry import resolve_model
         import torch
 
         from profiler.api import parse_dtype
+        from profiler.measure import measure
+        from profiler.zoo.registry import resolve_model
 
         source = resolve_model(args.model)
         model, inputs = source.build(batch=args.batch, seq=args.seq, device="cpu")

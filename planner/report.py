@@ -22,10 +22,23 @@ MEMORY_MARGIN = 0.05  #: warn when the peak is within this fraction of the devic
 DOMINANT_SHARE = 0.30  #: warn when one communication term (or the bubble) is more than this share of the step
 GAP_WARN = 0.01  #: warn when the solver's relative gap exceeds this
 
-BREAKDOWN_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm_exposed", "bubble",
-                   "optimizer", "compression")
-COMM_TERMS = {"tp_comm": "tensor-parallel", "cp_comm": "context-parallel", "pp_comm": "pipeline (p2p)",
-              "dp_comm_exposed": "data-parallel"}
+BREAKDOWN_TERMS = (
+    "compute",
+    "recompute",
+    "tp_comm",
+    "cp_comm",
+    "pp_comm",
+    "dp_comm_exposed",
+    "bubble",
+    "optimizer",
+    "compression",
+)
+COMM_TERMS = {
+    "tp_comm": "tensor-parallel",
+    "cp_comm": "context-parallel",
+    "pp_comm": "pipeline (p2p)",
+    "dp_comm_exposed": "data-parallel",
+}
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "other")
 #: keys under which `autopar plan` may store why an alternative lost (planner/search.py writes ``lost_by``)
 LOST_KEYS = ("lost_by", "why", "lost_on", "reason")
@@ -37,11 +50,18 @@ def build_report(plan: Plan) -> dict:
     cluster = _load_cluster(plan)
     step = float(pred.get("step_time_s") or 0.0)
     report = {
-        "model": plan.model, "cluster": plan.cluster, "fingerprint": plan.fingerprint, "seq": plan.seq,
-        "global_batch": plan.global_batch, "world": cfg.world, "micro_batches": plan.grad_accum,
+        "model": plan.model,
+        "cluster": plan.cluster,
+        "fingerprint": plan.fingerprint,
+        "seq": plan.seq,
+        "global_batch": plan.global_batch,
+        "world": cfg.world,
+        "micro_batches": plan.grad_accum,
         "config": cfg.to_dict(),
-        "predicted": {k: pred.get(k) for k in ("step_time_s", "tokens_per_s", "tflops_per_gpu_model",
-                                              "tflops_per_gpu_hw", "mfu", "hfu", "fits")},
+        "predicted": {
+            k: pred.get(k)
+            for k in ("step_time_s", "tokens_per_s", "tflops_per_gpu_model", "tflops_per_gpu_hw", "mfu", "hfu", "fits")
+        },
         "memory": memory_facts(plan),
         "stages": stage_rows(plan),
         "layer_runs": layer_runs(plan),
@@ -62,8 +82,12 @@ def memory_facts(plan: Plan) -> dict:
     mem = dict(pred.get("memory_per_gpu_bytes") or {})
     cap = float(pred.get("capacity_bytes") or 0.0)
     peak = float(mem.get("peak") or sum(float(mem.get(k, 0.0)) for k in MEMORY_TERMS))
-    return {"capacity_bytes": cap, "peak_bytes": peak, "used_frac": peak / cap if cap else None,
-            "breakdown_bytes": {k: float(mem.get(k, 0.0)) for k in MEMORY_TERMS}}
+    return {
+        "capacity_bytes": cap,
+        "peak_bytes": peak,
+        "used_frac": peak / cap if cap else None,
+        "breakdown_bytes": {k: float(mem.get(k, 0.0)) for k in MEMORY_TERMS},
+    }
 
 
 def layer_span(plan: Plan, first: int, last: int) -> str:
@@ -75,9 +99,20 @@ def layer_span(plan: Plan, first: int, last: int) -> str:
 
 
 def stage_rows(plan: Plan) -> list[dict]:
-    return [{"index": s.index, "rank": s.rank, "layers": layer_span(plan, s.first, s.last),
-             "n_layers": s.last - s.first + 1, "first": s.first, "last": s.last, "time_s": s.time_s,
-             "memory_bytes": s.memory_bytes, "inflight": s.inflight} for s in plan.stages]
+    return [
+        {
+            "index": s.index,
+            "rank": s.rank,
+            "layers": layer_span(plan, s.first, s.last),
+            "n_layers": s.last - s.first + 1,
+            "first": s.first,
+            "last": s.last,
+            "time_s": s.time_s,
+            "memory_bytes": s.memory_bytes,
+            "inflight": s.inflight,
+        }
+        for s in plan.stages
+    ]
 
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
@@ -92,20 +127,38 @@ def layer_runs(plan: Plan) -> list[dict]:
         prefix, num = (m.group(1), int(m.group(2))) if m else (lay.name, None)
         key = (prefix, lay.ac.value, lay.tp)
         last = runs[-1] if runs else None
-        if (last and num is not None and last["_key"] == key and last["_num"] is not None
-                and num == last["_num"] + 1):
-            last.update(last_index=i, _num=num, count=last["count"] + 1, stage_last=lay.stage,
-                        name=f"{prefix}{last['_first_num']}–{num}")
+        if last and num is not None and last["_key"] == key and last["_num"] is not None and num == last["_num"] + 1:
+            last.update(
+                last_index=i,
+                _num=num,
+                count=last["count"] + 1,
+                stage_last=lay.stage,
+                name=f"{prefix}{last['_first_num']}–{num}",
+            )
             continue
-        runs.append({"_key": key, "_num": num, "_first_num": num, "name": lay.name, "first_index": i,
-                     "last_index": i, "count": 1, "stage_first": lay.stage, "stage_last": lay.stage,
-                     "tp": lay.tp, "tp_layout": "column/row (Megatron)" if lay.tp else "replicated",
-                     "ac": lay.ac.value, "sharding": sharding})
+        runs.append(
+            {
+                "_key": key,
+                "_num": num,
+                "_first_num": num,
+                "name": lay.name,
+                "first_index": i,
+                "last_index": i,
+                "count": 1,
+                "stage_first": lay.stage,
+                "stage_last": lay.stage,
+                "tp": lay.tp,
+                "tp_layout": "column/row (Megatron)" if lay.tp else "replicated",
+                "ac": lay.ac.value,
+                "sharding": sharding,
+            }
+        )
     for r in runs:
         for k in ("_key", "_num", "_first_num"):
             r.pop(k)
-        r["text"] = (f"{r['name']} ×{r['count']}: " if r["count"] > 1 else f"{r['name']}: ") + \
-            ", ".join(([f"tp={plan.config.tp}"] if r["tp"] else ["no tp"]) + [f"ac={r['ac']}", sharding])
+        r["text"] = (f"{r['name']} ×{r['count']}: " if r["count"] > 1 else f"{r['name']}: ") + ", ".join(
+            ([f"tp={plan.config.tp}"] if r["tp"] else ["no tp"]) + [f"ac={r['ac']}", sharding]
+        )
     return runs
 
 
@@ -113,8 +166,12 @@ def _sharding(plan: Plan) -> str:
     z = plan.config.zero
     if plan.config.dp == 1:
         return "not sharded (dp=1)"
-    return {0: "replicated (DDP)", 1: "ZeRO-1 (optimizer sharded)", 2: "ZeRO-2 (optimizer+grads sharded)",
-            3: "ZeRO-3/FSDP (all states sharded)"}[z]
+    return {
+        0: "replicated (DDP)",
+        1: "ZeRO-1 (optimizer sharded)",
+        2: "ZeRO-2 (optimizer+grads sharded)",
+        3: "ZeRO-3/FSDP (all states sharded)",
+    }[z]
 
 
 def breakdown_rows(plan: Plan, cluster) -> list[dict]:
@@ -154,7 +211,9 @@ def _dp_hidden(plan: Plan, cluster, exposed: float) -> tuple[float | None, str]:
     mem = plan.predicted.get("memory_per_gpu_bytes") or {}
     numel = float(mem.get("params", 0.0)) / (4 if cfg.precision == "fp32" else 2)
     total = all_reduce_time(numel * GRAD_REDUCE_BYTES, group_span(cluster, cfg.dp, cfg.tp * cfg.cp), cluster)
-    return max(0.0, total - exposed), f"all-reduce ≈ {human_time(total)} in all, the rest hides behind the last backward"
+    return max(
+        0.0, total - exposed
+    ), f"all-reduce ≈ {human_time(total)} in all, the rest hides behind the last backward"
 
 
 def alternative_rows(plan: Plan) -> list[dict]:
@@ -174,10 +233,22 @@ def alternative_rows(plan: Plan) -> list[dict]:
         a_peak = float((ap.get("memory_per_gpu_bytes") or {}).get("peak", 0.0))
         lost, lost_s = _lost_by(alt, ap, base_bd)
         diff = {k: v for k, v in cfg.items() if str(base_cfg.get(k)) != str(v)}
-        rows.append({"rank": i, "config": cfg, "differs": diff, "step_time_s": a_step,
-                     "delta_s": a_step - step, "delta_frac": (a_step - step) / step if step else None,
-                     "peak_bytes": a_peak, "delta_bytes": a_peak - peak, "fits": ap.get("fits"),
-                     "mfu": ap.get("mfu"), "lost_by": lost, "lost_by_s": lost_s})
+        rows.append(
+            {
+                "rank": i,
+                "config": cfg,
+                "differs": diff,
+                "step_time_s": a_step,
+                "delta_s": a_step - step,
+                "delta_frac": (a_step - step) / step if step else None,
+                "peak_bytes": a_peak,
+                "delta_bytes": a_peak - peak,
+                "fits": ap.get("fits"),
+                "mfu": ap.get("mfu"),
+                "lost_by": lost,
+                "lost_by_s": lost_s,
+            }
+        )
     return rows
 
 
@@ -206,20 +277,41 @@ def mesh_facts(plan: Plan, cluster) -> dict:
     cfg = plan.config
     gpn = cluster.gpus_per_node if cluster else int(_prov_cluster(plan).get("gpus_per_node") or 8)
     groups = []
-    for kind, size, stride in (("tp", cfg.tp, 1), ("cp", cfg.cp, cfg.tp), ("dp", cfg.dp, cfg.tp * cfg.cp),
-                               ("pp", cfg.pp, cfg.dp * cfg.cp * cfg.tp)):
-        g = {"kind": kind, "size": size, "stride": stride, "nodes": None, "per_node": None, "link": None,
-             "crosses_nodes": None}
+    for kind, size, stride in (
+        ("tp", cfg.tp, 1),
+        ("cp", cfg.cp, cfg.tp),
+        ("dp", cfg.dp, cfg.tp * cfg.cp),
+        ("pp", cfg.pp, cfg.dp * cfg.cp * cfg.tp),
+    ):
+        g = {
+            "kind": kind,
+            "size": size,
+            "stride": stride,
+            "nodes": None,
+            "per_node": None,
+            "link": None,
+            "crosses_nodes": None,
+        }
         if cluster is not None and size > 1:
             from costmodel.cluster import group_span
 
             span = group_span(cluster, size, stride)
-            g.update(nodes=span.nodes, per_node=span.per_node, crosses_nodes=span.crosses_nodes,
-                     link=("network: " + cluster.inter.name) if span.crosses_nodes else ("intra-node: "
-                                                                                         + cluster.intra.name))
+            g.update(
+                nodes=span.nodes,
+                per_node=span.per_node,
+                crosses_nodes=span.crosses_nodes,
+                link=("network: " + cluster.inter.name)
+                if span.crosses_nodes
+                else ("intra-node: " + cluster.intra.name),
+            )
         groups.append(g)
-    return {"gpus_per_node": gpn, "nodes": -(-cfg.world // gpn), "world": cfg.world,
-            "order": ["pp", "dp", "cp", "tp"], "groups": groups}
+    return {
+        "gpus_per_node": gpn,
+        "nodes": -(-cfg.world // gpn),
+        "world": cfg.world,
+        "order": ["pp", "dp", "cp", "tp"],
+        "groups": groups,
+    }
 
 
 def _prov_cluster(plan: Plan) -> dict:
@@ -268,31 +360,45 @@ def warnings(plan: Plan, rep: dict) -> list[str]:
     mem = rep["memory"]
     if mem["used_frac"] is not None:
         if mem["used_frac"] > 1.0:
-            out.append(f"does not fit: peak {mem['peak_bytes'] / 2**30:.1f} GiB > device "
-                       f"{mem['capacity_bytes'] / 2**30:.1f} GiB")
+            out.append(
+                f"does not fit: peak {mem['peak_bytes'] / 2**30:.1f} GiB > device "
+                f"{mem['capacity_bytes'] / 2**30:.1f} GiB"
+            )
         elif mem["used_frac"] > 1.0 - MEMORY_MARGIN:
-            out.append(f"memory within {MEMORY_MARGIN:.0%} of the device: peak {mem['peak_bytes'] / 2**30:.1f} GiB "
-                       f"of {mem['capacity_bytes'] / 2**30:.1f} GiB ({mem['used_frac']:.1%}); fragmentation or a "
-                       "longer sequence may run out of memory")
+            out.append(
+                f"memory within {MEMORY_MARGIN:.0%} of the device: peak {mem['peak_bytes'] / 2**30:.1f} GiB "
+                f"of {mem['capacity_bytes'] / 2**30:.1f} GiB ({mem['used_frac']:.1%}); fragmentation or a "
+                "longer sequence may run out of memory"
+            )
     cfg = plan.config
     kind, rank = parse_grad_compress(cfg.grad_compress)
     if kind in ("bf16", "fp16") and cfg.dp > 1:
-        out.append(f"grad_compress={kind}: gradients are reduced in {kind}, not fp32; this changes the numerics "
-                   "(rounding in the sum); check the loss curve")
+        out.append(
+            f"grad_compress={kind}: gradients are reduced in {kind}, not fp32; this changes the numerics "
+            "(rounding in the sum); check the loss curve"
+        )
     elif kind == "powersgd" and cfg.dp > 1:
-        out.append(f"grad_compress=powersgd-{rank}: gradients are reduced as rank-{rank} approximations with error "
-                   "feedback; this changes the numerics and may change convergence; check the loss curve")
+        out.append(
+            f"grad_compress=powersgd-{rank}: gradients are reduced as rank-{rank} approximations with error "
+            "feedback; this changes the numerics and may change convergence; check the loss curve"
+        )
     if cfg.pp_compress == "bf16" and cfg.pp > 1 and cfg.precision == "fp32":
-        out.append("pp_compress=bf16: activations and their gradients cross pipeline stages in bf16 while training "
-                   "in fp32; this changes the numerics")
+        out.append(
+            "pp_compress=bf16: activations and their gradients cross pipeline stages in bf16 while training "
+            "in fp32; this changes the numerics"
+        )
     for row in rep["breakdown"]:
         if row["term"] in COMM_TERMS and row["share"] > DOMINANT_SHARE:
             link = _link_of(row["term"], rep["mesh"])
-            out.append(f"{row['term']} is {row['share']:.0%} of the step: the {COMM_TERMS[row['term']]} "
-                       f"communication{(' over ' + link) if link else ''} dominates")
+            out.append(
+                f"{row['term']} is {row['share']:.0%} of the step: the {COMM_TERMS[row['term']]} "
+                f"communication{(' over ' + link) if link else ''} dominates"
+            )
         if row["term"] == "bubble" and row["share"] > DOMINANT_SHARE:
-            out.append(f"pipeline bubble is {row['share']:.0%} of the step: more micro-batches or virtual stages "
-                       "would shrink it")
+            out.append(
+                f"pipeline bubble is {row['share']:.0%} of the step: more micro-batches or virtual stages "
+                "would shrink it"
+            )
     solver = plan.solver
     gap = solver.get("gap")
     if isinstance(gap, (int, float)) and gap > GAP_WARN:

@@ -7,26 +7,55 @@ from html import escape
 
 from planner.textui import human_bytes, human_time
 
-MEM_COLOURS = {"params": "#4e79a7", "grads": "#76b7b2", "optimizer": "#edc948", "activations": "#e15759",
-               "other": "#bab0ac"}
-TERM_COLOURS = {"compute": "#4e79a7", "recompute": "#f28e2b", "tp_comm": "#b07aa1", "cp_comm": "#ff9da7",
-                "pp_comm": "#9467bd", "dp_comm_exposed": "#e15759", "bubble": "#d3d3d3", "optimizer": "#59a14f",
-                "compression": "#edc948"}
-GROUP_PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
-                 "#9c755f", "#bab0ac", "#86bcb6", "#d37295")
+MEM_COLOURS = {
+    "params": "#4e79a7",
+    "grads": "#76b7b2",
+    "optimizer": "#edc948",
+    "activations": "#e15759",
+    "other": "#bab0ac",
+}
+TERM_COLOURS = {
+    "compute": "#4e79a7",
+    "recompute": "#f28e2b",
+    "tp_comm": "#b07aa1",
+    "cp_comm": "#ff9da7",
+    "pp_comm": "#9467bd",
+    "dp_comm_exposed": "#e15759",
+    "bubble": "#d3d3d3",
+    "optimizer": "#59a14f",
+    "compression": "#edc948",
+}
+GROUP_PALETTE = (
+    "#4e79a7",
+    "#f28e2b",
+    "#e15759",
+    "#76b7b2",
+    "#59a14f",
+    "#edc948",
+    "#b07aa1",
+    "#ff9da7",
+    "#9c755f",
+    "#bab0ac",
+    "#86bcb6",
+    "#d37295",
+)
 
 
 def _svg(id_: str, w: int, h: int, body: list[str], label: str) -> str:
-    return (f'<svg id="{id_}" class="chart" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-            f'viewBox="0 0 {w} {h}" role="img" aria-label="{escape(label)}">' + "\n".join(body) + "</svg>")
+    return (
+        f'<svg id="{id_}" class="chart" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+        f'viewBox="0 0 {w} {h}" role="img" aria-label="{escape(label)}">' + "\n".join(body) + "</svg>"
+    )
 
 
 def _axis_bytes(v: float, span: float) -> str:
     """``v`` in the unit of the larger of the two, with enough decimals to tell ticks ``span``/4 apart."""
     import math
 
-    unit, name = next(((u, n) for u, n in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
-                       if max(abs(v), span) >= u), (1, "B"))
+    unit, name = next(
+        ((u, n) for u, n in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")) if max(abs(v), span) >= u),
+        (1, "B"),
+    )
     step = span / 4 / unit
     dec = 0 if step >= 1 or step <= 0 else min(4, math.ceil(-math.log10(step)))
     return f"{v / unit:.{dec}f} {name}"
@@ -35,8 +64,10 @@ def _axis_bytes(v: float, span: float) -> str:
 def _legend(items, x0, y) -> str:
     out, x = [], x0
     for label, colour in items:
-        out.append(f'<rect x="{x}" y="{y - 10}" width="12" height="12" fill="{colour}"/>'
-                   f'<text x="{x + 16}" y="{y}" class="lbl">{escape(label)}</text>')
+        out.append(
+            f'<rect x="{x}" y="{y - 10}" width="12" height="12" fill="{colour}"/>'
+            f'<text x="{x + 16}" y="{y}" class="lbl">{escape(label)}</text>'
+        )
         x += 28 + 7 * len(label)
     return f'<g class="legend">{"".join(out)}</g>'
 
@@ -84,25 +115,34 @@ def memory_svg(rep: dict, width: int = 1300) -> str:
     body = []
     for i, r in enumerate(rows):
         y = y0 + i * (bar_h + 6)
-        body.append(f'<text x="{left - 8}" y="{y + bar_h / 2 + 4}" text-anchor="end" class="lbl">rank {r["rank"]}'
-                    f'{"" if r["exact"] else "*"}</text>')
+        body.append(
+            f'<text x="{left - 8}" y="{y + bar_h / 2 + 4}" text-anchor="end" class="lbl">rank {r["rank"]}'
+            f"{'' if r['exact'] else '*'}</text>"
+        )
         b = 0.0
         for k, v in r["parts"].items():
             if v > 0:
-                body.append(f'<rect class="mem-{k}" x="{x(b):.2f}" y="{y}" width="{max(x(b + v) - x(b), 0.5):.2f}" '
-                            f'height="{bar_h}" fill="{MEM_COLOURS[k]}"><title>rank {r["rank"]} {k}: '
-                            f'{human_bytes(v)}</title></rect>')
+                body.append(
+                    f'<rect class="mem-{k}" x="{x(b):.2f}" y="{y}" width="{max(x(b + v) - x(b), 0.5):.2f}" '
+                    f'height="{bar_h}" fill="{MEM_COLOURS[k]}"><title>rank {r["rank"]} {k}: '
+                    f"{human_bytes(v)}</title></rect>"
+                )
             b += v
-        body.append(f'<text x="{x(r["peak"]) + 6:.1f}" y="{y + bar_h / 2 + 4}" class="lbl">'
-                    f'{human_bytes(r["peak"])}</text>')
+        body.append(
+            f'<text x="{x(r["peak"]) + 6:.1f}" y="{y + bar_h / 2 + 4}" class="lbl">{human_bytes(r["peak"])}</text>'
+        )
     h_bars = y0 + len(rows) * (bar_h + 6)
-    body.append(f'<line class="capacity" x1="{x(cap):.2f}" y1="2" x2="{x(cap):.2f}" y2="{h_bars}" stroke="#c00" '
-                f'stroke-width="2" stroke-dasharray="6 3"/><text x="{x(cap) - 4:.1f}" y="{h_bars + 14}" '
-                f'text-anchor="end" class="lbl" fill="#c00">device {human_bytes(cap)}</text>')
+    body.append(
+        f'<line class="capacity" x1="{x(cap):.2f}" y1="2" x2="{x(cap):.2f}" y2="{h_bars}" stroke="#c00" '
+        f'stroke-width="2" stroke-dasharray="6 3"/><text x="{x(cap) - 4:.1f}" y="{h_bars + 14}" '
+        f'text-anchor="end" class="lbl" fill="#c00">device {human_bytes(cap)}</text>'
+    )
     body.append(_legend([(k, c) for k, c in MEM_COLOURS.items()], left, h_bars + 36))
     if any(not r["exact"] for r in rows):
-        body.append(f'<text x="{left}" y="{h_bars + 56}" class="tick">* parts apportioned from the peak rank\'s '
-                    f'breakdown (the plan stores only each rank\'s total)</text>')
+        body.append(
+            f'<text x="{left}" y="{h_bars + 56}" class="tick">* parts apportioned from the peak rank\'s '
+            f"breakdown (the plan stores only each rank's total)</text>"
+        )
     return _svg("memory", width, h_bars + 64, body, "memory per pipeline rank")
 
 
@@ -115,15 +155,24 @@ def breakdown_svg(rep: dict, width: int = 1300) -> str:
     body, t = [], 0.0
     for b in rows:
         w = x(t + b["seconds"]) - x(t)
-        body.append(f'<rect class="term-{b["term"]}" x="{x(t):.2f}" y="{y}" width="{max(w, 0.5):.2f}" height="{h}" '
-                    f'fill="{TERM_COLOURS.get(b["term"], "#999")}"><title>{b["term"]}: {human_time(b["seconds"])} '
-                    f'({b["share"]:.1%})</title></rect>')
+        body.append(
+            f'<rect class="term-{b["term"]}" x="{x(t):.2f}" y="{y}" width="{max(w, 0.5):.2f}" height="{h}" '
+            f'fill="{TERM_COLOURS.get(b["term"], "#999")}"><title>{b["term"]}: {human_time(b["seconds"])} '
+            f"({b['share']:.1%})</title></rect>"
+        )
         if w > 70:
-            body.append(f'<text x="{x(t) + w / 2:.1f}" y="{y + h / 2 + 4}" text-anchor="middle" class="inbar">'
-                        f'{b["term"]} {b["share"]:.0%}</text>')
+            body.append(
+                f'<text x="{x(t) + w / 2:.1f}" y="{y + h / 2 + 4}" text-anchor="middle" class="inbar">'
+                f"{b['term']} {b['share']:.0%}</text>"
+            )
         t += b["seconds"]
-    body.append(_legend([(f'{b["term"]} {human_time(b["seconds"])}', TERM_COLOURS.get(b["term"], "#999"))
-                         for b in rows], left, y + h + 24))
+    body.append(
+        _legend(
+            [(f"{b['term']} {human_time(b['seconds'])}", TERM_COLOURS.get(b["term"], "#999")) for b in rows],
+            left,
+            y + h + 24,
+        )
+    )
     return _svg("breakdown", width, y + h + 36, body, "step-time breakdown")
 
 
@@ -143,12 +192,16 @@ def scatter_svg(rep: dict, width: int = 640, height: int = 380) -> str:
     from planner.report_text import short_config
 
     pts = [("plan", rep["config"], rep["predicted"]["step_time_s"], rep["memory"]["peak_bytes"], None)]
-    pts += [(f"#{a['rank']}", a["config"], a["step_time_s"], a["peak_bytes"], a["lost_by"])
-            for a in rep["alternatives"]]
+    pts += [
+        (f"#{a['rank']}", a["config"], a["step_time_s"], a["peak_bytes"], a["lost_by"]) for a in rep["alternatives"]
+    ]
     cap = rep["memory"]["capacity_bytes"]
     ts, ms = [p[2] for p in pts], [p[3] for p in pts]
     t_lo, t_hi = min(ts), max(ts)
-    m_lo, m_hi = min(ms + ([cap] if cap and cap < 1.3 * max(ms) else [])), max(ms + ([cap] if cap and cap < 1.3 * max(ms) else []))
+    m_lo, m_hi = (
+        min(ms + ([cap] if cap and cap < 1.3 * max(ms) else [])),
+        max(ms + ([cap] if cap and cap < 1.3 * max(ms) else [])),
+    )
     pad_t, pad_m = (t_hi - t_lo) * 0.08 or t_hi * 0.1 or 1.0, (m_hi - m_lo) * 0.08 or m_hi * 0.1 or 1.0
     t_lo, t_hi, m_lo, m_hi = t_lo - pad_t, t_hi + pad_t, max(0.0, m_lo - pad_m), m_hi + pad_m
     L, R, T, B = 80, 30, 44, 50
@@ -157,17 +210,23 @@ def scatter_svg(rep: dict, width: int = 640, height: int = 380) -> str:
     body = [f'<rect x="{L}" y="{T}" width="{width - L - R}" height="{height - T - B}" fill="#fafafa" stroke="#ccc"/>']
     for i in range(5):
         tv, mv = t_lo + (t_hi - t_lo) * i / 4, m_lo + (m_hi - m_lo) * i / 4
-        body.append(f'<text x="{x(tv):.1f}" y="{height - B + 16}" text-anchor="{"end" if i == 4 else "middle"}" '
-                    f'class="tick">'
-                    f'{human_time(tv)}</text><text x="{L - 6}" y="{y(mv) + 4:.1f}" text-anchor="end" class="tick">'
-                    f'{_axis_bytes(mv, m_hi - m_lo)}</text>')
-    body.append(f'<text x="{(L + width - R) / 2}" y="{height - 8}" text-anchor="middle" class="lbl">step time</text>'
-                f'<text x="14" y="{(T + height - B) / 2}" transform="rotate(-90 14 {(T + height - B) / 2})" '
-                f'text-anchor="middle" class="lbl">peak memory per GPU</text>')
+        body.append(
+            f'<text x="{x(tv):.1f}" y="{height - B + 16}" text-anchor="{"end" if i == 4 else "middle"}" '
+            f'class="tick">'
+            f'{human_time(tv)}</text><text x="{L - 6}" y="{y(mv) + 4:.1f}" text-anchor="end" class="tick">'
+            f"{_axis_bytes(mv, m_hi - m_lo)}</text>"
+        )
+    body.append(
+        f'<text x="{(L + width - R) / 2}" y="{height - 8}" text-anchor="middle" class="lbl">step time</text>'
+        f'<text x="14" y="{(T + height - B) / 2}" transform="rotate(-90 14 {(T + height - B) / 2})" '
+        f'text-anchor="middle" class="lbl">peak memory per GPU</text>'
+    )
     if cap and m_lo <= cap <= m_hi:
-        body.append(f'<line x1="{L}" x2="{width - R}" y1="{y(cap):.1f}" y2="{y(cap):.1f}" stroke="#c00" '
-                    f'stroke-dasharray="6 3"/><text x="{width - R - 4}" y="{y(cap) - 4:.1f}" text-anchor="end" '
-                    f'class="tick" fill="#c00">device memory</text>')
+        body.append(
+            f'<line x1="{L}" x2="{width - R}" y1="{y(cap):.1f}" y2="{y(cap):.1f}" stroke="#c00" '
+            f'stroke-dasharray="6 3"/><text x="{width - R - 4}" y="{y(cap) - 4:.1f}" text-anchor="end" '
+            f'class="tick" fill="#c00">device memory</text>'
+        )
     front = pareto([(p[2], p[3]) for p in pts])
     if len(front) > 1:
         path = " ".join(f"{x(pts[i][2]):.1f},{y(pts[i][3]):.1f}" for i in front)
@@ -177,11 +236,13 @@ def scatter_svg(rep: dict, width: int = 640, height: int = 380) -> str:
         cls = "pt plan" if i == 0 else "pt alt"
         r = 8 if i == 0 else 6
         tip = f"{name}: {short_config(cfg)}; {human_time(t)}, {human_bytes(m)}" + (f"; lost on {lost}" if lost else "")
-        body.append(f'<g class="{cls}{" pareto" if on else ""}"><title>{escape(tip)}</title>'
-                    f'<circle cx="{x(t):.1f}" cy="{y(m):.1f}" r="{r}" fill="{"#222" if i == 0 else "#4e79a7"}" '
-                    f'stroke="{"#e15759" if on else "#fff"}" stroke-width="2.5"/>'
-                    f'<text x="{x(t) + (10 if i % 2 == 0 else -10):.1f}" y="{y(m) + (-8 if i % 2 == 0 else 18):.1f}" '
-                    f'text-anchor="{"start" if i % 2 == 0 else "end"}" class="lbl">{escape(name)}</text></g>')
+        body.append(
+            f'<g class="{cls}{" pareto" if on else ""}"><title>{escape(tip)}</title>'
+            f'<circle cx="{x(t):.1f}" cy="{y(m):.1f}" r="{r}" fill="{"#222" if i == 0 else "#4e79a7"}" '
+            f'stroke="{"#e15759" if on else "#fff"}" stroke-width="2.5"/>'
+            f'<text x="{x(t) + (10 if i % 2 == 0 else -10):.1f}" y="{y(m) + (-8 if i % 2 == 0 else 18):.1f}" '
+            f'text-anchor="{"start" if i % 2 == 0 else "end"}" class="lbl">{escape(name)}</text></g>'
+        )
     body.append(_legend([("plan", "#222"), ("alternative", "#4e79a7"), ("Pareto front", "#e15759")], L, 16))
     return _svg("scatter", width, height, body, "alternatives: step time vs memory")
 
@@ -196,7 +257,7 @@ def mesh_coords(rank: int, cfg: dict) -> dict[str, int]:
 def group_id(rank: int, kind: str, cfg: dict) -> int:
     """Which group of ``kind`` the rank belongs to (ranks sharing all other coordinates)."""
     c = mesh_coords(rank, cfg)
-    return sum(v * 100_000 ** i for i, (k, v) in enumerate(sorted(c.items())) if k != kind)
+    return sum(v * 100_000**i for i, (k, v) in enumerate(sorted(c.items())) if k != kind)
 
 
 def mesh_svg(rep: dict, width: int = 1300) -> str:
@@ -215,9 +276,11 @@ def mesh_svg(rep: dict, width: int = 1300) -> str:
         ids: dict[int, int] = {}
         link = g["link"] or "link unknown"
         net = g["crosses_nodes"]
-        body.append(f'<text x="10" y="{y0 + 16}" class="lbl"><tspan font-weight="bold">{kind} groups</tspan> of '
-                    f'{g["size"]} (stride {g["stride"]}) — {escape(link)}'
-                    f'{" (crosses nodes)" if net else ""}</text>')
+        body.append(
+            f'<text x="10" y="{y0 + 16}" class="lbl"><tspan font-weight="bold">{kind} groups</tspan> of '
+            f"{g['size']} (stride {g['stride']}) — {escape(link)}"
+            f"{' (crosses nodes)' if net else ''}</text>"
+        )
         body.append(f'<g class="mesh-{kind}">')
         for rank in range(world):
             node, local = divmod(rank, gpn)
@@ -226,16 +289,22 @@ def mesh_svg(rep: dict, width: int = 1300) -> str:
             gid = ids.setdefault(group_id(rank, kind, cfg), len(ids))
             c = mesh_coords(rank, cfg)
             tip = f"rank {rank}, node {node}: " + ", ".join(f"{k} {v}" for k, v in c.items()) + f"; {kind} group {gid}"
-            body.append(f'<rect class="rank" x="{gx}" y="{gy}" width="{cell - 1}" height="{cell - 1}" '
-                        f'fill="{GROUP_PALETTE[gid % len(GROUP_PALETTE)]}"><title>{tip}</title></rect>')
+            body.append(
+                f'<rect class="rank" x="{gx}" y="{gy}" width="{cell - 1}" height="{cell - 1}" '
+                f'fill="{GROUP_PALETTE[gid % len(GROUP_PALETTE)]}"><title>{tip}</title></rect>'
+            )
         for node in range(nodes):
             gx = 10 + (node % per_row) * node_w - 2
             gy = y0 + 26 + (node // per_row) * (cell + 8) - 2
-            body.append(f'<rect class="node" x="{gx}" y="{gy}" width="{cell * gpn + 3}" height="{cell + 3}" '
-                        f'fill="none" stroke="{"#c00" if net else "#333"}" stroke-width="1"/>')
+            body.append(
+                f'<rect class="node" x="{gx}" y="{gy}" width="{cell * gpn + 3}" height="{cell + 3}" '
+                f'fill="none" stroke="{"#c00" if net else "#333"}" stroke-width="1"/>'
+            )
         body.append("</g>")
         y0 += panel_h
-    body.append(f'<text x="10" y="{y0 + 4}" class="tick">each box is a node of {gpn}; each square a rank (order pp, dp, '
-                f'cp, tp); squares of one colour form one group (colours repeat every {len(GROUP_PALETTE)} groups); '
-                f'red node outlines: that group kind uses the network</text>')
+    body.append(
+        f'<text x="10" y="{y0 + 4}" class="tick">each box is a node of {gpn}; each square a rank (order pp, dp, '
+        f"cp, tp); squares of one colour form one group (colours repeat every {len(GROUP_PALETTE)} groups); "
+        f"red node outlines: that group kind uses the network</text>"
+    )
     return _svg("mesh", width, y0 + 14, body, "device mesh")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def render_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]], *,

@@ -124,7 +124,7 @@ def _union(intervals: list) -> list:
 
 
 def _overlap(xs: list, ys: list) -> float:
-    total, j = 0.0, 0
+    total = 0.0
     for a, b in xs:
         for c, d in ys:
             total += max(0.0, min(b, d) - max(a, c))

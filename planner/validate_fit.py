@@ -10,7 +10,8 @@ Free parameters (all multiplicative, fitted in log space, 1 = unchanged):
   kind (and to the default figures with all_reduce), so the shape gloo_bench/NCCL-tests gave them is kept.
 
 Residuals, per measured plan: log(predicted / measured) of the step time (weight 2), of compute (1), of exposed
-communication plus idle time (1, when ≥ 2 ms were measured) and of the optimizer step (0.5), plus a weak pull of every log-scale
+communication plus idle time (1, when ≥ 2 ms were measured) and of the optimizer step (0.5), plus a weak pull of
+every log-scale
 to 0 (0.05) so that a parameter the data do not see stays put. Solved by `scipy.optimize.least_squares`
 (trust-region reflective, soft-L1 loss against the odd outlier step).
 """
@@ -53,8 +54,10 @@ def _scale_link(link: Link, bw: dict, lat: dict, note: str) -> Link:
         source=f"{link.source}; {note}" if link.source else note,
         bandwidth_by_kind={k: link.bandwidth_for(k) * bw.get(k, 1.0) for k in kinds},
         latency_by_kind={k: link.latency_for(k) * lat.get(k, 1.0) for k in kinds},
-        spill_by_kind={k: Spill(threshold=s.threshold, bandwidth=s.bandwidth * bw.get(k, 1.0))
-                       for k, s in link.spill_by_kind.items()},
+        spill_by_kind={
+            k: Spill(threshold=s.threshold, bandwidth=s.bandwidth * bw.get(k, 1.0))
+            for k, s in link.spill_by_kind.items()
+        },
     )
 
 
@@ -69,8 +72,13 @@ class Scales:
     latency: tuple[tuple[str, float], ...] = ()
 
     def to_dict(self) -> dict:
-        return {"flops": self.flops, "f_half": self.f_half, "memory": self.memory,
-                "bandwidth": dict(self.bandwidth), "latency": dict(self.latency)}
+        return {
+            "flops": self.flops,
+            "f_half": self.f_half,
+            "memory": self.memory,
+            "bandwidth": dict(self.bandwidth),
+            "latency": dict(self.latency),
+        }
 
 
 def apply_scales(base: Cluster, s: Scales, note: str = "recalibrated") -> Cluster:
@@ -84,13 +92,18 @@ def apply_scales(base: Cluster, s: Scales, note: str = "recalibrated") -> Cluste
         dev,
         peak_flops={k: v * peak_factor for k, v in dev.peak_flops.items()},
         matmul_eff=EfficiencyCurve(e_max=e_max, f_half=e0.f_half * s.f_half, source=f"{note} (autopar validate)"),
-        memory_eff=mem_eff, hbm_bw=dev.hbm_bw * hbm_factor,
+        memory_eff=mem_eff,
+        hbm_bw=dev.hbm_bw * hbm_factor,
         source=f"{dev.source}; {note}" if dev.source else note,
     )
     bw, lat = dict(s.bandwidth), dict(s.latency)
-    return replace(base, name=f"{base.name}-recalibrated" if not base.name.endswith("-recalibrated") else base.name,
-                   device=device, intra=_scale_link(base.intra, bw, lat, note),
-                   inter=_scale_link(base.inter, bw, lat, note))
+    return replace(
+        base,
+        name=f"{base.name}-recalibrated" if not base.name.endswith("-recalibrated") else base.name,
+        device=device,
+        intra=_scale_link(base.intra, bw, lat, note),
+        inter=_scale_link(base.inter, bw, lat, note),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,9 +115,13 @@ class FitResult:
     residuals: int
 
     def yaml(self, plans: list[str]) -> str:
-        head = ("# written by `autopar validate --recalibrate` from the measured plans: "
-                + ", ".join(plans) + "\n# fitted scales against the base cluster: "
-                + ", ".join(f"{k}={v}" for k, v in _rounded(self.scales.to_dict()).items()) + "\n")
+        head = (
+            "# written by `autopar validate --recalibrate` from the measured plans: "
+            + ", ".join(plans)
+            + "\n# fitted scales against the base cluster: "
+            + ", ".join(f"{k}={v}" for k, v in _rounded(self.scales.to_dict()).items())
+            + "\n"
+        )
         return head + dump_cluster(self.cluster)
 
 
@@ -135,9 +152,13 @@ def fit(base: Cluster, plans: list[Plan], measured: list[Measurement], lgs: list
 
     def scales_of(x) -> Scales:
         v = {n: float(e) for n, e in zip(names, np.exp(x))}
-        return Scales(flops=v["flops"], f_half=v["f_half"], memory=v["memory"],
-                      bandwidth=tuple((k, float(v[f"bw:{k}"])) for k in kinds),
-                      latency=tuple((k, float(v[f"lat:{k}"])) for k in kinds))
+        return Scales(
+            flops=v["flops"],
+            f_half=v["f_half"],
+            memory=v["memory"],
+            bandwidth=tuple((k, float(v[f"bw:{k}"])) for k in kinds),
+            latency=tuple((k, float(v[f"lat:{k}"])) for k in kinds),
+        )
 
     def residuals(x):
         cluster = apply_scales(base, scales_of(x))
@@ -154,9 +175,20 @@ def fit(base: Cluster, plans: list[Plan], measured: list[Measurement], lgs: list
 
     x0 = np.zeros(len(names))
     r0 = residuals(x0)
-    sol = least_squares(residuals, x0, bounds=(-np.log(1e3) * np.ones(len(names)), np.log(1e3) * np.ones(len(names))),
-                        loss="soft_l1", f_scale=0.2, method="trf")
+    sol = least_squares(
+        residuals,
+        x0,
+        bounds=(-np.log(1e3) * np.ones(len(names)), np.log(1e3) * np.ones(len(names))),
+        loss="soft_l1",
+        f_scale=0.2,
+        method="trf",
+    )
     s = scales_of(sol.x)
     note = f"recalibrated by autopar validate on {len(plans)} measured plans"
-    return FitResult(cluster=apply_scales(base, s, note), scales=s, cost_before=float(0.5 * r0 @ r0),
-                     cost_after=float(0.5 * sol.fun @ sol.fun), residuals=len(r0))
+    return FitResult(
+        cluster=apply_scales(base, s, note),
+        scales=s,
+        cost_before=float(0.5 * r0 @ r0),
+        cost_after=float(0.5 * sol.fun @ sol.fun),
+        residuals=len(r0),
+    )

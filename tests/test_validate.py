@@ -36,16 +36,29 @@ def test_identity_scales_change_nothing_and_round_trip():
 
 
 def _fake_measurement(name: str, parts: dict) -> Measurement:
-    return Measurement(name=name, step_s=parts["step"], compute_s=parts["compute"], comm_s=parts["comm"],
-                       optimizer_s=parts["optimizer"], forward_s=parts["compute"] / 3, backward_s=parts["compute"] * 2 / 3,
-                       peak_memory_bytes=0.0)
+    return Measurement(
+        name=name,
+        step_s=parts["step"],
+        compute_s=parts["compute"],
+        comm_s=parts["comm"],
+        optimizer_s=parts["optimizer"],
+        forward_s=parts["compute"] / 3,
+        backward_s=parts["compute"] * 2 / 3,
+        peak_memory_bytes=0.0,
+    )
 
 
 def test_recalibration_rediscovers_a_slower_machine():
     """Measurements made by a cluster with half the FLOP/s and 4× the collective latency are fitted back."""
     base = load_cluster("cpu-local")
-    truth = apply_scales(base, Scales(flops=0.5, memory=0.5, latency=(("all_reduce", 4.0), ("all_gather", 4.0),
-                                                                       ("reduce_scatter", 4.0), ("send_recv", 4.0))))
+    truth = apply_scales(
+        base,
+        Scales(
+            flops=0.5,
+            memory=0.5,
+            latency=(("all_reduce", 4.0), ("all_gather", 4.0), ("reduce_scatter", 4.0), ("send_recv", 4.0)),
+        ),
+    )
     lg = profile_for(MODEL, base)
     plans = [plan_from_config(MODEL, "cpu-local", 8, cfg, lg=lg) for cfg in CONFIGS]
     meas = [_fake_measurement(f"p{i}", predicted_parts(repredict(p, truth, lg))) for i, p in enumerate(plans)]
@@ -76,8 +89,20 @@ def test_validate_cli_measures_plans_and_recalibrates(tmp_path):
         plan_from_config(MODEL, "cpu-local", 8, cfg, lg=lg).save(path)
         paths.append(str(path))
     out = tmp_path / "recal.yaml"
-    cmd = [sys.executable, "-m", "planner", "validate", *paths, "--steps", "2", "--warmup", "1", "--json",
-           "--recalibrate", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "planner",
+        "validate",
+        *paths,
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+        "--recalibrate",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
@@ -92,7 +117,23 @@ def test_validate_cli_measures_plans_and_recalibrates(tmp_path):
     assert rec["cost_after"] <= rec["cost_before"]
     cluster = load_cluster(str(out))
     assert cluster.name == "cpu-local-recalibrated" and cluster.world_size == 2
-    est = subprocess.run([sys.executable, "-m", "planner", "estimate", MODEL, "--cluster", str(out), "--config",
-                          "dp=2,precision=fp32", "--json"], capture_output=True, text=True, timeout=60, check=False)
+    est = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "planner",
+            "estimate",
+            MODEL,
+            "--cluster",
+            str(out),
+            "--config",
+            "dp=2,precision=fp32",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert est.returncode == 0, est.stderr[-2000:]
     assert json.loads(est.stdout)["step_time_s"] > 0
