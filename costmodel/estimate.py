@@ -138,7 +138,13 @@ def even_stages(lg: LayerGraph, n_stages: int) -> list[int]:
 class Evaluator:
     """Costs of one (model, cluster, configuration, global batch); `evaluate` composes a step."""
 
-    def __init__(self, lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int) -> None:
+    def __init__(self, lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
+                 cache: dict | None = None, measured: tuple[dict, int] | None = None) -> None:
+        """``cache``: optional dict shared by Evaluators of the *same* ``lg`` and ``cluster`` (e.g. a planner's
+        candidates): the parameter ownership is computed once and layer costs are shared between
+        configurations whose (tp, sp, mbs, precision) agree, the only configuration fields they depend on.
+        Results are identical with and without it. ``measured``: (layer name → measured (forward, backward)
+        seconds, batch) from `costmodel.measured.load_measured`, used instead of the roofline's level."""
         check_config(lg, cluster, cfg, global_batch)
         self.lg, self.cluster, self.cfg, self.global_batch = lg, cluster, cfg, global_batch
         self.m = global_batch // (cfg.dp * cfg.mbs)
@@ -150,9 +156,14 @@ class Evaluator:
         self.pp_cross_node = cfg.pp > 1 and cfg.dp * cfg.tp * cfg.cp >= gpn
         self.ctx = CostContext(cluster=cluster, tp=cfg.tp, sp=cfg.sp, mbs=cfg.mbs,
                                captured_batch=lg.model.batch, precision=cfg.precision, act_scale=self.act_scale,
-                               tp_span=self.tp_span)
-        self.owned = owned_params(lg)
-        self._cache: dict[tuple[str, str, AC], LayerCost] = {}
+                               tp_span=self.tp_span, measured=measured[0] if measured else None,
+                               measured_batch=measured[1] if measured else 1)
+        shared = cache if cache is not None else {}
+        if "owned" not in shared:
+            shared["owned"] = owned_params(lg)
+        self.owned = shared["owned"]
+        self._cache: dict[tuple[str, str, AC], LayerCost] = shared.setdefault(
+            ("layer_costs", cfg.tp, cfg.sp, cfg.mbs, cfg.precision, bool(measured)), {})
         self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
 
     # -- per-layer and per-boundary pieces (the ILP's coefficients) ------------------------------------------
@@ -277,6 +288,7 @@ class Evaluator:
 
 
 def estimate(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
-             acs: list[AC] | None = None, stage_of: list[int] | None = None) -> Estimate:
+             acs: list[AC] | None = None, stage_of: list[int] | None = None,
+             measured: tuple[dict, int] | None = None) -> Estimate:
     """Predict one training step: `Evaluator(lg, cluster, cfg, global_batch).evaluate(acs, stage_of)`."""
-    return Evaluator(lg, cluster, cfg, global_batch).evaluate(acs, stage_of)
+    return Evaluator(lg, cluster, cfg, global_batch, measured=measured).evaluate(acs, stage_of)

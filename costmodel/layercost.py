@@ -16,6 +16,10 @@ parallelism each all-reduce becomes an all-gather plus a reduce-scatter of the s
 the same (Korthikanti §4.2.2). A vocabulary-parallel embedding all-reduces its output; the vocabulary-parallel
 head all-reduces its input gradient (loss-parallel statistics are a few bytes per token and are neglected).
 
+A measured profile (`profiler.measure` on the cluster's device) replaces the roofline's absolute level layer by
+layer: the measured forward and backward at the measured batch, times the roofline's ratio between the
+configuration and that reference (so TP, SP and the micro-batch still scale as the roofline says).
+
 Activation checkpointing (Korthikanti et al. 2022 Table 2 and §5):
 - ``none`` keeps every saved activation;
 - ``selective`` recomputes the unfused attention core (ops producing or reading seq×seq scores) and drops its
@@ -26,7 +30,8 @@ Activation checkpointing (Korthikanti et al. 2022 Table 2 and §5):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 from costmodel.cluster import Cluster, GroupSpan
 from costmodel.collectives import all_reduce_time
@@ -74,6 +79,10 @@ class CostContext:
     precision: str  #: training precision (compute dtype of matmuls; fp8 matmuls keep 16-bit activations)
     act_scale: float = 1.0  #: bytes of an activation element in training / in the capture
     tp_span: GroupSpan | None = None  #: placement of the tensor-parallel group (None when tp == 1)
+    #: measured (forward, backward) seconds per layer name on this cluster's device, at batch ``measured_batch``
+    #: without parallelism (`profiler.measure`); they replace the roofline's absolute level, see `layer_cost`
+    measured: Mapping[str, tuple[float, float]] | None = None
+    measured_batch: int = 1  #: batch the measured times are for
 
     @property
     def scale(self) -> float:
@@ -176,6 +185,14 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
             core_flops += n.fwd_flops * k
             core_act += n.saved_square_bytes * k * f * ctx.act_scale
     act_none = act_sharded + act_repl
+    if ctx.measured and layer.name in ctx.measured:
+        # measured times anchor the level; the roofline supplies how it changes with TP, SP and micro-batch
+        m_fwd, m_bwd = ctx.measured[layer.name]
+        ref = replace(ctx, tp=1, sp=False, mbs=ctx.measured_batch, measured=None, tp_span=None)
+        r = layer_cost(layer, AC.NONE, ref, owned, tp_layer=False)
+        s_f = m_fwd / r.fwd_s if r.fwd_s > 0 else 1.0
+        s_b = m_bwd / r.bwd_s if r.bwd_s > 0 else 1.0
+        fwd, bwd, core_fwd = fwd * s_f, bwd * s_b, core_fwd * s_f
 
     comm_f = comm_b = 0.0
     if tp > 1 and ctx.tp_span is not None:

@@ -59,6 +59,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         model = model.to(parse_dtype(args.dtype)) if args.dtype != "fp32" else model
         if args.device == "cuda" and not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA device is visible here; use --device cpu")
+        if args.device == "cpu":
+            torch.set_num_threads(args.threads)
         prof = measure(model, inputs, lg, device=args.device)
     result = profile_to_dict(lg, prof)
     if args.out:
@@ -109,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("model", help="preset, gpt:…, llama:…, moe:…, hf:TYPE[:k=v,…] or file.py:factory")
     pr.add_argument("--device", choices=["cpu", "cuda"], help="also measure per-layer times on this device")
     pr.add_argument("--batch", type=int, default=1, help="micro-batch to capture (default 1)")
+    pr.add_argument("--threads", type=int, default=1,
+                    help="CPU threads when measuring on cpu (default 1, as each cpu-local rank runs)")
     pr.add_argument("--seq", type=int, help="sequence length (default: the model's)")
     pr.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="activation dtype")
     pr.add_argument("--kernels", default="gpu", choices=["gpu", "native"],

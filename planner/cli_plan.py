@@ -34,7 +34,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     cfg = ParallelConfig(**parse_kv(args.config, what="--config"))
     lg, cluster = load_job(args)
     gb = args.global_batch or cfg.dp * cfg.mbs * 8
-    est = estimate(lg, cluster, cfg, gb)
+    measured = None
+    if args.profile:
+        from costmodel.measured import load_measured
+
+        measured = load_measured(args.profile, lg, cluster)
+    est = estimate(lg, cluster, cfg, gb, measured=measured)
     if args.json:
         out = est.to_json() | {"config": cfg.to_dict(), "global_batch": gb, "seq": lg.model.seq,
                                "model": args.model, "cluster": args.cluster}
@@ -116,4 +121,6 @@ def register(sub) -> None:
     es = sub.add_parser("estimate", help="predict step time and memory of one configuration")
     _add_job_args(es)
     es.add_argument("--config", required=True, help="k=v,… e.g. dp=8,tp=8,pp=4,mbs=1,schedule=1f1b,ac=selective")
+    es.add_argument("--profile", help="per-layer times measured by `autopar profile MODEL --device … --out FILE` on "
+                                      "the cluster's device, used instead of the roofline's level")
     es.set_defaults(func=cmd_estimate)

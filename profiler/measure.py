@@ -1,9 +1,9 @@
 """Measure each layer's forward and backward time on a real device, cached on disk.
 
 Timing uses module hooks around the blocks and the model: on CPU ``time.perf_counter`` (the work is synchronous),
-on CUDA a ``torch.cuda.synchronize()`` at every boundary followed by ``perf_counter`` (a few µs per boundary;
-layers take milliseconds). The embed layer is the time from the start of the forward to the first block, the head
-the time from the last block to the loss; in backward the other way round. Each figure is the median of
+on CUDA events recorded at every boundary and read after the step. The embed layer is the time from the start
+of the forward to the first block, the head the time from the last block to the loss; in backward the other way
+round. Per-op times are not measured (per-layer times are what the cost model uses). Each figure is the median of
 ``repeats`` iterations after ``warmup`` iterations.
 
 Results are cached per layer under ``$AUTOPAR_CACHE`` (default ``~/.cache/autopar``), keyed by the layer's
@@ -69,14 +69,33 @@ def _key(signature: str, dev: str, dtype: str, batch: int, seq: int) -> str:
 
 
 class _Clock:
+    """Timestamps at module boundaries: CUDA events recorded on the current stream on a GPU (no host
+    synchronisation inside the step; read after it), ``time.perf_counter`` on the CPU (the work is synchronous)."""
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.marks: list[tuple[str, float]] = []
+        self.marks: list[tuple[str, object]] = []
 
     def mark(self, label: str) -> None:
         if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((label, event))
+        else:
+            self.marks.append((label, time.perf_counter()))
+
+    def seconds(self) -> dict[str, list[float]]:
+        """label → times in seconds since the first mark."""
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.marks.append((label, time.perf_counter()))
+            first = self.marks[0][1]
+            stamps = [(label, first.elapsed_time(ev) / 1e3) for label, ev in self.marks]
+        else:
+            stamps = self.marks
+        out: dict[str, list[float]] = {}
+        for label, ts in stamps:
+            out.setdefault(label, []).append(ts)
+        return out
 
 
 def _one_iteration(model, inputs, blocks, clock: _Clock) -> dict[str, tuple[float, float]]:
@@ -86,9 +105,7 @@ def _one_iteration(model, inputs, blocks, clock: _Clock) -> dict[str, tuple[floa
     clock.mark("fwd_end")
     loss.backward()
     clock.mark("bwd_end")
-    t = {}
-    for label, ts in clock.marks:
-        t.setdefault(label, []).append(ts)
+    t = clock.seconds()
     out = {}
     names = [name for name, _ in blocks]
     for name in names:

@@ -211,3 +211,30 @@ def test_presets_have_cited_links():
     cl = load_cluster("dgx-a100-80g:nodes=2")
     assert cl.world_size == 16 and "nccl" in cl.intra.source.lower()
     assert dataclasses.replace(cl, nodes=4).world_size == 32
+
+
+# ------------------------------------------------------------------------------------------------- measured profile
+def test_measured_profile_sets_the_level_and_the_roofline_the_scaling(tmp_path, monkeypatch):
+    """With a measured profile on the cluster's device, single-rank compute equals the measured layer times
+    (scaled by the micro-batch as the roofline scales it); a profile from another device is refused."""
+    from costmodel.measured import load_measured
+    from planner.cli import main
+
+    monkeypatch.setenv("AUTOPAR_CACHE", str(tmp_path / "cache"))
+    prof = tmp_path / "p.json"
+    assert main(["profile", "gpt-tiny", "--device", "cpu", "--dtype", "fp32", "--out", str(prof), "--json"]) == 0
+    lg = profile_model("gpt-tiny")
+    cl = load_cluster("cpu-local")
+    measured = load_measured(prof, lg, cl)
+    d = json.loads(prof.read_text())["measured"]["layers"]
+    total = sum(v["fwd_s"] + v["bwd_s"] for v in d.values())
+    e = estimate(lg, cl, cfg("dp=2,precision=fp32"), 2, measured=measured)  # mbs 1 = the measured batch
+    assert e.breakdown_s["compute"] == pytest.approx(total, rel=1e-6)
+    m4 = Evaluator(lg, cl, cfg("dp=2,precision=fp32,mbs=4"), 8, measured=measured)
+    r4 = Evaluator(lg, cl, cfg("dp=2,precision=fp32,mbs=4"), 8)
+    r1 = Evaluator(lg, cl, cfg("dp=2,precision=fp32"), 2)
+    for i, layer in enumerate(lg.layers):  # per layer: measured × the roofline's ratio for the new micro-batch
+        want = d[layer.name]["fwd_s"] * r4.cost(i, AC.NONE).fwd_s / r1.cost(i, AC.NONE).fwd_s
+        assert m4.cost(i, AC.NONE).fwd_s == pytest.approx(want, rel=1e-9)
+    with pytest.raises(ValueError, match="was measured on"):
+        load_measured(prof, lg, load_cluster("dgx-h100"))
