@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from costmodel.cluster import load_cluster, parse_cluster_yaml
-from costmodel.config import ParallelConfig, Schedule, parse_kv
+from costmodel.config import AC, ParallelConfig, Schedule, parse_kv
 from costmodel.estimate import ConfigError, Evaluator, estimate, even_stages
 from costmodel.memory import inflight, state_bytes_per_param
 from profiler.api import profile_model
