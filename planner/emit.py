@@ -2,8 +2,10 @@
 
 The script has no autopar import: it inlines the model's source (zoo models), builds Hugging Face models from
 their config class, or loads the user's ``file.py:factory`` by path; then it inlines `planner.runtime` (the same
-functions `auto_parallelize` calls), the plan as a literal dict, a marked ``get_batch`` for the user's data, and a
-training loop logging loss, step time and peak memory per rank. Names from the model appear only as string
+functions `auto_parallelize` calls) specialised to the plan: ``if plan[...]`` branches the plan decides are
+resolved (`specialize_runtime`) and only the functions and imports still reached are kept; then the plan as a
+literal dict, a marked ``get_batch`` for the user's data, and a training loop logging loss, step time and peak
+memory per rank. Names from the model appear only as string
 literals (``repr``) inside ``PLAN``, never as identifiers.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import ast
 import inspect
 import pprint
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -40,20 +43,166 @@ def _split_source(text: str) -> tuple[list[str], str]:
     return imports, body
 
 
-def _merge_imports(statements: list[str]) -> tuple[list[str], list[str]]:
-    """Deduplicate import statements, merging ``from m import a`` lines per module; (future imports, others)."""
+def _merge_imports(statements: list[str], used: set[str]) -> tuple[list[str], list[str]]:
+    """Deduplicate import statements, merging ``from m import a`` lines per module and dropping names the script
+    does not use; (future imports, others)."""
     plain: set[str] = set()
     names: dict[str, set[str]] = {}
     for text in statements:
         node = ast.parse(text).body[0]
         if isinstance(node, ast.Import):
-            plain.update(ast.unparse(ast.Import(names=[alias])) for alias in node.names)
+            plain.update(ast.unparse(ast.Import(names=[alias])) for alias in node.names
+                         if (alias.asname or alias.name.partition(".")[0]) in used)
         else:
             module = "." * node.level + (node.module or "")
-            names.setdefault(module, set()).update(ast.unparse(alias) for alias in node.names)
+            keep = [a for a in node.names if module == "__future__" or (a.asname or a.name) in used]
+            if keep:
+                names.setdefault(module, set()).update(ast.unparse(alias) for alias in keep)
     future = [f"from __future__ import {', '.join(sorted(names.pop('__future__')))}"] if "__future__" in names else []
     froms = [f"from {m} import {', '.join(sorted(n, key=str.lower))}" for m, n in sorted(names.items())]
     return future, sorted(plain) + froms
+
+
+def _static_test(test: ast.expr, plan: dict) -> bool | None:
+    """The value of an ``if`` test as far as ``plan`` decides it (``and``/``or`` short-circuit on a decided
+    operand); None when it depends on anything but ``plan[...]`` and constants."""
+    if isinstance(test, ast.BoolOp):
+        values = [_static_test(v, plan) for v in test.values]
+        stop = isinstance(test.op, ast.Or)  # the operand value that decides the whole test
+        if stop in values:
+            return stop
+        return None if None in values else not stop
+    allowed = (ast.Compare, ast.UnaryOp, ast.Subscript, ast.Constant, ast.Name, ast.Tuple, ast.List,
+               ast.expr_context, ast.cmpop, ast.unaryop)
+    for node in ast.walk(test):
+        if not isinstance(node, allowed) or (isinstance(node, ast.Name) and node.id != "plan"):
+            return None
+    return bool(eval(compile(ast.Expression(test), "<plan>", "eval"), {"__builtins__": {}}, {"plan": plan}))
+
+
+class _Specializer:
+    """Drop the branches of ``if plan[...]`` tests that ``plan`` decides, editing lines so comments survive."""
+
+    def __init__(self, text: str, plan: dict):
+        self.lines = text.splitlines()
+        self.keep = [True] * len(self.lines)
+        self.dedent = [0] * len(self.lines)
+        self.plan = plan
+
+    def text(self) -> str:
+        out = []
+        for line, keep, n in zip(self.lines, self.keep, self.dedent):
+            if keep:
+                out.append(line[min(n, len(line) - len(line.lstrip(" "))):])
+        return "\n".join(out)
+
+    def _drop(self, first: int, last: int) -> None:  # 1-based, inclusive
+        for i in range(first - 1, last):
+            self.keep[i] = False
+
+    def _shift(self, first: int, last: int, by: int) -> None:
+        for i in range(first - 1, last):
+            self.dedent[i] += by
+
+    def block(self, stmts: list[ast.stmt]) -> None:
+        for k, node in enumerate(stmts):
+            value = _static_test(node.test, self.plan) if isinstance(node, ast.If) else None
+            if value is None:
+                self.visit(node)
+            elif self.decide(node, value) and k + 1 < len(stmts):  # the kept branch returns: the rest is dead
+                self._drop(node.end_lineno + 1, stmts[-1].end_lineno)
+                return
+
+    def visit(self, node: ast.AST) -> None:
+        for name in ("body", "orelse", "finalbody"):
+            stmts = getattr(node, name, None)
+            if not isinstance(stmts, list) or not stmts or not isinstance(stmts[0], ast.stmt):
+                continue
+            if name == "orelse" and isinstance(node, ast.If) and self._is_elif(node):
+                self.visit(stmts[0])  # an elif of an undecided test stays an elif
+            else:
+                self.block(stmts)
+        for handler in getattr(node, "handlers", []):
+            self.block(handler.body)
+
+    def _is_elif(self, node: ast.If) -> bool:
+        return len(node.orelse) == 1 and isinstance(node.orelse[0], ast.If) and \
+            self.lines[node.orelse[0].lineno - 1].lstrip().startswith("elif")
+
+    def decide(self, node: ast.If, value: bool, first: int | None = None) -> bool:
+        """Keep the branch ``value`` selects; True when that branch ends in return/raise. ``first``: the first line
+        to drop when nothing is kept (the comment above the step, or above the ``if`` that an ``elif`` continues)."""
+        if first is None:
+            first = node.lineno
+            while first > 1 and self.lines[first - 2].strip().startswith("#"):
+                first -= 1
+        body_first, body_last = node.test.end_lineno + 1, node.body[-1].end_lineno
+        if value:
+            self._drop(node.lineno, node.test.end_lineno)
+            self._shift(body_first, body_last, node.body[0].col_offset - node.col_offset)
+            self._drop(body_last + 1, node.end_lineno)  # else/elif branches
+            self.block(node.body)
+            return isinstance(node.body[-1], (ast.Return, ast.Raise))
+        if not node.orelse:
+            self._drop(first, node.end_lineno)
+            return False
+        if self._is_elif(node):
+            nested = node.orelse[0]
+            self._drop(node.lineno, nested.lineno - 1)
+            self.lines[nested.lineno - 1] = re.sub(r"^(\s*)elif\b", r"\1if", self.lines[nested.lineno - 1])
+            nested_value = _static_test(nested.test, self.plan)
+            if nested_value is None:
+                self.visit(nested)
+                return False
+            return self.decide(nested, nested_value, first)
+        else_line = next(i for i in range(body_last + 1, node.orelse[0].lineno)
+                         if self.lines[i - 1].strip().startswith("else"))
+        self._drop(node.lineno, else_line)
+        self._shift(else_line + 1, node.end_lineno, node.orelse[0].col_offset - node.col_offset)
+        self.block(node.orelse)
+        return isinstance(node.orelse[-1], (ast.Return, ast.Raise))
+
+
+def specialize_runtime(body: str, plan: dict, roots: set[str]) -> str:
+    """The runtime source for one plan: branches the plan decides removed, then only the top-level definitions
+    reachable from ``roots`` (names the rest of the script uses), in their original order."""
+    spec = _Specializer(body, plan)
+    spec.block(ast.parse(body).body)
+    text = spec.text()
+    tree = ast.parse(text)
+    lines = text.splitlines()
+    defined: dict[str, ast.stmt] = {}
+    for node in tree.body:
+        for name in _defined_names(node):
+            defined[name] = node
+    needed, todo = set(), [n for n in roots if n in defined]
+    while todo:
+        name = todo.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        todo.extend(n.id for n in ast.walk(defined[name]) if isinstance(n, ast.Name) and n.id in defined)
+    chunks = []
+    for node in tree.body:
+        names = _defined_names(node)
+        if names and not names & needed:
+            continue
+        first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+        chunks.append("\n".join(lines[first - 1 : node.end_lineno]))
+    return "\n\n\n".join(chunks)
+
+
+def _defined_names(node: ast.stmt) -> set[str]:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return set()
+
+
+def _used_names(text: str) -> set[str]:
+    return {n.id for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Name)}
 
 
 def _model_section(source: ModelSource) -> tuple[list[str], str]:
@@ -171,8 +320,17 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
     vocab = _vocab(source, model)
     model_imports, model_body = _model_section(source)
     runtime_imports, runtime_body = _split_source(inspect.getsource(runtime))
+    main = _MAIN.strip("\n")
+    # full_parameters is not called by the loop: kept for saving an unsharded checkpoint (and for the tests).
+    roots = _used_names(main) | _used_names(model_body) | {"full_parameters"}
+    runtime_body = specialize_runtime(runtime_body, config, roots)
     imports = ["import time", "import torch", "import torch.distributed as dist", *model_imports, *runtime_imports]
-    future, others = _merge_imports(imports)
+    future, others = _merge_imports(imports, _used_names("\n\n".join([model_body, runtime_body, main])))
+    precision_note = (
+        f"\n# precision={config['precision']} applies on GPUs only (autocast or the FSDP2 policy); on CPU (gloo) "
+        "this script trains in fp32."
+        if config["precision"] != "fp32" else ""
+    )
     c = plan.config
     header = (
         f'"""Train a model on {plan.cluster} as autopar {__version__} planned it.\n\n'
@@ -188,13 +346,14 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
         "\n".join(future),
         "\n".join(others),
         "# --- The plan (module names are plain strings) ---",
-        f"PLAN = {pprint.pformat(config, width=110, sort_dicts=False)}\nSTEPS = {steps}\nVOCAB = {vocab}",
+        f"PLAN = {pprint.pformat(config, width=110, sort_dicts=False)}\nSTEPS = {steps}\nVOCAB = {vocab}"
+        + precision_note,
         "# --- The model ---",
         model_body,
-        "# --- Parallelism: copied from autopar's planner/runtime.py ---",
+        "# --- Parallelism: autopar's planner/runtime.py, keeping only the branches and functions this plan uses ---",
         runtime_body,
         "# --- Data and training loop ---",
-        _MAIN.strip("\n"),
+        main,
     ]
     return format_source("\n\n\n".join(p for p in parts if p) + "\n")
 

@@ -42,6 +42,36 @@ def tp_layout(block: nn.Module) -> dict[str, str]:
     return layout
 
 
+def tied_parameters(model: nn.Module, plan: Plan, container: str, stage_rank: list[int]) -> list[dict]:
+    """Weights the model shares between modules (the GPT head tied to the token embedding), each as
+    ``{"names": [first name, aliases…], "pp_ranks": [pipeline ranks holding a copy]}``.
+
+    As in Megatron-LM, a tie between the embedding (first stage) and the head (last stage) is kept as one copy per
+    stage whose gradients the runtime sums; a tie inside the blocks across pipeline ranks is refused.
+    """
+    children = [name for name, _ in model.named_children()]
+    at = children.index(container.partition(".")[0])
+    stage_of = {lay.name: lay.stage for lay in plan.layers}
+    shared: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(name)
+    tied = []
+    for names in (n for n in shared.values() if len(n) > 1):
+        stages = set()
+        for name in names:
+            top = name.partition(".")[0]
+            if name.startswith(container + "."):
+                stages.add(stage_of[".".join(name.split(".")[: container.count(".") + 2])])
+            else:
+                stages.add(stage_of["embed" if children.index(top) < at else "head"])
+        ranks = sorted({stage_rank[s] for s in stages})
+        if len(ranks) > 1 and any(n.startswith(container + ".") for n in names):
+            raise ValueError(f"tied parameters {names} would live on pipeline ranks {ranks}; only a tie between the "
+                             f"embedding and the head may span pipeline ranks; put those blocks on one stage")
+        tied.append({"names": names, "pp_ranks": ranks})
+    return tied
+
+
 def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: str = "adamw", lr: float = 1e-3,
                    powersgd_start_iter: int = 2) -> dict:
     """The ``PLAN`` dict of `planner.runtime` for ``plan`` applied to ``model`` (any device, meta included)."""
@@ -82,6 +112,9 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
     else:
         stage_rank = [s % c.pp for s in range(n_stages)]
     kind, rank = parse_grad_compress(c.grad_compress)
+    if c.precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision={c.precision} is not supported yet: float8 training needs torchao (the cost "
+                         "model predicts fp8 only); re-plan with --fix precision=bf16")
     if c.pp > 1 and plan.grad_accum < c.pp:
         raise ValueError(f"pp={c.pp} needs at least {c.pp} micro-batches, but global_batch/(dp·mbs) = "
                          f"{plan.grad_accum}; raise global_batch or lower mbs")
@@ -95,7 +128,8 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
         "mbs": c.mbs, "grad_accum": plan.grad_accum, "global_batch": plan.global_batch, "seq": plan.seq,
         "block_container": container, "stage_of": {lay.name: lay.stage for lay in plan.layers},
         "stage_rank": stage_rank, "ac": ac, "tp_blocks": tp_blocks, "tp_layout": layout, "sp_norms": sp_norms,
-        "sp_gather": sp_gather, "optimizer": optimizer, "lr": lr, "seed": seed,
+        "sp_gather": sp_gather, "tied": tied_parameters(model, plan, container, stage_rank) if c.pp > 1 else [],
+        "optimizer": optimizer, "lr": lr, "seed": seed,
     }
 
 

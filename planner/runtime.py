@@ -4,15 +4,21 @@ This module imports only torch and the standard library: `planner.emit` copies i
 training script, and `planner.apply.auto_parallelize` calls the same functions in-process. The plan arrives as a
 plain dict of literals (``PLAN``, built by `planner.emit_config.runtime_config`), so a script needs nothing else.
 
-Order of application (as in torchtitan's ``parallelize`` functions), per pipeline stage:
+Order of application (as in torchtitan's ``parallelize`` functions), per pipeline stage; each technique is one
+function and `parallelize` calls them in this order, each under the plan condition that selects it (emitted scripts
+keep only the branches and functions their plan uses):
 
 1. pipeline split: every rank builds the full model from the same seed (so all runs equal one process) and keeps
    the blocks of its (virtual) stages; ``tok_embeddings``/``norm``/``output`` become ``None`` where not owned;
+   a weight tied between the embedding and the head is then held by both the first and the last stage;
 2. tensor parallel: first, because it turns weights into DTensors that the later wrappers take as they are;
 3. activation checkpointing: after TP, before data parallel, so checkpoint wrappers sit inside FSDP units;
-4. data parallel: DDP (ZeRO 0) with the compression comm hook, or FSDP2 ``fully_shard`` per block then the root
+4. pipeline-boundary compression: bf16 activations between stages;
+5. data parallel: DDP (ZeRO 0) with the compression comm hook, or FSDP2 ``fully_shard`` per block then the root
    (ZeRO 1/2: ``reshard_after_forward=False``, a ZeRO-2-like choice; ZeRO 3: resharded after forward);
-5. pipeline schedule over the local stages, the loss on the last stage.
+6. embedding groups for tied weights across pipeline ranks (Megatron-LM): the copies' gradients are summed after
+   each backward, so they stay equal;
+7. pipeline schedule over the local stages, the loss on the last stage.
 """
 
 import contextlib
@@ -71,6 +77,9 @@ def check_world(plan: dict) -> None:
         )
     if torch.cuda.is_available() and plan["tp"] > torch.cuda.device_count():
         problems.append(f"tp={plan['tp']} but this node has {torch.cuda.device_count()} GPUs; re-plan with fewer")
+    if plan["precision"] not in ("fp32", "bf16", "fp16"):
+        problems.append(f"precision={plan['precision']} is not supported yet: float8 training needs torchao; "
+                        "re-plan with --fix precision=bf16")
     if problems:
         print(f"[rank {rank}] error: {'; '.join(problems)}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -106,13 +115,18 @@ class Parallel:
     stage_indices: list = field(default_factory=list)  #: (virtual) stage index of each local part
     schedule: object = None  #: the pipeline schedule (None without pipeline parallelism)
     device: torch.device | None = None  #: where this rank computes
+    tied_groups: list = field(default_factory=list)  #: this rank's embedding group per ``plan["tied"]`` entry
 
 
 def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
     """Build the model with ``build_model()`` after seeding, and apply the plan to it (see the module docstring)."""
     device = current_device()
+    if device.type == "cpu" and plan["precision"] != "fp32" and dist.get_rank() == 0:
+        print(f"note: precision={plan['precision']} applies on GPUs only; this CPU run trains in fp32", flush=True)
     torch.manual_seed(plan["seed"])  # identical weights on every rank, and in a one-process reference run
     model = build_model().to(device)
+    # 1. Pipeline split: this rank's (virtual) stages, each a copy of the model keeping only the blocks it owns;
+    #    without pipeline parallelism the whole model is the one local part.
     if plan["pp"] > 1:
         indices, parts = split_pipeline(model, plan, mesh["pp"].get_local_rank())
     else:
@@ -121,18 +135,29 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
         indices, parts = [0], [model]
     modules = []
     for index, part in zip(indices, parts):
-        # 1. Tensor parallel: Megatron column/row layout per block, sequence parallel on the norms.
+        module = part  # what trains: the part itself, or its data-parallel wrapper
+        # 2. Tensor parallel: Megatron column/row layout per block, sequence parallel on the norms.
         if plan["tp"] > 1:
             apply_tp(part, plan, mesh["tp"])
-        # 2. Activation checkpointing, per block as the plan says.
-        apply_ac(part, plan)
-        # 3. Pipeline-boundary compression: bf16 activations (and their gradients) between stages.
+        # 3. Activation checkpointing, per block as the plan says.
+        if plan["ac"]:
+            apply_ac(part, plan)
+        # 4. Pipeline-boundary compression: bf16 activations (and their gradients) between stages.
         if plan["pp"] > 1 and plan["pp_compress"] == "bf16":
             apply_pp_compress(part, index, plan)
-        # 4. Data parallel: DDP with a comm hook, or FSDP2 by ZeRO stage.
-        modules.append(apply_dp(part, plan, mesh))
+        # 5. Data parallel, wrapping what the steps above built: DDP with a comm hook, or FSDP2 by ZeRO stage.
+        if plan["dp"] > 1 and plan["zero"] == 0 and plan["tp"] > 1:
+            module = apply_dp_allreduce(part, plan, mesh["dp"])
+        elif plan["dp"] > 1 and plan["zero"] == 0:
+            module = apply_ddp(part, plan, mesh["dp"])
+        elif plan["dp"] > 1:
+            module = apply_fsdp(part, plan, mesh["dp"])
+        modules.append(module)
     par = Parallel(plan=plan, mesh=mesh, parts=parts, modules=modules, stage_indices=indices, device=device)
-    # 5. Pipeline schedule over this rank's stages.
+    # 6. Tied weights across pipeline ranks: one embedding group per (dp, tp) coordinate, built on every rank.
+    if plan["pp"] > 1 and plan["tied"]:
+        par.tied_groups = build_tied_groups(plan, mesh)
+    # 7. Pipeline schedule over this rank's stages.
     if plan["pp"] > 1:
         build_pipeline(par)
     return par
@@ -143,7 +168,11 @@ def block_list(part: nn.Module, plan: dict) -> nn.ModuleList:
 
 
 def split_pipeline(model: nn.Module, plan: dict, pp_rank: int) -> tuple[list, list]:
-    """This rank's (virtual) stages: copies of ``model`` keeping only the blocks, embedding and head they own."""
+    """This rank's (virtual) stages: copies of ``model`` keeping only the blocks, embedding and head they own.
+
+    A weight tied between the embedding and the head stays in both copies (identical: every rank built the model from
+    the same seed); summing their gradients after each backward keeps them equal.
+    """
     container = plan["block_container"]
     if "." in container or not isinstance(getattr(model, container, None), nn.ModuleList):
         raise ValueError(
@@ -154,20 +183,7 @@ def split_pipeline(model: nn.Module, plan: dict, pp_rank: int) -> tuple[list, li
     at = children.index(container)
     owner = {name: plan["stage_of"]["embed"] for name in children[:at]}
     owner.update({name: plan["stage_of"]["head"] for name in children[at + 1 :]})
-    ranks = plan["stage_rank"]
-    shared: dict[int, set] = {}  # tied weights must not span pipeline ranks
-    for name, p in model.named_parameters(remove_duplicate=False):
-        top, _, rest = name.partition(".")
-        stage = plan["stage_of"][f"{top}.{rest.split('.')[0]}"] if top == container else owner[top]
-        shared.setdefault(id(p), set()).add((ranks[stage], name))
-    for users in shared.values():
-        if len({r for r, _ in users}) > 1:
-            names = sorted(n for _, n in users)
-            raise ValueError(
-                f"tied parameters {names} would live on different pipeline ranks; put the embedding and the head "
-                f"on the same rank, or use a model without tied embeddings"
-            )
-    mine = [s for s, r in enumerate(ranks) if r == pp_rank]
+    mine = [s for s, r in enumerate(plan["stage_rank"]) if r == pp_rank]
     parts = []
     for k, stage in enumerate(mine):
         part = model if k == len(mine) - 1 else copy.deepcopy(model)
@@ -294,36 +310,39 @@ def bf16_cast_hook(process_group, bucket):
     return future.then(decompress)
 
 
-def apply_dp(part: nn.Module, plan: dict, mesh: DeviceMesh) -> nn.Module:
-    """Data parallel over the dp mesh dimension: DDP (ZeRO 0) or FSDP2 (ZeRO 1-3)."""
-    if plan["dp"] == 1:
-        return part
-    dp_mesh = mesh["dp"]
-    compress, rank = plan["grad_compress"], plan["powersgd_rank"]
-    if plan["zero"] == 0 and plan["tp"] > 1:
-        # DDP does not take DTensor parameters: all-reduce the gradients after backward (see train_step) instead.
-        if compress != "none":
-            raise ValueError(f"grad_compress={compress} with tp={plan['tp']} needs FSDP: use zero ≥ 1 (bf16/fp16) "
-                             "or tp=1 (DDP comm hooks)")
-        part._autopar_grad_group = dp_mesh.get_group()
-        return part
-    if plan["zero"] == 0:
-        cuda = current_device().type == "cuda"
-        ddp = DDP(part, process_group=dp_mesh.get_group(), device_ids=[current_device()] if cuda else None)
-        group = dp_mesh.get_group()
-        if compress == "fp16":
-            ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
-        elif compress == "bf16":
-            ddp.register_comm_hook(group, default_hooks.bf16_compress_hook if cuda else bf16_cast_hook)
-        elif compress == "powersgd":
-            state = powerSGD_hook.PowerSGDState(
-                process_group=group, matrix_approximation_rank=rank,
-                start_powerSGD_iter=plan["powersgd_start_iter"], random_seed=plan["seed"],
-            )
-            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return ddp
-    # FSDP2: mixed precision only on GPUs (CPU runs stay fp32); reduce in bf16/fp16 when the plan compresses.
+def apply_dp_allreduce(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
+    """ZeRO 0 with tensor parallelism: DDP does not take DTensor parameters, so `allreduce_grads` averages the
+    gradients over the dp group after backward (see `train_step`); the part is returned as it is."""
+    if plan["grad_compress"] != "none":
+        raise ValueError(f"grad_compress={plan['grad_compress']} with tp={plan['tp']} needs FSDP: use zero ≥ 1 "
+                         "(bf16/fp16) or tp=1 (DDP comm hooks)")
+    part._autopar_grad_group = dp_mesh.get_group()
+    return part
+
+
+def apply_ddp(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
+    """ZeRO 0: DDP over the dp group, with the plan's gradient compression as a comm hook."""
+    cuda = current_device().type == "cuda"
+    group = dp_mesh.get_group()
+    ddp = DDP(part, process_group=group, device_ids=[current_device()] if cuda else None)
+    if plan["grad_compress"] == "fp16":
+        ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
+    elif plan["grad_compress"] == "bf16":
+        ddp.register_comm_hook(group, default_hooks.bf16_compress_hook if cuda else bf16_cast_hook)
+    elif plan["grad_compress"] == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=group, matrix_approximation_rank=plan["powersgd_rank"],
+            start_powerSGD_iter=plan["powersgd_start_iter"], random_seed=plan["seed"],
+        )
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return ddp
+
+
+def apply_fsdp(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
+    """ZeRO 1-3: FSDP2 per block, then the root. Mixed precision only on GPUs (CPU runs stay fp32); gradients
+    reduced in bf16/fp16 when the plan compresses."""
     on_gpu = current_device().type == "cuda"
+    compress = plan["grad_compress"]
     mp = MixedPrecisionPolicy(
         param_dtype=DTYPES[plan["precision"]] if on_gpu and plan["precision"] != "fp32" else None,
         reduce_dtype=DTYPES[compress] if compress in ("bf16", "fp16") else None,
@@ -333,6 +352,65 @@ def apply_dp(part: nn.Module, plan: dict, mesh: DeviceMesh) -> nn.Module:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     return part
+
+
+def build_tied_groups(plan: dict, mesh: DeviceMesh) -> list:
+    """Megatron-LM's embedding groups: for each tied weight held on several pipeline ranks (``plan["tied"]``), one
+    process group over those ranks per (dp, tp) coordinate. ``dist.new_group`` is collective, so every rank creates
+    every group in the same order; each rank keeps its own (None where it holds no copy or needs no group)."""
+    ranks = mesh.mesh  # global ranks, shape (pp, dp, tp)
+    mine = []
+    for tie in plan["tied"]:
+        own = None
+        if len(tie["pp_ranks"]) > 1:
+            for d in range(plan["dp"]):
+                for t in range(plan["tp"]):
+                    members = [int(ranks[r, d, t]) for r in tie["pp_ranks"]]
+                    group = dist.new_group(members)
+                    if dist.get_rank() in members:
+                        own = group
+        mine.append(own)
+    return mine
+
+
+def _local_parameter(part: nn.Module, name: str):
+    """``part``'s parameter under its original name, or None where the module holding it was split off."""
+    module = part
+    *path, leaf = name.split(".")
+    for attr in path:
+        module = getattr(module, attr, None)
+        if module is None:
+            return None
+    return module._parameters.get(leaf)
+
+
+def sync_tied_grads(par: Parallel) -> None:
+    """Keep the copies of a tied weight equal (Megatron-LM's embedding all-reduce): sum their gradients over this
+    rank's parts, then over the embedding group; after data-parallel reduction, before the optimizer step.
+
+    Both copies are sharded alike: tensor parallelism leaves the embedding and the head replicated, and FSDP2 gives
+    both the same dp shard (same shape, same dp rank), so summing the local gradient shards is exact.
+    """
+    for tie, group in zip(par.plan["tied"], par.tied_groups):
+        copies = {}
+        for part in par.parts:
+            for name in tie["names"]:
+                p = _local_parameter(part, name)
+                if p is not None:
+                    copies[id(p)] = p
+        if not copies:
+            continue  # a middle pipeline rank: no copy here
+        grads = []
+        for p in copies.values():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+        total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        for grad in grads:
+            if grad is not total:
+                grad.copy_(total)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -396,9 +474,11 @@ def train_step(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Te
                 last = k == n - 1
                 loss = _accumulate(module, xm, ym, n, last)
                 local += loss.detach().float()
-    for part in par.parts:
-        if hasattr(part, "_autopar_grad_group"):
+    if plan["dp"] > 1 and plan["zero"] == 0 and plan["tp"] > 1:
+        for part in par.parts:
             allreduce_grads(part, plan["dp"])
+    if plan["pp"] > 1 and plan["tied"]:
+        sync_tied_grads(par)
     optimizer.step()
     total = local.reshape(1).clone()
     if plan["pp"] > 1:
@@ -452,6 +532,7 @@ def full_parameters(par: Parallel) -> dict:
     """This rank's parameters as full tensors under their names in the original model (a collective: call it on
     every rank)."""
     out = {}
+    canonical = {alias: tie["names"][0] for tie in par.plan["tied"] for alias in tie["names"]}
     for part in par.parts:
         names = part._autopar_block_names
         container = par.plan["block_container"]
@@ -461,5 +542,5 @@ def full_parameters(par: Parallel) -> dict:
                 index, _, rest = name[len(container) + 1 :].partition(".")
                 name = f"{names[int(index)]}.{rest}"
             value = p.full_tensor() if isinstance(p, DTensor) else p
-            out[name] = value.detach().cpu().clone()
+            out[canonical.get(name, name)] = value.detach().cpu().clone()
     return out

@@ -73,12 +73,16 @@ def launch(cases: list[dict], nproc: int, workdir: Path, timeout: float = 300) -
 
 
 def merged(out_dir: Path, name: str, nproc: int) -> dict:
-    """Losses of rank 0 and the union of every rank's parameters."""
+    """Losses of rank 0 and the union of every rank's parameters; copies held by several ranks (replicas, tied
+    weights on the first and last pipeline stage) must agree."""
     params, losses = {}, None
     for rank in range(nproc):
         got = torch.load(out_dir / f"{name}.rank{rank}.pt")
         losses = losses or got["losses"]
         assert got["losses"] == losses, f"{name}: ranks disagree on the loss"
+        for key, value in got["params"].items():
+            if key in params:
+                assert torch.allclose(value, params[key], rtol=1e-5, atol=1e-7), f"{name}: copies of {key} differ"
         params.update(got["params"])
     return {"losses": losses, "params": params}
 

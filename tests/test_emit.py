@@ -134,3 +134,64 @@ def test_example_train_auto_parallelize(tmp_path):
     result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert len(_losses(result.stdout)) == 5
+
+
+def test_specializer_keeps_only_the_plans_branches():
+    from planner.emit import specialize_runtime
+
+    source = '''def f(plan, x):
+    y = x
+    # 1. Tensor parallel.
+    if plan["tp"] > 1:
+        y = g(y)
+    # 2. Data parallel: one of three.
+    if plan["dp"] > 1 and plan["zero"] == 0:
+        y = ddp(y)
+    elif plan["dp"] > 1 and x:
+        y = fsdp(y)
+    else:
+        y = y  # none
+    if plan["pp"] == 1:
+        return y
+    return h(y)
+
+
+def g(y):
+    return y
+
+
+def h(y):
+    return y
+'''
+    text = specialize_runtime(source, {"tp": 1, "dp": 2, "zero": 3, "pp": 1}, {"f"})
+    assert "Tensor parallel" not in text and "def g" not in text and "def h" not in text
+    assert "elif" not in text and "ddp" not in text  # the first branch is gone, its elif became the if
+    assert '    if plan["dp"] > 1 and x:\n        y = fsdp(y)\n    else:\n        y = y  # none\n    return y' in text
+    compile(text, "f.py", "exec")
+
+
+def test_ddp_script_carries_only_ddp():
+    text = emit(make_plan(GPT, 2, dp=2))
+    assert "DDP(" in text
+    for absent in ("apply_tp(", "fully_shard(", "PipelineStage(", "powerSGD", "checkpoint_wrapper(", "sync_tied_grads("):
+        assert absent not in text, absent
+    assert "precision=" not in text.split("# --- The model ---")[0].split("PLAN = ")[1].split("}")[-1]
+
+
+def test_tied_gpt_pipeline_keeps_an_embedding_group():
+    from planner.emit_config import runtime_config
+    from profiler.zoo.registry import resolve_model
+
+    plan = make_plan(GPT, 2, pp=2, dp=2, schedule="1f1b")
+    model, _ = resolve_model(plan.model).build(batch=1, seq=32, device="meta")
+    assert runtime_config(plan, model)["tied"] == [{"names": ["tok_embeddings.weight", "output.weight"],
+                                                    "pp_ranks": [0, 1]}]
+    assert "sync_tied_grads(par)" in emit(plan)
+    assert "sync_tied_grads(" not in emit(make_plan(LLAMA4, 4, pp=2, mbs=2))  # nothing tied
+
+
+def test_low_precision_is_noted_and_fp8_refused():
+    text = emit(make_plan(GPT, 2, dp=2, precision="bf16"))
+    assert "# precision=bf16 applies on GPUs only" in text
+    with pytest.raises(ValueError, match="float8 training needs torchao"):
+        emit(make_plan(GPT, 2, dp=2, precision="fp8"))

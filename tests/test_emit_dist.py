@@ -66,11 +66,15 @@ CASES = {
     "fp16_reduce": (2, lambda: make_plan(GPT, 2, dp=2, grad_compress="fp16"), CAST),
     "fsdp_bf16_reduce": (2, lambda: make_plan(GPT, 2, dp=2, zero=3, grad_compress="bf16"), CAST),
     "powersgd": (2, lambda: make_plan(GPT, 2, dp=2, grad_compress="powersgd-2"), POWERSGD),
+    "gpt_tied_pp2_1f1b": (2, lambda: make_plan(GPT, 2, pp=2, mbs=2, schedule="1f1b"), EXACT),
     "pp_bf16_boundary": (2, lambda: make_plan(LLAMA4, 4, pp=2, mbs=2, pp_compress="bf16"), CAST),
     "dp2_tp2": (4, lambda: make_plan(GPT, 2, dp=2, tp=2), EXACT),
     "fsdp2_tp2_sp": (4, lambda: make_plan(LLAMA4, 4, dp=2, tp=2, zero=3, sp=True), EXACT),
     "pp2_dp2": (4, lambda: make_plan(LLAMA4, 4, pp=2, dp=2, schedule="1f1b"), EXACT),
     "pp2_fsdp2": (4, lambda: make_plan(LLAMA4, 4, pp=2, dp=2, zero=3, schedule="gpipe"), EXACT),
+    "gpt_tied_pp2_dp2": (4, lambda: make_plan(GPT, 2, pp=2, dp=2, schedule="1f1b"), EXACT),
+    "gpt_tied_pp2_fsdp2": (4, lambda: make_plan(GPT, 2, pp=2, dp=2, zero=3, schedule="gpipe"), EXACT),
+    "gpt_tied_pp2_tp2": (4, lambda: make_plan(GPT, 2, pp=2, tp=2, mbs=2, schedule="1f1b"), EXACT),
     "pp2_tp2": (4, lambda: make_plan(LLAMA4, 4, pp=2, tp=2, mbs=2, schedule="1f1b"), EXACT),
 }
 

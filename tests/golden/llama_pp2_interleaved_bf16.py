@@ -16,16 +16,12 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -33,10 +29,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
 )
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.distributed.tensor import DTensor
 
 # --- The plan (module names are plain strings) ---
 
@@ -76,6 +69,7 @@ PLAN = {
     },
     "sp_norms": ["attention_norm", "ffn_norm"],
     "sp_gather": ["attention", "feed_forward"],
+    "tied": [],
     "optimizer": "adamw",
     "lr": 0.001,
     "seed": 0,
@@ -288,7 +282,7 @@ def build_model() -> nn.Module:
     )
 
 
-# --- Parallelism: copied from autopar's planner/runtime.py ---
+# --- Parallelism: autopar's planner/runtime.py, keeping only the branches and functions this plan uses ---
 
 
 SCHEDULES = {
@@ -297,6 +291,8 @@ SCHEDULES = {
     "interleaved": ScheduleInterleaved1F1B,
     "zb": ScheduleInterleavedZeroBubble,
 }
+
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -354,6 +350,7 @@ class Parallel:
     stage_indices: list = field(default_factory=list)  #: (virtual) stage index of each local part
     schedule: object = None  #: the pipeline schedule (None without pipeline parallelism)
     device: torch.device | None = None  #: where this rank computes
+    tied_groups: list = field(default_factory=list)  #: this rank's embedding group per ``plan["tied"]`` entry
 
 
 def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
@@ -361,37 +358,27 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
     device = current_device()
     torch.manual_seed(plan["seed"])  # identical weights on every rank, and in a one-process reference run
     model = build_model().to(device)
-    if plan["pp"] > 1:
-        indices, parts = split_pipeline(model, plan, mesh["pp"].get_local_rank())
-    else:
-        container = model.get_submodule(plan["block_container"])
-        model._autopar_block_names = [f"{plan['block_container']}.{i}" for i in range(len(container))]
-        indices, parts = [0], [model]
+    # 1. Pipeline split: this rank's (virtual) stages, each a copy of the model keeping only the blocks it owns;
+    #    without pipeline parallelism the whole model is the one local part.
+    indices, parts = split_pipeline(model, plan, mesh["pp"].get_local_rank())
     modules = []
     for index, part in zip(indices, parts):
-        # 1. Tensor parallel: Megatron column/row layout per block, sequence parallel on the norms.
-        if plan["tp"] > 1:
-            apply_tp(part, plan, mesh["tp"])
-        # 2. Activation checkpointing, per block as the plan says.
-        apply_ac(part, plan)
-        # 3. Pipeline-boundary compression: bf16 activations (and their gradients) between stages.
-        if plan["pp"] > 1 and plan["pp_compress"] == "bf16":
-            apply_pp_compress(part, index, plan)
-        # 4. Data parallel: DDP with a comm hook, or FSDP2 by ZeRO stage.
-        modules.append(apply_dp(part, plan, mesh))
+        module = part  # what trains: the part itself, or its data-parallel wrapper
+        # 4. Pipeline-boundary compression: bf16 activations (and their gradients) between stages.
+        apply_pp_compress(part, index, plan)
+        modules.append(module)
     par = Parallel(plan=plan, mesh=mesh, parts=parts, modules=modules, stage_indices=indices, device=device)
-    # 5. Pipeline schedule over this rank's stages.
-    if plan["pp"] > 1:
-        build_pipeline(par)
+    # 7. Pipeline schedule over this rank's stages.
+    build_pipeline(par)
     return par
 
 
-def block_list(part: nn.Module, plan: dict) -> nn.ModuleList:
-    return part.get_submodule(plan["block_container"])
-
-
 def split_pipeline(model: nn.Module, plan: dict, pp_rank: int) -> tuple[list, list]:
-    """This rank's (virtual) stages: copies of ``model`` keeping only the blocks, embedding and head they own."""
+    """This rank's (virtual) stages: copies of ``model`` keeping only the blocks, embedding and head they own.
+
+    A weight tied between the embedding and the head stays in both copies (identical: every rank built the model from
+    the same seed); summing their gradients after each backward keeps them equal.
+    """
     container = plan["block_container"]
     if "." in container or not isinstance(getattr(model, container, None), nn.ModuleList):
         raise ValueError(
@@ -402,20 +389,7 @@ def split_pipeline(model: nn.Module, plan: dict, pp_rank: int) -> tuple[list, li
     at = children.index(container)
     owner = {name: plan["stage_of"]["embed"] for name in children[:at]}
     owner.update({name: plan["stage_of"]["head"] for name in children[at + 1 :]})
-    ranks = plan["stage_rank"]
-    shared: dict[int, set] = {}  # tied weights must not span pipeline ranks
-    for name, p in model.named_parameters(remove_duplicate=False):
-        top, _, rest = name.partition(".")
-        stage = plan["stage_of"][f"{top}.{rest.split('.')[0]}"] if top == container else owner[top]
-        shared.setdefault(id(p), set()).add((ranks[stage], name))
-    for users in shared.values():
-        if len({r for r, _ in users}) > 1:
-            names = sorted(n for _, n in users)
-            raise ValueError(
-                f"tied parameters {names} would live on different pipeline ranks; put the embedding and the head "
-                f"on the same rank, or use a model without tied embeddings"
-            )
-    mine = [s for s, r in enumerate(ranks) if r == pp_rank]
+    mine = [s for s, r in enumerate(plan["stage_rank"]) if r == pp_rank]
     parts = []
     for k, stage in enumerate(mine):
         part = model if k == len(mine) - 1 else copy.deepcopy(model)
@@ -430,94 +404,6 @@ def split_pipeline(model: nn.Module, plan: dict, pp_rank: int) -> tuple[list, li
     return mine, parts
 
 
-def _to_replicate(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Sequence-sharded local tensor → full tensor (all-gather; backward keeps this rank's slice)."""
-    return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
-
-
-def _to_shard(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Full tensor → this rank's sequence slice (no communication; backward all-gathers)."""
-    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
-
-
-def _convert_input(convert, mesh: DeviceMesh):
-    """Forward pre-hook applying ``convert`` to the hidden states (first positional or ``hidden_states``)."""
-
-    def hook(module, args, kwargs):
-        if args:
-            return (convert(args[0], mesh), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": convert(kwargs["hidden_states"], mesh)}
-
-    return hook
-
-
-def _convert_output(convert, mesh: DeviceMesh):
-    def hook(module, args, output):
-        if isinstance(output, tuple):
-            return (convert(output[0], mesh), *output[1:])
-        return convert(output, mesh)
-
-    return hook
-
-
-def apply_tp(part: nn.Module, plan: dict, tp_mesh: DeviceMesh) -> None:
-    """Megatron tensor parallel on the blocks the plan names: column-parallel q/k/v and up-projections, row-parallel
-    output projections (attention heads split with them: the models derive local heads from the weight shape).
-
-    With sequence parallel the residual stream is sharded along the sequence inside each run of TP blocks: norms
-    run on their slice (``SequenceParallel``), the attention/MLP inputs are all-gathered, the row-parallel outputs
-    reduce-scattered; the run's first block slices its input and its last block all-gathers its output.
-    """
-    sp = plan["sp"]
-    if sp and plan["seq"] % plan["tp"]:
-        raise ValueError(f"sequence parallel needs seq={plan['seq']} divisible by tp={plan['tp']}")
-    names = part._autopar_block_names
-    blocks = block_list(part, plan)
-    flags = [name in plan["tp_blocks"] for name in names]
-    for i, (block, on) in enumerate(zip(blocks, flags)):
-        if not on:
-            continue
-        layout = {}
-        for rel, kind in plan["tp_layout"].items():
-            if kind == "colwise":
-                layout[rel] = ColwiseParallel()
-            else:
-                layout[rel] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
-        if sp:
-            for rel in plan["sp_norms"]:
-                layout[rel] = SequenceParallel(use_local_output=True)
-        parallelize_module(block, tp_mesh, layout)
-        if sp:
-            for rel in plan["sp_gather"]:
-                block.get_submodule(rel).register_forward_pre_hook(
-                    _convert_input(_to_replicate, tp_mesh), with_kwargs=True
-                )
-            if i == 0 or not flags[i - 1]:
-                block.register_forward_pre_hook(_convert_input(_to_shard, tp_mesh), with_kwargs=True)
-            if i == len(blocks) - 1 or not flags[i + 1]:
-                block.register_forward_hook(_convert_output(_to_replicate, tp_mesh))
-
-
-def _selective_policy(ctx, op, *args, **kwargs):
-    """Selective AC (Korthikanti et al. 2022 §4.2): keep the linear outputs, recompute the rest (attention core,
-    softmax, activations, norms)."""
-    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.linear.default):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def apply_ac(part: nn.Module, plan: dict) -> None:
-    """Wrap the blocks the plan checkpoints: ``full`` recomputes the block, ``selective`` keeps matmul outputs."""
-    blocks = block_list(part, plan)
-    for i, name in enumerate(part._autopar_block_names):
-        mode = plan["ac"].get(name, "none")
-        if mode == "full":
-            blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=False)
-        elif mode == "selective":
-            context_fn = partial(create_selective_checkpoint_contexts, _selective_policy)
-            blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=False, context_fn=context_fn)
-
-
 def apply_pp_compress(part: nn.Module, stage: int, plan: dict) -> None:
     """Send bf16 activations between stages: cast the output of every non-last stage, cast back on entry."""
     n_stages = plan["pp"] * plan["vpp"]
@@ -526,65 +412,6 @@ def apply_pp_compress(part: nn.Module, stage: int, plan: dict) -> None:
     if stage > 0:
         dtype = torch.float32 if current_device().type == "cpu" else DTYPES[plan["precision"]]
         part.register_forward_pre_hook(lambda module, args: (args[0].to(dtype), *args[1:]))
-
-
-def bf16_cast_hook(process_group, bucket):
-    """DDP comm hook: all-reduce the gradient bucket in bf16 (``bf16_compress_hook`` is NCCL-only in torch 2.13)."""
-    group = process_group if process_group is not None else dist.group.WORLD
-    compressed = bucket.buffer().to(torch.bfloat16).div_(group.size())
-    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
-
-    def decompress(fut):
-        out = bucket.buffer()
-        out.copy_(fut.value()[0])
-        return out
-
-    return future.then(decompress)
-
-
-def apply_dp(part: nn.Module, plan: dict, mesh: DeviceMesh) -> nn.Module:
-    """Data parallel over the dp mesh dimension: DDP (ZeRO 0) or FSDP2 (ZeRO 1-3)."""
-    if plan["dp"] == 1:
-        return part
-    dp_mesh = mesh["dp"]
-    compress, rank = plan["grad_compress"], plan["powersgd_rank"]
-    if plan["zero"] == 0 and plan["tp"] > 1:
-        # DDP does not take DTensor parameters: all-reduce the gradients after backward (see train_step) instead.
-        if compress != "none":
-            raise ValueError(
-                f"grad_compress={compress} with tp={plan['tp']} needs FSDP: use zero ≥ 1 (bf16/fp16) "
-                "or tp=1 (DDP comm hooks)"
-            )
-        part._autopar_grad_group = dp_mesh.get_group()
-        return part
-    if plan["zero"] == 0:
-        cuda = current_device().type == "cuda"
-        ddp = DDP(part, process_group=dp_mesh.get_group(), device_ids=[current_device()] if cuda else None)
-        group = dp_mesh.get_group()
-        if compress == "fp16":
-            ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
-        elif compress == "bf16":
-            ddp.register_comm_hook(group, default_hooks.bf16_compress_hook if cuda else bf16_cast_hook)
-        elif compress == "powersgd":
-            state = powerSGD_hook.PowerSGDState(
-                process_group=group,
-                matrix_approximation_rank=rank,
-                start_powerSGD_iter=plan["powersgd_start_iter"],
-                random_seed=plan["seed"],
-            )
-            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return ddp
-    # FSDP2: mixed precision only on GPUs (CPU runs stay fp32); reduce in bf16/fp16 when the plan compresses.
-    on_gpu = current_device().type == "cuda"
-    mp = MixedPrecisionPolicy(
-        param_dtype=DTYPES[plan["precision"]] if on_gpu and plan["precision"] != "fp32" else None,
-        reduce_dtype=DTYPES[compress] if compress in ("bf16", "fp16") else None,
-    )
-    reshard = plan["zero"] == 3  # ZeRO 1/2: keep parameters gathered between forward and backward
-    for block in block_list(part, plan):
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-    return part
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -610,15 +437,11 @@ def build_pipeline(par: Parallel) -> None:
 
 def autocast(plan: dict, device: torch.device):
     """Mixed precision for DDP/pipeline runs on GPUs (FSDP casts through its policy; CPU runs stay fp32)."""
-    if device.type != "cuda" or plan["precision"] == "fp32" or (plan["dp"] > 1 and plan["zero"] > 0):
-        return contextlib.nullcontext()
-    return torch.autocast("cuda", dtype=DTYPES[plan["precision"]])
+    return contextlib.nullcontext()
 
 
 def build_optimizer(par: Parallel, plan: dict) -> torch.optim.Optimizer:
     params = [p for module in par.modules for p in module.parameters()]
-    if plan["optimizer"] == "sgd":
-        return torch.optim.SGD(params, lr=plan["lr"])
     return torch.optim.AdamW(params, lr=plan["lr"])
 
 
@@ -634,53 +457,16 @@ def train_step(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Te
     y = labels[dp_rank * rows : (dp_rank + 1) * rows].to(device)
     optimizer.zero_grad(set_to_none=True)
     with autocast(plan, device):
-        if plan["pp"] > 1:
-            n_stages = plan["pp"] * plan["vpp"]
-            args = (x,) if 0 in par.stage_indices else ()
-            losses: list = []
-            kwargs = {"target": y, "losses": losses} if n_stages - 1 in par.stage_indices else {}
-            par.schedule.step(*args, **kwargs)
-            local = torch.stack(losses).mean().detach().float() if losses else torch.zeros((), device=device)
-        else:
-            local = torch.zeros((), device=device)
-            module, n = par.modules[0], plan["grad_accum"]
-            for k, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
-                last = k == n - 1
-                loss = _accumulate(module, xm, ym, n, last)
-                local += loss.detach().float()
-    for part in par.parts:
-        if hasattr(part, "_autopar_grad_group"):
-            allreduce_grads(part, plan["dp"])
+        n_stages = plan["pp"] * plan["vpp"]
+        args = (x,) if 0 in par.stage_indices else ()
+        losses: list = []
+        kwargs = {"target": y, "losses": losses} if n_stages - 1 in par.stage_indices else {}
+        par.schedule.step(*args, **kwargs)
+        local = torch.stack(losses).mean().detach().float() if losses else torch.zeros((), device=device)
     optimizer.step()
     total = local.reshape(1).clone()
-    if plan["pp"] > 1:
-        dist.all_reduce(total, group=par.mesh["pp"].get_group())  # only the last stage holds the loss
-    if plan["dp"] > 1:
-        dist.all_reduce(total, group=par.mesh["dp"].get_group())
+    dist.all_reduce(total, group=par.mesh["pp"].get_group())  # only the last stage holds the loss
     return total.item() / plan["dp"]
-
-
-def allreduce_grads(part: nn.Module, dp: int) -> None:
-    """Average the gradients over the data-parallel group (DDP's job, for tensor-parallel DTensor parameters)."""
-    for p in part.parameters():
-        if p.grad is not None:
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(grad, group=part._autopar_grad_group)
-            grad.div_(dp)
-
-
-def _accumulate(module: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int, last: bool) -> torch.Tensor:
-    """Forward and backward of one micro-batch, syncing gradients only on the last one."""
-    if isinstance(module, DDP) and not last:
-        ctx = module.no_sync()
-    else:
-        ctx = contextlib.nullcontext()
-        if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
-            module.set_requires_gradient_sync(last)
-    with ctx:
-        loss = module(x, y)
-        (loss / n).backward()
-    return loss / n
 
 
 def synthetic_batch(step: int, *, batch: int, seq: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -704,6 +490,7 @@ def full_parameters(par: Parallel) -> dict:
     """This rank's parameters as full tensors under their names in the original model (a collective: call it on
     every rank)."""
     out = {}
+    canonical = {alias: tie["names"][0] for tie in par.plan["tied"] for alias in tie["names"]}
     for part in par.parts:
         names = part._autopar_block_names
         container = par.plan["block_container"]
@@ -713,7 +500,7 @@ def full_parameters(par: Parallel) -> dict:
                 index, _, rest = name[len(container) + 1 :].partition(".")
                 name = f"{names[int(index)]}.{rest}"
             value = p.full_tensor() if isinstance(p, DTensor) else p
-            out[name] = value.detach().cpu().clone()
+            out[canonical.get(name, name)] = value.detach().cpu().clone()
     return out
 
 
