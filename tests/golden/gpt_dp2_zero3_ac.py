@@ -353,24 +353,38 @@ def block_list(part: nn.Module, plan: dict) -> nn.ModuleList:
     return part.get_submodule(plan["block_container"])
 
 
+def _is_square(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[-1] == t.shape[-2] > 1
+
+
 def _selective_policy(ctx, op, *args, **kwargs):
-    """Selective AC (Korthikanti et al. 2022 §4.2): keep the linear outputs, recompute the rest (attention core,
-    softmax, activations, norms)."""
-    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.linear.default):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+    """Selective AC (Korthikanti et al. 2022 §4.2): recompute the attention core, i.e. the ops that read or make
+    the seq×seq scores and probabilities (QKᵀ, mask, softmax, dropout, ·V); keep everything else. A fused
+    attention kernel materialises no such tensor, so it is kept like any other op. Random ops (dropout masks)
+    allocations and in-place ops are recomputed too: with the RNG state preserved they replay identically, and
+    a tensor filled in place must not be served from the cache."""
+    if torch.Tag.nondeterministic_seeded in op.tags or op.name().startswith("aten::empty") or op._schema.is_mutable:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if any(_is_square(a) for a in args):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if op in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default) and len(args) >= 2:
+        a, b = args[-2], args[-1]  # batched Q·Kᵀ makes [batch, seq, seq]
+        if a.dim() == 3 and b.dim() == 3 and a.shape[-2] == b.shape[-1] > 1:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
 
 
 def apply_ac(part: nn.Module, plan: dict) -> None:
-    """Wrap the blocks the plan checkpoints: ``full`` recomputes the block, ``selective`` keeps matmul outputs."""
+    """Wrap the blocks the plan checkpoints: ``full`` recomputes the block, ``selective`` its attention core.
+    The RNG state is preserved so that recomputed dropout draws the same masks."""
     blocks = block_list(part, plan)
     for i, name in enumerate(part._autopar_block_names):
         mode = plan["ac"].get(name, "none")
         if mode == "full":
-            blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=False)
+            blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=True)
         elif mode == "selective":
             context_fn = partial(create_selective_checkpoint_contexts, _selective_policy)
-            blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=False, context_fn=context_fn)
+            blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=True, context_fn=context_fn)
 
 
 def apply_fsdp(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
