@@ -1,4 +1,5 @@
-"""Search wall time of `autopar plan` on the issue's three jobs (capture time printed separately).
+"""Search wall time of `autopar plan` on the issue's three jobs (capture time printed separately), then the
+Korthikanti et al. 2022 Table 3 comparison (searched plan vs the published configuration, both predicted).
 
     python benchmarks/search_time.py [--time-limit S]
 """
@@ -8,7 +9,11 @@ from __future__ import annotations
 import argparse
 import time
 
+import sys
+from pathlib import Path
+
 from costmodel.cluster import load_cluster
+from costmodel.estimate import estimate
 from planner.search import search
 from profiler.api import profile_model
 
@@ -32,6 +37,23 @@ def main() -> None:
               f"{r.candidates} candidates, {r.pruned} pruned, {r.solved} ILPs, status {r.status}, gap {r.gap:.3g}; "
               f"dp={c.dp} tp={c.tp} pp={c.pp} vpp={c.vpp} {c.schedule.value} mbs={c.mbs} zero={c.zero} "
               f"grad={c.grad_compress}: step {r.best.objective:.3f} s, MFU {r.best.estimate.mfu:.1%}", flush=True)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_table3 import TABLE3, published
+
+    for row in TABLE3:
+        spec, cluster, gb, cfg = published(row)
+        lg, cl = profile_model(spec), load_cluster(cluster)
+        pub = estimate(lg, cl, cfg, gb)
+        t0 = time.perf_counter()
+        r = search(lg, cl, gb, time_limit=args.time_limit, progress=False)
+        c = r.best.config
+        print(f"Table 3 {row[0]} on {cl.world_size} GPUs (gb {gb}): published tp=8 pp={cfg.pp} vpp={cfg.vpp} "
+              f"mbs={cfg.mbs} selective+sp {pub.tokens_per_s:,.0f} tok/s (MFU {pub.mfu:.1%}); searched "
+              f"dp={c.dp} tp={c.tp} pp={c.pp} vpp={c.vpp} {c.schedule.value} mbs={c.mbs} zero={c.zero} "
+              f"ac={c.ac.value} {r.best.estimate.tokens_per_s:,.0f} tok/s (MFU {r.best.estimate.mfu:.1%}), "
+              f"×{r.best.estimate.tokens_per_s / pub.tokens_per_s:.3f}, search {time.perf_counter() - t0:.1f} s "
+              f"{r.status} gap {r.gap:.2g}", flush=True)
 
 
 if __name__ == "__main__":

@@ -100,6 +100,10 @@ class Infeasible(Exception):
         self.status, self.time_s = status, time_s
 
 
+class CutOff(Infeasible):
+    """No plan of this candidate is as fast as the ``cutoff`` given to `solve` (it may or may not fit)."""
+
+
 # ----------------------------------------------------------------------------------------------------------- data
 @dataclass
 class Data:
@@ -129,11 +133,8 @@ class Data:
 
 
 def _evaluator(lg, cluster, cfg, global_batch, cache):
-    ev = Evaluator(lg, cluster, cfg, global_batch)
-    if cache is not None:  # layer costs depend only on the CostContext (tp, sp, mbs, precision): share them
-        key = (cfg.tp, cfg.sp, cfg.mbs, cfg.precision)
-        ev._cache = cache.setdefault(key, ev._cache)
-    return ev
+    """An Evaluator sharing layer costs with the other candidates' through ``cache`` (`Evaluator`'s hook)."""
+    return Evaluator(lg, cluster, cfg, global_batch, cache=cache)
 
 
 def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
@@ -259,7 +260,7 @@ class Model:
     def _b(self, nbytes: float) -> float:
         return nbytes / self.d.mem_unit
 
-    def layer_sum(self, stages, attr) -> "pywraplp.LinearExpr":
+    def layer_sum(self, stages, attr) -> pywraplp.LinearExpr:
         """Σ over the stages' layers of ``attr(cost)`` (a function of a LayerCost), linear in the AC choices."""
         d, ev, b = self.d, self.d.ev, self.d.blocks[0] if self.d.blocks else None
         terms = []
@@ -504,7 +505,13 @@ class Model:
     def add_objective(self) -> None:
         d = self.d
         total = sum((self.rank_time(r) for r in range(d.pp)), 0.0 * self.bottleneck)
-        self.solver.Minimize((d.m - d.phi) * self.bottleneck + d.phi * total + self.finish)
+        self.objective = (d.m - d.phi) * self.bottleneck + d.phi * total + self.finish
+        self.solver.Minimize(self.objective)
+
+    def add_cutoff(self, seconds: float) -> None:
+        """Only plans with step ≤ ``seconds`` (the outer search's (top_k + 1)-th best known step): when none
+        exists the solve is INFEASIBLE, which proves the candidate cannot matter; otherwise the optimum is kept."""
+        self.solver.Add(self.objective <= self._t(seconds) * (1 + 1e-9))
 
     # -- hint, solve, decode ---------------------------------------------------------------------------------
     def hint(self, acs: list[AC], stage_of: list[int], grad: str, ppc: str) -> None:
@@ -588,7 +595,8 @@ def greedy(d: Data) -> tuple[list[AC], list[int]]:
 
 
 def solve(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *, time_limit: float = 10.0,
-          acs=AC_ORDER, grad_opts=None, pp_opts=None, backend: str | None = None, cost_cache=None) -> Solution:
+          acs=AC_ORDER, grad_opts=None, pp_opts=None, backend: str | None = None, cost_cache=None,
+          cutoff: float | None = None) -> Solution:
     """Solve the inner problem of ``cfg`` (its compression and ac fields are ignored: chosen here, within
     ``acs``/``grad_opts``/``pp_opts``). Raise `Infeasible` when nothing fits."""
     t0 = time.perf_counter()
@@ -598,9 +606,13 @@ def solve(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: i
     h_acs, h_stage = greedy(d)
     model.hint(h_acs, h_stage, "none" if "none" in d.grad_opts else d.grad_opts[0],
                "none" if "none" in d.pp_opts else d.pp_opts[0])
+    if cutoff is not None:
+        model.add_cutoff(cutoff)
     code = model.solve(time_limit)
     status = _STATUS.get(code, str(code))
     if code not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        if cutoff is not None and code == pywraplp.Solver.INFEASIBLE:
+            raise CutOff(status, time.perf_counter() - t0)
         raise Infeasible(status, time.perf_counter() - t0)
     acs_out, stage_of, grad, ppc = model.decode()
     final = replace(cfg, grad_compress=grad, pp_compress=ppc, ac=usual_ac(acs_out, d.blocks))

@@ -7,15 +7,30 @@ same job: only 0); sp ∈ {off, on} when tp > 1; with pp > 1 the schedules gpipe
 ZB-H1 gains nothing from virtual stages) and interleaved with 2 ≤ vpp ≤ `MAX_VPP`. ``fix`` pins any key.
 Per-layer AC and the compression of each group are the ILP's choices (``fix`` pins them too).
 
-Pruning, before any ILP is built:
-- memory: the most loaded rank's model states with the candidate's sharding plus its smallest activations (full
-  recomputation) already exceed a GPU ⇒ skip (`memory_lower_bound`);
-- time: an optimistic step (no recomputation, perfectly balanced stages, boundary transfers and FSDP/ZeRO-1
-  gathers that cannot be hidden, nothing else exposed; `time_lower_bound`) ≥ the (top_k + 1)-th best step found ⇒
-  skip. Candidates are solved in order of that bound, so once one is pruned all later ones are.
+Pruning (all exact: the winner is the optimum over the whole space unless the time limit stops the search):
+- memory: the most loaded rank's model states with the candidate's sharding plus its smallest activations already
+  exceed a GPU, or the activation knapsack of `planner.search_bounds` has no solution ⇒ skip;
+- bounds (`planner.search_bounds`, stated and proved there; `tests/test_ilp.py` checks bound ≤ ILP optimum): a
+  cheap bound for every candidate (memory-aware work, integral bottleneck, FSDP and data-parallel exposure),
+  sorted; a refined bound (per-rank memory on the bottleneck) for those that survive;
+- incumbents: before any ILP, the greedy plan (even stages, the least uniform recomputation that fits) of each
+  candidate in bound order, evaluated by `Evaluator.evaluate`, until the bound passes the (top_k + 1)-th best of
+  them. Every known plan value is an upper bound on a distinct candidate's optimum, so a candidate whose bound
+  exceeds the (top_k + 1)-th smallest known value cannot be among the top_k + 1;
+- ILP cutoffs: a candidate that may win is solved with the constraint "step ≤ the best known" (INFEASIBLE proves
+  it cannot win, usually in well under a second); one whose bound already reaches the best can only be a
+  runner-up and is solved with the cutoff of the (top_k + 1)-th best known within `ALT_TIME_S` (a runner-up cut
+  short keeps its own gap; the winner's proof does not depend on it).
 
-Determinism: candidates are sorted by (time bound, dp, tp, pp, vpp, schedule, mbs, zero, sp); a solution replaces
-the best only when strictly faster (so ties go to the earlier candidate); the ILP backend is deterministic. Only
+Dominance (kept unless ``fix`` pins the key): GPipe is dominated by 1F1B (φ = 1 for both, GPipe holds m ≥ p − r
+micro-batches in flight: same time, more memory); 1F1B by ZB-H1 (costmodel.memory gives it 1F1B's in-flight
+count and costmodel.estimate φ = 1/3 < 1 with every other term equal); sp=off by sp=on (costmodel.layercost: the
+same collective time, replicated work and activations divided by t). These are dominances *under this cost
+model*; a different cost model would have to re-check them.
+
+Determinism: candidates are sorted by (time bound, dp, tp, pp, vpp, schedule, mbs, zero, sp); ties between plans
+go to the earlier candidate in that order; the ILP backend is deterministic. Time limits (the search's, and
+`ALT_TIME_S` for runner-ups) can change which runner-ups are proved, never a proved winner. Only
 ``solver.time_s`` and the provenance's creation stamp depend on the clock.
 """
 
@@ -26,18 +41,20 @@ import sys
 import time
 from dataclasses import dataclass
 
+import bisect
+from dataclasses import replace
+
 from costmodel.cluster import Cluster
-from costmodel.collectives import all_gather_time, reduce_scatter_time
 from costmodel.config import AC, ParallelConfig, Schedule
-from costmodel.estimate import ConfigError, Evaluator, pipeline_factor
+from costmodel.estimate import ConfigError, Evaluator, even_stages
 from costmodel.layercost import is_tp_layer
-from costmodel.memory import DDP_BUCKET_BYTES, FRAGMENTATION, RUNTIME_RESERVED_BYTES, inflight, state_bytes_per_param
-from costmodel.overlap import GRAD_REDUCE_BYTES, optimizer_time
 from planner import ilp
+from planner.search_bounds import Bounds
 from profiler.graph import LayerGraph
 
 MAX_MBS = 16  #: largest micro-batch tried (a divisor of global_batch / dp)
 MAX_VPP = 8  #: most virtual stages per pipeline rank tried with the interleaved schedule
+ALT_TIME_S = 2.0  #: time limit of the ILP of a candidate that can only be a runner-up (it cannot beat the best)
 SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.INTERLEAVED)
 FIXABLE = ("dp", "tp", "pp", "vpp", "mbs", "schedule", "zero", "sp", "ac", "grad_compress", "pp_compress",
            "precision", "cp", "ep")
@@ -70,6 +87,8 @@ class SearchResult:
     backend: str
     status: str  #: OPTIMAL when every solved ILP was optimal, else FEASIBLE
     gap: float  #: the winner's ILP gap (0 when proved optimal)
+    incumbents: int = 0  #: greedy plans evaluated before any ILP (upper bounds for pruning)
+    cut_off: int = 0  #: ILPs proved infeasible under the cutoff "step ≤ the (top_k + 1)-th best known plan"
 
 
 # ------------------------------------------------------------------------------------------------ candidates
@@ -128,117 +147,6 @@ def _order_key(cfg: ParallelConfig) -> tuple:
     return (cfg.dp, cfg.tp, cfg.pp, cfg.vpp, SCHEDULES.index(cfg.schedule), cfg.mbs, cfg.zero, cfg.sp)
 
 
-# ---------------------------------------------------------------------------------------------------- bounds
-class Bounds:
-    """Lower bounds on a candidate's step time and peak memory per GPU, from layer costs shared across
-    candidates with the same (tp, sp, mbs, precision)."""
-
-    def __init__(self, lg: LayerGraph, cluster: Cluster, global_batch: int, cost_cache: dict) -> None:
-        self.lg, self.cluster, self.gb, self.cache = lg, cluster, global_batch, cost_cache
-        self._groups: dict = {}
-        self._evs: dict = {}
-        self.blocks = [i for i, layer in enumerate(lg.layers) if layer.kind == "block"]
-        self.pre = list(range(self.blocks[0])) if self.blocks else list(range(len(lg.layers)))
-        self.post = list(range(self.blocks[-1] + 1, len(lg.layers))) if self.blocks else []
-
-    def _ev(self, cfg: ParallelConfig) -> Evaluator:
-        key = (cfg.dp, cfg.tp, cfg.pp, cfg.mbs, cfg.sp, cfg.precision)
-        if key not in self._evs:
-            base = ParallelConfig(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, mbs=cfg.mbs, sp=cfg.sp, precision=cfg.precision,
-                                  schedule=Schedule.ONE_F_ONE_B)
-            self._evs[key] = ilp._evaluator(self.lg, self.cluster, base, self.gb, self.cache)
-        return self._evs[key]
-
-    def _group(self, cfg: ParallelConfig) -> dict:
-        key = (cfg.tp, cfg.sp, cfg.mbs, cfg.precision)
-        if key not in self._groups:
-            ev = self._ev(cfg)
-            n = len(self.lg.layers)
-            none = [ev.cost(i, AC.NONE) for i in range(n)]
-            least_act = [min(ev.cost(i, a).act_bytes for a in AC) for i in range(n)]
-            b = self.blocks[0] if self.blocks else None
-            self._groups[key] = {
-                "work": sum(c.fwd_s + c.bwd_s + c.tp_comm_s for c in none),
-                "params": sum(c.param_numel for c in none),
-                "pre_params": sum(none[i].param_numel for i in self.pre),
-                "post_params": sum(none[i].param_numel for i in self.post),
-                "block_params": none[b].param_numel if b is not None else 0.0,
-                "pre_act": sum(least_act[i] for i in self.pre),
-                "post_act": sum(least_act[i] for i in self.post),
-                "block_act": least_act[b] if b is not None else 0.0,
-                "fwd": sum(c.fwd_s for c in none), "bwd": sum(c.bwd_s for c in none),
-                "ag": _PerSpan(lambda span, ev=ev, none=none, pb=(4 if cfg.precision == "fp32" else 2): [
-                    all_gather_time(c.param_numel * pb, span, self.cluster) for c in none]),
-                "rs": _PerSpan(lambda span, ev=ev, none=none: [
-                    reduce_scatter_time(c.param_numel * GRAD_REDUCE_BYTES, span, self.cluster) for c in none]),
-            }
-        return self._groups[key]
-
-    def time(self, cfg: ParallelConfig) -> float:
-        """Optimistic step time: Σ work without recomputation over pp perfectly balanced ranks."""
-        g, ev = self._group(cfg), self._ev(cfg)
-        m = self.gb // (cfg.dp * cfg.mbs)
-        S = cfg.pp * cfg.vpp
-        total = g["work"]
-        if S > 1:
-            total += (S - 1) * ev.p2p_time(self.blocks[-1])  # bf16 boundary casts never beat plain 16-bit
-            if cfg.precision == "fp32":
-                total -= (S - 1) * ev.p2p_time(self.blocks[-1]) / 2  # bf16 at best halves the transfer
-        if cfg.zero == 3 and cfg.dp > 1:
-            # per stage: ag of the first and last layer and rs of the first are never hidden; the rest is hidden
-            # at best by the whole forward (all-gathers) and the whole backward with full recomputation;
-            # Σ_c max(0, x_c) ≥ max(0, Σ_c x_c)
-            ag, rs = g["ag"][ev.dp_span], g["rs"][ev.dp_span]
-            total += S * (2 * min(ag) + min(rs))
-            total += max(0.0, sum(ag) - S * max(ag) - g["fwd"])
-            total += max(0.0, sum(ag) + sum(rs) - S * (max(ag) + max(rs)) - g["fwd"] - g["bwd"])
-        phi = pipeline_factor(cfg.schedule, cfg.vpp)
-        pipe = (m - phi) * total / cfg.pp + phi * total if cfg.pp > 1 else m * total
-        params = g["params"] / cfg.pp
-        finish = optimizer_time(params, _OptView(cfg, self.cluster))
-        if cfg.zero == 1 and cfg.dp > 1:
-            finish += all_gather_time(params * 2, ev.dp_span, self.cluster)
-        return pipe + finish
-
-    def memory(self, cfg: ParallelConfig) -> float:
-        """Peak memory of the most loaded rank with full recomputation and the fewest layers it can hold."""
-        g = self._group(cfg)
-        m = self.gb // (cfg.dp * cfg.mbs)
-        per = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp))
-        temp = 2 * DDP_BUCKET_BYTES if (cfg.zero == 0 and cfg.dp > 1) else 0.0
-        first = (per * (g["pre_params"] + cfg.vpp * g["block_params"])
-                 + inflight(cfg.schedule, cfg.pp, cfg.vpp, 0, m) * (g["pre_act"] + cfg.vpp * g["block_act"]))
-        last_rank = (cfg.pp * cfg.vpp - 1) % cfg.pp
-        last = (per * (g["post_params"] + cfg.vpp * g["block_params"])
-                + inflight(cfg.schedule, cfg.pp, cfg.vpp, last_rank, m) * (g["post_act"] + cfg.vpp * g["block_act"]))
-        if cfg.pp == 1:
-            n = len(self.blocks)
-            first = per * g["params"] + g["pre_act"] + g["post_act"] + n * g["block_act"]
-        allocated = max(first, last, per * g["params"] / cfg.pp) + temp
-        on_gpu = self.cluster.device.name != "cpu"
-        return (1 + FRAGMENTATION) * allocated + (RUNTIME_RESERVED_BYTES if on_gpu else 0.0)
-
-
-class _PerSpan(dict):
-    """span → f(span), computed on first use."""
-
-    def __init__(self, f) -> None:
-        super().__init__()
-        self.f = f
-
-    def __missing__(self, span):
-        self[span] = v = self.f(span)
-        return v
-
-
-@dataclass
-class _OptView:
-    """What `optimizer_time` reads from an Evaluator."""
-
-    cfg: ParallelConfig
-    cluster: Cluster
-
-
 # ---------------------------------------------------------------------------------------------------- search
 class _Progress:
     """A one-line progress bar with an ETA on stderr, shown once the search has run for a second."""
@@ -287,20 +195,27 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
            time_limit: float = 60.0, progress: bool | None = None) -> SearchResult:
     """The fastest configuration that fits (see the module docstring).
 
-    ``time_limit`` caps the whole search (seconds): when it runs out, the best plan so far is returned with
-    status FEASIBLE and the gap to the smallest lower bound not yet explored (a valid global gap)."""
+    ``time_limit`` caps the whole search (seconds): when it runs out, the best plan so far (an ILP's or a greedy
+    incumbent's) is returned with status FEASIBLE and the gap to the smallest lower bound not yet explored (a
+    valid global gap)."""
     fix = dict(fix or {})
     check_fix(fix)
     t0 = time.perf_counter()
     cache: dict = {}
-    bounds = Bounds(lg, cluster, global_batch, cache)
     kw = _ilp_options(fix)
-    stats = {"candidates": 0, "pruned": 0, "pruned_memory": 0, "solved": 0, "infeasible": 0}
+    bounds = Bounds(lg, cluster, global_batch, cache, grad_opts=kw.get("grad_opts", ilp.GRAD_OPTIONS))
+    stats = {"candidates": 0, "pruned": 0, "pruned_memory": 0, "solved": 0, "infeasible": 0, "incumbents": 0,
+             "cut_off": 0}
     smallest: list = []  # (memory bound, cfg) of the candidate closest to fitting
-    found: list[ilp.Solution] = []
-    statuses = set()
+    known: dict[int, ilp.Solution] = {}  # live index → its best known plan: a greedy incumbent, then the ILP's
+    solved: list[float] = []  # objectives of the solved ILPs, ascending
+    weak: list[float] = []  # bounds of the ILPs that stopped at the time limit
     backend = ""
     open_bound = None  # the lowest bound left unexplored when the time limit stopped the search
+
+    def kth(values) -> float:  # the (top_k + 1)-th smallest: the value a candidate must beat to matter
+        return values[top_k] if len(values) > top_k else float("inf")
+
     for cross_node in (False, True):  # tensor parallel crosses nodes only when nothing inside a node fits
         cands = candidates(lg, cluster, global_batch, fix, cross_node_tp=cross_node)
         stats["candidates"] += len(cands)
@@ -308,27 +223,77 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
         live = []
         for cfg in cands:
             mem = bounds.memory(cfg)
-            if mem > capacity:
+            lb = bounds.time(cfg) if mem <= capacity else float("inf")
+            if lb == float("inf"):  # no plan of it fits (memory bound, or the activation knapsack)
                 stats["pruned_memory"] += 1
-                smallest.append((mem, _order_key(cfg), cfg))
+                smallest.append((max(mem, capacity) if mem <= capacity else mem, _order_key(cfg), cfg))
                 continue
-            live.append((bounds.time(cfg), _order_key(cfg), cfg))
+            live.append((lb, _order_key(cfg), cfg))
         live.sort(key=lambda x: (x[0], x[1]))
+        known.clear()
+        # 1. incumbents: greedy plans (even stages, uniform least recomputation that fits), in bound order, until
+        #    the bound reaches the (top_k + 1)-th best of them
+        refined: dict[int, float] = {}
+
+        def tight(i: int) -> float:  # the refined bound of live[i] (per-rank memory), computed on first use
+            if i not in refined:
+                refined[i] = max(live[i][0], bounds.time(live[i][2], refine=True))
+            return refined[i]
+
+        ub: list[float] = []
+        for i, (lb, _, cfg) in enumerate(live):
+            if lb > kth(ub) or time.perf_counter() - t0 > time_limit:
+                break
+            if tight(i) > kth(ub):
+                continue
+            sol = _greedy(lg, cluster, cfg, global_batch, cache, tight(i), fix)
+            if sol is not None:
+                known[i] = sol
+                bisect.insort(ub, sol.objective)
+                stats["incumbents"] += 1
+        # 2. ILPs in bound order; a candidate matters only if its bound is below the (top_k + 1)-th best known plan
+        #    (each known value is an upper bound on a distinct candidate's optimum)
         bar = _Progress(len(live), progress)
         for done, (lb, _, cfg) in enumerate(live):
-            ranked = sorted(s.objective for s in found)
-            if len(ranked) > top_k and lb >= ranked[top_k]:
+            best_known = sorted(s.objective for s in known.values())
+            if lb > kth(best_known) or lb >= kth(solved):
                 stats["pruned"] += len(live) - done
                 break
-            bar.update(done, ranked[0] if ranked else None)
+            bar.update(done, best_known[0] if best_known else None)
+            if tight(done) > kth(best_known) or tight(done) >= kth(solved):
+                stats["pruned"] += 1
+                continue
             left = time_limit - (time.perf_counter() - t0)
-            if left <= 0 and found:
-                open_bound = lb
+            if left <= 0 and known:
+                open_bound = min([tight(done)] + [live[j][0] for j in range(done + 1, len(live))])
                 stats["pruned"] += len(live) - done
                 break
+            sol, may_win = None, False
             try:
-                sol = ilp.solve(lg, cluster, cfg, global_batch, time_limit=max(left, 1.0), cost_cache=cache, **kw)
-            except ilp.Infeasible:
+                if not best_known or tight(done) < best_known[0]:
+                    # it may win: its exact optimum, or a proof that it is no faster than the best known plan
+                    cut = best_known[0] if best_known else None
+                    may_win = True
+                    try:
+                        sol = ilp.solve(lg, cluster, cfg, global_batch, time_limit=max(left, 1.0), cost_cache=cache,
+                                        cutoff=cut, **kw)
+                    except ilp.CutOff:
+                        stats["cut_off"] += 1
+                        may_win = False  # proved no faster than the best known plan
+                if sol is None:
+                    # a runner-up at best: solved with the cutoff of the (top_k + 1)-th best known plan, within
+                    # ALT_TIME_S (a time-limited runner-up keeps its own gap; the winner's proof is unaffected)
+                    cut = kth(best_known)
+                    sol = ilp.solve(lg, cluster, cfg, global_batch, time_limit=max(min(left, ALT_TIME_S), 0.1),
+                                    cost_cache=cache, cutoff=None if cut == float("inf") else cut, **kw)
+            except ilp.CutOff:  # proved slower than the (top_k + 1)-th best known plan: cannot matter
+                stats["cut_off"] += 1
+                continue
+            except ilp.Infeasible as e:
+                if e.status == "NOT_SOLVED":  # out of time without a plan: its greedy plan (if any) stays
+                    if may_win:
+                        weak.append(tight(done))
+                    continue
                 stats["infeasible"] += 1
                 smallest.append((max(bounds.memory(cfg), capacity), _order_key(cfg), cfg))
                 continue
@@ -336,29 +301,66 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
                 continue
             finally:
                 stats["solved"] += 1
+            if sol.status != "OPTIMAL" and may_win:
+                weak.append(sol.bound)  # a time-limited ILP: its bound limits the proof of the winner
             backend = sol.backend
-            statuses.add(sol.status)
-            found.append(sol)
-            found.sort(key=lambda s: s.objective)  # stable: ties keep the earlier candidate first
-            del found[top_k + 1:]
+            if done not in known or sol.objective <= known[done].objective:
+                known[done] = sol
+            bisect.insort(solved, sol.objective)
         bar.close()
-        if found:
+        if known:
             break
     stats["pruned"] += stats["pruned_memory"]
-    if not found and not stats["candidates"]:
+    if not known and not stats["candidates"]:
         raise NoPlanFits(f"no configuration satisfies --fix {','.join(f'{k}={v}' for k, v in fix.items())} for "
                          f"{lg.model.name} on {cluster.world_size} GPUs with global batch {global_batch} (dp·tp·pp "
                          f"must equal the GPUs, tp divide the heads, dp·mbs divide the batch); relax --fix")
-    if not found:
+    if not known:
         raise _no_fit(lg, cluster, global_batch, fix, smallest)
+    # ties go to the earlier candidate in bound order
+    found = [known[i] for i in sorted(known, key=lambda i: (known[i].objective, i))][:top_k + 1]
     best = found[0]
     alts = tuple(_why(best, s) for s in found[1:top_k + 1])
-    gap = best.gap
-    status = "OPTIMAL" if statuses == {"OPTIMAL"} and open_bound is None else "FEASIBLE"
-    if open_bound is not None:
-        gap = max(gap, (best.objective - min(open_bound, best.bound)) / best.objective)
+    # the winner is proved when its own ILP is optimal, every other candidate was pruned by a bound, cut off at
+    # or solved above it, and no time-limited ILP's bound lies below it
+    lowest = min([best.bound] + weak + ([open_bound] if open_bound is not None else []))
+    gap = max(best.gap, (best.objective - lowest) / best.objective)
+    status = "OPTIMAL" if best.status == "OPTIMAL" and gap <= 1e-9 else "FEASIBLE"
+    if best.backend == GREEDY:
+        backend = backend or GREEDY
     return SearchResult(best=best, alternatives=alts, time_s=time.perf_counter() - t0, backend=backend,
                         status=status, gap=gap, **stats)
+
+
+GREEDY = "greedy"  #: the backend name of an incumbent that no ILP improved (time limit)
+
+
+def _greedy(lg, cluster, cfg, global_batch, cache, lb, fix) -> ilp.Solution | None:
+    """The greedy plan of a candidate (Megatron's even stages, the least uniform recomputation that fits, the
+    pinned or no compression) as a feasible Solution with the candidate's lower bound, or None if it does not fit."""
+    t0 = time.perf_counter()
+    grad, ppc = fix.get("grad_compress", "none"), fix.get("pp_compress", "none")
+    if cfg.pp == 1:
+        ppc = "none"
+    if cfg.dp == 1 or cfg.zero >= 2:
+        grad = "none" if "grad_compress" not in fix else grad
+    acs = (AC(fix["ac"]),) if "ac" in fix else ilp.AC_ORDER
+    try:
+        ev = Evaluator(lg, cluster, replace(cfg, grad_compress=grad, pp_compress=ppc), global_batch, cache=cache)
+        stage_of = even_stages(lg, cfg.pp * cfg.vpp)
+        for a in acs:
+            est = ev.evaluate([a] * len(lg.layers), stage_of)
+            if est.fits:
+                ilp.validate(stage_of, cfg.pp * cfg.vpp)
+                obj = est.step_time_s
+                bound = min(lb, obj)
+                return ilp.Solution(config=replace(ev.cfg, ac=a), acs=tuple([a] * len(lg.layers)),
+                                    stage_of=tuple(stage_of), estimate=est, status="FEASIBLE", objective=obj,
+                                    bound=bound, gap=max(0.0, (obj - bound) / obj), time_s=time.perf_counter() - t0,
+                                    backend=GREEDY)
+    except (ConfigError, AssertionError):
+        return None
+    return None
 
 
 def _why(best: ilp.Solution, alt: ilp.Solution) -> Alternative:
@@ -393,12 +395,13 @@ __all__ = ["search", "candidates", "Bounds", "SearchResult", "Alternative", "NoP
 
 # ------------------------------------------------------------------------------------------------------ plans
 def make_plan(lg: LayerGraph, cluster: Cluster, global_batch: int, result: SearchResult, *, model: str,
-              cluster_spec: str) -> "Plan":
+              cluster_spec: str) -> Plan:
     """The frozen Plan of a search result (per-layer strategies, stages, prediction, solver facts)."""
+    import yaml
+
     from costmodel.cluster import dump_cluster
     from costmodel.layercost import is_tp_layer as _tp
     from planner.plan import LayerStrategy, Plan, StageInfo, provenance
-    import yaml
 
     best = result.best
     cfg = best.config
@@ -427,7 +430,7 @@ def default_global_batch(cluster: Cluster) -> int:
 
 
 def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_size: int | None = None,
-                    global_batch: int | None = None, **kw) -> "Plan":
+                    global_batch: int | None = None, **kw) -> Plan:
     """Capture ``model`` on ``example_inputs`` and plan it for ``cluster`` (for `auto_parallelize`).
 
     ``world_size`` (when given) must equal the cluster's GPUs; ``global_batch`` defaults to the example batch

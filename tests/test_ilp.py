@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import replace
-from functools import lru_cache
+from functools import cache
 
 import pytest
 
@@ -24,7 +24,7 @@ MODELS = ("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128", "gpt:layers=3,hidde
           "gpt:layers=4,hidden=32,heads=2,seq=32,vocab=64")
 
 
-@lru_cache(maxsize=None)
+@cache
 def graph(spec):
     return profile_model(spec)
 
@@ -157,3 +157,21 @@ def test_heterogeneous_blocks_with_stages_are_refused_clearly(monkeypatch):
     with pytest.raises(ilp.NotSupportedError, match="identical repeated blocks"):
         ilp.solve(lg2, cl, ParallelConfig(pp=2), 4)
     assert ilp.solve(lg2, cl, ParallelConfig(dp=2), 4).status == "OPTIMAL"  # one stage: per-layer choices
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_time_bound_is_a_lower_bound(seed):
+    """The outer search's pruning bounds (cheap and refined) never exceed the ILP's optimum, and say +∞ only
+    when the ILP finds nothing that fits."""
+    from planner.search_bounds import Bounds
+
+    lg, cl, cfg, gb, grad_opts, pp_opts = random_problem(seed)
+    b = Bounds(lg, cl, gb, {}, grad_opts=grad_opts)
+    cheap, refined = b.time(cfg), b.time(cfg, refine=True)
+    assert cheap <= refined
+    try:
+        sol = ilp.solve(lg, cl, cfg, gb, grad_opts=grad_opts, pp_opts=pp_opts)
+    except ilp.Infeasible:
+        return
+    assert b.memory(cfg) <= cl.device.memory_bytes
+    assert refined <= sol.objective, (cfg, cheap, refined, sol.objective)

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import lru_cache
+from functools import cache
 
 import pytest
 
-from costmodel.cluster import load_cluster, parse_cluster_yaml
+from costmodel.cluster import parse_cluster_yaml
 from planner.search import NoPlanFits, make_plan, search
 from profiler.api import profile_model
 
 SMALL = "gpt:layers=4,hidden=1024,heads=16,seq=512,vocab=8192"
 
 
-@lru_cache(maxsize=None)
+@cache
 def graph(spec):
     return profile_model(spec)
 

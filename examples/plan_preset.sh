@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Plan a preset model on a preset cluster, explain the plan, and emit a torchrun training script.
+#
+#   examples/plan_preset.sh [MODEL] [CLUSTER] [GLOBAL_BATCH] [OUTDIR]
+#   examples/plan_preset.sh gpt3-175b dgx-a100-80g:nodes=128 1536 /tmp/plan175b
+set -euo pipefail
+MODEL=${1:-gpt-small}
+CLUSTER=${2:-cpu-local}
+GLOBAL_BATCH=${3:-8}
+OUT=${4:-plan_out}
+AUTOPAR=${AUTOPAR:-"python -m planner"}
+mkdir -p "$OUT"
+# 1. search: the fastest plan that fits, written as YAML (solver status, bound and gap included)
+$AUTOPAR plan "$MODEL" --cluster "$CLUSTER" --global-batch "$GLOBAL_BATCH" --out "$OUT/plan.yaml"
+# 2. explain it: stages, memory per GPU, step-time breakdown, why the alternatives lost
+$AUTOPAR inspect "$OUT/plan.yaml"
+# 3. emit the training script a user would write by hand (runs with torchrun, no autopar needed)
+$AUTOPAR plan "$MODEL" --cluster "$CLUSTER" --global-batch "$GLOBAL_BATCH" --emit "$OUT/train.py" --json \
+    > "$OUT/plan.json"
+echo "plan: $OUT/plan.yaml  script: $OUT/train.py  (torchrun --nproc-per-node N $OUT/train.py)"

@@ -1,0 +1,418 @@
+"""Lower bounds on a candidate's step time and peak memory, valid for every plan the ILP (`planner.ilp`) can
+choose for that candidate; the outer search (`planner.search`) prunes with them before any ILP is built.
+
+Notation as in `planner.ilp`: S = p·v stages on p pipeline ranks, m micro-batches, φ the schedule's fill/drain
+factor, s the device's overlap slowdown, T_r the per-micro-batch time of rank r, and
+
+    step = (m − φ)·max_r T_r + φ·Σ_r T_r + max_r finish_r        (m ≥ φ, φ ≥ 0).
+
+`Bounds.time` bounds each of the three terms from below separately (a sum of valid lower bounds is one):
+
+1. Σ_r T_r ≥ W + pre/post + (S − 1)·p2p + F_fsdp, where
+   - W: the blocks' per-micro-batch work (compute + recomputation + TP collectives) under the *aggregated* memory
+     relaxation: rank r needs inflight_r·act_r ≤ cap_r − per·P_r − temp_r (cap = (capacity − reserve)/1.05, per the
+     model-state bytes per parameter, P_r its parameters, temp_r its least temporaries, the recomputation peak
+     dropped); dividing by inflight_r and summing gives Σ_r act_r ≤ Σ_r (cap − per·P_r − temp_r)/inflight_r, whose
+     largest value over the block distributions puts every block beyond the one per stage on the rank with the
+     most micro-batches in flight. The blocks' AC counts N_a then solve min Σ N_a·t_a s.t. Σ N_a = n_blocks,
+     Σ N_a·act_a ≤ that capacity minus the least activations of the pre/post layers: a fractional knapsack with
+     two constraints, whose optimum mixes at most two modes (closed form over the single modes and the pairs).
+     No feasible mix ⇒ no plan fits (+∞, pruned as memory);
+   - pre/post: those layers at their cheapest mode; p2p the boundary transfer (halved at best by bf16 casts of
+     fp32 activations);
+   - F_fsdp (ZeRO-3): per stage, X_c = ag(first) + ag(last) + rs(first) plus (1 − s)·max(0, A − window) + s·A for
+     the forward and backward overlaps (`costmodel.overlap.fsdp_exposed`). Summed over stages, with
+     Σ_c max(0, ·) ≥ max(0, Σ_c ·), the result is non-decreasing in Σ_c X_c (its slope is (1 − s)(1 − [·>0]) ≥ 0),
+     so Σ_c X_c = S·(2·min ag + min rs) gives a bound; the windows are at most Σ fwd and Σ (bwd + fwd) (full
+     recomputation recomputes the forward).
+2. max_r T_r ≥ max(Σ_r T_r / p, B_int): B_int is the least bottleneck of an integral distribution of the blocks,
+   each at its cheapest time, over ranks carrying their fixed parts (pre/post layers, boundary transfers) with
+   ≥ v blocks each: the greedy "next block to the least loaded rank" is optimal for identical items.
+3. max_r finish_r ≥ (1/p)·Σ_r finish_r ≥ f(P/p, Fw/p, Wb/p) by Jensen: finish_r is jointly convex in the rank's
+   parameters P_r > 0, forward window and backward window (ring collective times are affine in the bytes plus a
+   convex spill term) and non-increasing in the windows, so the upper bounds Fw = Σ fwd and Wb = Σ (bwd + fwd)
+   may replace them. DDP/ZeRO-1 (`costmodel.overlap.dp_exposed`): exposed = max(max(0, C − W), L) + s·min(C, W) ≥
+   max(s·C, L, C − (1 − s)·W) with C the gradient all-reduce under the compression option, L the least last
+   bucket, plus its encode time (PowerSGD's matmuls at the curve's e_max), minimised over the options; ZeRO-1 adds
+   the parameter all-gather; ZeRO-2 the two (1 − s)·max(0, ·) + s·(·) overlaps; every rank its Adam step.
+
+`Bounds.memory`: the most loaded rank's model states plus its least activations (every layer at its smallest
+mode) and temporaries; > capacity ⇒ no plan of the candidate fits.
+
+`tests/test_ilp.py::test_time_bound_is_a_lower_bound` checks bound ≤ ILP optimum on the random problems.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from costmodel.cluster import Cluster
+from costmodel.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
+from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
+from costmodel.estimate import Evaluator, pipeline_factor
+from costmodel.memory import DDP_BUCKET_BYTES, FRAGMENTATION, RUNTIME_RESERVED_BYTES, inflight, state_bytes_per_param
+from costmodel.overlap import GRAD_REDUCE_BYTES, optimizer_time
+from planner.ilp import GRAD_OPTIONS
+from profiler.graph import LayerGraph
+
+INF = float("inf")
+ROUND = 1e-9  #: relative slack taken off every bound against floating-point rounding
+
+
+class Bounds:
+    """Lower bounds on a candidate's step time and peak memory per GPU (see the module docstring); layer costs
+    are shared across candidates with the same (tp, sp, mbs, precision) through ``cost_cache``."""
+
+    def __init__(self, lg: LayerGraph, cluster: Cluster, global_batch: int, cost_cache: dict, *,
+                 grad_opts=GRAD_OPTIONS) -> None:
+        self.lg, self.cluster, self.gb, self.cache = lg, cluster, global_batch, cost_cache
+        self.grad_opts = tuple(grad_opts)  #: the gradient compressions the ILP may choose
+        self._groups: dict = {}
+        self._evs: dict = {}
+        self.blocks = [i for i, layer in enumerate(lg.layers) if layer.kind == "block"]
+        uniform = len({lg.layers[i].signature for i in self.blocks}) == 1
+        if not uniform:  # the ILP places every layer by itself (pp = 1): treat them all as fixed
+            self.blocks = []
+        self.pre = list(range(self.blocks[0])) if self.blocks else list(range(len(lg.layers)))
+        self.post = list(range(self.blocks[-1] + 1, len(lg.layers))) if self.blocks else []
+
+    def _ev(self, cfg: ParallelConfig) -> Evaluator:
+        key = (cfg.dp, cfg.tp, cfg.pp, cfg.mbs, cfg.sp, cfg.precision)
+        if key not in self._evs:
+            base = ParallelConfig(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, mbs=cfg.mbs, sp=cfg.sp, precision=cfg.precision,
+                                  schedule=Schedule.ONE_F_ONE_B)
+            self._evs[key] = Evaluator(self.lg, self.cluster, base, self.gb, cache=self.cache)
+        return self._evs[key]
+
+    def _group(self, cfg: ParallelConfig) -> "_Group":
+        key = (cfg.tp, cfg.sp, cfg.mbs, cfg.precision)
+        if key not in self._groups:
+            self._groups[key] = _Group.build(self, self._ev(cfg))
+        return self._groups[key]
+
+    # ------------------------------------------------------------------------------------------------ time
+    def time(self, cfg: ParallelConfig, *, refine: bool = False) -> float:
+        """A lower bound on the candidate's step time; +∞ when no plan of it fits in memory. ``refine`` adds the
+        per-rank memory bound on the bottleneck (`_memory_bottleneck`, a few ms: for candidates that survive the
+        cheap bound)."""
+        g, ev = self._group(cfg), self._ev(cfg)
+        p, S, nb = cfg.pp, cfg.pp * cfg.vpp, len(self.blocks)
+        m = self.gb // (cfg.dp * cfg.mbs)
+        phi = pipeline_factor(cfg.schedule, cfg.vpp)
+        p2p = 0.0
+        if S > 1:
+            p2p = ev.p2p_time(self.blocks[-1])
+            if cfg.precision == "fp32":
+                p2p /= 2  # bf16 casts at best halve the transfer
+        fixed = g.pre_t + g.post_t + (S - 1) * p2p + self._fsdp(cfg, g, ev)
+        best = INF
+        # PowerSGD keeps a 4-byte error buffer per parameter: its memory differs from the other options'
+        psgd = any(parse_grad_compress(k)[0] == "powersgd" for k in self.grad_opts) and cfg.dp > 1 and cfg.zero < 2
+        for extra in ((0.0, 4.0) if psgd else (0.0,)):
+            kinds = [k for k in self.grad_opts if (parse_grad_compress(k)[0] == "powersgd") == (extra > 0)]
+            if not kinds and cfg.dp > 1 and cfg.zero < 2:
+                continue
+            work = self._block_work(cfg, g, m, extra)
+            if work == INF:
+                continue
+            total = work + fixed
+            bottleneck = total / p
+            if nb and p > 1:
+                bottleneck = max(bottleneck, self._integral_bottleneck(cfg, g, p2p))
+                if refine:
+                    bottleneck = max(bottleneck, self._memory_bottleneck(cfg, g, m, p2p, extra, bottleneck))
+            if bottleneck == INF:
+                continue
+            pipe = (m - phi) * bottleneck + phi * total
+            best = min(best, pipe + self._finish(cfg, g, ev, kinds or ("none",)))
+        return best * (1 - ROUND)
+
+    def _block_work(self, cfg: ParallelConfig, g: "_Group", m: int, extra: float = 0.0) -> float:
+        """Σ over the blocks of their per-micro-batch time under the aggregated memory relaxation."""
+        nb = len(self.blocks)
+        if not nb:
+            return 0.0
+        cap = self._capacity(cfg, g, m, extra)
+        if cap == INF or g.block_opts[0][0] * nb <= cap:
+            return nb * g.block_opts[0][1]  # the cheapest mode (none) fits everywhere
+        best = INF
+        for act, t in g.block_opts:
+            if act * nb <= cap:
+                best = min(best, nb * t)
+        for i, (act_a, t_a) in enumerate(g.block_opts):
+            for act_b, t_b in g.block_opts[i + 1:]:
+                hi, lo = (act_a, t_a), (act_b, t_b)
+                if hi[0] < lo[0]:
+                    hi, lo = lo, hi
+                if hi[0] * nb > cap >= lo[0] * nb and hi[0] > lo[0]:
+                    n_hi = (cap - nb * lo[0]) / (hi[0] - lo[0])
+                    best = min(best, n_hi * hi[1] + (nb - n_hi) * lo[1])
+        return best
+
+    def _budget(self, cfg: ParallelConfig, g: "_Group", extra: float) -> tuple[float, float, float]:
+        """(allocatable bytes per GPU, model-state bytes per parameter, least temporaries of a rank)."""
+        dev = self.cluster.device
+        on_gpu = dev.name != "cpu"
+        cap = (dev.memory_bytes - (RUNTIME_RESERVED_BYTES if on_gpu else 0.0)) / (1 + FRAGMENTATION)
+        per = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp)) + extra
+        temp = 0.0
+        if cfg.zero == 0 and cfg.dp > 1:
+            temp = 2 * DDP_BUCKET_BYTES
+        elif cfg.zero == 3 and cfg.dp > 1:  # at least the gathered block (every rank holds one)
+            temp = g.block_params * (4 if cfg.precision == "fp32" else 2)
+        return cap, per, temp
+
+    def _capacity(self, cfg: ParallelConfig, g: "_Group", m: int, extra: float = 0.0) -> float:
+        """The largest Σ of the blocks' activations the aggregated memory relaxation allows."""
+        cap, per, temp = self._budget(cfg, g, extra)
+        p, S = cfg.pp, cfg.pp * cfg.vpp
+        last = (S - 1) % p
+        total, inv_own, inv_least = 0.0, 0.0, INF
+        for r in range(p):
+            k = inflight(cfg.schedule, p, cfg.vpp, r, m)
+            fixed = (g.pre_params if r == 0 else 0.0) + (g.post_params if r == last else 0.0)
+            total += (cap - per * fixed - temp) / k
+            inv_own += cfg.vpp / k if p > 1 else 0.0
+            inv_least = min(inv_least, 1.0 / k)
+        nb = len(self.blocks)
+        own = cfg.vpp * p if p > 1 else 0
+        # Σ_r n_r / inflight_r is least with the blocks beyond one per stage on the rank with the most in flight
+        total -= per * g.block_params * (inv_own + (nb - own) * inv_least)
+        return total - g.pre_act - g.post_act
+
+    def _integral_bottleneck(self, cfg: ParallelConfig, g: "_Group", p2p: float) -> float:
+        p, v, S = cfg.pp, cfg.vpp, cfg.pp * cfg.vpp
+        t = g.block_opts_t_min
+        load = []
+        for r in range(p):
+            fixed = (g.pre_t if r == 0 else 0.0) + (g.post_t if r == (S - 1) % p else 0.0)
+            fixed += p2p * (v - 1 if r == 0 else v)
+            load.append(fixed + v * t)
+        heap = [(x, r) for r, x in enumerate(load)]
+        heapq.heapify(heap)
+        for _ in range(len(self.blocks) - S):
+            x, r = heapq.heappop(heap)
+            heapq.heappush(heap, (x + t, r))
+        return max(x for x, _ in heap)
+
+    def _memory_bottleneck(self, cfg: ParallelConfig, g: "_Group", m: int, p2p: float, extra: float,
+                           lo: float) -> float:
+        """The least X such that the ranks can hold every block with T_r ≤ X and their memory: rank r holds at
+        most ⌊cap_r(X)⌋ blocks, cap_r(X) the LP maximum of Σ_a n_a s.t. Σ_a t_a·n_a ≤ X − fixed_r and
+        Σ_a (per·P_b + inflight_r·act_a)·n_a ≤ its budget (two constraints: a vertex uses ≤ 2 modes); bisection
+        on X (cap_r is non-decreasing), the result rounded down."""
+        p, v, S = cfg.pp, cfg.vpp, cfg.pp * cfg.vpp
+        cap, per, temp = self._budget(cfg, g, extra)
+        ranks = []
+        for r in range(p):
+            k = inflight(cfg.schedule, p, v, r, m)
+            fixed_t = (g.pre_t if r == 0 else 0.0) + (g.post_t if r == (S - 1) % p else 0.0)
+            fixed_t += p2p * (v - 1 if r == 0 else v)
+            budget = cap - temp - per * ((g.pre_params if r == 0 else 0.0) + (g.post_params if r == (S - 1) % p
+                                                                                else 0.0))
+            budget -= k * ((g.pre_act if r == 0 else 0.0) + (g.post_act if r == (S - 1) % p else 0.0))
+            ranks.append((fixed_t, budget, [(t, per * g.block_params + k * act) for act, t in g.block_opts]))
+        nb = len(self.blocks)
+
+        def holds(x: float) -> bool:
+            n = 0
+            for fixed_t, budget, opts in ranks:
+                c = _lp_max_blocks(x - fixed_t, budget, opts)
+                c = int(c + 1e-9) if c < INF else nb
+                if c < v:
+                    return False
+                n += c
+            return n >= nb
+
+        if not holds(lo * 1e6 + 1.0):
+            return INF
+        if holds(lo):
+            return lo
+        hi = lo * 2
+        while not holds(hi):
+            hi *= 2
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if holds(mid) else (mid, hi)
+            if hi - lo <= 1e-9 * hi:
+                break
+        return lo
+
+    def _fsdp(self, cfg: ParallelConfig, g: "_Group", ev: Evaluator) -> float:
+        if not (cfg.zero == 3 and cfg.dp > 1):
+            return 0.0
+        sl = self.cluster.device.overlap_slowdown
+        S = cfg.pp * cfg.vpp
+        ag, rs = g.ag[ev.dp_span], g.rs[ev.dp_span]
+        xf, xl, xr = S * min(ag), S * min(ag), S * min(rs)
+        fwd_excess = max(0.0, sum(ag) - xf - g.fwd)
+        bwd_excess = max(0.0, sum(ag) - xl + sum(rs) - xr - (g.bwd + g.fwd))
+        return (1 - sl) * (xf + xl + xr + fwd_excess + bwd_excess) + sl * (2 * sum(ag) + sum(rs))
+
+    def _finish(self, cfg: ParallelConfig, g: "_Group", ev: Evaluator, grad_opts) -> float:
+        p = cfg.pp
+        P = g.params / p
+        finish = optimizer_time(P, _OptView(cfg, self.cluster))
+        if cfg.dp == 1 or cfg.zero == 3:
+            return finish
+        span, cl, sl = ev.dp_span, self.cluster, self.cluster.device.overlap_slowdown
+        fw, wb = g.fwd / p, (g.bwd + g.fwd) / p
+        if cfg.zero == 2:
+            rs = reduce_scatter_time(P * GRAD_REDUCE_BYTES, span, cl)
+            ag = all_gather_time(P * 2, span, cl)
+            return finish + (1 - sl) * (max(0.0, rs - wb) + max(0.0, ag - fw)) + sl * (rs + ag)
+        dev = cl.device
+        mem_bw = dev.hbm_bw * dev.memory_eff
+        last_elems = min(g.min_first_params, 25 * 2**20 / 4)
+        options = []
+        for kind, rank in sorted({parse_grad_compress(k) for k in grad_opts}):
+            if kind == "none":
+                options.append((all_reduce_time(P * 4, span, cl), all_reduce_time(last_elems * 4, span, cl), 0.0))
+                continue
+            if kind in ("bf16", "fp16"):
+                options.append((all_reduce_time(P * 2, span, cl), all_reduce_time(last_elems * 2, span, cl),
+                                12 * P / mem_bw))
+                continue
+            # PowerSGD: costmodel.compression's formula on the average rank, the matmuls at the curve's e_max
+            comp, vec, flops, mat = (x / p for x in g.powersgd(rank))
+            dtype = "fp32" if "fp32" in dev.peak_flops else next(iter(dev.peak_flops))
+            comm = all_reduce_time((comp / 2 + vec) * 4, span, cl) + all_reduce_time(comp / 2 * 4, span, cl)
+            enc = flops / (dev.peak(dtype) * max(dev.matmul_eff.e_max, 1e-12)) + 12 * mat / mem_bw
+            options.append((comm, all_reduce_time(min(last_elems, 1.0) * 4, span, cl), enc))
+        exposed = min(max(sl * c, last, c - (1 - sl) * wb) + enc for c, last, enc in options)
+        if cfg.zero == 1:
+            exposed += all_gather_time(P * 2, span, cl)
+        return finish + exposed
+
+    # ---------------------------------------------------------------------------------------------- memory
+    def memory(self, cfg: ParallelConfig) -> float:
+        """Peak memory of the most loaded rank with every layer at its smallest activations and the fewest
+        layers it can hold."""
+        g = self._group(cfg)
+        m = self.gb // (cfg.dp * cfg.mbs)
+        per = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp))
+        temp = 2 * DDP_BUCKET_BYTES if (cfg.zero == 0 and cfg.dp > 1) else 0.0
+        block_act = g.block_opts_act_min
+        first = (per * (g.pre_params + cfg.vpp * g.block_params)
+                 + inflight(cfg.schedule, cfg.pp, cfg.vpp, 0, m) * (g.pre_act + cfg.vpp * block_act))
+        last_rank = (cfg.pp * cfg.vpp - 1) % cfg.pp
+        last = (per * (g.post_params + cfg.vpp * g.block_params)
+                + inflight(cfg.schedule, cfg.pp, cfg.vpp, last_rank, m) * (g.post_act + cfg.vpp * block_act))
+        if cfg.pp == 1:
+            n = len(self.blocks)
+            first = per * g.params + g.pre_act + g.post_act + n * block_act
+        allocated = max(first, last, per * g.params / cfg.pp) + temp
+        on_gpu = self.cluster.device.name != "cpu"
+        return (1 + FRAGMENTATION) * allocated + (RUNTIME_RESERVED_BYTES if on_gpu else 0.0)
+
+
+@dataclass
+class _Group:
+    """Per (tp, sp, mbs, precision): the layer-cost sums the bounds read."""
+
+    block_opts: list  #: (act, time) of the block's modes, sorted by time (none first)
+    block_opts_t_min: float
+    block_opts_act_min: float
+    block_params: float
+    pre_t: float
+    post_t: float
+    pre_act: float
+    post_act: float
+    pre_params: float
+    post_params: float
+    params: float
+    fwd: float
+    bwd: float
+    min_first_params: float
+    ag: "_PerSpan"
+    rs: "_PerSpan"
+    costs: list
+
+    @staticmethod
+    def build(b: Bounds, ev: Evaluator) -> "_Group":
+        n = len(b.lg.layers)
+        per_ac = {a: [ev.cost(i, a) for i in range(n)] for a in AC}
+        none = per_ac[AC.NONE]
+
+        def t(c):
+            return c.fwd_s + c.bwd_s + c.recompute_s + c.tp_comm_s
+
+        def least_t(idx):
+            return sum(min(t(per_ac[a][i]) for a in AC) for i in idx)
+
+        def least_act(idx):
+            return sum(min(per_ac[a][i].act_bytes for a in AC) for i in idx)
+
+        if b.blocks:
+            i0 = b.blocks[0]
+            opts = sorted({(per_ac[a][i0].act_bytes, t(per_ac[a][i0])) for a in AC}, key=lambda x: (x[1], x[0]))
+            block_params = none[i0].param_numel
+        else:
+            opts, block_params = [(0.0, 0.0)], 0.0
+        pb = 4 if ev.cfg.precision == "fp32" else 2
+        firsts = [none[i].param_numel for i in ([b.pre[0]] if b.pre else []) + b.blocks[:1]]
+        return _Group(
+            block_opts=opts, block_opts_t_min=min(x[1] for x in opts), block_opts_act_min=min(x[0] for x in opts),
+            block_params=block_params, pre_t=least_t(b.pre), post_t=least_t(b.post), pre_act=least_act(b.pre),
+            post_act=least_act(b.post), pre_params=sum(none[i].param_numel for i in b.pre),
+            post_params=sum(none[i].param_numel for i in b.post), params=sum(c.param_numel for c in none),
+            fwd=sum(c.fwd_s for c in none), bwd=sum(c.bwd_s for c in none),
+            min_first_params=min(firsts) if firsts else 0.0,
+            ag=_PerSpan(lambda span: [all_gather_time(c.param_numel * pb, span, b.cluster) for c in none]),
+            rs=_PerSpan(lambda span: [reduce_scatter_time(c.param_numel * GRAD_REDUCE_BYTES, span, b.cluster)
+                                      for c in none]),
+            costs=none)
+
+    def powersgd(self, rank: int) -> tuple[float, float, float, float]:
+        """Σ over all layers of (compressed elements, vector elements, encode FLOPs, matrix elements)."""
+        comp = vec = flops = mat = 0.0
+        for c in self.costs:
+            in_m = 0.0
+            for m_, n_ in c.grad_matrices:
+                r = min(rank, m_, n_)
+                comp += r * (m_ + n_)
+                flops += 4 * m_ * n_ * r + 2 * m_ * r * r
+                in_m += m_ * n_
+            mat += in_m
+            vec += max(0.0, c.param_numel - in_m)
+        return comp, vec, flops, mat
+
+
+def _lp_max_blocks(time_room: float, mem_room: float, opts) -> float:
+    """max Σ n_a s.t. Σ t_a·n_a ≤ time_room, Σ w_a·n_a ≤ mem_room, n ≥ 0 (opts: (t_a, w_a), all > 0)."""
+    if time_room < 0 or mem_room < 0:
+        return -1.0
+    best = 0.0
+    for t, w in opts:
+        best = max(best, min(time_room / t if t > 0 else INF, mem_room / w if w > 0 else INF))
+    for i, (t1, w1) in enumerate(opts):
+        for t2, w2 in opts[i + 1:]:
+            det = t1 * w2 - t2 * w1
+            if det == 0:
+                continue
+            n1 = (time_room * w2 - t2 * mem_room) / det
+            n2 = (t1 * mem_room - w1 * time_room) / det
+            if n1 >= 0 and n2 >= 0:
+                best = max(best, n1 + n2)
+    return best
+
+
+class _PerSpan(dict):
+    """span → f(span), computed on first use."""
+
+    def __init__(self, f) -> None:
+        super().__init__()
+        self.f = f
+
+    def __missing__(self, span):
+        self[span] = v = self.f(span)
+        return v
+
+
+@dataclass
+class _OptView:
+    """What `optimizer_time` reads from an Evaluator."""
+
+    cfg: ParallelConfig
+    cluster: Cluster
