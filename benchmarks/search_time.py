@@ -7,9 +7,8 @@ Korthikanti et al. 2022 Table 3 comparison (searched plan vs the published confi
 from __future__ import annotations
 
 import argparse
-import time
-
 import sys
+import time
 from pathlib import Path
 
 from costmodel.cluster import load_cluster

@@ -143,7 +143,7 @@ class Evaluator:
         """``cache``: optional dict shared by Evaluators of the *same* ``lg`` and ``cluster`` (e.g. a planner's
         candidates): the parameter ownership is computed once and layer costs are shared between
         configurations whose (tp, sp, mbs, precision) agree, the only configuration fields they depend on.
-        Results are identical with and without it. ``measured``: (layer name → measured (forward, backward)
+        Results are identical with and without it. It may carry ``"measured"`` for all of them. ``measured``: (layer name → measured (forward, backward)
         seconds, batch) from `costmodel.measured.load_measured`, used instead of the roofline's level."""
         check_config(lg, cluster, cfg, global_batch)
         self.lg, self.cluster, self.cfg, self.global_batch = lg, cluster, cfg, global_batch
@@ -154,11 +154,12 @@ class Evaluator:
         self.tp_span = group_span(cluster, cfg.tp, 1) if cfg.tp > 1 else None
         self.dp_span = group_span(cluster, cfg.dp, cfg.tp * cfg.cp)
         self.pp_cross_node = cfg.pp > 1 and cfg.dp * cfg.tp * cfg.cp >= gpn
+        shared = cache if cache is not None else {}
+        measured = measured if measured is not None else shared.get("measured")
         self.ctx = CostContext(cluster=cluster, tp=cfg.tp, sp=cfg.sp, mbs=cfg.mbs,
                                captured_batch=lg.model.batch, precision=cfg.precision, act_scale=self.act_scale,
                                tp_span=self.tp_span, measured=measured[0] if measured else None,
                                measured_batch=measured[1] if measured else 1)
-        shared = cache if cache is not None else {}
         if "owned" not in shared:
             shared["owned"] = owned_params(lg)
         self.owned = shared["owned"]

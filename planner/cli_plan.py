@@ -63,7 +63,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     fix = parse_kv(args.fix or "", what="--fix")
     lg, cluster = load_job(args)
     gb = args.global_batch or default_global_batch(cluster)
-    result = search(lg, cluster, gb, fix=fix, top_k=args.top_k, time_limit=args.time_limit)
+    measured = None
+    if args.profile:
+        from costmodel.measured import load_measured
+
+        measured = load_measured(args.profile, lg, cluster)
+    result = search(lg, cluster, gb, fix=fix, top_k=args.top_k, time_limit=args.time_limit, measured=measured)
     plan = make_plan(lg, cluster, gb, result, model=args.model, cluster_spec=args.cluster)
     script = None
     if args.emit:  # emit first: a plan the emitter refuses leaves no file behind
@@ -114,6 +119,8 @@ def register(sub) -> None:
                     help="seconds for the whole search; when exceeded the best plan so far is returned with its gap")
     pl.add_argument("--out", help="write the plan as YAML to this file")
     pl.add_argument("--emit", help="also write a torchrun training script for the plan")
+    pl.add_argument("--profile", help="per-layer times measured by `autopar profile MODEL --device … --out FILE` on "
+                                      "the cluster's device, used instead of the roofline's level")
     from planner.sweep import register_sweep_arg
 
     register_sweep_arg(pl)

@@ -193,7 +193,8 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
     return Data(ev=ev, cfg=cfg, S=S, pp=cfg.pp, m=ev.m, phi=pipeline_factor(cfg.schedule, cfg.vpp),
                 slow=cluster.device.overlap_slowdown, pre=pre, post=post, blocks=blocks, acs=block_acs,
                 fixed_acs=fixed_acs,
-                grad_opts=tuple(grad_opts), pp_opts=pp_opts, p2p=p2p, n_range=n_range, fixed_rank=fixed_rank, units=units,
+                grad_opts=tuple(grad_opts), pp_opts=pp_opts, p2p=p2p, n_range=n_range, fixed_rank=fixed_rank,
+                units=units,
                 time_unit=max(t_ref, 1e-12) / 1000.0, mem_unit=cluster.device.memory_bytes / 1000.0, evs=evs)
 
 
@@ -325,7 +326,7 @@ class Model:
 
     # -- 3. stage times --------------------------------------------------------------------------------------
     def add_stage_times(self) -> None:
-        d, s, ev = self.d, self.solver, self.d.ev
+        d, s = self.d, self.solver
         self.fsdp_excess = {}
         for u, stages in enumerate(d.units):
             # compute + recompute + tensor-parallel collectives of the unit's layers, per micro-batch
@@ -485,7 +486,7 @@ class Model:
             temp = 0.0
             if cfg.zero == 3 and cfg.dp > 1:  # the current and the prefetched layer, gathered in 16 bits
                 pb = 4 if cfg.precision == "fp32" else 2
-                temp = self.tab(r, lambda n, r=r: self._b(pb * sum(sorted(
+                temp = self.tab(r, lambda n, r=r, pb=pb: self._b(pb * sum(sorted(
                     x.param_numel for x in _rank_layer_costs(d, r, n))[-2:])))[0]
             elif cfg.zero == 0 and cfg.dp > 1:
                 temp = self._b(2 * DDP_BUCKET_BYTES)
@@ -616,7 +617,7 @@ def solve(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: i
         raise Infeasible(status, time.perf_counter() - t0)
     acs_out, stage_of, grad, ppc = model.decode()
     final = replace(cfg, grad_compress=grad, pp_compress=ppc, ac=usual_ac(acs_out, d.blocks))
-    est = Evaluator(lg, cluster, final, global_batch).evaluate(acs_out, stage_of)
+    est = Evaluator(lg, cluster, final, global_batch, cache=cost_cache).evaluate(acs_out, stage_of)
     objective = model.solver.Objective().Value() * d.time_unit
     bound = model.solver.Objective().BestBound() * d.time_unit
     # the consistency proof: the linearisation is the cost model

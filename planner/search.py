@@ -36,19 +36,18 @@ go to the earlier candidate in that order; the ILP backend is deterministic. Tim
 
 from __future__ import annotations
 
+import bisect
 import json
 import sys
 import time
-from dataclasses import dataclass
-
-import bisect
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from costmodel.cluster import Cluster
 from costmodel.config import AC, ParallelConfig, Schedule
 from costmodel.estimate import ConfigError, Evaluator, even_stages
 from costmodel.layercost import is_tp_layer
 from planner import ilp
+from planner.plan import Plan
 from planner.search_bounds import Bounds
 from profiler.graph import LayerGraph
 
@@ -104,7 +103,8 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
     n_blocks = sum(1 for layer in lg.layers if layer.kind == "block")
     uniform = len({layer.signature for layer in lg.layers if layer.kind == "block"}) <= 1 and n_blocks > 0
     tp_ok = any(is_tp_layer(layer) for layer in lg.blocks)
-    precision = fix.get("precision", "bf16")
+    # mixed bf16 where the device has bf16 units; fp32 otherwise (the cpu-local ranks train in fp32)
+    precision = fix.get("precision", "bf16" if "bf16" in cluster.device.peak_flops else "fp32")
     out = []
     for tp in _divisors(world):
         if tp > 1 and (not tp_ok or any(arch.get(k) and arch[k] % tp for k in ("heads", "kv_heads"))):
@@ -192,8 +192,11 @@ def check_fix(fix: dict) -> None:
 
 
 def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | None = None, top_k: int = 3,
-           time_limit: float = 60.0, progress: bool | None = None) -> SearchResult:
+           time_limit: float = 60.0, progress: bool | None = None, measured: tuple | None = None) -> SearchResult:
     """The fastest configuration that fits (see the module docstring).
+
+    ``measured``: per-layer times on the cluster's device (`costmodel.measured.load_measured`), used by every
+    estimate of the search instead of the roofline's level.
 
     ``time_limit`` caps the whole search (seconds): when it runs out, the best plan so far (an ILP's or a greedy
     incumbent's) is returned with status FEASIBLE and the gap to the smallest lower bound not yet explored (a
@@ -201,7 +204,7 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
     fix = dict(fix or {})
     check_fix(fix)
     t0 = time.perf_counter()
-    cache: dict = {}
+    cache: dict = {"measured": measured} if measured else {}
     kw = _ilp_options(fix)
     bounds = Bounds(lg, cluster, global_batch, cache, grad_opts=kw.get("grad_opts", ilp.GRAD_OPTIONS))
     stats = {"candidates": 0, "pruned": 0, "pruned_memory": 0, "solved": 0, "infeasible": 0, "incumbents": 0,
@@ -235,7 +238,7 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
         #    the bound reaches the (top_k + 1)-th best of them
         refined: dict[int, float] = {}
 
-        def tight(i: int) -> float:  # the refined bound of live[i] (per-rank memory), computed on first use
+        def tight(i: int, live=live, refined=refined) -> float:  # refined bound of live[i], on first use
             if i not in refined:
                 refined[i] = max(live[i][0], bounds.time(live[i][2], refine=True))
             return refined[i]

@@ -85,7 +85,7 @@ class Bounds:
             self._evs[key] = Evaluator(self.lg, self.cluster, base, self.gb, cache=self.cache)
         return self._evs[key]
 
-    def _group(self, cfg: ParallelConfig) -> "_Group":
+    def _group(self, cfg: ParallelConfig) -> _Group:
         key = (cfg.tp, cfg.sp, cfg.mbs, cfg.precision)
         if key not in self._groups:
             self._groups[key] = _Group.build(self, self._ev(cfg))
@@ -128,7 +128,7 @@ class Bounds:
             best = min(best, pipe + self._finish(cfg, g, ev, kinds or ("none",)))
         return best * (1 - ROUND)
 
-    def _block_work(self, cfg: ParallelConfig, g: "_Group", m: int, extra: float = 0.0) -> float:
+    def _block_work(self, cfg: ParallelConfig, g: _Group, m: int, extra: float = 0.0) -> float:
         """Σ over the blocks of their per-micro-batch time under the aggregated memory relaxation."""
         nb = len(self.blocks)
         if not nb:
@@ -150,7 +150,7 @@ class Bounds:
                     best = min(best, n_hi * hi[1] + (nb - n_hi) * lo[1])
         return best
 
-    def _budget(self, cfg: ParallelConfig, g: "_Group", extra: float) -> tuple[float, float, float]:
+    def _budget(self, cfg: ParallelConfig, g: _Group, extra: float) -> tuple[float, float, float]:
         """(allocatable bytes per GPU, model-state bytes per parameter, least temporaries of a rank)."""
         dev = self.cluster.device
         on_gpu = dev.name != "cpu"
@@ -163,7 +163,7 @@ class Bounds:
             temp = g.block_params * (4 if cfg.precision == "fp32" else 2)
         return cap, per, temp
 
-    def _capacity(self, cfg: ParallelConfig, g: "_Group", m: int, extra: float = 0.0) -> float:
+    def _capacity(self, cfg: ParallelConfig, g: _Group, m: int, extra: float = 0.0) -> float:
         """The largest Σ of the blocks' activations the aggregated memory relaxation allows."""
         cap, per, temp = self._budget(cfg, g, extra)
         p, S = cfg.pp, cfg.pp * cfg.vpp
@@ -181,7 +181,7 @@ class Bounds:
         total -= per * g.block_params * (inv_own + (nb - own) * inv_least)
         return total - g.pre_act - g.post_act
 
-    def _integral_bottleneck(self, cfg: ParallelConfig, g: "_Group", p2p: float) -> float:
+    def _integral_bottleneck(self, cfg: ParallelConfig, g: _Group, p2p: float) -> float:
         p, v, S = cfg.pp, cfg.vpp, cfg.pp * cfg.vpp
         t = g.block_opts_t_min
         load = []
@@ -196,7 +196,7 @@ class Bounds:
             heapq.heappush(heap, (x + t, r))
         return max(x for x, _ in heap)
 
-    def _memory_bottleneck(self, cfg: ParallelConfig, g: "_Group", m: int, p2p: float, extra: float,
+    def _memory_bottleneck(self, cfg: ParallelConfig, g: _Group, m: int, p2p: float, extra: float,
                            lo: float) -> float:
         """The least X such that the ranks can hold every block with T_r ≤ X and their memory: rank r holds at
         most ⌊cap_r(X)⌋ blocks, cap_r(X) the LP maximum of Σ_a n_a s.t. Σ_a t_a·n_a ≤ X − fixed_r and
@@ -239,7 +239,7 @@ class Bounds:
                 break
         return lo
 
-    def _fsdp(self, cfg: ParallelConfig, g: "_Group", ev: Evaluator) -> float:
+    def _fsdp(self, cfg: ParallelConfig, g: _Group, ev: Evaluator) -> float:
         if not (cfg.zero == 3 and cfg.dp > 1):
             return 0.0
         sl = self.cluster.device.overlap_slowdown
@@ -250,7 +250,7 @@ class Bounds:
         bwd_excess = max(0.0, sum(ag) - xl + sum(rs) - xr - (g.bwd + g.fwd))
         return (1 - sl) * (xf + xl + xr + fwd_excess + bwd_excess) + sl * (2 * sum(ag) + sum(rs))
 
-    def _finish(self, cfg: ParallelConfig, g: "_Group", ev: Evaluator, grad_opts) -> float:
+    def _finish(self, cfg: ParallelConfig, g: _Group, ev: Evaluator, grad_opts) -> float:
         p = cfg.pp
         P = g.params / p
         finish = optimizer_time(P, _OptView(cfg, self.cluster))
@@ -325,12 +325,12 @@ class _Group:
     fwd: float
     bwd: float
     min_first_params: float
-    ag: "_PerSpan"
-    rs: "_PerSpan"
+    ag: _PerSpan
+    rs: _PerSpan
     costs: list
 
     @staticmethod
-    def build(b: Bounds, ev: Evaluator) -> "_Group":
+    def build(b: Bounds, ev: Evaluator) -> _Group:
         n = len(b.lg.layers)
         per_ac = {a: [ev.cost(i, a) for i in range(n)] for a in AC}
         none = per_ac[AC.NONE]

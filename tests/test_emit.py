@@ -173,7 +173,9 @@ def h(y):
 def test_ddp_script_carries_only_ddp():
     text = emit(make_plan(GPT, 2, dp=2))
     assert "DDP(" in text
-    for absent in ("apply_tp(", "fully_shard(", "PipelineStage(", "powerSGD", "checkpoint_wrapper(", "sync_tied_grads("):
+    absent_calls = ("apply_tp(", "fully_shard(", "PipelineStage(", "powerSGD", "checkpoint_wrapper(",
+                    "sync_tied_grads(")
+    for absent in absent_calls:
         assert absent not in text, absent
     assert "precision=" not in text.split("# --- The model ---")[0].split("PLAN = ")[1].split("}")[-1]
 

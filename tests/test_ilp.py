@@ -95,7 +95,7 @@ def random_problem(seed: int):
     gb = dp * mbs * rng.choice([1, 2, 4])
     cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=schedule, mbs=mbs, zero=zero,
                          sp=tp > 1 and rng.random() < 0.5, precision=rng.choice(["bf16", "bf16", "fp32"]))
-    # memory from a little below the all-full-AC plan's need to above the no-AC one's, so that memory binds in some problems
+    # memory from a little below the all-full-AC plan's need to above the no-AC one's, so memory binds in some problems
     probe = cluster(random.Random(seed), 1000.0, gpn, nodes)
     lo = Evaluator(lg, probe, cfg, gb).evaluate([AC.FULL] * len(lg.layers)).memory.peak
     hi = Evaluator(lg, probe, cfg, gb).evaluate([AC.NONE] * len(lg.layers)).memory.peak
