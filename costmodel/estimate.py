@@ -143,8 +143,9 @@ class Evaluator:
         """``cache``: optional dict shared by Evaluators of the *same* ``lg`` and ``cluster`` (e.g. a planner's
         candidates): the parameter ownership is computed once and layer costs are shared between
         configurations whose (tp, sp, mbs, precision) agree, the only configuration fields they depend on.
-        Results are identical with and without it. It may carry ``"measured"`` for all of them. ``measured``: (layer name → measured (forward, backward)
-        seconds, batch) from `costmodel.measured.load_measured`, used instead of the roofline's level."""
+        Results are identical with and without it; it may carry ``"measured"`` for all of them.
+        ``measured``: (layer name → measured (forward, backward) seconds, batch) from
+        `costmodel.measured.load_measured`, used instead of the roofline's level."""
         check_config(lg, cluster, cfg, global_batch)
         self.lg, self.cluster, self.cfg, self.global_batch = lg, cluster, cfg, global_batch
         self.m = global_batch // (cfg.dp * cfg.mbs)
