@@ -68,10 +68,11 @@ def test_tensor_parallel_stays_inside_a_node():
 
 
 def test_slow_network_turns_gradient_compression_on_fast_network_off():
+    """Nothing pinned: over a slow network the exposed gradient reduction makes the planner compress; over a fast
+    one the reduction hides behind the backward and compression would only cost its encode time."""
     lg = graph(SMALL)
-    fix = {"tp": 1, "pp": 1, "zero": 0, "mbs": 8}
-    slow = search(lg, node_cluster(80, inter_GBps=0.05, nodes=2, gpn=1), 16, fix=fix)
-    fast = search(lg, node_cluster(80, inter_GBps=400, nodes=2, gpn=1), 16, fix=fix)
+    slow = search(lg, node_cluster(80, inter_GBps=0.05, nodes=2, gpn=1), 16)
+    fast = search(lg, node_cluster(80, inter_GBps=400, nodes=2, gpn=1), 16)
     assert slow.best.config.grad_compress != "none"
     assert fast.best.config.grad_compress == "none"
 
