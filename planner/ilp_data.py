@@ -1,0 +1,145 @@
+"""The coefficients of one outer candidate's ILP, read from the cost model (planner/ilp.py builds the model).
+
+`build_data` evaluates every per-layer cost the ILP needs once, through `Evaluator` (shared layer costs between
+candidates via its ``cache``), and tabulates the rank-level quantities that depend non-linearly on a rank's block
+count with the cost model's own functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from costmodel.cluster import Cluster
+from costmodel.config import AC, ParallelConfig
+from costmodel.estimate import Evaluator, pipeline_factor
+from profiler.graph import LayerGraph
+
+AC_ORDER = (AC.NONE, AC.SELECTIVE, AC.FULL)  #: decode order inside a stage and tie-break order
+GRAD_OPTIONS = ("none", "bf16", "powersgd-4", "powersgd-8")  #: data-parallel gradient compression searched
+PP_OPTIONS = ("none", "bf16")  #: pipeline-boundary activation compression searched
+
+
+class NotSupportedError(ValueError):
+    """The model's shape is outside what the ILP handles yet; the message says what to do."""
+
+
+@dataclass
+class Data:
+    """Coefficients of one candidate, read from the cost model (see the module docstring)."""
+
+    ev: Evaluator
+    cfg: ParallelConfig
+    S: int
+    pp: int
+    m: int
+    phi: float
+    slow: float
+    pre: list[int]
+    post: list[int]
+    blocks: list[int]
+    acs: tuple[AC, ...]  #: AC modes offered to the blocks
+    fixed_acs: dict  #: pre/post layer → AC modes offered to it
+    grad_opts: tuple[str, ...]
+    pp_opts: tuple[str, ...]
+    p2p: dict  #: pp option → per-micro-batch boundary time
+    n_range: dict  #: rank → (lowest, highest) block count
+    fixed_rank: dict  #: fixed layer → rank
+    units: list  #: groups of stages counted together: one per rank, or one per stage under ZeRO-3
+    time_unit: float
+    mem_unit: float
+    evs: dict  #: grad option → evaluator with that compression
+
+
+def _evaluator(lg, cluster, cfg, global_batch, cache):
+    """An Evaluator sharing layer costs with the other candidates' through ``cache`` (`Evaluator`'s hook)."""
+    return Evaluator(lg, cluster, cfg, global_batch, cache=cache)
+
+
+def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
+               acs=AC_ORDER, grad_opts=None, pp_opts=None, cost_cache=None) -> Data:
+    base = replace(cfg, grad_compress="none", pp_compress="none")
+    ev = _evaluator(lg, cluster, base, global_batch, cost_cache)
+    S = cfg.pp * cfg.vpp
+    kinds = [layer.kind for layer in lg.layers]
+    blocks = [i for i, k in enumerate(kinds) if k == "block"]
+    one_signature = len({lg.layers[i].signature for i in blocks}) <= 1
+    if not one_signature or not blocks:
+        if S > 1:
+            raise NotSupportedError(f"{lg.model.name}: pipeline stages need identical repeated blocks (found "
+                                    f"{len({lg.layers[i].signature for i in blocks})} block signatures); use pp=1")
+        pre, post, blocks = list(range(len(kinds))), [], []
+    else:
+        pre, post = list(range(blocks[0])), list(range(blocks[-1] + 1, len(kinds)))
+        if any(k != "block" for k in kinds[blocks[0]:blocks[-1] + 1]):
+            raise NotSupportedError(f"{lg.model.name}: non-block layers between blocks; use pp=1")
+    nb = len(blocks)
+    if S > 1 and nb < S:
+        raise NotSupportedError(f"pp·vpp = {S} stages but only {nb} blocks; every stage needs one")
+    # offer an AC mode only when it changes the layer's costs (selective on a layer without an attention core is
+    # none): equal-cost choices would otherwise be broken arbitrarily by the solver
+    block_acs = _distinct_acs(ev, blocks[0], acs) if blocks else tuple(acs)
+    fixed_acs = {i: _distinct_acs(ev, i, acs) for i in pre + post}
+    # offer a compression option only when it can change some coefficient
+    if grad_opts is None:
+        grad_opts = ("none",) if cfg.dp == 1 or cfg.zero >= 2 else GRAD_OPTIONS
+    if pp_opts is None:
+        pp_opts = ("none",) if S == 1 else PP_OPTIONS
+    evs = {k: (ev if k == "none" else _evaluator(lg, cluster, replace(base, grad_compress=k), global_batch,
+                                                   cost_cache)) for k in grad_opts}
+    p2p = {}
+    for k in pp_opts:
+        e = ev if k == "none" else _evaluator(lg, cluster, replace(base, pp_compress=k), global_batch, cost_cache)
+        vals = {e.p2p_time(i) for i in blocks[1:]} if S > 1 else {0.0}
+        assert len(vals) == 1, "identical blocks must have identical boundary transfers"
+        p2p[k] = vals.pop()
+    if len(p2p) > 1 and p2p.get("bf16") == p2p["none"]:
+        del p2p["bf16"]  # bf16 boundary casts change nothing when activations are already 16-bit
+    pp_opts = tuple(p2p)
+    n_range = {}
+    for r in range(cfg.pp):
+        own = sum(1 for c in range(S) if c % cfg.pp == r)
+        n_range[r] = (own, nb - (S - own)) if nb else (0, 0)
+    fixed_rank = {i: 0 for i in pre} | {i: (S - 1) % cfg.pp for i in post}
+    # Only a rank's totals matter (T_r, memory, dp) unless ZeRO-3's per-stage overlap applies: then count blocks
+    # per rank (vpp stages each, split evenly on decode) which removes the symmetry between a rank's stages
+    if cfg.zero == 3 and cfg.dp > 1:
+        units = [(c,) for c in range(S)]
+    else:
+        units = [tuple(range(r, S, cfg.pp)) for r in range(cfg.pp)]
+    # units: the even, no-recompute step for time, capacity/1000 for memory (solver tolerances become relative)
+    t_ref = sum(ev.cost(i, AC.NONE).fwd_s + ev.cost(i, AC.NONE).bwd_s for i in range(len(kinds))) * ev.m
+    return Data(ev=ev, cfg=cfg, S=S, pp=cfg.pp, m=ev.m, phi=pipeline_factor(cfg.schedule, cfg.vpp),
+                slow=cluster.device.overlap_slowdown, pre=pre, post=post, blocks=blocks, acs=block_acs,
+                fixed_acs=fixed_acs,
+                grad_opts=tuple(grad_opts), pp_opts=pp_opts, p2p=p2p, n_range=n_range, fixed_rank=fixed_rank,
+                units=units,
+                time_unit=max(t_ref, 1e-12) / 1000.0, mem_unit=cluster.device.memory_bytes / 1000.0, evs=evs)
+
+
+def _distinct_acs(ev: Evaluator, i: int, acs) -> tuple[AC, ...]:
+    kept: list[AC] = []
+    for a in AC_ORDER:
+        if a in acs and all(ev.cost(i, a) != ev.cost(i, b) for b in kept):
+            kept.append(a)
+    return tuple(kept)
+
+
+def _fixed_on_stage(d: Data, u: int) -> list[int]:
+    """The pre/post layers of unit u."""
+    return (d.pre if 0 in d.units[u] else []) + (d.post if d.S - 1 in d.units[u] else [])
+
+
+def _units_of(d: Data, r: int) -> list[int]:
+    return [u for u, st in enumerate(d.units) if st[0] % d.pp == r]
+
+
+def _rank_layer_costs(d: Data, r: int, n: int) -> list:
+    """Costs (AC none: only parameters are read) of rank r holding n blocks, in evaluate's order: every stage
+    holds a block, so the rank's first layer is a block unless the rank holds the pre layers."""
+    ev = d.ev
+    first = [ev.cost(i, AC.NONE) for i in d.pre] if r == 0 else []
+    blocks = [ev.cost(d.blocks[0], AC.NONE)] * n if d.blocks else []
+    last = [ev.cost(i, AC.NONE) for i in d.post] if (d.S - 1) % d.pp == r else []
+    return first + blocks + last
+
+
