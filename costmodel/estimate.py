@@ -57,6 +57,7 @@ class StageEstimate:
     time_s: float  #: per micro-batch
     inflight: float
     memory_bytes: float  #: peak of its rank
+    memory_parts: dict = field(default_factory=dict)  #: its rank's breakdown (MemoryBreakdown.to_dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,7 +255,7 @@ class Evaluator:
         stage_est = tuple(
             StageEstimate(index=c, rank=rank_of[c], first=stages[c][0], last=stages[c][-1], time_s=t_stage[c],
                           inflight=inflight(cfg.schedule, cfg.pp, cfg.vpp, rank_of[c], self.m),
-                          memory_bytes=mems[rank_of[c]].peak)
+                          memory_bytes=mems[rank_of[c]].peak, memory_parts=mems[rank_of[c]].to_dict())
             for c in range(n_stages))
         return Estimate(
             step_time_s=step, tokens_per_s=tokens / step,

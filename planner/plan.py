@@ -51,7 +51,8 @@ class StageInfo:
     last: int  #: index of its last layer (inclusive)
     time_s: float = 0.0  #: predicted forward+backward (+recompute) time of one micro-batch
     memory_bytes: float = 0.0  #: predicted peak memory of its rank
-    inflight: int = 1  #: micro-batches whose activations it holds at the peak
+    inflight: float = 1.0  #: micro-batches whose activations it holds at the peak (fractional when interleaved)
+    memory_parts: dict = field(default_factory=dict)  #: its rank's memory breakdown (params, grads, …, peak)
 
     def to_dict(self) -> dict:
         return asdict(self)

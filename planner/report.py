@@ -110,6 +110,7 @@ def stage_rows(plan: Plan) -> list[dict]:
             "time_s": s.time_s,
             "memory_bytes": s.memory_bytes,
             "inflight": s.inflight,
+            "memory_parts": dict(s.memory_parts),
         }
         for s in plan.stages
     ]

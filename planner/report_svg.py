@@ -74,10 +74,14 @@ def _legend(items, x0, y) -> str:
 
 # ---------------------------------------------------------------------------------------------- memory bars
 def rank_memory(rep: dict) -> list[dict]:
-    """Per pipeline rank, its memory parts. The plan stores the full breakdown for the peak rank only; another
-    rank's model states are scaled by its layer count and its activations by layers × in-flight micro-batches,
-    and "other" takes what remains of its stored peak (the picture says so)."""
+    """Per pipeline rank, its memory parts: the plan's per-stage breakdowns when it has them; for older plan files
+    (peak rank only) another rank's model states are scaled by its layer count and its activations by layers ×
+    in-flight micro-batches, and "other" takes what remains of its stored peak (the picture says so)."""
     mem = rep["memory"]["breakdown_bytes"]
+    exact = {s["rank"]: s["memory_parts"] for s in rep["stages"] if s.get("memory_parts")}
+    if exact and len(exact) == len({s["rank"] for s in rep["stages"]}):
+        return [{"rank": r, "peak": parts["peak"], "parts": {k: v for k, v in parts.items() if k != "peak"},
+                 "exact": True} for r, parts in sorted(exact.items())]
     ranks: dict[int, dict] = {}
     for s in rep["stages"]:
         r = ranks.setdefault(s["rank"], {"rank": s["rank"], "peak": s["memory_bytes"], "layers": 0, "act_w": 0})

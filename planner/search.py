@@ -411,7 +411,7 @@ def make_plan(lg: LayerGraph, cluster: Cluster, global_batch: int, result: Searc
     layers = tuple(LayerStrategy(name=layer.name, stage=best.stage_of[i], ac=best.acs[i],
                                  tp=cfg.tp > 1 and _tp(layer)) for i, layer in enumerate(lg.layers))
     stages = tuple(StageInfo(index=s.index, rank=s.rank, first=s.first, last=s.last, time_s=s.time_s,
-                             memory_bytes=s.memory_bytes, inflight=int(round(s.inflight)))
+                             memory_bytes=s.memory_bytes, inflight=s.inflight, memory_parts=s.memory_parts)
                    for s in best.estimate.stages)
     solver = {"status": result.status, "objective": best.objective, "bound": best.objective * (1 - result.gap),
               "gap": result.gap, "time_s": round(result.time_s, 3), "candidates": result.candidates,

@@ -56,7 +56,8 @@ def plan_from(lg, cluster, cluster_spec: str, model: str, global_batch: int, cfg
                                  tp=cfg.tp > 1 and layer.kind == "block" and is_tp_layer(layer))
                    for i, layer in enumerate(lg.layers))
     stages = tuple(StageInfo(index=s.index, rank=s.rank, first=s.first, last=s.last, time_s=s.time_s,
-                             memory_bytes=s.memory_bytes, inflight=int(round(s.inflight))) for s in est.stages)
+                             memory_bytes=s.memory_bytes, inflight=s.inflight, memory_parts=s.memory_parts)
+                   for s in est.stages)
     return Plan(model=model, fingerprint=lg.model.fingerprint, seq=lg.model.seq, global_batch=global_batch,
                 cluster=cluster_spec, config=cfg, layers=layers, stages=stages, predicted=est.to_json(),
                 solver=solver or {"status": "GIVEN", "objective": est.step_time_s},

@@ -194,3 +194,23 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, content):
     err = capsys.readouterr().err
     assert err.startswith("autopar inspect: error: ") and err.count("\n") == 1
     assert not (tmp_path / "r.html").exists()
+
+
+def test_memory_bars_are_exact_per_rank_when_the_plan_has_them():
+    """Plans from `autopar plan` carry every rank's memory breakdown: the bars use it, no estimate."""
+    from dataclasses import replace
+
+    from planner.report import build_report
+    from planner.report_svg import rank_memory
+
+    lg, cl = _graph("gpt-small"), load_cluster("dgx-a100-80g")
+    cfg = ParallelConfig(dp=2, pp=4, mbs=1)
+    est = Evaluator(lg, cl, cfg, 16).evaluate()
+    plan = make_plan("gpt-small", "dgx-a100-80g", "dp=2,pp=4", 16)
+    plan = replace(plan, stages=tuple(replace(s, memory_parts=e.memory_parts) for s, e in zip(plan.stages,
+                                                                                              est.stages)))
+    rows = rank_memory(build_report(plan))
+    assert [r["rank"] for r in rows] == [0, 1, 2, 3] and all(r["exact"] for r in rows)
+    for r, s in zip(rows, est.stages):
+        assert sum(r["parts"].values()) == pytest.approx(s.memory_bytes)
+    assert len({round(r["parts"]["activations"]) for r in rows}) > 1  # 1F1B: earlier ranks hold more
