@@ -28,7 +28,6 @@ import io
 import logging
 import operator
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -447,9 +446,3 @@ def _op_name(node: torch.fx.Node) -> str:
         return str(t) if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
     return f"{node.op}:{node.target}"
 
-
-def timed_capture(*args, **kwargs) -> tuple[ModelGraph, float]:
-    """`capture`, with its wall time in seconds."""
-    t0 = time.perf_counter()
-    g = capture(*args, **kwargs)
-    return g, time.perf_counter() - t0
