@@ -69,7 +69,8 @@ def _load_plan(plan: Plan | str | Path | None, model: nn.Module, example_inputs,
 
 def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str = "cpu-local",
                      plan: Plan | str | Path | None = None, plan_kwargs: dict | None = None, copy: bool = True,
-                     optimizer: str = "adamw", lr: float = 1e-3, seed: int = 0) -> ParallelHandle:
+                     optimizer: str = "adamw", lr: float = 1e-3, seed: int = 0,
+                     init: str | None = None) -> ParallelHandle:
     """Parallelise ``model`` by ``plan`` (a Plan, a plan file, or None to plan it for ``cluster`` now) in a torchrun
     process, and return a handle that trains it.
 
@@ -78,13 +79,33 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str = "cpu-lo
     and with pipeline parallelism stripped of the blocks other stages own). Rank 0's weights are broadcast to every
     rank first, so all ranks start from the same model. The process group is started if needed (gloo on CPU, NCCL
     with CUDA), after checking the world size against the plan.
+
+    ``init="meta"`` (chosen automatically for models above `planner.emit_config.meta_threshold`, or forced; ``"full"``
+    forces the above): only the model's structure is used. A meta-device copy is sharded and each rank initialises
+    its shards with the model's ``init_weights()`` (seeded by ``seed``), so the model's current weights are *not*
+    kept; pass a model built under ``torch.device("meta")`` to never allocate it whole. Load a checkpoint after.
     """
     the_plan = _load_plan(plan, model, example_inputs, cluster, plan_kwargs)
-    config = runtime_config(the_plan, model, seed=seed, optimizer=optimizer, lr=lr)
+    config = runtime_config(the_plan, model, seed=seed, optimizer=optimizer, lr=lr, init=init)
     mesh = runtime.init_distributed(config)
-    source = (_copy.deepcopy(model) if copy else model).to(runtime.current_device())
-    with torch.no_grad():
-        for tensor in [*source.parameters(), *source.buffers()]:
-            dist.broadcast(tensor.data, src=0)
+    if config["init"] == "meta":
+        source = meta_copy(model) if copy or any(not t.is_meta for t in [*model.parameters(), *model.buffers()]) \
+            else model
+    else:
+        source = (_copy.deepcopy(model) if copy else model).to(runtime.current_device())
+        with torch.no_grad():
+            for tensor in [*source.parameters(), *source.buffers()]:
+                dist.broadcast(tensor.data, src=0)
     par = runtime.parallelize(lambda: source, config, mesh)
     return ParallelHandle(parallel=par, optimizer=runtime.build_optimizer(par, config), plan=the_plan)
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are on the meta device (no data copied; shared
+    parameters stay shared)."""
+    memo: dict = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b.detach().to("meta")
+    return _copy.deepcopy(model, memo)

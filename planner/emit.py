@@ -20,7 +20,7 @@ import subprocess
 from pathlib import Path
 
 from planner import __version__, runtime
-from planner.emit_config import runtime_config
+from planner.emit_config import choose_init, runtime_config
 from planner.plan import Plan
 from profiler.zoo.registry import ModelSource, resolve_model
 
@@ -307,16 +307,18 @@ if __name__ == "__main__":
 
 
 def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str = "adamw", lr: float = 1e-3,
-         seed: int = 0) -> str:
+         seed: int = 0, init: str | None = None) -> str:
     """The training script for ``plan`` as formatted Python source (run it with ``torchrun --nproc-per-node``
-    ``plan.config.world``)."""
+    ``plan.config.world``). ``init``: ``"full"`` (every rank builds the seeded model, then shards it) or ``"meta"``
+    (built on the meta device, each rank initialises only its shards); None chooses by model size."""
     if data not in DATA_SOURCES:
         raise ValueError(f"data={data!r}: choose one of {', '.join(DATA_SOURCES)}; edit get_batch for your data")
     if steps < 1:
         raise ValueError(f"steps={steps} must be ≥ 1")
     source = resolve_model(plan.model).with_seq(plan.seq)
     model, _ = source.build(batch=1, seq=plan.seq, device="meta")
-    config = runtime_config(plan, model, seed=seed, optimizer=optimizer, lr=lr)
+    init_mode, init_why = choose_init(plan, model, init)
+    config = runtime_config(plan, model, seed=seed, optimizer=optimizer, lr=lr, init=init_mode)
     vocab = _vocab(source, model)
     model_imports, model_body = _model_section(source)
     runtime_imports, runtime_body = _split_source(inspect.getsource(runtime))
@@ -347,6 +349,7 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
         "\n".join(others),
         "# --- The plan (module names are plain strings) ---",
         f"PLAN = {pprint.pformat(config, width=110, sort_dicts=False)}\nSTEPS = {steps}\nVOCAB = {vocab}"
+        + f"\n# init={init_mode}: {_doc_safe(init_why)}"
         + precision_note,
         "# --- The model ---",
         model_body,

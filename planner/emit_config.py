@@ -13,6 +13,10 @@ from planner.plan import AC, Plan, parse_grad_compress
 from profiler.layers import COLUMN_NAMES, ROW_NAMES
 
 OPTIMIZERS = ("adamw", "sgd")
+INITS = ("full", "meta")
+CPU_META_BYTES = 2 * 2**30
+"""On CPU clusters (``cpu-local``, or a cluster that does not load here), models above this many fp32 parameter bytes
+are initialised on the meta device."""
 
 
 def _matches(path: str, names: tuple[str, ...]) -> bool:
@@ -72,12 +76,51 @@ def tied_parameters(model: nn.Module, plan: Plan, container: str, stage_rank: li
     return tied
 
 
+def param_bytes(model: nn.Module) -> int:
+    """fp32 bytes of ``model``'s parameters, each shared parameter counted once."""
+    return 4 * sum(p.numel() for p in model.parameters())
+
+
+def meta_threshold(plan: Plan) -> tuple[int, str]:
+    """(bytes, where from): a quarter of the plan's device memory, or `CPU_META_BYTES` on CPU."""
+    name = plan.cluster.partition(":")[0]
+    if name != "cpu-local":  # load_cluster("cpu-local") measures this machine: not needed for a threshold
+        try:
+            from costmodel.cluster import load_cluster
+
+            device = load_cluster(plan.cluster).device
+            if "cpu" not in device.name.lower():
+                gib = device.memory_bytes / 2**30
+                return int(device.memory_bytes) // 4, f"a quarter of the {gib:.0f} GiB {device.name}"
+        except (ValueError, OSError):
+            pass
+    return CPU_META_BYTES, f"{CPU_META_BYTES / 2**30:.0f} GiB on CPU"
+
+
+def choose_init(plan: Plan, model: nn.Module, init: str | None = None) -> tuple[str, str]:
+    """(``"full"`` or ``"meta"``, why): meta when the fp32 parameters exceed `meta_threshold`, unless forced."""
+    size = param_bytes(model)
+    if init is not None:
+        if init not in INITS:
+            raise ValueError(f"init={init!r}: choose one of {', '.join(INITS)}")
+        return init, f"init={init} was asked for ({size / 2**30:.2f} GiB of fp32 parameters)"
+    limit, where = meta_threshold(plan)
+    if size > limit:
+        return "meta", (f"{size / 2**30:.1f} GiB of fp32 parameters > {where}: built on the meta device, "
+                        "each rank initialises only its shards")
+    return "full", f"{size / 2**30:.2f} GiB of fp32 parameters ≤ {where}: every rank builds the whole model, seeded"
+
+
 def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: str = "adamw", lr: float = 1e-3,
-                   powersgd_start_iter: int = 2) -> dict:
-    """The ``PLAN`` dict of `planner.runtime` for ``plan`` applied to ``model`` (any device, meta included)."""
+                   powersgd_start_iter: int = 2, init: str | None = None) -> dict:
+    """The ``PLAN`` dict of `planner.runtime` for ``plan`` applied to ``model`` (any device, meta included).
+
+    ``init``: ``"full"`` or ``"meta"`` (see `planner.runtime`), or None to choose by size (`choose_init`).
+    """
     c = plan.config
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    init_mode, _ = choose_init(plan, model, init)
     if plan.global_batch % (c.dp * c.mbs):
         raise ValueError(f"global_batch {plan.global_batch} is not a multiple of dp·mbs = {c.dp}·{c.mbs}")
     container = block_container(plan)
@@ -129,7 +172,7 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
         "block_container": container, "stage_of": {lay.name: lay.stage for lay in plan.layers},
         "stage_rank": stage_rank, "ac": ac, "tp_blocks": tp_blocks, "tp_layout": layout, "sp_norms": sp_norms,
         "sp_gather": sp_gather, "tied": tied_parameters(model, plan, container, stage_rank) if c.pp > 1 else [],
-        "optimizer": optimizer, "lr": lr, "seed": seed,
+        "optimizer": optimizer, "lr": lr, "seed": seed, "init": init_mode,
     }
 
 

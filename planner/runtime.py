@@ -8,9 +8,14 @@ Order of application (as in torchtitan's ``parallelize`` functions), per pipelin
 function and `parallelize` calls them in this order, each under the plan condition that selects it (emitted scripts
 keep only the branches and functions their plan uses):
 
-1. pipeline split: every rank builds the full model from the same seed (so all runs equal one process) and keeps
-   the blocks of its (virtual) stages; ``tok_embeddings``/``norm``/``output`` become ``None`` where not owned;
-   a weight tied between the embedding and the head is then held by both the first and the last stage;
+0. the model: with ``plan["init"] == "full"`` every rank builds the full model with real weights from the same seed
+   (so all runs equal one process); with ``"meta"`` (large models) it is built on the meta device, steps 1-5 run
+   on meta tensors, and each rank then allocates only its own shards (``to_empty``) and initialises them with the
+   model's ``init_weights()`` from the same seed (torchtitan's recipe; DDP needs real tensors, so a ZeRO-0 part is
+   materialised just before it is wrapped: it is replicated anyway);
+1. pipeline split: each rank keeps the blocks of its (virtual) stages; ``tok_embeddings``/``norm``/``output``
+   become ``None`` where not owned; a weight tied between the embedding and the head is then held by both the
+   first and the last stage;
 2. tensor parallel: first, because it turns weights into DTensors that the later wrappers take as they are;
 3. activation checkpointing: after TP, before data parallel, so checkpoint wrappers sit inside FSDP units;
 4. pipeline-boundary compression: bf16 activations between stages;
@@ -47,6 +52,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 SCHEDULES = {
@@ -124,7 +130,13 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
     if device.type == "cpu" and plan["precision"] != "fp32" and dist.get_rank() == 0:
         print(f"note: precision={plan['precision']} applies on GPUs only; this CPU run trains in fp32", flush=True)
     torch.manual_seed(plan["seed"])  # identical weights on every rank, and in a one-process reference run
-    model = build_model().to(device)
+    # 0. The model: real weights on every rank, or (large models) shapes only, materialised after sharding.
+    if plan["init"] == "meta":
+        with torch.device("meta"):
+            model = build_model()
+        find_init(model)  # fail now, not after sharding, when the model cannot initialise itself
+    else:
+        model = build_model().to(device)
     # 1. Pipeline split: this rank's (virtual) stages, each a copy of the model keeping only the blocks it owns;
     #    without pipeline parallelism the whole model is the one local part.
     if plan["pp"] > 1:
@@ -149,18 +161,109 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
         if plan["dp"] > 1 and plan["zero"] == 0 and plan["tp"] > 1:
             module = apply_dp_allreduce(part, plan, mesh["dp"])
         elif plan["dp"] > 1 and plan["zero"] == 0:
+            if plan["init"] == "meta":
+                materialize(part, index, plan, device)  # DDP takes real tensors (each dp rank holds the whole part)
             module = apply_ddp(part, plan, mesh["dp"])
         elif plan["dp"] > 1:
             module = apply_fsdp(part, plan, mesh["dp"])
+        # Meta init: allocate this rank's shards only, then initialise them (no-op when DDP already did).
+        if plan["init"] == "meta":
+            materialize(part, index, plan, device)
         modules.append(module)
     par = Parallel(plan=plan, mesh=mesh, parts=parts, modules=modules, stage_indices=indices, device=device)
     # 6. Tied weights across pipeline ranks: one embedding group per (dp, tp) coordinate, built on every rank.
     if plan["pp"] > 1 and plan["tied"]:
         par.tied_groups = build_tied_groups(plan, mesh)
+        if plan["init"] == "meta":
+            sync_tied_weights(par)  # each stage initialised its own copy: take the first stage's
     # 7. Pipeline schedule over this rank's stages.
     if plan["pp"] > 1:
         build_pipeline(par)
     return par
+
+
+def find_init(model: nn.Module):
+    """The function that initialises ``model``'s parameters in place after ``to_empty``: the model's own
+    ``init_weights()`` (zoo models, your ``file.py`` models), or for Hugging Face models (found inside wrappers)
+    ``initialize_weights()`` of each outermost ``PreTrainedModel``, which also recomputes the rotary ``inv_freq``
+    buffers; its ``init_weights()`` would re-tie weights that sharding has already placed."""
+    hf = [m for _, m in model.named_modules() if callable(getattr(m, "initialize_weights", None))
+          and callable(getattr(m, "_init_weights", None))]
+    outer = [m for m in hf if not any(o is not m and any(c is m for c in o.modules()) for o in hf)]
+    if outer:
+        return lambda: [m.initialize_weights() for m in outer]
+    if callable(getattr(model, "init_weights", None)):
+        return model.init_weights
+    raise ValueError(
+        f"init=meta: {type(model).__name__} has no init_weights() method to initialise its parameters after they "
+        "are sharded; add one (it must fill every parameter and non-persistent buffer in place, as after "
+        "model.to_empty(device=...)), or plan with init='full' (every rank then builds the whole model first)"
+    )
+
+
+@torch.no_grad()
+def materialize(part: nn.Module, index: int, plan: dict, device: torch.device) -> None:
+    """Allocate ``part``'s (sharded) meta parameters and buffers on ``device`` and initialise them with the model's
+    own init, seeded alike on every rank so that replicated weights agree (DTensor's RNG tracker offsets sharded
+    ones on GPUs; on CPU each shard draws from the same seed). ``to_empty`` swaps tensors in place so weights tied
+    within the part stay one parameter. Nothing to do when the part holds no meta tensor."""
+    if not any(t.is_meta for t in [*part.parameters(), *part.buffers()]):
+        return
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        part.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    torch.manual_seed(plan["seed"] + index)
+    with ShardSeeds(plan["seed"] + index) if device.type == "cpu" else contextlib.nullcontext():
+        find_init(part)()
+
+
+class ShardSeeds(TorchDispatchMode):
+    """CPU only (DTensor's random ops have an RNG tracker on GPUs alone): a random fill of a sharded DTensor draws
+    from a generator seeded by the shard's mesh coordinates, so shards differ (one seed everywhere would repeat the
+    same block in every shard) while copies of a shard on other ranks agree; the main stream, which replicated
+    parameters draw from, is left where it was, the same on every rank."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.seed, self.calls = seed, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else None
+        if isinstance(target, DTensor) and torch.Tag.nondeterministic_seeded in func.tags:
+            coords = target.device_mesh.get_coordinate() or []
+            key = tuple(c for c, placement in zip(coords, target.placements) if placement.is_shard())
+            if key:
+                self.calls += 1
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(hash((self.seed, self.calls, key)) % 2**63)
+                    return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+@torch.no_grad()
+def sync_tied_weights(par: Parallel) -> None:
+    """After meta init, make every copy of a weight tied across pipeline stages equal to the first stage's: copy
+    within this rank's parts, then broadcast over the embedding group from its first member."""
+    for tie, group in zip(par.plan["tied"], par.tied_groups):
+        copies = {}
+        for part in par.parts:
+            for name in tie["names"]:
+                p = _local_parameter(part, name)
+                if p is not None:
+                    copies.setdefault(id(p), p.to_local() if isinstance(p, DTensor) else p)
+        if not copies:
+            continue
+        first, *rest = copies.values()
+        for other in rest:
+            other.copy_(first)
+        if group is not None:
+            dist.broadcast(first, src=dist.get_global_rank(group, 0), group=group)
+            for other in rest:
+                other.copy_(first)
 
 
 def block_list(part: nn.Module, plan: dict) -> nn.ModuleList:

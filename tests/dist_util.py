@@ -118,6 +118,9 @@ def _main(manifest: str) -> None:
     cases = json.loads(Path(manifest).read_text())
     for case in cases:
         out = Path(case["out"])
+        if case.get("meta"):
+            _meta_case(case, out)
+            continue
         # 1. The emitted script, imported as a module.
         mod = load_script(case["script"], f"emitted_{case['name']}")
         par, losses = mod.train(case["steps"])
@@ -143,6 +146,53 @@ def _main(manifest: str) -> None:
         torch.save({"losses": losses, "params": params}, out / f"{case['name']}.apply.rank{rank}.pt")
         dist.barrier()
     dist.destroy_process_group()
+
+
+def _local_numel(par) -> int:
+    """Parameter elements this rank holds (local shards of DTensors; a shared parameter once)."""
+    from torch.distributed.tensor import DTensor
+
+    seen = {id(p): p for part in par.parts for p in part.parameters()}
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in seen.values())
+
+
+def _meta_case(case: dict, out: Path) -> None:
+    """An init=meta script: its weights right after `parallelize` (is the model built on meta? how many parameter
+    elements does this rank hold?), then its losses over ``steps``; and `auto_parallelize(init="meta")`'s losses."""
+    import torch.distributed as dist
+
+    from planner import runtime
+    from planner.apply import auto_parallelize
+    from planner.plan import Plan
+    from profiler.zoo.registry import resolve_model
+
+    mod = load_script(case["script"], f"emitted_{case['name']}")
+    built = []
+    build = mod.build_model
+
+    def watched():
+        model = build()
+        built.append(all(t.is_meta for t in [*model.parameters(), *model.buffers()]))
+        return model
+
+    mod.build_model = watched
+    par, _ = mod.train(0)
+    rank = dist.get_rank()
+    result = {"init": mod.full_parameters(par), "local_numel": _local_numel(par), "built_meta": all(built)}
+    del par
+    _, result["losses"] = mod.train(case["steps"])
+    plan = Plan.load(case["plan"])
+    with torch.device("meta"):
+        model = build()
+    inputs = resolve_model(plan.model).build(batch=1, seq=plan.seq, device="meta")[1]
+    handle = auto_parallelize(model, inputs, plan=plan, optimizer=mod.PLAN["optimizer"], lr=mod.PLAN["lr"], init="meta")
+    result["apply_losses"] = [
+        handle.step(runtime.synthetic_batch(step, batch=plan.global_batch, seq=plan.seq, vocab=mod.VOCAB,
+                                            seed=mod.PLAN["seed"]))
+        for step in range(case["steps"])
+    ]
+    torch.save(result, out / f"{case['name']}.meta.rank{rank}.pt")
+    dist.barrier()
 
 
 if __name__ == "__main__":

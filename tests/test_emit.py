@@ -197,3 +197,48 @@ def test_low_precision_is_noted_and_fp8_refused():
     assert "# precision=bf16 applies on GPUs only" in text
     with pytest.raises(ValueError, match="float8 training needs torchao"):
         emit(make_plan(GPT, 2, dp=2, precision="fp8"))
+
+
+def test_big_model_emits_meta_init_and_small_full():
+    import dataclasses
+
+    big = dataclasses.replace(make_plan("gpt3-175b", 96, dp=8, zero=3), cluster="dgx-h100")
+    text = emit(big)
+    assert '"init": "meta"' in text and "# init=meta: 650.4 GiB of fp32 parameters > a quarter of the 80 GiB" in text
+    assert "part.to_empty(" in text and "find_init(" in text
+    small = emit(make_plan(GPT, 2, dp=2))
+    assert '"init": "full"' in small and "# init=full:" in small and "part.to_empty(" not in small
+    assert '"init": "meta"' in emit(make_plan(GPT, 2, dp=2), init="meta")
+    with pytest.raises(ValueError, match="init="):
+        emit(make_plan(GPT, 2, dp=2), init="lazy")
+
+
+def test_meta_init_without_init_weights_is_refused():
+    from torch import nn
+
+    from planner.runtime import find_init
+
+    with pytest.raises(ValueError, match="has no init_weights"):
+        find_init(nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_meta_init_of_hf_model_recomputes_rotary_buffers():
+    """One process: a Hugging Face Llama built on meta, materialised and initialised as a rank would."""
+    import torch
+
+    from planner.runtime import materialize
+    from profiler.zoo.registry import resolve_model
+
+    source = resolve_model(HF_LLAMA)
+    torch.manual_seed(0)
+    full, _ = source.build(batch=1, seq=32, device="cpu")
+    with torch.device("meta"):
+        meta = full.__class__(type(full.model)(full.model.config))
+    materialize(meta, 0, {"seed": 0}, torch.device("cpu"))
+    got, ref = dict(meta.named_parameters()), dict(full.named_parameters())
+    assert set(got) == set(ref)
+    for name, p in ref.items():
+        assert abs(got[name].std().item() - p.std().item()) <= 0.1 * p.std().item() + 1e-7, name
+    buffers = dict(full.named_buffers())
+    for name, b in meta.named_buffers():
+        assert torch.equal(b, buffers[name]), name  # inv_freq recomputed, not left as garbage

@@ -10,6 +10,7 @@ computed before the third update) are compared at 1e-4 and its updates at 0.5.
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -78,6 +79,17 @@ CASES = {
     "pp2_tp2": (4, lambda: make_plan(LLAMA4, 4, pp=2, tp=2, mbs=2, schedule="1f1b"), EXACT),
 }
 
+#: init=meta (built on the meta device, each rank initialises its shards): name → (world, plan). Run in the same
+#: launches; checked for training, agreement of replicas, init statistics and what each rank allocates.
+META_CASES = {
+    "meta_ddp": (2, lambda: make_plan(GPT, 2, dp=2)),
+    "meta_fsdp_tied": (2, lambda: make_plan(GPT, 2, dp=2, zero=3)),
+    "meta_tp_sp_tied": (2, lambda: make_plan(GPT, 2, tp=2, sp=True)),
+    "meta_pp_1f1b_tied": (2, lambda: make_plan(GPT, 2, pp=2, mbs=2, schedule="1f1b")),
+    "meta_pp2_fsdp2_tied": (4, lambda: make_plan(GPT, 2, pp=2, dp=2, zero=3, schedule="1f1b")),
+}
+META_STEPS = 8
+
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
@@ -95,6 +107,13 @@ def matrix(tmp_path_factory):
         by_world.setdefault(world, []).append({"name": name, "script": str(script), "plan": str(work / f"{name}.yaml"),
                                                "steps": STEPS, "out": str(out)})
         refs[name] = dist_util.reference(script, STEPS)
+    for name, (world, make) in META_CASES.items():
+        plan = make()
+        script = write_script(plan, work / f"{name}.py", steps=META_STEPS, optimizer="adamw", lr=1e-2, init="meta")
+        plan.save(work / f"{name}.yaml")
+        by_world.setdefault(world, []).append({"name": name, "script": str(script), "plan": str(work / f"{name}.yaml"),
+                                               "steps": META_STEPS, "out": str(out), "meta": True})
+        refs[name] = dist_util.reference(write_script(plan, work / f"{name}_full.py", init="full"), 0)
     timing = {"emit_and_reference_s": time.perf_counter() - start}
     failures = {}
     for world, cases in sorted(by_world.items()):
@@ -116,3 +135,48 @@ def test_matches_one_process(matrix, name, mode):
     got = dist_util.merged(out, f"{name}.{mode}", world)
     problems = dist_util.compare(got, refs[name], loss_rtol=loss_rtol, delta_rtol=delta_rtol)
     assert not problems, f"{name} via {mode}:\n" + "\n".join(problems[:10])
+
+
+@pytest.mark.parametrize("name", list(META_CASES))
+def test_meta_init(matrix, name):
+    """init=meta trains; replicas agree right after init; each parameter's std is within 10 % of the seeded full
+    build's; the model is built on meta and no rank holds more than 1/world of it plus its replicated parts."""
+    import torch
+
+    out, refs, failures = matrix
+    world, make = META_CASES[name]
+    if world in failures:
+        pytest.fail(failures[world])
+    plan = make()
+    ranks = [torch.load(out / f"{name}.meta.rank{r}.pt") for r in range(world)]
+    full = refs[name]["init"]
+    init: dict = {}
+    for r, got in enumerate(ranks):
+        assert got["built_meta"], f"rank {r} built real weights"
+        losses = got["losses"]
+        assert losses == ranks[0]["losses"] and len(losses) == META_STEPS
+        assert all(math.isfinite(x) for x in losses) and sum(losses[-3:]) < 0.95 * sum(losses[:3]), losses
+        assert got["apply_losses"] == pytest.approx(losses, rel=1e-5), "auto_parallelize(init='meta') differs"
+        for key, value in got["init"].items():
+            if key in init:
+                assert torch.equal(value, init[key]), f"rank {r}: replicated copy of {key} differs after init"
+            init[key] = value
+    assert set(init) == set(full)
+    for key, ref in full.items():
+        got_std, ref_std = init[key].std().item(), ref.std().item()
+        assert abs(got_std - ref_std) <= 0.1 * ref_std + 1e-7, f"{key}: std {got_std:.4g} vs full init {ref_std:.4g}"
+        assert abs(init[key].mean().item() - ref.mean().item()) <= 0.1 * ref_std + 1e-7 + 0.1 * abs(ref.mean())
+        value = init[key]
+        for dim in range(value.dim() if ref_std > 0 else 0):  # shards drew different numbers (not one block repeated)
+            half = value.shape[dim] // 2
+            assert not torch.equal(value.narrow(dim, 0, half), value.narrow(dim, half, half)), f"{key}: repeated"
+    total = sum(p.numel() for p in full.values())
+    c = plan.config
+    if c.dp > 1 and c.zero == 0 and c.tp == 1:
+        replicated = total  # DDP: every rank holds the whole model by design (materialised just before DDP)
+    else:  # embedding, head, norms and biases are not split by tensor/pipeline parallelism
+        replicated = sum(p.numel() for k, p in full.items() if not k.startswith("layers.") or p.dim() == 1)
+    for r, got in enumerate(ranks):
+        assert got["local_numel"] <= total / world + replicated, (r, got["local_numel"], total, replicated)
+        if replicated < total:
+            assert got["local_numel"] < total, f"rank {r} holds the whole model"

@@ -68,9 +68,11 @@ PLAN = {
     "optimizer": "adamw",
     "lr": 0.001,
     "seed": 0,
+    "init": "full",
 }
 STEPS = 10
 VOCAB = 128
+# init=full: 0.00 GiB of fp32 parameters ≤ 2 GiB on CPU: every rank builds the whole model, seeded
 
 
 # --- The model ---
@@ -344,6 +346,7 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
     """Build the model with ``build_model()`` after seeding, and apply the plan to it (see the module docstring)."""
     device = current_device()
     torch.manual_seed(plan["seed"])  # identical weights on every rank, and in a one-process reference run
+    # 0. The model: real weights on every rank, or (large models) shapes only, materialised after sharding.
     model = build_model().to(device)
     # 1. Pipeline split: this rank's (virtual) stages, each a copy of the model keeping only the blocks it owns;
     #    without pipeline parallelism the whole model is the one local part.
