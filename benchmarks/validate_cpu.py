@@ -1,6 +1,6 @@
 """Closed-loop acceptance on cpu-local: measure ≥ 6 plans, recalibrate once, re-plan, and print the table.
 
-    python benchmarks/validate_cpu.py [--steps 4] [--out cpu_recalibrated.yaml] [--json results.json]
+    python benchmarks/validate_cpu.py [--steps 4] [--out /tmp/cpu_recalibrated.yaml] [--json results.json]
 
 Model: a 4-block Llama-style decoder (hidden 256, 8 heads, seq 128, vocab 1024; untied head, so the pipeline plans
 run: the zoo GPT ties its head to the embedding, which cannot span pipeline ranks). Global batch 8, 2 gloo ranks
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--out", default="cpu_recalibrated.yaml", help="recalibrated cluster file")
+    ap.add_argument("--out", default="/tmp/cpu_recalibrated.yaml", help="recalibrated cluster file")
     ap.add_argument("--json", help="also write the results as JSON here")
     args = ap.parse_args(argv)
 
