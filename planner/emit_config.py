@@ -158,6 +158,9 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
     if c.precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision={c.precision} is not supported yet: float8 training needs torchao (the cost "
                          "model predicts fp8 only); re-plan with --fix precision=bf16")
+    if c.zero == 1 and c.tp > 1 and c.dp > 1:
+        raise ValueError("zero=1 with tp>1 is not supported yet (ZeroRedundancyOptimizer takes no DTensor "
+                         "parameters); re-plan with --fix zero=2 or tp=1")
     if c.pp > 1 and plan.grad_accum < c.pp:
         raise ValueError(f"pp={c.pp} needs at least {c.pp} micro-batches, but global_batch/(dp·mbs) = "
                          f"{plan.grad_accum}; raise global_batch or lower mbs")

@@ -157,10 +157,11 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
         # 4. Pipeline-boundary compression: bf16 activations (and their gradients) between stages.
         if plan["pp"] > 1 and plan["pp_compress"] == "bf16":
             apply_pp_compress(part, index, plan)
-        # 5. Data parallel, wrapping what the steps above built: DDP with a comm hook, or FSDP2 by ZeRO stage.
+        # 5. Data parallel, wrapping what the steps above built: DDP with a comm hook (ZeRO 0, and ZeRO 1 whose
+        #    optimizer state `build_optimizer` shards), or FSDP2 for ZeRO 2/3.
         if plan["dp"] > 1 and plan["zero"] == 0 and plan["tp"] > 1:
             module = apply_dp_allreduce(part, plan, mesh["dp"])
-        elif plan["dp"] > 1 and plan["zero"] == 0:
+        elif plan["dp"] > 1 and plan["zero"] <= 1:
             if plan["init"] == "meta":
                 materialize(part, index, plan, device)  # DDP takes real tensors (each dp rank holds the whole part)
             module = apply_ddp(part, plan, mesh["dp"])
@@ -553,16 +554,22 @@ def build_pipeline(par: Parallel) -> None:
 
 def autocast(plan: dict, device: torch.device):
     """Mixed precision for DDP/pipeline runs on GPUs (FSDP casts through its policy; CPU runs stay fp32)."""
-    if device.type != "cuda" or plan["precision"] == "fp32" or (plan["dp"] > 1 and plan["zero"] > 0):
+    if device.type != "cuda" or plan["precision"] == "fp32" or (plan["dp"] > 1 and plan["zero"] >= 2):
         return contextlib.nullcontext()
     return torch.autocast("cuda", dtype=DTYPES[plan["precision"]])
 
 
 def build_optimizer(par: Parallel, plan: dict) -> torch.optim.Optimizer:
+    """SGD or AdamW; under ZeRO-1 wrapped in `ZeroRedundancyOptimizer`, which keeps each dp rank's share of the
+    optimizer state and broadcasts the updated parameters after its step."""
     params = [p for module in par.modules for p in module.parameters()]
-    if plan["optimizer"] == "sgd":
-        return torch.optim.SGD(params, lr=plan["lr"])
-    return torch.optim.AdamW(params, lr=plan["lr"])
+    cls = torch.optim.SGD if plan["optimizer"] == "sgd" else torch.optim.AdamW
+    if plan["dp"] > 1 and plan["zero"] == 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=par.mesh["dp"].get_group(),
+                                       lr=plan["lr"])
+    return cls(params, lr=plan["lr"])
 
 
 def train_step(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor) -> float:

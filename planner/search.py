@@ -3,8 +3,9 @@
 Candidates (`candidates`): dp·tp·pp = the cluster's GPUs; tp divides the heads and kv_heads and stays inside a
 node (tp ≤ gpus_per_node; larger tp only when no plan inside a node exists); pp·vpp ≤ the number of blocks; dp·mbs
 divides the global batch and mbs ≤ `MAX_MBS`; zero ∈ {0, 1, 2, 3} when dp > 1 (with dp = 1 they are all the
-same job: only 0); sp ∈ {off, on} when tp > 1; with pp > 1 the schedules gpipe, 1f1b, zb (vpp = 1: the cost model's
-ZB-H1 gains nothing from virtual stages) and interleaved with 2 ≤ vpp ≤ `MAX_VPP`. ``fix`` pins any key.
+same job: only 0; zero = 1 only with tp = 1, the only ZeRO-1 the emitter can run yet); sp ∈ {off, on} when
+tp > 1; with pp > 1 the schedules gpipe, 1f1b, zb (vpp = 1: the cost model's ZB-H1 gains nothing from virtual
+stages) and interleaved with 2 ≤ vpp ≤ `MAX_VPP`. ``fix`` pins any key.
 Per-layer AC and the compression of each group are the ILP's choices (``fix`` pins them too).
 
 Pruning (all exact: the winner is the optimum over the whole space unless the time limit stops the search):
@@ -127,7 +128,8 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
                 scheds += [(Schedule.INTERLEAVED, v) for v in range(2, MAX_VPP + 1) if pp * v <= n_blocks]
             for (sched, vpp) in scheds:
                 for mbs in mbss:
-                    for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
+                    # ZeRO-1 with tp > 1 is not emitted yet (ZeroRedundancyOptimizer takes no DTensor parameters)
+                    for zero in ((0, 1, 2, 3) if dp > 1 and tp == 1 else (0, 2, 3) if dp > 1 else (0,)):
                         # sp=off is dominated by sp=on (same collectives, less compute and memory) unless pinned
                         for sp in (((False, True) if "sp" in fix else (True,)) if tp > 1 else (False,)):
                             key = {"dp": dp, "tp": tp, "pp": pp, "vpp": vpp, "schedule": sched.value, "mbs": mbs,

@@ -52,6 +52,8 @@ CASES = {
     "dp": (2, lambda: make_plan(GPT, 2, dp=2), EXACT),
     "fsdp_zero3": (2, lambda: make_plan(GPT, 2, dp=2, zero=3), EXACT),
     "zero2_like": (2, lambda: make_plan(GPT, 2, dp=2, zero=2), EXACT),
+    "zero1": (2, lambda: make_plan(GPT, 2, dp=2, zero=1), EXACT),
+    "zero1_bf16_reduce": (2, lambda: make_plan(GPT, 2, dp=2, zero=1, grad_compress="bf16"), CAST),
     "tp": (2, lambda: make_plan(GPT, 2, tp=2), EXACT),
     "tp_sp": (2, lambda: make_plan(GPT, 2, tp=2, sp=True), EXACT),
     "tp_sp_llama_partial": (2, lambda: make_plan(LLAMA4, 4, tp=2, sp=True, tp_blocks={"layers.1", "layers.2"}),
