@@ -345,7 +345,8 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
         module = part  # what trains: the part itself, or its data-parallel wrapper
         # 3. Activation checkpointing, per block as the plan says.
         apply_ac(part, plan)
-        # 5. Data parallel, wrapping what the steps above built: DDP with a comm hook, or FSDP2 by ZeRO stage.
+        # 5. Data parallel, wrapping what the steps above built: DDP with a comm hook (ZeRO 0, and ZeRO 1 whose
+        #    optimizer state `build_optimizer` shards), or FSDP2 for ZeRO 2/3.
         module = apply_fsdp(part, plan, mesh["dp"])
         modules.append(module)
     par = Parallel(plan=plan, mesh=mesh, parts=parts, modules=modules, stage_indices=indices, device=device)
@@ -412,8 +413,11 @@ def autocast(plan: dict, device: torch.device):
 
 
 def build_optimizer(par: Parallel, plan: dict) -> torch.optim.Optimizer:
+    """SGD or AdamW; under ZeRO-1 wrapped in `ZeroRedundancyOptimizer`, which keeps each dp rank's share of the
+    optimizer state and broadcasts the updated parameters after its step."""
     params = [p for module in par.modules for p in module.parameters()]
-    return torch.optim.AdamW(params, lr=plan["lr"])
+    cls = torch.optim.SGD if plan["optimizer"] == "sgd" else torch.optim.AdamW
+    return cls(params, lr=plan["lr"])
 
 
 def train_step(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor) -> float:

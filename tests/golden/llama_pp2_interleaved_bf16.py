@@ -444,8 +444,11 @@ def autocast(plan: dict, device: torch.device):
 
 
 def build_optimizer(par: Parallel, plan: dict) -> torch.optim.Optimizer:
+    """SGD or AdamW; under ZeRO-1 wrapped in `ZeroRedundancyOptimizer`, which keeps each dp rank's share of the
+    optimizer state and broadcasts the updated parameters after its step."""
     params = [p for module in par.modules for p in module.parameters()]
-    return torch.optim.AdamW(params, lr=plan["lr"])
+    cls = torch.optim.SGD if plan["optimizer"] == "sgd" else torch.optim.AdamW
+    return cls(params, lr=plan["lr"])
 
 
 def train_step(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor) -> float:
