@@ -39,6 +39,7 @@ CONFIGS = {
     "DP (DDP)": "dp=2",
     "DP mbs=4": "dp=2,mbs=4",
     "FSDP (ZeRO-3)": "dp=2,zero=3,mbs=4",
+    "ZeRO-1": "dp=2,zero=1,mbs=4",
     "ZeRO-2": "dp=2,zero=2,mbs=4",
     "DP fp16 compress": "dp=2,grad_compress=fp16,mbs=4",
     "DP full AC": "dp=2,ac=full,mbs=4",

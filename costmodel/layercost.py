@@ -61,6 +61,7 @@ class LayerCost:
     fwd_flops: float  #: forward FLOPs of the whole layer (all TP ranks), for model FLOPs
     recompute_flops: float  #: recomputed FLOPs of the whole layer, for hardware FLOPs
     grad_matrices: tuple[tuple[int, int], ...]  #: local 2-D gradient shapes (for PowerSGD), others count as vectors
+    param_tensors: int = 0  #: parameter tensors the layer owns (collectives issued per tensor)
 
     @property
     def tp_comm_s(self) -> float:
@@ -226,7 +227,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     return LayerCost(
         fwd_s=fwd, bwd_s=bwd, recompute_s=rec, tp_comm_fwd_s=comm_f, tp_comm_bwd_s=comm_b + rec_comm, act_bytes=act,
         recompute_peak_bytes=rec_peak, param_numel=param_numel, fwd_flops=fwd_flops, recompute_flops=rec_flops,
-        grad_matrices=tuple(matrices),
+        grad_matrices=tuple(matrices), param_tensors=len(counted),
     )
 
 

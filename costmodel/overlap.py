@@ -3,7 +3,9 @@
 - DDP (ZeRO 0/1): gradients are all-reduced in buckets while the last micro-batch's backward runs (Li et al.
   2020, "PyTorch Distributed", §3.2.3). The part longer than that backward is exposed, and never less than the
   reduction of the last bucket (the first layer's gradients, at most the 25 MB bucket cap), which can only start
-  when the backward ends. ZeRO-1 then all-gathers the updated parameter shards (exposed).
+  when the backward ends. ZeRO-1 (torch's ZeroRedundancyOptimizer) then broadcasts the updated parameters from
+  their owners, one collective per parameter tensor: the volume of an all-gather, with a latency per tensor
+  (exposed).
 - ZeRO-2 (FSDP2 without resharding after forward): gradients are reduce-scattered per micro-batch under that
   micro-batch's backward; parameters are all-gathered once per step under the first forward.
 - ZeRO-3 (FSDP2): every micro-batch all-gathers each layer's parameters for forward and again for backward,
@@ -28,6 +30,23 @@ if TYPE_CHECKING:
 GRAD_REDUCE_BYTES = 4  #: gradients are reduced in fp32 (DDP's fp32 grads; FSDP2 reduce_dtype=float32)
 
 
+def _param_bytes(cfg) -> int:
+    return 4 if cfg.precision == "fp32" else 2
+
+
+def zero2_gather_time(params: float, ev: Evaluator) -> float:
+    """ZeRO-2 (FSDP2 without resharding): the once-per-step all-gather of a rank's parameters."""
+    return all_gather_time(params * _param_bytes(ev.cfg), ev.dp_span, ev.cluster)
+
+
+def zero1_sync_time(rank_costs: list[LayerCost], ev: Evaluator) -> float:
+    """ZeRO-1 (ZeroRedundancyOptimizer): after the step every owner broadcasts its updated parameters, one
+    collective per tensor: an all-gather's volume with one latency per tensor."""
+    params = sum(c.param_numel for c in rank_costs)
+    n = max(1, sum(c.param_tensors for c in rank_costs))
+    return n * all_gather_time(params * _param_bytes(ev.cfg) / n, ev.dp_span, ev.cluster)
+
+
 def _hidden(comm: float, window: float, slowdown: float) -> tuple[float, float]:
     """(exposed, slowdown cost) of ``comm`` seconds overlapped with ``window`` seconds of compute."""
     return max(0.0, comm - window), slowdown * min(comm, window)
@@ -49,7 +68,7 @@ def dp_exposed(rank_costs: list[LayerCost], ev: Evaluator) -> tuple[float, float
         # reduce-scatter per micro-batch hidden under backward (counted here once, for the last micro-batch);
         # the once-per-step all-gather hides under the first forward
         rs = reduce_scatter_time(params * GRAD_REDUCE_BYTES, span, cluster)
-        ag = all_gather_time(params * 2, span, cluster)
+        ag = zero2_gather_time(params, ev)
         fwd = sum(c.fwd_s for c in rank_costs)
         e1, s1 = _hidden(rs, window, slow)
         e2, s2 = _hidden(ag, fwd, slow)
@@ -58,7 +77,7 @@ def dp_exposed(rank_costs: list[LayerCost], ev: Evaluator) -> tuple[float, float
     exposed, slowdown = _hidden(comm, window, slow)
     exposed = max(exposed, last) + slowdown
     if cfg.zero == 1:
-        exposed += all_gather_time(params * 2, span, cluster)
+        exposed += zero1_sync_time(rank_costs, ev)
     return exposed, encode
 
 
@@ -86,5 +105,5 @@ def optimizer_time(params: float, ev: Evaluator) -> float:
     return local * per / (dev.hbm_bw * dev.memory_eff)
 
 
-__all__ = ["dp_exposed", "fsdp_exposed", "optimizer_time", "GRAD_REDUCE_BYTES", "DDP_BUCKET_BYTES",
+__all__ = ["dp_exposed", "fsdp_exposed", "optimizer_time", "zero1_sync_time", "zero2_gather_time", "GRAD_REDUCE_BYTES", "DDP_BUCKET_BYTES",
            "all_reduce_time"]

@@ -62,7 +62,7 @@ from costmodel.compression import compressed_grad_comm
 from costmodel.config import AC, ParallelConfig, parse_grad_compress
 from costmodel.estimate import Estimate, Evaluator
 from costmodel.memory import DDP_BUCKET_BYTES, FRAGMENTATION, RUNTIME_RESERVED_BYTES, inflight
-from costmodel.overlap import GRAD_REDUCE_BYTES, optimizer_time
+from costmodel.overlap import GRAD_REDUCE_BYTES, optimizer_time, zero1_sync_time, zero2_gather_time
 from planner.ilp_data import (  # noqa: F401 - re-exported: the ILP's data and options
     AC_ORDER,
     GRAD_OPTIONS,
@@ -288,7 +288,7 @@ class Model:
         span, cl, sl = ev.dp_span, ev.cluster, d.slow
         rs, _, _ = self.tab(r, lambda n: self._t(reduce_scatter_time(self._params(r, n) * GRAD_REDUCE_BYTES,
                                                                       span, cl)))
-        ag, _, _ = self.tab(r, lambda n: self._t(all_gather_time(self._params(r, n) * 2, span, cl)))
+        ag, _, _ = self.tab(r, lambda n: self._t(zero2_gather_time(self._params(r, n), ev)))
         e1 = self.dp_excess[r, "rs"] = s.NumVar(0, self.inf, f"zero2_excess[{r},rs]")
         e2 = self.dp_excess[r, "ag"] = s.NumVar(0, self.inf, f"zero2_excess[{r},ag]")
         s.Add(e1 >= rs - self._window(r, lambda x: self._t(x.bwd_s + x.recompute_s)))
@@ -326,8 +326,7 @@ class Model:
         expr = sl * c_expr + g + enc
         hi = sl * c_hi + max((1 - sl) * m_up, tail) + enc_hi
         if d.cfg.zero == 1:
-            span, cl = d.ev.dp_span, d.ev.cluster
-            ag, _, ag_hi = self.tab(r, lambda n: self._t(all_gather_time(self._params(r, n) * 2, span, cl)))
+            ag, _, ag_hi = self.tab(r, lambda n: self._t(zero1_sync_time(_rank_layer_costs(d, r, n), d.ev)))
             expr, hi = expr + ag, hi + ag_hi
         return expr, hi
 

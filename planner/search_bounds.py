@@ -257,10 +257,11 @@ class Bounds:
         if cfg.dp == 1 or cfg.zero == 3:
             return finish
         span, cl, sl = ev.dp_span, self.cluster, self.cluster.device.overlap_slowdown
+        pbytes = 4 if cfg.precision == "fp32" else 2
         fw, wb = g.fwd / p, (g.bwd + g.fwd) / p
         if cfg.zero == 2:
             rs = reduce_scatter_time(P * GRAD_REDUCE_BYTES, span, cl)
-            ag = all_gather_time(P * 2, span, cl)
+            ag = all_gather_time(P * pbytes, span, cl)
             return finish + (1 - sl) * (max(0.0, rs - wb) + max(0.0, ag - fw)) + sl * (rs + ag)
         dev = cl.device
         mem_bw = dev.hbm_bw * dev.memory_eff
@@ -281,8 +282,8 @@ class Bounds:
             enc = flops / (dev.peak(dtype) * max(dev.matmul_eff.e_max, 1e-12)) + 12 * mat / mem_bw
             options.append((comm, all_reduce_time(min(last_elems, 1.0) * 4, span, cl), enc))
         exposed = min(max(sl * c, last, c - (1 - sl) * wb) + enc for c, last, enc in options)
-        if cfg.zero == 1:
-            exposed += all_gather_time(P * 2, span, cl)
+        if cfg.zero == 1:  # one all-gather: a lower bound of ZeroRedundancyOptimizer's per-tensor broadcasts
+            exposed += all_gather_time(P * pbytes, span, cl)
         return finish + exposed
 
     # ---------------------------------------------------------------------------------------------- memory
