@@ -19,10 +19,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from costmodel.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
+from costmodel.collectives import all_gather_time, reduce_scatter_time
 from costmodel.compression import compressed_grad_comm
 from costmodel.layercost import LayerCost
-from costmodel.memory import DDP_BUCKET_BYTES
 
 if TYPE_CHECKING:
     from costmodel.estimate import Evaluator
@@ -103,7 +102,3 @@ def optimizer_time(params: float, ev: Evaluator) -> float:
     per = 28 if cfg.precision == "fp32" else 30
     dev = ev.cluster.device
     return local * per / (dev.hbm_bw * dev.memory_eff)
-
-
-__all__ = ["dp_exposed", "fsdp_exposed", "optimizer_time", "zero1_sync_time", "zero2_gather_time", "GRAD_REDUCE_BYTES", "DDP_BUCKET_BYTES",
-           "all_reduce_time"]
