@@ -21,7 +21,8 @@ Pruning (all exact: the winner is the optimum over the whole space unless the ti
 - ILP cutoffs: a candidate that may win is solved with the constraint "step ≤ the best known" (INFEASIBLE proves
   it cannot win, usually in well under a second); one whose bound already reaches the best can only be a
   runner-up and is solved with the cutoff of the (top_k + 1)-th best known within `ALT_TIME_S` (a runner-up cut
-  short keeps its own gap; the winner's proof does not depend on it).
+  short keeps its own gap; the winner's proof does not depend on it); once `ALT_TOTAL_S` has gone into such
+  runner-ups, the remaining ones keep their greedy plans as alternatives (counted in ``alt_greedy``).
 
 Dominance (kept unless ``fix`` pins the key): GPipe is dominated by 1F1B (φ = 1 for both, GPipe holds m ≥ p − r
 micro-batches in flight: same time, more memory); 1F1B by ZB-H1 (costmodel.memory gives it 1F1B's in-flight
@@ -55,6 +56,7 @@ from profiler.graph import LayerGraph
 MAX_MBS = 16  #: largest micro-batch tried (a divisor of global_batch / dp)
 MAX_VPP = 8  #: most virtual stages per pipeline rank tried with the interleaved schedule
 ALT_TIME_S = 2.0  #: time limit of the ILP of a candidate that can only be a runner-up (it cannot beat the best)
+ALT_TOTAL_S = 3.0  #: total seconds for runner-up ILPs; later runner-ups keep their greedy plan (never the winner)
 SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE, Schedule.INTERLEAVED)
 FIXABLE = ("dp", "tp", "pp", "vpp", "mbs", "schedule", "zero", "sp", "ac", "grad_compress", "pp_compress",
            "precision", "cp", "ep")
@@ -89,6 +91,7 @@ class SearchResult:
     gap: float  #: the winner's ILP gap (0 when proved optimal)
     incumbents: int = 0  #: greedy plans evaluated before any ILP (upper bounds for pruning)
     cut_off: int = 0  #: ILPs proved infeasible under the cutoff "step ≤ the (top_k + 1)-th best known plan"
+    alt_greedy: int = 0  #: runner-up candidates left at their greedy plan once `ALT_TOTAL_S` was spent
 
 
 # ------------------------------------------------------------------------------------------------ candidates
@@ -210,7 +213,8 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
     kw = _ilp_options(fix)
     bounds = Bounds(lg, cluster, global_batch, cache, grad_opts=kw.get("grad_opts", ilp.GRAD_OPTIONS))
     stats = {"candidates": 0, "pruned": 0, "pruned_memory": 0, "solved": 0, "infeasible": 0, "incumbents": 0,
-             "cut_off": 0}
+             "cut_off": 0, "alt_greedy": 0}
+    alt_spent = 0.0  # seconds of runner-up-only ILPs
     smallest: list = []  # (memory bound, cfg) of the candidate closest to fitting
     known: dict[int, ilp.Solution] = {}  # live index → its best known plan: a greedy incumbent, then the ILP's
     solved: list[float] = []  # objectives of the solved ILPs, ascending
@@ -273,6 +277,9 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
                 open_bound = min([tight(done)] + [live[j][0] for j in range(done + 1, len(live))])
                 stats["pruned"] += len(live) - done
                 break
+            if best_known and tight(done) >= best_known[0] and alt_spent >= ALT_TOTAL_S:
+                stats["alt_greedy"] += 1  # cannot win; the runner-up budget is spent: its greedy plan stays
+                continue
             sol, may_win = None, False
             try:
                 if not best_known or tight(done) < best_known[0]:
@@ -289,8 +296,12 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
                     # a runner-up at best: solved with the cutoff of the (top_k + 1)-th best known plan, within
                     # ALT_TIME_S (a time-limited runner-up keeps its own gap; the winner's proof is unaffected)
                     cut = kth(best_known)
-                    sol = ilp.solve(lg, cluster, cfg, global_batch, time_limit=max(min(left, ALT_TIME_S), 0.1),
-                                    cost_cache=cache, cutoff=None if cut == float("inf") else cut, **kw)
+                    t_alt = time.perf_counter()
+                    try:
+                        sol = ilp.solve(lg, cluster, cfg, global_batch, time_limit=max(min(left, ALT_TIME_S), 0.1),
+                                        cost_cache=cache, cutoff=None if cut == float("inf") else cut, **kw)
+                    finally:
+                        alt_spent += time.perf_counter() - t_alt
             except ilp.CutOff:  # proved slower than the (top_k + 1)-th best known plan: cannot matter
                 stats["cut_off"] += 1
                 continue
