@@ -431,7 +431,10 @@ def make_plan(lg: LayerGraph, cluster: Cluster, global_batch: int, result: Searc
               "pruned": result.pruned, "solved": result.solved, "infeasible": result.infeasible,
               "backend": result.backend}
     alternatives = tuple({"config": a.solution.config.to_dict(), "predicted": a.solution.estimate.to_json(),
-                          "lost_by": a.lost_by, "lost_by_s": a.lost_by_s} for a in result.alternatives)
+                          "lost_by": a.lost_by, "lost_by_s": a.lost_by_s,
+                          # "ilp": the best plan of its configuration; "greedy": a feasible plan of it, not proved
+                          "solved_by": "greedy" if a.solution.backend == GREEDY else "ilp"}
+                         for a in result.alternatives)
     return Plan(model=model, fingerprint=lg.model.fingerprint, seq=lg.model.seq, global_batch=global_batch,
                 cluster=cluster_spec, config=cfg, layers=layers, stages=stages, predicted=best.estimate.to_json(),
                 solver=solver, alternatives=alternatives,
