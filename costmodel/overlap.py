@@ -6,8 +6,9 @@
   when the backward ends. ZeRO-1 (torch's ZeroRedundancyOptimizer) then broadcasts the updated parameters from
   their owners, one collective per parameter tensor: the volume of an all-gather, with a latency per tensor
   (exposed).
-- ZeRO-2 (FSDP2 without resharding after forward): gradients are reduce-scattered per micro-batch under that
-  micro-batch's backward; parameters are all-gathered once per step under the first forward.
+- ZeRO-2 (FSDP2 without resharding after forward): gradients are reduce-scattered every micro-batch under that
+  micro-batch's backward (so they stay sharded through gradient accumulation); parameters are all-gathered once
+  per step under the first forward.
 - ZeRO-3 (FSDP2): every micro-batch all-gathers each layer's parameters for forward and again for backward,
   prefetching one layer ahead, and reduce-scatters its gradients; the communication longer than the compute it
   overlaps is exposed, plus the first layer's all-gather, which nothing hides.
@@ -64,14 +65,14 @@ def dp_exposed(rank_costs: list[LayerCost], ev: Evaluator) -> tuple[float, float
     if cfg.zero == 3:
         return 0.0, 0.0  # reduce-scatters happen per micro-batch, see fsdp_exposed
     if cfg.zero == 2:
-        # reduce-scatter per micro-batch hidden under backward (counted here once, for the last micro-batch);
-        # the once-per-step all-gather hides under the first forward
+        # every micro-batch reduce-scatters its gradients under its own backward (gradients stay sharded); the
+        # once-per-step all-gather hides under the first forward
         rs = reduce_scatter_time(params * GRAD_REDUCE_BYTES, span, cluster)
         ag = zero2_gather_time(params, ev)
         fwd = sum(c.fwd_s for c in rank_costs)
         e1, s1 = _hidden(rs, window, slow)
         e2, s2 = _hidden(ag, fwd, slow)
-        return e1 + e2 + s1 + s2, 0.0
+        return ev.m * (e1 + s1) + e2 + s2, 0.0
     comm, last, encode = compressed_grad_comm(rank_costs, params, first, ev)
     exposed, slowdown = _hidden(comm, window, slow)
     exposed = max(exposed, last) + slowdown

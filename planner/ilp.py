@@ -293,7 +293,7 @@ class Model:
         e2 = self.dp_excess[r, "ag"] = s.NumVar(0, self.inf, f"zero2_excess[{r},ag]")
         s.Add(e1 >= rs - self._window(r, lambda x: self._t(x.bwd_s + x.recompute_s)))
         s.Add(e2 >= ag - self._window(r, lambda x: self._t(x.fwd_s)))
-        return (1 - sl) * (e1 + e2) + sl * (rs + ag)
+        return (1 - sl) * (d.m * e1 + e2) + sl * (d.m * rs + ag)  # a reduce-scatter per micro-batch
 
     def _ddp(self, r, k):
         """(expression, upper bound) of exposed DDP reduction + encode (+ ZeRO-1 all-gather) under option k."""

@@ -262,7 +262,8 @@ class Bounds:
         if cfg.zero == 2:
             rs = reduce_scatter_time(P * GRAD_REDUCE_BYTES, span, cl)
             ag = all_gather_time(P * pbytes, span, cl)
-            return finish + (1 - sl) * (max(0.0, rs - wb) + max(0.0, ag - fw)) + sl * (rs + ag)
+            m = ev.m  # a reduce-scatter per micro-batch
+            return finish + (1 - sl) * (m * max(0.0, rs - wb) + max(0.0, ag - fw)) + sl * (m * rs + ag)
         dev = cl.device
         mem_bw = dev.hbm_bw * dev.memory_eff
         last_elems = min(g.min_first_params, 25 * 2**20 / 4)
