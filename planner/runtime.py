@@ -307,6 +307,15 @@ def _to_replicate(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
 
 
+def _gather_seq(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """Sequence-sharded local tensor → replicated DTensor for the column-parallel linears (all-gather). Kept a
+    DTensor (torchtitan's ``PrepareModuleInput(..., use_local_output=False)``) so that those linears' input gradient
+    stays Partial and this redistribution's backward reduce-scatters it: Megatron-LM's sequence parallelism, the
+    same bytes as plain TP's all-reduce (a local tensor here would be all-reduced by ``ColwiseParallel``, then
+    sliced)."""
+    return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
+
+
 def _to_shard(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Full tensor → this rank's sequence slice (no communication; backward all-gathers)."""
     return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
@@ -337,8 +346,11 @@ def apply_tp(part: nn.Module, plan: dict, tp_mesh: DeviceMesh) -> None:
     output projections (attention heads split with them: the models derive local heads from the weight shape).
 
     With sequence parallel the residual stream is sharded along the sequence inside each run of TP blocks: norms
-    run on their slice (``SequenceParallel``), the attention/MLP inputs are all-gathered, the row-parallel outputs
-    reduce-scattered; the run's first block slices its input and its last block all-gathers its output.
+    run on their slice (``SequenceParallel``), the attention/MLP inputs are all-gathered into a replicated DTensor
+    (backward: one reduce-scatter of the column-parallel linears' Partial input gradient), the row-parallel outputs
+    reduce-scattered (backward: all-gather), as in Megatron-LM and torchtitan; other arguments of those modules
+    (rotary tables, masks) pass through untouched; the run's first block slices its input and its last block
+    all-gathers its output.
     """
     sp = plan["sp"]
     if sp and plan["seq"] % plan["tp"]:
@@ -362,7 +374,7 @@ def apply_tp(part: nn.Module, plan: dict, tp_mesh: DeviceMesh) -> None:
         if sp:
             for rel in plan["sp_gather"]:
                 block.get_submodule(rel).register_forward_pre_hook(
-                    _convert_input(_to_replicate, tp_mesh), with_kwargs=True
+                    _convert_input(_gather_seq, tp_mesh), with_kwargs=True
                 )
             if i == 0 or not flags[i - 1]:
                 block.register_forward_pre_hook(_convert_input(_to_shard, tp_mesh), with_kwargs=True)
@@ -622,13 +634,9 @@ def allreduce_grads(part: nn.Module, dp: int) -> None:
 
 
 def _accumulate(module: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int, last: bool) -> torch.Tensor:
-    """Forward and backward of one micro-batch, syncing gradients only on the last one."""
-    if isinstance(module, DDP) and not last:
-        ctx = module.no_sync()
-    else:
-        ctx = contextlib.nullcontext()
-        if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
-            module.set_requires_gradient_sync(last)
+    """Forward and backward of one micro-batch. DDP syncs gradients on the last one only; FSDP2 reduce-scatters
+    every micro-batch, so that gradients stay sharded through accumulation (as the cost model assumes)."""
+    ctx = module.no_sync() if isinstance(module, DDP) and not last else contextlib.nullcontext()
     with ctx:
         loss = module(x, y)
         (loss / n).backward()

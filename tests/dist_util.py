@@ -121,6 +121,9 @@ def _main(manifest: str) -> None:
         if case.get("meta"):
             _meta_case(case, out)
             continue
+        if case.get("comm"):
+            _comm_case(case, out)
+            continue
         # 1. The emitted script, imported as a module.
         mod = load_script(case["script"], f"emitted_{case['name']}")
         par, losses = mod.train(case["steps"])
@@ -192,6 +195,60 @@ def _meta_case(case: dict, out: Path) -> None:
         for step in range(case["steps"])
     ]
     torch.save(result, out / f"{case['name']}.meta.rank{rank}.pt")
+    dist.barrier()
+
+
+class CollectiveLog:
+    """A dispatch mode recording every collective a rank issues as ``(phase, op, elements of the full tensor, bytes
+    on the wire)``: ring costs per rank, all-reduce 2·(n−1)/n·S, all-gather and reduce-scatter (n−1)/n·S of the full
+    tensor S. Sees the
+    functional collectives (DTensor redistributions) and the c10d ops (``dist.*``), forward and backward (CPU
+    backward runs in the calling thread, under the mode)."""
+
+    def __new__(cls, world: int):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.phase, self.log = "forward", []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.__name__.split(".")[0]
+                kind = next((k for k, ops in cls.OPS.items() if name in ops), None)
+                if func.namespace in ("_c10d_functional", "c10d") and kind is not None:
+                    tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+                    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+                    scale = world if kind == "all_gather" else 1  # elements and bytes of the full tensor
+                    full = sum(t.numel() * t.element_size() for t in tensors) * scale
+                    wire = full * (world - 1) / world * (2 if kind == "all_reduce" else 1)
+                    self.log.append((self.phase, kind, sum(t.numel() for t in tensors) * scale, wire))
+                return func(*args, **(kwargs or {}))
+
+        return Mode()
+
+    OPS = {"all_reduce": ("all_reduce", "all_reduce_", "allreduce_"),
+           "all_gather": ("all_gather_into_tensor", "all_gather_into_tensor_out", "allgather_", "_allgather_base_"),
+           "reduce_scatter": ("reduce_scatter_tensor", "reduce_scatter_", "_reduce_scatter_base_")}
+
+
+def _comm_case(case: dict, out: Path) -> None:
+    """The collectives of one forward and one backward of each emitted script in ``case["comm"]`` (name → path)."""
+    import torch.distributed as dist
+
+    result = {}
+    for name, script in case["comm"].items():
+        mod = load_script(script, f"comm_{name}")
+        mesh = mod.init_distributed(mod.PLAN)
+        par = mod.parallelize(mod.build_model, mod.PLAN, mesh)
+        inputs, labels = mod.get_batch(0)
+        mode = CollectiveLog(dist.get_world_size())
+        with mode:
+            loss = par.modules[0](inputs, labels)
+            mode.phase = "backward"
+            loss.backward()
+        result[name] = mode.log
+    torch.save(result, out / f"{case['name']}.rank{dist.get_rank()}.pt")
     dist.barrier()
 
 

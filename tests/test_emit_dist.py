@@ -116,6 +116,8 @@ def matrix(tmp_path_factory):
         by_world.setdefault(world, []).append({"name": name, "script": str(script), "plan": str(work / f"{name}.yaml"),
                                                "steps": META_STEPS, "out": str(out), "meta": True})
         refs[name] = dist_util.reference(write_script(plan, work / f"{name}_full.py", init="full"), 0)
+    by_world[2].append({"name": "sp_comm", "out": str(out),
+                        "comm": {name: str(work / f"{name}.py") for name in ("tp", "tp_sp")}})
     timing = {"emit_and_reference_s": time.perf_counter() - start}
     failures = {}
     for world, cases in sorted(by_world.items()):
@@ -182,3 +184,38 @@ def test_meta_init(matrix, name):
         assert got["local_numel"] <= total / world + replicated, (r, got["local_numel"], total, replicated)
         if replicated < total:
             assert got["local_numel"] < total, f"rank {r} holds the whole model"
+
+
+def test_sp_backward_reduce_scatters(matrix):
+    """Sequence parallelism as in Megatron-LM (Korthikanti et al. 2022 §4.2.2), what the cost model assumes: per TP
+    block, forward all-gather before the column-parallel linears and reduce-scatter after the row-parallel ones,
+    backward the reverse, so the backward reduce-scatters the attention/MLP input gradients (no activation-sized
+    all-reduce) and moves no more bytes than plain TP's all-reduces, plus the run's edge (the first block's input
+    slice all-gathers its gradient) and the norm weights' small all-reduces. On the 2-block GPT of case ``tp``."""
+    import torch
+
+    out, _, failures = matrix
+    if 2 in failures:
+        pytest.fail(failures[2])
+    got = torch.load(out / "sp_comm.rank0.pt")
+    batch, seq, hidden, blocks = 8, 32, 64, 2
+    act = batch * seq * hidden  # elements of the residual stream
+
+    def calls(name, phase, kind, big=True):
+        return [c for c in got[name] if c[0] == phase and c[1] == kind and (c[2] >= act) == big]
+
+    def wire(name, phase):
+        return sum(c[3] for c in got[name] if c[0] == phase)
+
+    # Plain TP: forward all-reduces each row-parallel output; backward each column-parallel linear's input gradient
+    # (wq, wk, wv, w1: ColwiseParallel takes a plain input as Replicate, so each all-reduces its own).
+    assert len(calls("tp", "forward", "all_reduce")) == 2 * blocks, got["tp"]
+    assert len(calls("tp", "backward", "all_reduce")) == 4 * blocks, got["tp"]
+    for phase in ("forward", "backward"):
+        assert not calls("tp_sp", phase, "all_reduce"), f"SP {phase} all-reduces activations: {got['tp_sp']}"
+        assert len(calls("tp_sp", phase, "reduce_scatter")) == 2 * blocks, got["tp_sp"]
+        assert len(calls("tp_sp", phase, "all_gather")) == 2 * blocks + 1, got["tp_sp"]  # + the run's edge
+        edge = act * 4 / 2  # one all-gather of the residual stream on 2 ranks, fp32
+        norms = sum(c[3] for c in calls("tp_sp", phase, "all_reduce", big=False))
+        assert all(c[2] <= hidden for c in calls("tp_sp", phase, "all_reduce", big=False))
+        assert wire("tp_sp", phase) <= wire("tp", phase) + edge + norms, (wire("tp_sp", phase), wire("tp", phase))

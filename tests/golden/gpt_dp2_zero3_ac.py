@@ -445,13 +445,9 @@ def train_step(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Te
 
 
 def _accumulate(module: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int, last: bool) -> torch.Tensor:
-    """Forward and backward of one micro-batch, syncing gradients only on the last one."""
-    if isinstance(module, DDP) and not last:
-        ctx = module.no_sync()
-    else:
-        ctx = contextlib.nullcontext()
-        if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
-            module.set_requires_gradient_sync(last)
+    """Forward and backward of one micro-batch. DDP syncs gradients on the last one only; FSDP2 reduce-scatters
+    every micro-batch, so that gradients stay sharded through accumulation (as the cost model assumes)."""
+    ctx = module.no_sync() if isinstance(module, DDP) and not last else contextlib.nullcontext()
     with ctx:
         loss = module(x, y)
         (loss / n).backward()
