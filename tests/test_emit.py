@@ -105,7 +105,16 @@ def _losses(output: str) -> list[float]:
 @pytest.mark.dist
 @pytest.mark.parametrize("which", ["gpt", "hf_llama"])
 def test_tp2_loss_decreases_over_20_steps(which, tmp_path):
-    plan = make_plan("gpt-tiny", 2, tp=2) if which == "gpt" else _hf_plan(tp=2)
+    """`autopar plan MODEL --cluster cpu-local --fix tp=2` (the real planner), then the emitted script for 20 steps
+    under torchrun: the loss falls."""
+    from planner.cli import main
+
+    spec = "gpt-tiny" if which == "gpt" else HF_LLAMA
+    plan_path = tmp_path / "plan.yaml"
+    assert main(["plan", spec, "--cluster", "cpu-local", "--fix", "tp=2", "--global-batch", "8",
+                 "--out", str(plan_path)]) == 0
+    plan = Plan.load(plan_path)
+    assert plan.config.tp == 2
     script = write_script(plan, tmp_path / "train.py", steps=20, lr=3e-3)
     result = _torchrun(script, 2, timeout=180)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
