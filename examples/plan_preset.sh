@@ -10,11 +10,12 @@ GLOBAL_BATCH=${3:-8}
 OUT=${4:-plan_out}
 AUTOPAR=${AUTOPAR:-"python -m planner"}
 mkdir -p "$OUT"
-# 1. search: the fastest plan that fits, written as YAML (solver status, bound and gap included)
-$AUTOPAR plan "$MODEL" --cluster "$CLUSTER" --global-batch "$GLOBAL_BATCH" --out "$OUT/plan.yaml"
-# 2. explain it: stages, memory per GPU, step-time breakdown, why the alternatives lost
+# 1. search the fastest plan that fits; write it as YAML (solver status, bound and gap included) and emit the
+#    training script a user would write by hand (runs with torchrun, no autopar needed)
+$AUTOPAR plan "$MODEL" --cluster "$CLUSTER" --global-batch "$GLOBAL_BATCH" --top-k 3 \
+    --out "$OUT/plan.yaml" --emit "$OUT/train.py"
+# 2. explain it: stages, memory per GPU, step-time breakdown, why the alternatives lost (and as JSON, and HTML)
 $AUTOPAR inspect "$OUT/plan.yaml"
-# 3. emit the training script a user would write by hand (runs with torchrun, no autopar needed)
-$AUTOPAR plan "$MODEL" --cluster "$CLUSTER" --global-batch "$GLOBAL_BATCH" --emit "$OUT/train.py" --json \
-    > "$OUT/plan.json"
-echo "plan: $OUT/plan.yaml  script: $OUT/train.py  (torchrun --nproc-per-node N $OUT/train.py)"
+$AUTOPAR inspect "$OUT/plan.yaml" --json > "$OUT/plan.json"
+$AUTOPAR inspect "$OUT/plan.yaml" --html "$OUT/report.html" > /dev/null
+echo "plan: $OUT/plan.yaml  report: $OUT/report.html  script: $OUT/train.py  (torchrun --nproc-per-node N $OUT/train.py)"

@@ -297,7 +297,9 @@ def train(steps: int = STEPS) -> tuple[Parallel, list[float]]:
 
 
 def main() -> None:
-    train()
+    parser = argparse.ArgumentParser(description="Train with the plan above (launch with torchrun).")
+    parser.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps (default {STEPS})")
+    train(parser.parse_args().steps)
     dist.destroy_process_group()
 
 
@@ -326,7 +328,8 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
     # full_parameters is not called by the loop: kept for saving an unsharded checkpoint (and for the tests).
     roots = _used_names(main) | _used_names(model_body) | {"full_parameters"}
     runtime_body = specialize_runtime(runtime_body, config, roots)
-    imports = ["import time", "import torch", "import torch.distributed as dist", *model_imports, *runtime_imports]
+    imports = ["import argparse", "import time", "import torch", "import torch.distributed as dist", *model_imports,
+               *runtime_imports]
     future, others = _merge_imports(imports, _used_names("\n\n".join([model_body, runtime_body, main])))
     precision_note = (
         f"\n# precision={config['precision']} applies on GPUs only (autocast or the FSDP2 policy); on CPU (gloo) "

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -17,6 +19,17 @@ def test_plan_preset_script(tmp_path):
                         "cpu-local", "4", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={**__import__("os").environ, "AUTOPAR": env_cmd})
     assert r.returncode == 0, r.stderr
-    assert (out / "plan.yaml").is_file() and (out / "plan.json").is_file()
+    assert (out / "plan.yaml").is_file() and (out / "plan.json").is_file() and (out / "report.html").is_file()
     ast.parse((out / "train.py").read_text())  # valid Python
     assert "plan:" in r.stdout
+
+
+@pytest.mark.dist
+def test_hf_model_script(tmp_path):
+    """examples/hf_model.sh: a Hugging Face Llama planned for cpu-local with tp=2, emitted, trained 3 steps."""
+    r = subprocess.run(["bash", str(ROOT / "examples/hf_model.sh"), str(tmp_path / "hf"), "3"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=240,
+                       env={**__import__("os").environ, "AUTOPAR": f"{sys.executable} -m planner"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "tp=2" in (tmp_path / "hf" / "plan.yaml").read_text().replace(" ", "").replace("tp:2", "tp=2")
+    assert r.stdout.count("[rank 0] step") == 3

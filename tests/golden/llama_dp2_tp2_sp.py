@@ -8,6 +8,7 @@ Run: torchrun --standalone --nproc-per-node 4 THIS_FILE.py
 Needs only torch (and transformers for hf: models). Edit get_batch() to train on your data.
 """
 
+import argparse
 import contextlib
 import math
 import os
@@ -581,7 +582,9 @@ def train(steps: int = STEPS) -> tuple[Parallel, list[float]]:
 
 
 def main() -> None:
-    train()
+    parser = argparse.ArgumentParser(description="Train with the plan above (launch with torchrun).")
+    parser.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps (default {STEPS})")
+    train(parser.parse_args().steps)
     dist.destroy_process_group()
 
 
