@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner import runtime
+from planner import runtime, runtime_train
 from planner.emit_config import runtime_config
 from planner.plan import Plan
 
@@ -45,11 +45,11 @@ class ParallelHandle:
         if inputs.shape[0] != self.plan.global_batch:
             raise ValueError(f"batch has {inputs.shape[0]} rows but the plan's global batch is "
                              f"{self.plan.global_batch}; pass the whole global batch on every rank")
-        return runtime.train_step(self.parallel, self.optimizer, inputs, labels)
+        return runtime_train.train_step(self.parallel, self.optimizer, inputs, labels)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, unsharded, under their original names (collective: call on every rank)."""
-        return runtime.full_parameters(self.parallel)
+        return runtime_train.full_parameters(self.parallel)
 
 
 def _load_plan(plan: Plan | str | Path | None, model: nn.Module, example_inputs, cluster: str,
@@ -97,7 +97,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str = "cpu-lo
             for tensor in [*source.parameters(), *source.buffers()]:
                 dist.broadcast(tensor.data, src=0)
     par = runtime.parallelize(lambda: source, config, mesh)
-    return ParallelHandle(parallel=par, optimizer=runtime.build_optimizer(par, config), plan=the_plan)
+    return ParallelHandle(parallel=par, optimizer=runtime_train.build_optimizer(par, config), plan=the_plan)
 
 
 def meta_copy(model: nn.Module) -> nn.Module:

@@ -1,12 +1,12 @@
 """Emit a self-contained torchrun training script for a `Plan`.
 
 The script has no autopar import: it inlines the model's source (zoo models), builds Hugging Face models from
-their config class, or loads the user's ``file.py:factory`` by path; then it inlines `planner.runtime` (the same
-functions `auto_parallelize` calls) specialised to the plan: ``if plan[...]`` branches the plan decides are
-resolved (`specialize_runtime`) and only the functions and imports still reached are kept; then the plan as a
-literal dict, a marked ``get_batch`` for the user's data, and a training loop logging loss, step time and peak
-memory per rank. Names from the model appear only as string
-literals (``repr``) inside ``PLAN``, never as identifiers.
+their config class, or loads the user's ``file.py:factory`` by path; then it inlines `planner.runtime` and
+`planner.runtime_train` (the same functions `auto_parallelize` calls) specialised to the plan: ``if plan[...]``
+branches the plan decides are resolved (`specialize_runtime`) and only the functions and imports still reached
+are kept; then the plan as a literal dict, a marked ``get_batch`` for the user's data, and a training loop
+logging loss, step time and peak memory per rank. Names from the model appear only as string literals
+(``repr``) inside ``PLAN``, never as identifiers.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from planner import __version__, runtime
+from planner import __version__, runtime, runtime_train
 from planner.emit_config import choose_init, runtime_config
 from planner.plan import Plan
 from profiler.zoo.registry import ModelSource, resolve_model
@@ -323,7 +323,12 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
     config = runtime_config(plan, model, seed=seed, optimizer=optimizer, lr=lr, init=init_mode)
     vocab = _vocab(source, model)
     model_imports, model_body = _model_section(source)
-    runtime_imports, runtime_body = _split_source(inspect.getsource(runtime))
+    runtime_imports, runtime_body = [], []
+    for module in (runtime, runtime_train):  # one body, in dependency order; imports between them dropped
+        imports_m, body_m = _split_source(inspect.getsource(module))
+        runtime_imports += [i for i in imports_m if not i.startswith("from planner")]
+        runtime_body.append(body_m)
+    runtime_body = "\n\n\n".join(runtime_body)
     main = _MAIN.strip("\n")
     # full_parameters is not called by the loop: kept for saving an unsharded checkpoint (and for the tests).
     roots = _used_names(main) | _used_names(model_body) | {"full_parameters"}
