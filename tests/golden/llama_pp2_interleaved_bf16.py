@@ -547,6 +547,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Train with the plan above (launch with torchrun).")
     parser.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps (default {STEPS})")
     train(parser.parse_args().steps)
+    dist.barrier()  # every rank done with its last collective before the process group goes away
     dist.destroy_process_group()
 
 
