@@ -137,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, KeyError) as exc:
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
-        first = str(msg).strip().splitlines()[0] if str(msg).strip() else type(exc).__name__
+    except (ValueError, FileNotFoundError) as exc:  # user input; anything else is a bug (exit 1, traceback)
+        msg = str(exc)
+        first = msg.strip().splitlines()[0] if msg.strip() else type(exc).__name__
         print(f"autopar {args.command}: error: {first}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # e.g. `autopar … --json | head`
