@@ -38,6 +38,22 @@ def pp_cast_time(nbytes_bf16: float, cluster) -> float:
     return _memory_time(3 * nbytes_bf16, cluster)
 
 
+def powersgd_volume(rank_costs, rank: int) -> tuple[float, float, float, float]:
+    """PowerSGD of ``rank`` over the layers' gradients: (compressed elements r(m + n) summed over the m×n matrices,
+    uncompressed vector elements, encode FLOPs 4mnr + 2mr², matrix elements)."""
+    compressed = vector = flops = matrix = 0.0
+    for c in rank_costs:
+        in_matrices = 0.0
+        for m, n in c.grad_matrices:
+            r = min(rank, m, n)
+            compressed += r * (m + n)
+            flops += 4 * m * n * r + 2 * m * r * r
+            in_matrices += m * n
+        matrix += in_matrices
+        vector += max(0.0, c.param_numel - in_matrices)
+    return compressed, vector, flops, matrix
+
+
 def compressed_grad_comm(rank_costs: list[LayerCost], params: float, first_layer_params: float,
                          ev: Evaluator) -> tuple[float, float, float]:
     """(all-reduce time of the rank's gradients, time of its last bucket, encode+decode time) under the
@@ -52,18 +68,7 @@ def compressed_grad_comm(rank_costs: list[LayerCost], params: float, first_layer
         return (all_reduce_time(params * 2, span, cluster), all_reduce_time(last_elems * 2, span, cluster),
                 _memory_time(12 * params, ev))
     # PowerSGD
-    matrix_elems = vector_elems = 0.0
-    compressed = 0.0
-    flops = 0.0
-    for c in rank_costs:
-        in_matrices = 0.0
-        for m, n in c.grad_matrices:
-            r = min(rank, m, n)
-            compressed += r * (m + n)
-            flops += 4 * m * n * r + 2 * m * r * r
-            in_matrices += m * n
-        matrix_elems += in_matrices
-        vector_elems += max(0.0, c.param_numel - in_matrices)
+    compressed, vector_elems, flops, matrix_elems = powersgd_volume(rank_costs, rank)
     # two rounds (P, then Q) over the compressed matrices, vectors in the first round
     p_share = 0.5 * compressed
     comm = (all_reduce_time((p_share + vector_elems) * FP32, span, cluster)

@@ -105,8 +105,6 @@ def check_config(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_b
     stages = cfg.pp * cfg.vpp
     if stages > len(lg.layers):
         raise ConfigError(f"pp·vpp = {stages} stages but the model has only {len(lg.layers)} layers")
-    if cfg.pp > 1 and len(set(b.signature for b in lg.blocks)) > 1:
-        pass  # heterogeneous blocks are fine for evaluation; the ILP handles identical blocks by counting
 
 
 def even_stages(lg: LayerGraph, n_stages: int) -> list[int]:

@@ -142,7 +142,8 @@ def _tp_comm_bytes(layer: Layer) -> tuple[float, float]:
         elif n.tp_role == "vocab" and "embedding" in n.op:
             fwd += n.output_bytes
         elif n.tp_role == "vocab":
-            bwd += n.input_shapes and _prod(n.input_shapes[0]) * _elt(n.input_dtypes[0]) or 0
+            if n.input_shapes:  # the head's input gradient
+                bwd += _prod(n.input_shapes[0]) * _elt(n.input_dtypes[0])
     return fwd, bwd
 
 

@@ -247,20 +247,26 @@ class ShardSeeds(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _tied_copies(par: Parallel, tie: dict) -> list:
+    """The distinct parameters on this rank that hold a copy of the tied weight ``tie`` (none on middle stages)."""
+    copies = {}
+    for part in par.parts:
+        for name in tie["names"]:
+            p = _local_parameter(part, name)
+            if p is not None:
+                copies.setdefault(id(p), p)
+    return list(copies.values())
+
+
 @torch.no_grad()
 def sync_tied_weights(par: Parallel) -> None:
     """After meta init, make every copy of a weight tied across pipeline stages equal to the first stage's: copy
     within this rank's parts, then broadcast over the embedding group from its first member."""
     for tie, group in zip(par.plan["tied"], par.tied_groups):
-        copies = {}
-        for part in par.parts:
-            for name in tie["names"]:
-                p = _local_parameter(part, name)
-                if p is not None:
-                    copies.setdefault(id(p), p.to_local() if isinstance(p, DTensor) else p)
+        copies = [p.to_local() if isinstance(p, DTensor) else p for p in _tied_copies(par, tie)]
         if not copies:
             continue
-        first, *rest = copies.values()
+        first, *rest = copies
         for other in rest:
             other.copy_(first)
         if group is not None:
@@ -524,16 +530,11 @@ def sync_tied_grads(par: Parallel) -> None:
     both the same dp shard (same shape, same dp rank), so summing the local gradient shards is exact.
     """
     for tie, group in zip(par.plan["tied"], par.tied_groups):
-        copies = {}
-        for part in par.parts:
-            for name in tie["names"]:
-                p = _local_parameter(part, name)
-                if p is not None:
-                    copies[id(p)] = p
+        copies = _tied_copies(par, tie)
         if not copies:
             continue  # a middle pipeline rank: no copy here
         grads = []
-        for p in copies.values():
+        for p in copies:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)

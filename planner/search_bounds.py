@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from costmodel.cluster import Cluster
 from costmodel.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
+from costmodel.compression import powersgd_volume
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.estimate import Evaluator, pipeline_factor
 from costmodel.memory import DDP_BUCKET_BYTES, FRAGMENTATION, RUNTIME_RESERVED_BYTES, inflight, state_bytes_per_param
@@ -368,17 +369,7 @@ class _Group:
 
     def powersgd(self, rank: int) -> tuple[float, float, float, float]:
         """Σ over all layers of (compressed elements, vector elements, encode FLOPs, matrix elements)."""
-        comp = vec = flops = mat = 0.0
-        for c in self.costs:
-            in_m = 0.0
-            for m_, n_ in c.grad_matrices:
-                r = min(rank, m_, n_)
-                comp += r * (m_ + n_)
-                flops += 4 * m_ * n_ * r + 2 * m_ * r * r
-                in_m += m_ * n_
-            mat += in_m
-            vec += max(0.0, c.param_numel - in_m)
-        return comp, vec, flops, mat
+        return powersgd_volume(self.costs, rank)
 
 
 def _lp_max_blocks(time_room: float, mem_room: float, opts) -> float:

@@ -126,7 +126,6 @@ def measure(model: torch.nn.Module, example_inputs, layers: LayerGraph, *, devic
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible here; use --device cpu or run on a GPU machine")
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("measure needs real weights: build the model on a real device, not 'meta'")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -140,7 +139,6 @@ def measure(model: torch.nn.Module, example_inputs, layers: LayerGraph, *, devic
             loaded = {n: LayerTime(**json.loads(p.read_text())) for n, p in hits.items()}
             return Profile(device=name, dtype=dtype, torch_version=torch.__version__, batch=batch, seq=seq,
                            layers=loaded, cached=len(loaded))
-    del params
     model = model.to(dev).train()
     inputs = [t.to(dev) for t in example_inputs]
     clock = _Clock(dev)
