@@ -236,10 +236,10 @@ def main(argv=None) -> int:
         # the catalog reads fitted.yaml when a device is first built: rebuild the clusters
         from costmodel import hardware
 
-        hardware.DEVICES._built.clear()
+        hardware.DEVICES.rebuild()
         from costmodel import cluster as cl
 
-        cl.CLUSTER_PRESETS._built.clear()
+        cl.CLUSTER_PRESETS.rebuild()
         _cluster.cache_clear()
     report(rows)
     table4()

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 FP32 = 4
 
 
-def _memory_time(nbytes: float, ev_or_cluster) -> float:
-    dev = getattr(ev_or_cluster, "cluster", ev_or_cluster).device
+def _memory_time(nbytes: float, cluster) -> float:
+    dev = cluster.device
     return nbytes / (dev.hbm_bw * dev.memory_eff)
 
 
@@ -66,7 +66,7 @@ def compressed_grad_comm(rank_costs: list[LayerCost], params: float, first_layer
                 0.0)
     if kind in ("bf16", "fp16"):
         return (all_reduce_time(params * 2, span, cluster), all_reduce_time(last_elems * 2, span, cluster),
-                _memory_time(12 * params, ev))
+                _memory_time(12 * params, cluster))
     # PowerSGD
     compressed, vector_elems, flops, matrix_elems = powersgd_volume(rank_costs, rank)
     # two rounds (P, then Q) over the compressed matrices, vectors in the first round
@@ -76,6 +76,6 @@ def compressed_grad_comm(rank_costs: list[LayerCost], params: float, first_layer
     dev = cluster.device
     dtype = "fp32" if "fp32" in dev.peak_flops else next(iter(dev.peak_flops))
     encode = flops / (dev.peak(dtype) * dev.matmul_eff(max(flops / max(len(rank_costs), 1), 1.0)))
-    encode += _memory_time(12 * matrix_elems, ev)
+    encode += _memory_time(12 * matrix_elems, cluster)
     last = all_reduce_time(min(last_elems, 1.0) * FP32, span, cluster)  # compressed tail: latency-bound
     return comm, last, encode

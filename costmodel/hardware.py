@@ -204,6 +204,10 @@ class LazyCatalog(Mapping[str, _T], Generic[_T]):
         self._factories = dict(factories)
         self._built: dict[str, _T] = {}
 
+    def rebuild(self) -> None:
+        """Forget the built entries (e.g. after new fitted constants were written); they are rebuilt on lookup."""
+        self._built.clear()
+
     def __getitem__(self, name: str) -> _T:
         if name not in self._built:
             self._built[name] = self._factories[name]()  # KeyError for unknown names, as a Mapping should
