@@ -15,6 +15,7 @@ pp group stride dp·cp·tp.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -28,12 +29,12 @@ from costmodel.hardware import DEVICES, DTYPES, DeviceSpec, EfficiencyCurve, Laz
 
 __all__ = [
     "CLUSTER_PRESETS",
-    "Spill",
     "COLLECTIVE_KINDS",
     "CPU_LOCAL_FILE",
     "Cluster",
     "GroupSpan",
     "Link",
+    "SizeCurve",
     "dump_cluster",
     "group_span",
     "list_clusters",
@@ -50,6 +51,7 @@ CPU_LOCAL_FILE = Path(__file__).parent / "data" / "cpu_local.yaml"
 GB = 1e9
 GiB = 2**30
 MiB = 2**20
+KiB = 2**10
 US = 1e-6
 
 
@@ -59,23 +61,54 @@ def _round12(x: float) -> float:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Spill:
-    """Extra per-byte cost once a message outgrows a cache: ``+ factor·max(0, S − threshold)/bandwidth`` seconds.
+class SizeCurve:
+    """A link's bus bandwidth as a curve over message size: ``B(S) = bandwidth · factor(S)``.
 
-    Only the gloo loopback fit uses it: on this machine the time per byte of gloo collectives roughly doubles once
-    buffers exceed the 32 MiB L3 (measured by gloo_bench), which a single alpha-beta line cannot follow across
-    1-64 MiB. GPU links have none (NCCL busbw is flat at large sizes).
+    Only the gloo loopback fit has one. On this machine a gloo collective's time per byte is a step-like function of
+    the message size, not a constant: buffers that fit the 1 MiB L2 of a core or the 32 MiB L3 move 1.5-3× faster
+    than buffers that do not, and the steps sit at different sizes for different collectives (gloo_bench measured
+    all_reduce 0.23 ms/MiB at 2 MiB, 0.36 at 4-8 MiB, 0.55 from 12 MiB; all_gather 0.15, 0.2-0.3, 0.75 from
+    32 MiB). NCCL-tests reports the same kind of curve (busbw per size) for GPU links, where it is flat at the large
+    sizes the presets describe, so GPU links have none.
+
+    ``factor`` is measured at ``sizes`` (bytes, in the collective's own ``nbytes`` convention, increasing). Between
+    two sizes the time per byte (``1/factor``) is interpolated linearly in log2(size); outside, the end values
+    hold. The curve only ever multiplies the bandwidth term of the alpha-beta time; the latency term is untouched.
     """
 
-    #: message size (in the collective's own ``nbytes`` convention) beyond which the extra cost applies, bytes.
-    threshold: float
-    #: the extra cost of each byte beyond ``threshold``, as a bandwidth, bytes/s.
-    bandwidth: float
+    #: message sizes of the knots, bytes, strictly increasing.
+    sizes: tuple[float, ...]
+    #: bandwidth multiplier at each size (> 0).
+    factors: tuple[float, ...]
 
     def __post_init__(self) -> None:
-        if not self.threshold >= 0 or not self.bandwidth > 0:
-            raise ValueError(f"Spill needs threshold >= 0 bytes and bandwidth > 0 bytes/s, got "
-                             f"{self.threshold!r}, {self.bandwidth!r}")
+        sizes, factors = tuple(float(x) for x in self.sizes), tuple(float(x) for x in self.factors)
+        if not sizes or len(sizes) != len(factors):
+            raise ValueError(f"SizeCurve needs as many factors as sizes (at least one), got {len(sizes)} sizes "
+                             f"and {len(factors)} factors")
+        if any(not x > 0 for x in sizes) or any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)):
+            raise ValueError(f"SizeCurve sizes must be > 0 bytes and strictly increasing, got {sizes}")
+        if any(not f > 0 for f in factors):
+            raise ValueError(f"SizeCurve factors must be > 0, got {factors}")
+        object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "factors", factors)
+
+    def factor(self, nbytes: float) -> float:
+        """The bandwidth multiplier for a message of ``nbytes`` (see the class docstring)."""
+        sizes, factors = self.sizes, self.factors
+        if nbytes <= sizes[0]:
+            return factors[0]
+        if nbytes >= sizes[-1]:
+            return factors[-1]
+        hi = next(i for i, x in enumerate(sizes) if x >= nbytes)
+        lo = hi - 1
+        w = (math.log2(nbytes) - math.log2(sizes[lo])) / (math.log2(sizes[hi]) - math.log2(sizes[lo]))
+        return 1.0 / ((1 - w) / factors[lo] + w / factors[hi])
+
+    @property
+    def fastest(self) -> float:
+        """The largest factor: ``bandwidth · fastest`` bounds the curve from above at every size."""
+        return max(self.factors)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,7 +118,8 @@ class Link:
     ``bandwidth`` is what NCCL-tests reports as busbw for a large ring all-reduce on this link, per GPU
     (so 8 GPUs × 1 NIC each at 24 GB/s effective gives an inter-node ring busbw of 8·24 = 192 GB/s, nccl#812).
     Some transports are far from uniform across collectives (gloo on loopback: all-gather moves bytes ~2-3×
-    slower than all-reduce, FINDINGS.md), so a link may override both figures per collective kind.
+    slower than all-reduce, FINDINGS.md), so a link may override both figures per collective kind, and give a
+    kind's bandwidth as a curve over message size (:class:`SizeCurve`).
     """
 
     #: what the link is, e.g. "NVLink3 + NVSwitch".
@@ -100,8 +134,8 @@ class Link:
     bandwidth_by_kind: Mapping[str, float] = field(default_factory=dict)
     #: collective kind → per-step latency, seconds, overriding ``latency`` for that kind.
     latency_by_kind: Mapping[str, float] = field(default_factory=dict)
-    #: collective kind → cache-spill term (see :class:`Spill`); none by default.
-    spill_by_kind: Mapping[str, Spill] = field(default_factory=dict)
+    #: collective kind → bandwidth curve over message size (see :class:`SizeCurve`); none by default.
+    curve_by_kind: Mapping[str, SizeCurve] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0:
@@ -110,7 +144,7 @@ class Link:
             raise ValueError(f"link {self.name!r}: latency must be >= 0 s, got {self.latency!r}")
         for label, table, ok in (("bandwidth_by_kind", self.bandwidth_by_kind, lambda v: v > 0),
                                  ("latency_by_kind", self.latency_by_kind, lambda v: v >= 0),
-                                 ("spill_by_kind", self.spill_by_kind, lambda v: isinstance(v, Spill))):
+                                 ("curve_by_kind", self.curve_by_kind, lambda v: isinstance(v, SizeCurve))):
             for kind, value in table.items():
                 if kind not in COLLECTIVE_KINDS:
                     raise ValueError(f"link {self.name!r}: {label} has unknown collective {kind!r}; "
@@ -122,7 +156,7 @@ class Link:
     def __hash__(self) -> int:
         return hash((self.name, self.bandwidth, self.latency, self.source,
                      tuple(sorted(self.bandwidth_by_kind.items())), tuple(sorted(self.latency_by_kind.items())),
-                     tuple(sorted(self.spill_by_kind.items()))))
+                     tuple(sorted(self.curve_by_kind.items()))))
 
     def bandwidth_for(self, kind: str) -> float:
         """Bus bandwidth (bytes/s) for collective ``kind``: its override if there is one, else ``bandwidth``."""
@@ -132,9 +166,20 @@ class Link:
         """Per-step latency (s) for collective ``kind``: its override if there is one, else ``latency``."""
         return self.latency_by_kind.get(kind, self.latency)
 
-    def spill_for(self, kind: str) -> Spill | None:
-        """The cache-spill term for collective ``kind``, if the link has one."""
-        return self.spill_by_kind.get(kind)
+    def curve_for(self, kind: str) -> SizeCurve | None:
+        """The bandwidth curve over message size for collective ``kind``, if the link has one."""
+        return self.curve_by_kind.get(kind)
+
+    def without_curves(self) -> Link:
+        """This link with every size curve replaced by its fastest factor: no collective is slower on it.
+
+        Its times are affine in the message size, which the search's convexity (Jensen) bounds need.
+        """
+        if not self.curve_by_kind:
+            return self
+        bandwidths = {k: self.bandwidth_for(k) * c.fastest for k, c in self.curve_by_kind.items()}
+        return replace(self, bandwidth_by_kind={**self.bandwidth_by_kind, **bandwidths}, curve_by_kind={},
+                       source=f"{self.source} (size curves at their fastest)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,6 +203,10 @@ class Cluster:
         for label, value in (("gpus_per_node", self.gpus_per_node), ("nodes", self.nodes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"cluster {self.name!r}: {label} must be an integer >= 1, got {value!r}")
+
+    def without_curves(self) -> Cluster:
+        """This cluster with both links' size curves at their fastest (:meth:`Link.without_curves`)."""
+        return replace(self, intra=self.intra.without_curves(), inter=self.inter.without_curves())
 
     @property
     def world_size(self) -> int:
@@ -335,8 +384,7 @@ class _Ctx:
 
 #: spoken names of unit-suffixed keys, so that "bandwith" suggests bw_GBps.
 _SPOKEN = {"bw_GBps": "bandwidth", "latency_us": "latency", "hbm_bw_GBps": "hbm_bandwidth", "memory_GiB": "memory",
-           "memory_GB": "memory_gb", "peak_tflops": "peak_flops", "f_half_gflop": "f_half", "spill_bw_GBps":
-           "spill_bandwidth"}
+           "memory_GB": "memory_gb", "peak_tflops": "peak_flops", "f_half_gflop": "f_half"}
 
 
 def _suggest(key: str, allowed: tuple[str, ...]) -> list[str]:
@@ -393,21 +441,20 @@ def _parse_link(ctx: _Ctx, where: str, data: Mapping[str, Any], default_name: st
     _check_keys(ctx, where, data, _LINK_KEYS)
     bandwidths: dict[str, float] = {}
     latencies: dict[str, float] = {}
-    spills: dict[str, Spill] = {}
+    curves: dict[str, SizeCurve] = {}
     by_kind = _get(ctx, data, "by_kind", dict, where, default={})
     _check_keys(ctx, f"{where}.by_kind", by_kind, COLLECTIVE_KINDS)
     for kind, entry in by_kind.items():
         kw = f"{where}.by_kind.{kind}"
         if not isinstance(entry, dict):
             raise ctx.error(f"{kw} must be a mapping with bw_GBps and/or latency_us, got {entry!r}")
-        _check_keys(ctx, kw, entry, ("bw_GBps", "latency_us", "spill_MiB", "spill_bw_GBps"))
+        _check_keys(ctx, kw, entry, ("bw_GBps", "latency_us", "size_curve"))
         if "bw_GBps" in entry:
             bandwidths[kind] = _get(ctx, entry, "bw_GBps", float, kw) * GB
         if "latency_us" in entry:
             latencies[kind] = _nonneg(ctx, entry, "latency_us", kw) * US
-        if "spill_MiB" in entry or "spill_bw_GBps" in entry:
-            spills[kind] = Spill(threshold=_nonneg(ctx, entry, "spill_MiB", kw) * MiB,
-                                 bandwidth=_get(ctx, entry, "spill_bw_GBps", float, kw) * GB)
+        if "size_curve" in entry:
+            curves[kind] = _parse_curve(ctx, f"{kw}.size_curve", _get(ctx, entry, "size_curve", dict, kw))
     return Link(
         name=_get(ctx, data, "name", str, where, default=default_name),
         bandwidth=_get(ctx, data, "bw_GBps", float, where) * GB,
@@ -415,8 +462,23 @@ def _parse_link(ctx: _Ctx, where: str, data: Mapping[str, Any], default_name: st
         source=str(data.get("source", f"from {ctx.origin}")),
         bandwidth_by_kind=bandwidths,
         latency_by_kind=latencies,
-        spill_by_kind=spills,
+        curve_by_kind=curves,
     )
+
+
+def _parse_curve(ctx: _Ctx, where: str, data: Mapping[str, Any]) -> SizeCurve:
+    _check_keys(ctx, where, data, ("sizes_KiB", "factor"))
+    lists = {}
+    for key in ("sizes_KiB", "factor"):
+        value = data.get(key)
+        if (not isinstance(value, list) or not value
+                or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 for x in value)):
+            raise ctx.error(f"{where}.{key} must be a non-empty list of positive numbers, got {value!r}")
+        lists[key] = value
+    try:
+        return SizeCurve(sizes=tuple(x * KiB for x in lists["sizes_KiB"]), factors=tuple(lists["factor"]))
+    except ValueError as exc:
+        raise ctx.error(f"{where}: {exc}") from None
 
 
 _DEVICE_KEYS = ("name", "peak_tflops", "memory_GiB", "memory_GB", "hbm_bw_GBps", "matmul_eff", "memory_eff",
@@ -497,18 +559,19 @@ def _dump_link(link: Link) -> dict[str, Any]:
     if link.source:
         out["source"] = link.source
     kinds = [k for k in COLLECTIVE_KINDS
-             if k in link.bandwidth_by_kind or k in link.latency_by_kind or k in link.spill_by_kind]
+             if k in link.bandwidth_by_kind or k in link.latency_by_kind or k in link.curve_by_kind]
     if kinds:
         out["by_kind"] = {}
         for kind in kinds:
-            entry: dict[str, float] = {}
+            entry: dict[str, Any] = {}
             if kind in link.bandwidth_by_kind:
                 entry["bw_GBps"] = _round12(link.bandwidth_by_kind[kind] / GB)
             if kind in link.latency_by_kind:
                 entry["latency_us"] = _round12(link.latency_by_kind[kind] / US)
-            if kind in link.spill_by_kind:
-                entry["spill_MiB"] = link.spill_by_kind[kind].threshold / MiB  # power of two: exact
-                entry["spill_bw_GBps"] = _round12(link.spill_by_kind[kind].bandwidth / GB)
+            if kind in link.curve_by_kind:
+                curve = link.curve_by_kind[kind]
+                entry["size_curve"] = {"sizes_KiB": [_round12(x / KiB) for x in curve.sizes],
+                                       "factor": [_round12(f) for f in curve.factors]}
             out["by_kind"][kind] = entry
     return out
 

@@ -26,15 +26,16 @@ hierarchical model (reduce-scatter in the node, all-reduce of 1/g of the data ac
 which adds the phases instead of pipelining them and so predicts ~25 % less busbw than nccl#812 measured. The ring
 moves in lock step, so each step costs the slowest hop: α = α_inter for a group that crosses nodes.
 
-A link may add a cache-spill term per kind (``cluster.Spill``; only the gloo loopback fit has one): beyond a
-threshold each byte costs extra, because host-memory copies slow down once buffers leave the L3 cache.
+A link may give a kind's bandwidth as a curve over message size (``cluster.SizeCurve``; only the gloo loopback fit
+has one: host-memory copies slow down in steps as buffers outgrow the L2 and L3 caches). A group uses the curve of
+the link its bandwidth comes from: the intra link inside a node, the inter link across nodes.
 """
 
 from __future__ import annotations
 
 import enum
 
-from costmodel.cluster import COLLECTIVE_KINDS, Cluster, GroupSpan, Spill
+from costmodel.cluster import COLLECTIVE_KINDS, Cluster, GroupSpan, SizeCurve
 
 __all__ = [
     "Collective",
@@ -63,19 +64,20 @@ assert tuple(c.value for c in Collective) == COLLECTIVE_KINDS, "Collective and c
 
 
 def ring_time(nbytes: float, n: int, bus_factor: float, steps: int, bandwidth: float, latency: float,
-              spill: Spill | None = None) -> float:
-    """Alpha-beta ring time, seconds: ``bus_factor · nbytes / bandwidth + steps · latency`` (+ the spill term).
+              curve: SizeCurve | None = None) -> float:
+    """Alpha-beta ring time, seconds: ``bus_factor · nbytes / bandwidth + steps · latency``.
 
     Hockney's model; ``bandwidth`` is a bus bandwidth in the nccl-tests sense, ``bus_factor`` the matching
     algbw→busbw factor (PERFORMANCE.md), ``steps`` the number of ring steps, each paying ``latency`` once. A
-    :class:`~costmodel.cluster.Spill` adds ``bus_factor · max(0, nbytes − threshold) / spill.bandwidth``.
+    :class:`~costmodel.cluster.SizeCurve` makes the bandwidth ``bandwidth · curve.factor(nbytes)``.
     """
     if nbytes < 0:
         raise ValueError(f"message size must be >= 0 bytes, got {nbytes!r}")
     if n <= 1 or nbytes == 0:
         return 0.0
-    extra = 0.0 if spill is None else bus_factor * max(0.0, nbytes - spill.threshold) / spill.bandwidth
-    return bus_factor * nbytes / bandwidth + steps * latency + extra
+    if curve is not None:
+        bandwidth *= curve.factor(nbytes)
+    return bus_factor * nbytes / bandwidth + steps * latency
 
 
 def _check_span(span: GroupSpan, cluster: Cluster) -> None:
@@ -102,6 +104,11 @@ def _latency(kind: Collective, span: GroupSpan, cluster: Cluster) -> float:
     return max(intra, cluster.inter.latency_for(kind.value)) if span.crosses_nodes else intra
 
 
+def _curve(kind: Collective, span: GroupSpan, cluster: Cluster) -> SizeCurve | None:
+    """The size curve of the link that carries the group: intra inside a node, inter across nodes."""
+    return (cluster.inter if span.crosses_nodes else cluster.intra).curve_for(kind.value)
+
+
 def all_reduce_time(nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
     """Ring all-reduce of ``nbytes`` per rank: ``2(n−1)/n · S/B + 2(n−1)·α`` (nccl-tests PERFORMANCE.md)."""
     n, kind = span.size, Collective.ALL_REDUCE
@@ -109,7 +116,7 @@ def all_reduce_time(nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
         return 0.0
     return ring_time(nbytes, n, 2 * (n - 1) / n, 2 * (n - 1), bus_bandwidth(kind, span, cluster),
                      _latency(kind, span, cluster),
-                     cluster.intra.spill_for(kind.value))
+                     _curve(kind, span, cluster))
 
 
 def all_gather_time(nbytes_total_output: float, span: GroupSpan, cluster: Cluster) -> float:
@@ -119,7 +126,7 @@ def all_gather_time(nbytes_total_output: float, span: GroupSpan, cluster: Cluste
         return 0.0
     return ring_time(nbytes_total_output, n, (n - 1) / n, n - 1, bus_bandwidth(kind, span, cluster),
                      _latency(kind, span, cluster),
-                     cluster.intra.spill_for(kind.value))
+                     _curve(kind, span, cluster))
 
 
 def reduce_scatter_time(nbytes_total_input: float, span: GroupSpan, cluster: Cluster) -> float:
@@ -129,7 +136,7 @@ def reduce_scatter_time(nbytes_total_input: float, span: GroupSpan, cluster: Clu
         return 0.0
     return ring_time(nbytes_total_input, n, (n - 1) / n, n - 1, bus_bandwidth(kind, span, cluster),
                      _latency(kind, span, cluster),
-                     cluster.intra.spill_for(kind.value))
+                     _curve(kind, span, cluster))
 
 
 def all_to_all_time(nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
@@ -147,7 +154,7 @@ def all_to_all_time(nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
         off_node = n - span.per_node
         bandwidth = min(bandwidth, cluster.inter.bandwidth_for(kind.value) * (n - 1) / off_node)
     return ring_time(nbytes, n, (n - 1) / n, n - 1, bandwidth, _latency(kind, span, cluster),
-                     cluster.intra.spill_for(kind.value))
+                     _curve(kind, span, cluster))
 
 
 def send_recv_time(nbytes: float, cross_node: bool, cluster: Cluster) -> float:
@@ -157,7 +164,7 @@ def send_recv_time(nbytes: float, cross_node: bool, cluster: Cluster) -> float:
     """
     link = cluster.inter if cross_node else cluster.intra
     kind = Collective.SEND_RECV.value
-    return ring_time(nbytes, 2, 1.0, 1, link.bandwidth_for(kind), link.latency_for(kind), link.spill_for(kind))
+    return ring_time(nbytes, 2, 1.0, 1, link.bandwidth_for(kind), link.latency_for(kind), link.curve_for(kind))
 
 
 def collective_time(kind: Collective | str, nbytes: float, span: GroupSpan, cluster: Cluster) -> float:

@@ -29,12 +29,13 @@ factor, s the device's overlap slowdown, T_r the per-micro-batch time of rank r,
    each at its cheapest time, over ranks carrying their fixed parts (pre/post layers, boundary transfers) with
    ≥ v blocks each: the greedy "next block to the least loaded rank" is optimal for identical items.
 3. max_r finish_r ≥ (1/p)·Σ_r finish_r ≥ f(P/p, Fw/p, Wb/p) by Jensen: finish_r is jointly convex in the rank's
-   parameters P_r > 0, forward window and backward window (ring collective times are affine in the bytes plus a
-   convex spill term) and non-increasing in the windows, so the upper bounds Fw = Σ fwd and Wb = Σ (bwd + fwd)
-   may replace them. DDP/ZeRO-1 (`costmodel.overlap.dp_exposed`): exposed = max(max(0, C − W), L) + s·min(C, W) ≥
-   max(s·C, L, C − (1 − s)·W) with C the gradient all-reduce under the compression option, L the least last
-   bucket, plus its encode time (PowerSGD's matmuls at the curve's e_max), minimised over the options; ZeRO-1 adds
-   the parameter all-gather; ZeRO-2 the two (1 − s)·max(0, ·) + s·(·) overlaps; every rank its Adam step.
+   parameters P_r > 0, forward window and backward window (ring collective times are affine in the bytes; a link's
+   size curve, which is not convex, is replaced by its fastest factor here, `Link.without_curves`, so the times stay
+   affine and never exceed the real ones) and non-increasing in the windows, so the upper bounds Fw = Σ fwd and Wb =
+   Σ (bwd + fwd) may replace them. DDP/ZeRO-1 (`costmodel.overlap.dp_exposed`): exposed = max(max(0, C − W), L) +
+   s·min(C, W) ≥ max(s·C, L, C − (1 − s)·W) with C the gradient all-reduce under the compression option, L the least
+   last bucket, plus its encode time (PowerSGD's matmuls at the curve's e_max), minimised over the options; ZeRO-1
+   adds the parameter all-gather; ZeRO-2 the two (1 − s)·max(0, ·) + s·(·) overlaps; every rank its Adam step.
 
 `Bounds.memory`: the most loaded rank's model states plus its least activations (every layer at its smallest
 mode) and temporaries; > capacity ⇒ no plan of the candidate fits.
@@ -68,6 +69,7 @@ class Bounds:
     def __init__(self, lg: LayerGraph, cluster: Cluster, global_batch: int, cost_cache: dict, *,
                  grad_opts=GRAD_OPTIONS) -> None:
         self.lg, self.cluster, self.gb, self.cache = lg, cluster, global_batch, cost_cache
+        self.affine_cluster = cluster.without_curves()  #: for the Jensen bound on the data-parallel sync
         self.grad_opts = tuple(grad_opts)  #: the gradient compressions the ILP may choose
         self._groups: dict = {}
         self._evs: dict = {}
@@ -257,7 +259,7 @@ class Bounds:
         finish = optimizer_time(P, _OptView(cfg, self.cluster))
         if cfg.dp == 1 or cfg.zero == 3:
             return finish
-        span, cl, sl = ev.dp_span, self.cluster, self.cluster.device.overlap_slowdown
+        span, cl, sl = ev.dp_span, self.affine_cluster, self.cluster.device.overlap_slowdown
         pbytes = 4 if cfg.precision == "fp32" else 2
         fw, wb = g.fwd / p, (g.bwd + g.fwd) / p
         if cfg.zero == 2:

@@ -103,7 +103,7 @@ def with_inter_bandwidth(cluster: Cluster, gbps: float) -> Cluster:
     inter = Link(name=f"{link.name} at {gbps:g} GB/s", bandwidth=gbps * GB, latency=link.latency,
                  source=f"what-if: {link.source}", latency_by_kind=dict(link.latency_by_kind),
                  bandwidth_by_kind={k: v * r for k, v in link.bandwidth_by_kind.items()},
-                 spill_by_kind=dict(link.spill_by_kind))
+                 curve_by_kind=dict(link.curve_by_kind))
     return replace(cluster, inter=inter)
 
 

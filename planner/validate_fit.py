@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from costmodel.cluster import Cluster, Link, Spill, dump_cluster
+from costmodel.cluster import Cluster, Link, dump_cluster
 from costmodel.hardware import EfficiencyCurve
 from planner.plan import Plan
 from planner.validate import Measurement, predicted_parts, repredict
@@ -54,10 +54,7 @@ def _scale_link(link: Link, bw: dict, lat: dict, note: str) -> Link:
         source=f"{link.source}; {note}" if link.source else note,
         bandwidth_by_kind={k: link.bandwidth_for(k) * bw.get(k, 1.0) for k in kinds},
         latency_by_kind={k: link.latency_for(k) * lat.get(k, 1.0) for k in kinds},
-        spill_by_kind={
-            k: Spill(threshold=s.threshold, bandwidth=s.bandwidth * bw.get(k, 1.0))
-            for k, s in link.spill_by_kind.items()
-        },
+        curve_by_kind=dict(link.curve_by_kind),  # relative to each kind's bandwidth: scales with it
     )
 
 

@@ -11,7 +11,7 @@ from costmodel.cluster import (
     CLUSTER_PRESETS,
     GroupSpan,
     Link,
-    Spill,
+    SizeCurve,
     dump_cluster,
     group_span,
     list_clusters,
@@ -152,14 +152,15 @@ device: {name: mygpu, peak_tflops: {bf16: 500, fp32: 50}, memory_GiB: 64, hbm_bw
 gpus_per_node: 4
 nodes: 2
 intra: {bw_GBps: 100, latency_us: 2,
-        by_kind: {all_gather: {bw_GBps: 50}, send_recv: {latency_us: 1, spill_MiB: 16, spill_bw_GBps: 3}}}
+        by_kind: {all_gather: {bw_GBps: 50}, send_recv: {latency_us: 1,
+                   size_curve: {sizes_KiB: [1024, 4096], factor: [2, 1]}}}}
 inter: {bw_GBps: 12.5, latency_us: 10}
 """
     c = parse_cluster_yaml(text, "custom.yaml")
     assert c.device.peak("bf16") == 500e12 and c.device.memory_bytes == 64 * 2**30
     assert c.device.matmul_eff.f_half == 1.5e9
     assert c.intra.bandwidth_for("all_gather") == 50e9 and c.intra.bandwidth_for("all_reduce") == 100e9
-    assert c.intra.spill_for("send_recv") == Spill(threshold=16 * 2**20, bandwidth=3e9)
+    assert c.intra.curve_for("send_recv") == SizeCurve(sizes=(2**20, 4 * 2**20), factors=(2.0, 1.0))
     assert parse_cluster_yaml(dump_cluster(c)) == c
 
 
@@ -199,6 +200,15 @@ def _edit(text: str, old: str, new: str) -> str:
      "cluster.yaml: unknown key 'inter.by_kind.allreduce' (did you mean 'all_reduce'?)"),
     ("inter: {bw_GBps: 48, latency_us: 8}", "inter: {bw_GBps: 48, latency_us: 8, by_kind: {all_reduce: {bw_GBps: 0}}}",
      "cluster.yaml: inter.by_kind.all_reduce.bw_GBps must be a positive number, got 0"),
+    ("inter: {bw_GBps: 48, latency_us: 8}", "inter: {bw_GBps: 48, latency_us: 8, by_kind: {all_reduce: "
+     "{size_curve: {sizes_KiB: [4, 1], factor: [1, 1]}}}}",
+     "cluster.yaml: inter.by_kind.all_reduce.size_curve: SizeCurve sizes must be > 0 bytes and strictly increasing"),
+    ("inter: {bw_GBps: 48, latency_us: 8}", "inter: {bw_GBps: 48, latency_us: 8, by_kind: {all_reduce: "
+     "{size_curve: {sizes_KiB: [4], factors: [1]}}}}",
+     "cluster.yaml: unknown key 'inter.by_kind.all_reduce.size_curve.factors' (did you mean 'factor'?)"),
+    ("inter: {bw_GBps: 48, latency_us: 8}", "inter: {bw_GBps: 48, latency_us: 8, by_kind: {all_reduce: "
+     "{size_curve: {sizes_KiB: 4, factor: [1]}}}}",
+     "cluster.yaml: inter.by_kind.all_reduce.size_curve.sizes_KiB must be a non-empty list of positive numbers"),
 ])
 def test_bad_yaml_fields_are_named(old, new, message):
     with pytest.raises(ValueError) as info:

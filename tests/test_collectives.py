@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from costmodel.cluster import COLLECTIVE_KINDS, Cluster, GroupSpan, Link, Spill, group_span, load_cluster
+from costmodel.cluster import COLLECTIVE_KINDS, Cluster, GroupSpan, Link, SizeCurve, group_span, load_cluster
 from costmodel.collectives import (
     Collective,
     all_gather_time,
@@ -92,14 +92,32 @@ def test_negative_bytes_and_oversized_groups_are_rejected(a100x2):
         all_reduce_time(1e6, GroupSpan(size=32, nodes=4, per_node=8), a100x2)
 
 
-def test_per_kind_override_and_spill():
+def test_per_kind_override_and_size_curve():
+    # all_reduce 2× faster at ≤ 1 MiB, as fast as the link at ≥ 4 MiB; time per byte interpolated in log2(size)
+    curve = SizeCurve(sizes=(2**20, 4 * 2**20), factors=(2.0, 1.0))
     link = Link(name="l", bandwidth=2e9, latency=1e-4, bandwidth_by_kind={"all_gather": 1e9},
-                spill_by_kind={"all_reduce": Spill(threshold=1e6, bandwidth=4e9)})
+                curve_by_kind={"all_reduce": curve})
     c = replace(load_cluster("dgx-h100"), intra=link)
     span = _span(2)
     assert all_gather_time(4e6, span, c) == pytest.approx(0.5 * 4e6 / 1e9 + 1e-4)
-    assert all_reduce_time(4e6, span, c) == pytest.approx(4e6 / 2e9 + 2e-4 + 3e6 / 4e9)
-    assert all_reduce_time(0.5e6, span, c) == pytest.approx(0.5e6 / 2e9 + 2e-4)
+    assert all_reduce_time(8 * 2**20, span, c) == pytest.approx(8 * 2**20 / 2e9 + 2e-4)
+    assert all_reduce_time(2**19, span, c) == pytest.approx(2**19 / 4e9 + 2e-4)
+    # 2 MiB is halfway (in log2) between the knots: time per byte halfway between 1/(2·B) and 1/B
+    assert all_reduce_time(2 * 2**20, span, c) == pytest.approx(2 * 2**20 * 0.75 / 2e9 + 2e-4)
+    # the curve at its fastest bounds every size from below (what the search's convexity bounds use)
+    fast = replace(c, intra=link.without_curves())
+    for nbytes in (1e3, 2**20, 3e6, 1e8):
+        assert all_reduce_time(nbytes, span, fast) <= all_reduce_time(nbytes, span, c)
+        assert all_gather_time(nbytes, span, fast) == all_gather_time(nbytes, span, c)
+
+
+def test_size_curve_rejects_bad_knots():
+    with pytest.raises(ValueError, match="strictly increasing"):
+        SizeCurve(sizes=(2.0, 1.0), factors=(1.0, 1.0))
+    with pytest.raises(ValueError, match="as many factors as sizes"):
+        SizeCurve(sizes=(1.0,), factors=(1.0, 2.0))
+    with pytest.raises(ValueError, match="factors must be > 0"):
+        SizeCurve(sizes=(1.0,), factors=(0.0,))
 
 
 # --- published bus bandwidths ----------------------------------------------------------------------------------
@@ -179,33 +197,28 @@ def test_crossing_nodes_never_faster(preset, size):
 
 @pytest.mark.dist
 def test_gloo_fit_reproduces_its_measurements():
-    """Two forked gloo ranks, a few sizes: the fitted model reproduces what it was fitted on — the median point
-    within 50 % and every point within a factor of 3.
+    """Two forked gloo ranks, a few sizes, one launch: the fit reproduces what it was fitted on (its curve has a
+    knot at every bandwidth-bound size, so those within 1 %; the latency-bound 64 KiB within a factor of 2), the
+    figures are sane, and a re-measurement in fresh processes lands within a factor of 2 at every size.
 
-    Loose on purpose: this 2-core machine is shared, and single loopback timings move ±50 % run to run and more
-    under load (FINDINGS.md); a broken fit is off by orders of magnitude. The 20 % acceptance figure is measured by
-    `python -m costmodel.gloo_bench --check` on a quiet machine, not here.
+    Loose on purpose: the tests run on a shared 2-core machine next to other work; the 20 % acceptance figure is
+    measured by `python -m costmodel.gloo_bench --check` on a quiet machine (with four launches), not here.
     """
     from costmodel.gloo_bench import fit_kind, link_from_fits, measure, predict
 
     MiB = 2**20
     sizes = (64 * 2**10, MiB, 4 * MiB, 16 * MiB)
     kinds = (Collective.ALL_REDUCE, Collective.ALL_GATHER)
-
-    def attempt():
-        times = measure(kinds, sizes, ranks=2, repeats=9)
-        fits = {k: fit_kind(k, times[k.value], 2) for k in kinds}
-        link = link_from_fits(fits, "test")
-        ratios = []
-        for kind in kinds:
-            assert 1e7 < fits[kind].bandwidth < 1e12  # 10 MB/s … 1 TB/s: a sane loopback figure
-            for nbytes in sizes:
-                ratios.append(predict(kind, nbytes, 2, link) / times[kind.value][nbytes])
-        assert all(1 / 3 < r < 3 for r in ratios), ratios
-        assert sorted(abs(r - 1) for r in ratios)[len(ratios) // 2] <= 0.5, ratios
-
-    # one re-measurement when a background burst made the timings non-monotonic; the same checks then hold
-    try:
-        attempt()
-    except (AssertionError, RuntimeError):
-        attempt()
+    times = measure(kinds, sizes, ranks=2, rounds=2, launches=1)
+    fits = {k: fit_kind(k, times[k.value], 2) for k in kinds}
+    link = link_from_fits(fits, "test")
+    for kind in kinds:
+        fit = fits[kind]
+        assert 1e7 < fit.bandwidth < 1e12 and 0 <= fit.latency < 1e-2  # 10 MB/s … 1 TB/s, α under 10 ms
+        assert fit.curve is not None and fit.curve.sizes[-1] == 16 * MiB
+        for nbytes in sizes:
+            ratio = predict(kind, nbytes, 2, link) / times[kind.value][nbytes]
+            assert ratio == pytest.approx(1.0, rel=0.01) if nbytes in fit.curve.sizes else 0.5 < ratio < 2, ratio
+    again = measure(kinds, sizes, ranks=2, rounds=2, launches=1)
+    ratios = [predict(k, n, 2, link) / again[k.value][n] for k in kinds for n in sizes]
+    assert all(0.5 < r < 2 for r in ratios), ratios
