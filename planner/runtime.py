@@ -324,6 +324,14 @@ def _gather_seq(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
 
 
+def _as_replicate(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """Replicated local tensor → replicated DTensor for the column-parallel linears (no communication). Their input
+    gradients then add up as one Partial DTensor, all-reduced once by this conversion's backward: Megatron-LM's f
+    operator, one all-reduce per attention or MLP. Left a local tensor, each ``ColwiseParallel`` would all-reduce
+    its own (q, k and v: three)."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+
 def _to_shard(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Full tensor → this rank's sequence slice (no communication; backward all-gathers)."""
     return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
@@ -351,7 +359,9 @@ def _convert_output(convert, mesh: DeviceMesh):
 
 def apply_tp(part: nn.Module, plan: dict, tp_mesh: DeviceMesh) -> None:
     """Megatron tensor parallel on the blocks the plan names: column-parallel q/k/v and up-projections, row-parallel
-    output projections (attention heads split with them: the models derive local heads from the weight shape).
+    output projections (attention heads split with them: the models derive local heads from the weight shape). The
+    attention and MLP inputs enter as replicated DTensors, so their backward all-reduces once per module (Megatron's
+    f), not once per column-parallel linear.
 
     With sequence parallel the residual stream is sharded along the sequence inside each run of TP blocks: norms
     run on their slice (``SequenceParallel``), the attention/MLP inputs are all-gathered into a replicated DTensor
@@ -379,11 +389,11 @@ def apply_tp(part: nn.Module, plan: dict, tp_mesh: DeviceMesh) -> None:
             for rel in plan["sp_norms"]:
                 layout[rel] = SequenceParallel(use_local_output=True)
         parallelize_module(block, tp_mesh, layout)
+        for rel in plan["sp_gather"]:  # the modules whose input feeds column-parallel linears
+            block.get_submodule(rel).register_forward_pre_hook(
+                _convert_input(_gather_seq if sp else _as_replicate, tp_mesh), with_kwargs=True
+            )
         if sp:
-            for rel in plan["sp_gather"]:
-                block.get_submodule(rel).register_forward_pre_hook(
-                    _convert_input(_gather_seq, tp_mesh), with_kwargs=True
-                )
             if i == 0 or not flags[i - 1]:
                 block.register_forward_pre_hook(_convert_input(_to_shard, tp_mesh), with_kwargs=True)
             if i == len(blocks) - 1 or not flags[i + 1]:
