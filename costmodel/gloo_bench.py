@@ -2,11 +2,11 @@
 
 ``python -m costmodel.gloo_bench [--ranks 2] [--out costmodel/data/cpu_local.yaml] [--check]``
 
-Measurement. ``--launches`` times (6), fork ``--ranks`` gloo processes on 127.0.0.1 (one thread each, rank r pinned
-to the r-th core when there is a core per rank, glibc's malloc thresholds fixed at the values a long-running
+Measurement. ``--launches`` times (12), fork ``--ranks`` gloo processes on 127.0.0.1 (one thread each, rank r
+pinned to the r-th core when there is a core per rank, glibc's malloc thresholds fixed at the values a long-running
 process settles at) and time all_reduce, all_gather, reduce_scatter, all_to_all and send/recv (ping-pong, half the
 round trip) at every power of two from 4 KiB to 64 MiB. Every sample is one op, timed alone. Each launch visits the
-points ``--rounds`` times in a shuffled order (the same on every rank), a batch of samples each time, so that a
+points ``--rounds`` times (2) in a shuffled order (the same on every rank), a batch of samples each time, so that a
 burst of load from elsewhere, and whatever ran just before, land on all sizes alike: a size's time depends on its
 predecessor (all_to_all at 1 MiB took 0.13 ms among small ops, 0.19 ms right after 64 MiB ones). A point's figure
 is the geometric mean over the launches of each launch's 0.1 quantile.
@@ -14,9 +14,11 @@ is the geometric mean over the launches of each launch's 0.1 quantile.
 Why these statistics: on this 2-vCPU VM a blocked rank sometimes waits ~1-3 ms for its core to wake, so single op
 times are bimodal: the median of 60 single 1 MiB all_reduces moved from 0.6 to 3.3 ms between runs, and the mean
 of a few back-to-back ops (what this benchmark used to take) ±40 %, while a launch's 0.1 quantile stayed within
-±5 % (0.26-0.30 ms). And near the cache sizes the time also depends on where a launch's buffers landed: all_reduce
-at 12 MiB took 0.40 or 0.58 ms/MiB depending on the launch, all_gather at 24-27 MiB 0.35 or 0.60-0.73. The mean
-over launches predicts the middle; a single launch lands on one side.
+±5 % (0.26-0.30 ms). And near the cache sizes the time depends on where a launch's buffers landed: over 14
+consecutive launches all_reduce at 6 MiB took 0.30-0.77 ms/MiB (0.39-0.41 in five, 0.57-0.64 in six, in no order
+in time), all_gather at 24 MiB 0.30-0.47. So many short launches, each weighing alike. Fit and check (in fresh
+processes) differed at worst by 17-30 % with 6 launches × 3 rounds (four checks), 18-37 % with 24 × 1 (four), and
+12-14 % for all_reduce and all_gather, ≤ 19 % for every kind, with 12 × 2 (the default; two checks).
 
 Model (``costmodel.collectives``): ``steps · α + bus_factor · S / B(S)``. The time per byte is not a constant here:
 it steps up 1.5-3× as buffers outgrow the 1 MiB L2 of a core and then the 32 MiB L3, at sizes that differ by
@@ -30,7 +32,7 @@ time per byte of two neighbouring sizes differs by more than ``STEP``, the size 
 (``refine``), up to three times, which places a sharp step (all_gather's L3 step) within an eighth of an octave.
 
 Output: the YAML read by ``costmodel.cluster`` (``intra`` with ``by_kind`` figures; the defaults are all_reduce's),
-the date, torch version, the statistic, and the raw times. A full run takes ~1 min.
+the date, torch version, the statistic, and the raw times. A full run takes ~3 min, a check ~2 min.
 
 ``--check`` measures again, in fresh processes, at 1-64 MiB: the fitted powers of two and, between each two, a size
 the fit never saw (1.5, 3, 6, 12, 24, 48 MiB), among the fit's own sizes (so that each size has the same
@@ -76,8 +78,8 @@ TOLERANCE = 0.20
 GRADED = (Collective.ALL_REDUCE, Collective.ALL_GATHER)
 #: launches of fresh ranks, rounds over all points in each (see _rank_main), and the quantile of each launch's
 #: single-op times; a point's time is the geometric mean of its launches' quantiles (see the module docstring).
-LAUNCHES = 6
-ROUNDS = 3
+LAUNCHES = 12
+ROUNDS = 2
 QUANTILE = 0.1
 #: refinement: a step in the time per byte larger than this between neighbouring sizes gets a size between them,
 #: up to this many times (see ``refine``). Why 50 %, not less: the L3 step of all_gather (0.33 → 0.73 ms/MiB
@@ -159,7 +161,6 @@ def _rank_main(rank: int, world: int, port: int, points: Sequence[tuple[str, int
     samples: dict[tuple[Collective, int], list[float]] = {p: [] for p in ops}
     try:
         for op in ops.values():  # warm-up: buffers touched, connections and scratch space set up
-            op()
             op()
         # Rounds over all points in a shuffled order, a batch of single-op samples each time: a burst of load from
         # elsewhere, and the effect of the op just before, then land on every size alike.
