@@ -27,8 +27,8 @@ which adds the phases instead of pipelining them and so predicts ~25 % less busb
 moves in lock step, so each step costs the slowest hop: α = α_inter for a group that crosses nodes.
 
 A link may give a kind's bandwidth as a curve over message size (``cluster.SizeCurve``; only the gloo loopback fit
-has one: host-memory copies slow down in steps as buffers outgrow the L2 and L3 caches). A group uses the curve of
-the link its bandwidth comes from: the intra link inside a node, the inter link across nodes.
+has one: host-memory copies slow down in steps as buffers outgrow the L2 and L3 caches). A group inside a node uses
+the intra link's curve, a group across nodes the inter link's.
 """
 
 from __future__ import annotations

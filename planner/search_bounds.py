@@ -31,8 +31,8 @@ factor, s the device's overlap slowdown, T_r the per-micro-batch time of rank r,
 3. max_r finish_r ≥ (1/p)·Σ_r finish_r ≥ f(P/p, Fw/p, Wb/p) by Jensen: finish_r is jointly convex in the rank's
    parameters P_r > 0, forward window and backward window (ring collective times are affine in the bytes; a link's
    size curve, which is not convex, is replaced by its fastest factor here, `Link.without_curves`, so the times stay
-   affine and never exceed the real ones) and non-increasing in the windows, so the upper bounds Fw = Σ fwd and Wb =
-   Σ (bwd + fwd) may replace them. DDP/ZeRO-1 (`costmodel.overlap.dp_exposed`): exposed = max(max(0, C − W), L) +
+   affine and never exceed the real ones) and non-increasing in the windows, so the upper bounds Fw = Σ fwd and
+   Wb = Σ (bwd + fwd) may replace them. DDP/ZeRO-1 (`costmodel.overlap.dp_exposed`): exposed = max(max(0, C − W), L) +
    s·min(C, W) ≥ max(s·C, L, C − (1 − s)·W) with C the gradient all-reduce under the compression option, L the least
    last bucket, plus its encode time (PowerSGD's matmuls at the curve's e_max), minimised over the options; ZeRO-1
    adds the parameter all-gather; ZeRO-2 the two (1 − s)·max(0, ·) + s·(·) overlaps; every rank its Adam step.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -222,3 +223,42 @@ def test_gloo_fit_reproduces_its_measurements():
     again = measure(kinds, sizes, ranks=2, rounds=2, launches=1)
     ratios = [predict(k, n, 2, link) / again[k.value][n] for k in kinds for n in sizes]
     assert all(0.5 < r < 2 for r in ratios), ratios
+
+
+def test_gloo_refine_localises_a_sharp_step(monkeypatch):
+    """``gloo_bench.refine`` bisects (in log size) between neighbours whose time per byte differs by more than STEP,
+    measuring each new size among its kind's grid; on a synthetic step at 24 MiB (0.3 → 0.75 ms/MiB), three passes
+    leave knots within an eighth of an octave on both sides, and a gentle slope (1.3× per octave) gets none."""
+    from costmodel import gloo_bench as gb
+
+    MiB = 2**20
+
+    def per_mib(kind, n):
+        if kind == "all_gather":
+            return 0.3e-3 if n < 24 * MiB else 0.75e-3
+        return 0.3e-3 * (n / MiB) ** math.log2(1.3)  # all_reduce: 1.3× per octave, never a 50 % step
+
+    requested = []
+
+    def fake_samples(points, ranks, rounds, launches):
+        requested.append(points)
+        out = {}
+        for kind, n in points:
+            out.setdefault(kind.value, {})[n] = [[per_mib(kind.value, n) * n / MiB]] * launches
+        return out
+
+    monkeypatch.setattr(gb, "measure_samples", fake_samples)
+    times = {k: {n: per_mib(k, n) * n / MiB for n in gb.SIZES} for k in ("all_gather", "all_reduce")}
+    added = gb.refine(times, launches=2)
+    assert added and {k for k, _ in added} == {"all_gather"}
+    for points in requested:  # every new size measured among its kind's whole grid
+        assert set(gb.SIZES) <= {n for _, n in points}
+    sizes = sorted(times["all_gather"])
+    below = max(n for n in sizes if n < 24 * MiB)
+    above = min(n for n in sizes if n >= 24 * MiB)
+    assert math.log2(above / below) <= 1 / 8 + 1e-3, (below / MiB, above / MiB)
+    fit = gb.fit_kind(gb.Collective.ALL_GATHER, times["all_gather"], 2)
+    link = gb.link_from_fits({gb.Collective.ALL_GATHER: fit}, "test")
+    for n in (16 * MiB, 20 * MiB, 28 * MiB, 48 * MiB):  # away from the step, the curve follows it
+        assert gb.predict(gb.Collective.ALL_GATHER, n, 2, link) == pytest.approx(times["all_gather"].get(
+            n, per_mib("all_gather", n) * n / MiB), rel=0.05)
