@@ -64,16 +64,11 @@ def _round12(x: float) -> float:
 class SizeCurve:
     """A link's bus bandwidth as a curve over message size: ``B(S) = bandwidth · factor(S)``.
 
-    Only the gloo loopback fit has one. On this machine a gloo collective's time per byte is a step-like function of
-    the message size, not a constant: buffers that fit the 1 MiB L2 of a core or the 32 MiB L3 move 1.5-3× faster
-    than buffers that do not, and the steps sit at different sizes for different collectives (gloo_bench measured
-    all_reduce 0.23 ms/MiB at 2 MiB, 0.36 at 4-8 MiB, 0.55 from 12 MiB; all_gather 0.15, 0.2-0.3, 0.75 from
-    32 MiB). NCCL-tests reports the same kind of curve (busbw per size) for GPU links, where it is flat at the large
-    sizes the presets describe, so GPU links have none.
-
-    ``factor`` is measured at ``sizes`` (bytes, in the collective's own ``nbytes`` convention, increasing). Between
-    two sizes the time per byte (``1/factor``) is interpolated linearly in log2(size); outside, the end values
-    hold. The curve only ever multiplies the bandwidth term of the alpha-beta time; the latency term is untouched.
+    Only the gloo loopback fit has one (``costmodel.gloo_bench`` says why and how it is measured): there the time per
+    byte steps up 1.5-3× as buffers outgrow the L2 and L3 caches, at sizes that differ by collective. GPU links have
+    none (NCCL-tests busbw is flat at the sizes the presets describe). ``factors`` are measured at ``sizes`` (bytes,
+    in the collective's own ``nbytes`` convention); between two sizes the time per byte (``1/factor``) is
+    interpolated linearly in log2(size), outside them the end values hold. Only the bandwidth term is scaled.
     """
 
     #: message sizes of the knots, bytes, strictly increasing.
