@@ -83,7 +83,7 @@ ROUNDS = 2
 QUANTILE = 0.1
 #: refinement: a step in the time per byte larger than this between neighbouring sizes gets a size between them,
 #: up to this many times (see ``refine``). Why 50 %, not less: the L3 step of all_gather (0.33 → 0.73 ms/MiB
-#: between 24 and 32 MiB) is sharp and the same in every launch, so knots must find it; but where all_reduce
+#: between 24 and 32 MiB) is sharp, 2.2× within a quarter octave, so knots must find it; but where all_reduce
 #: crosses from 0.35 to 0.55 ms/MiB (8-16 MiB) the time at a size in between flips from launch to launch between
 #: the two levels (12 MiB: 0.40-0.58 over four runs), and a knot there would pin the curve to whichever level its
 #: launch drew, while the interpolation between the octaves predicts the middle, within 20 % of both.
@@ -95,7 +95,7 @@ REFINE_PASSES = 3
 
 
 def _samples_per_round(nbytes: int) -> int:
-    """Single-op samples per point in each round: many for small messages (cheap, and noisiest), at least 6."""
+    """Single-op samples per point in each round: many for small messages (cheap, and noisiest), at least 3."""
     return max(3, min(16, (32 * MiB) // max(1, nbytes)))
 
 
@@ -131,7 +131,14 @@ def _op(kind: Collective, nbytes: int, rank: int, world: int):
 
 
 def _steady_malloc() -> None:
-    """Fix glibc's malloc thresholds at the values a long-running process reaches (see the module docstring)."""
+    """Fix glibc's malloc thresholds at the values a long-running process reaches.
+
+    glibc raises its mmap threshold as the process frees mmapped chunks (to the largest freed, at most 32 MiB on
+    64-bit) and its trim threshold to twice that, so whether a buffer of a few MiB comes from fresh page-faulting
+    memory or from the heap depends on what the process freed before. Fixing them at 32 and 64 MiB starts every
+    launch where a training process that has run a few steps is. (Reasoned from glibc's documented behaviour; its
+    effect on the timings was not measured apart from the other choices.)
+    """
     import ctypes
 
     try:
@@ -440,8 +447,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.out.exists():
             print(f"{args.out}: no fit file; run python -m costmodel.gloo_bench first", file=sys.stderr)
             return 2
-        saved = yaml.safe_load(args.out.read_text())
-        link = _parse_link(_Ctx(str(args.out)), "intra", saved["intra"], default_name="gloo over loopback")
+        try:
+            saved = yaml.safe_load(args.out.read_text())
+            link = _parse_link(_Ctx(str(args.out)), "intra", saved["intra"], default_name="gloo over loopback")
+        except (yaml.YAMLError, ValueError, TypeError, KeyError) as exc:
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            print(f"{args.out}: not a gloo_bench fit file ({why}); run python -m costmodel.gloo_bench to write one",
+                  file=sys.stderr)
+            return 2
         kinds = [Collective(k) for k in saved["intra"].get("by_kind", {})] or list(KINDS)
         ranks = saved.get("ranks", args.ranks)
         # the fit's own sizes are measured alongside, unreported, so that every size is timed among the same
@@ -450,8 +463,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                            quantile=saved.get("quantile", args.quantile), launches=args.launches)
         times_by = {k: {n: t for n, t in by.items() if n in CHECK_SIZES} for k, by in times_by.items()}
         table, worst = _table(times_by, link, ranks)
-        print(f"saved fit {args.out} ({saved.get('date')}) against a new measurement "
-              f"(q{saved.get('quantile', args.quantile):g} of single-op times):\n{table}")
+        q = saved.get("quantile", args.quantile)
+        print(f"saved fit {args.out} ({saved.get('date')}) against a new measurement (geometric mean over "
+              f"{args.launches} launches of the q{q:g} of single-op times):\n{table}")
         print("worst error at 1-64 MiB: " + ", ".join(f"{k} {w:.1%}" for k, w in worst.items()))
         graded = max(worst.get(k.value, 0.0) for k in GRADED)
         verdict = "PASS" if graded <= TOLERANCE else "FAIL"
@@ -477,7 +491,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"{_size(fit.curve.sizes[0])}-{_size(fit.curve.sizes[-1])}" if fit.curve else "")
         print(f"{kind.value:<15} B = {fit.bandwidth / 1e9:.3f} GB/s{curve}  α = {fit.latency * 1e6:.1f} µs/step  "
               f"max fit error {fit.max_rel_error:.1%}")
-    print(f"wrote {args.out}; worst error at 1-64 MiB {worst:.1%}; {time.perf_counter() - t0:.1f} s")
+    print(f"wrote {args.out}; worst in-sample error at 1-64 MiB {worst:.1%} (--check measures anew); "
+          f"{time.perf_counter() - t0:.1f} s")
     return 0
 
 
