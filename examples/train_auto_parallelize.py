@@ -10,6 +10,7 @@ or tensor-parallel plan is built inline from ``--dp``/``--tp``.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -55,6 +56,9 @@ def main() -> None:
         loss = handle.step(batch)
         print(f"[rank {rank}] step {step} loss {loss:.5f} time {(time.perf_counter() - start) * 1e3:.1f} ms",
               flush=True)
+    del handle
+    gc.collect()  # the parallel model's reference cycles go while the process groups are alive (see emitted scripts)
+    dist.barrier()
     dist.destroy_process_group()
 
 
