@@ -50,7 +50,6 @@ CPU_LOCAL_FILE = Path(__file__).parent / "data" / "cpu_local.yaml"
 
 GB = 1e9
 GiB = 2**30
-MiB = 2**20
 KiB = 2**10
 US = 1e-6
 

@@ -292,11 +292,14 @@ def refine(times_by: dict[str, dict[int, float]], ranks: int = 2, rounds: int = 
     return added
 
 
+#: a device nobody computes on: the benchmark's clusters only carry links.
+_UNIT_DEVICE = DeviceSpec(name="unit", peak_flops={"fp32": 1.0}, memory_bytes=1.0, hbm_bw=1.0,
+                          matmul_eff=EfficiencyCurve(e_max=1.0, f_half=1.0, source="unit"), memory_eff=1.0)
+
+
 def _unit_cluster(ranks: int, bandwidth: float, latency: float) -> Cluster:
     link = Link(name="unit", bandwidth=bandwidth, latency=latency)
-    device = DeviceSpec(name="unit", peak_flops={"fp32": 1.0}, memory_bytes=1.0, hbm_bw=1.0,
-                        matmul_eff=EfficiencyCurve(e_max=1.0, f_half=1.0, source="unit"), memory_eff=1.0)
-    return Cluster(name="unit", device=device, gpus_per_node=ranks, nodes=1, intra=link, inter=link)
+    return Cluster(name="unit", device=_UNIT_DEVICE, gpus_per_node=ranks, nodes=1, intra=link, inter=link)
 
 
 def _features(kind: Collective, nbytes: int, ranks: int) -> tuple[float, float]:
@@ -357,7 +360,7 @@ def fit_kind(kind: Collective, times_by: Mapping[int, float], ranks: int) -> Fit
 
 def predict(kind: Collective, nbytes: int, ranks: int, link: Link) -> float:
     """Model time of one op on a one-node cluster of ``ranks`` ranks joined by ``link``."""
-    cluster = Cluster(name="cpu-local", device=_unit_cluster(ranks, 1.0, 0.0).device, gpus_per_node=ranks,
+    cluster = Cluster(name="cpu-local", device=_UNIT_DEVICE, gpus_per_node=ranks,
                       nodes=1, intra=link, inter=link)
     return collective_time(kind, nbytes, GroupSpan(size=ranks, nodes=1, per_node=ranks), cluster)
 
@@ -483,9 +486,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"single-op times")
     link = link_from_fits(fits, source)
     write_fit(args.out, link, fits, times_by, args.ranks, args.quantile, args.rounds, args.launches)
-    table, worst = _table(times_by, link, args.ranks)
+    table, worst_by_kind = _table(times_by, link, args.ranks)
     print(table)
-    worst = max(worst.values(), default=0.0)
+    worst = max(worst_by_kind.values(), default=0.0)
     for kind, fit in fits.items():
         curve = (f"  × {min(fit.curve.factors):.2f}-{max(fit.curve.factors):.2f} over "
                  f"{_size(fit.curve.sizes[0])}-{_size(fit.curve.sizes[-1])}" if fit.curve else "")
