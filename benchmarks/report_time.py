@@ -20,9 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from planner.plan import Plan
-from planner.report import build_report
-from planner.report_html import render_html
-from planner.report_text import print_report
+from planner.report.facts import build_report
+from planner.report.html import render_html
+from planner.report.text import print_report
 from tests.test_inspect import make_plan
 
 CASES = {

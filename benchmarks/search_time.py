@@ -13,7 +13,7 @@ from pathlib import Path
 
 from costmodel.cluster import load_cluster
 from costmodel.estimate import estimate
-from planner.search import search
+from planner.search.outer import search
 from profiler.api import profile_model
 
 JOBS = (("gpt3-175b", "dgx-a100-80g:nodes=128", 1536),

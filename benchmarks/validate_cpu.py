@@ -5,7 +5,7 @@
 Model: a 4-block Llama-style decoder (hidden 256, 8 heads, seq 128, vocab 1024; untied head, so the pipeline plans
 run: the zoo GPT ties its head to the embedding, which cannot span pipeline ranks). Global batch 8, 2 gloo ranks
 with one thread each. Prints predicted (as planned, cpu-local) and predicted (recalibrated) vs measured step time
-per plan, the mean absolute error and Spearman's rank correlation of each, and where the plan `planner.search`
+per plan, the mean absolute error and Spearman's rank correlation of each, and where the plan `planner.search.outer`
 picks on the recalibrated cluster lands among the measured ones (it is measured too when it is a new plan).
 """
 
@@ -20,7 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from costmodel.cluster import load_cluster  # noqa: E402
-from planner.validate import (  # noqa: E402
+from planner.validate.fit import fit  # noqa: E402
+from planner.validate.loop import (  # noqa: E402
     compare,
     plan_from_config,
     plan_from_search,
@@ -31,7 +32,6 @@ from planner.validate import (  # noqa: E402
     short_config,
     summary,
 )
-from planner.validate_fit import fit  # noqa: E402
 
 MODEL = "llama:layers=4,hidden=256,heads=8,kv_heads=4,ffn=704,vocab=1024,seq=128"
 GLOBAL_BATCH = 8

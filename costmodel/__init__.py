@@ -1,6 +1,8 @@
 """autopar's cost model: hardware and clusters, compute, collectives, memory, overlap and compression.
 
 `estimate(layer_graph, cluster, config, global_batch)` predicts one training step; see costmodel/estimate.py.
+Imports `profiler`'s types only, never `planner`; inside, the evaluator (`estimate`) composes the formulas of
+`layercost`, `memory`, `overlap` and `compression`, which never import it back.
 """
 
 from costmodel.cluster import Cluster, GroupSpan, Link, dump_cluster, group_span, list_clusters, load_cluster

@@ -16,15 +16,26 @@ applies it to the exposed part only, so a fully hidden reduction gains nothing a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from costmodel.cluster import Cluster, GroupSpan
 from costmodel.collectives import all_reduce_time
-
-if TYPE_CHECKING:
-    from costmodel.estimate import Evaluator
-    from costmodel.layercost import LayerCost
+from costmodel.config import ParallelConfig
+from costmodel.layercost import LayerCost
 
 FP32 = 4
+
+
+class SyncView(Protocol):
+    """What the gradient-sync formulas (here and in `costmodel.overlap`) read of a configuration being costed.
+    `costmodel.estimate.Evaluator` is one; the formulas never import it (the evaluator composes them)."""
+
+    cfg: ParallelConfig  #: the parallel configuration
+    cluster: Cluster  #: where it runs
+    dp_span: GroupSpan  #: how a data-parallel group lies on the cluster
+    m: int  #: micro-batches per pipeline per step
+    grad_kind: str  #: ``none``, ``bf16``, ``fp16`` or ``powersgd``
+    grad_rank: int  #: PowerSGD's rank (0 otherwise)
 
 
 def _memory_time(nbytes: float, cluster) -> float:
@@ -55,7 +66,7 @@ def powersgd_volume(rank_costs, rank: int) -> tuple[float, float, float, float]:
 
 
 def compressed_grad_comm(rank_costs: list[LayerCost], params: float, first_layer_params: float,
-                         ev: Evaluator) -> tuple[float, float, float]:
+                         ev: SyncView) -> tuple[float, float, float]:
     """(all-reduce time of the rank's gradients, time of its last bucket, encode+decode time) under the
     configuration's ``grad_compress``."""
     span, cluster = ev.dp_span, ev.cluster

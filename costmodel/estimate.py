@@ -16,7 +16,7 @@ Composition (all per optimizer step; m = global_batch / (dp · mbs) micro-batche
    (`costmodel.overlap.dp_exposed`); the slowest rank's exposed part is added, then the optimizer step
    (memory-bound Adam, `optimizer_time`).
 
-The same composition is what the planner's ILP linearises (planner/ilp.py); `evaluate` is its reference.
+The same composition is what the planner's ILP linearises (planner/search/ilp.py); `evaluate` is its reference.
 """
 
 from __future__ import annotations

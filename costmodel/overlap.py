@@ -18,14 +18,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from costmodel.collectives import all_gather_time, reduce_scatter_time
-from costmodel.compression import compressed_grad_comm
+from costmodel.compression import SyncView, compressed_grad_comm
 from costmodel.layercost import LayerCost
-
-if TYPE_CHECKING:
-    from costmodel.estimate import Evaluator
 
 GRAD_REDUCE_BYTES = 4  #: gradients are reduced in fp32 (DDP's fp32 grads; FSDP2 reduce_dtype=float32)
 
@@ -34,12 +29,12 @@ def _param_bytes(cfg) -> int:
     return 4 if cfg.precision == "fp32" else 2
 
 
-def zero2_gather_time(params: float, ev: Evaluator) -> float:
+def zero2_gather_time(params: float, ev: SyncView) -> float:
     """ZeRO-2 (FSDP2 without resharding): the once-per-step all-gather of a rank's parameters."""
     return all_gather_time(params * _param_bytes(ev.cfg), ev.dp_span, ev.cluster)
 
 
-def zero1_sync_time(rank_costs: list[LayerCost], ev: Evaluator) -> float:
+def zero1_sync_time(rank_costs: list[LayerCost], ev: SyncView) -> float:
     """ZeRO-1 (ZeroRedundancyOptimizer): after the step every owner broadcasts its updated parameters, one
     collective per tensor: an all-gather's volume with one latency per tensor."""
     params = sum(c.param_numel for c in rank_costs)
@@ -52,7 +47,7 @@ def _hidden(comm: float, window: float, slowdown: float) -> tuple[float, float]:
     return max(0.0, comm - window), slowdown * min(comm, window)
 
 
-def dp_exposed(rank_costs: list[LayerCost], ev: Evaluator) -> tuple[float, float]:
+def dp_exposed(rank_costs: list[LayerCost], ev: SyncView) -> tuple[float, float]:
     """(exposed data-parallel communication after the last backward, compression encode/decode) of one rank."""
     cfg = ev.cfg
     if cfg.dp == 1 or not rank_costs:
@@ -81,7 +76,7 @@ def dp_exposed(rank_costs: list[LayerCost], ev: Evaluator) -> tuple[float, float
     return exposed, encode
 
 
-def fsdp_exposed(stage_costs: list[LayerCost], ev: Evaluator) -> float:
+def fsdp_exposed(stage_costs: list[LayerCost], ev: SyncView) -> float:
     """Per micro-batch, the ZeRO-3 parameter all-gathers and gradient reduce-scatters not hidden by compute."""
     span, cluster = ev.dp_span, ev.cluster
     slow = cluster.device.overlap_slowdown
@@ -95,7 +90,7 @@ def fsdp_exposed(stage_costs: list[LayerCost], ev: Evaluator) -> float:
     return ag[0] + e_f + s_f + ag[-1] + e_b + s_b + rs[0]
 
 
-def optimizer_time(params: float, ev: Evaluator) -> float:
+def optimizer_time(params: float, ev: SyncView) -> float:
     """Adam(W) step on the local shard: memory-bound. Per parameter it reads the fp32 weight, gradient and two
     moments (16 bytes), writes weight and moments (12) and the 16-bit copy (2): 30 bytes (fp32 training: 28)."""
     cfg = ev.cfg

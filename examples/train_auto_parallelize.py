@@ -16,9 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from planner import runtime_train
-from planner.apply import auto_parallelize
-from planner.plan import LayerStrategy, ParallelConfig, Plan
+from planner import LayerStrategy, ParallelConfig, Plan, auto_parallelize, synthetic_batch
 from profiler.zoo.registry import resolve_model
 
 
@@ -51,7 +49,7 @@ def main() -> None:
     handle = auto_parallelize(model, example_inputs, plan=plan, lr=args.lr)  # model itself stays untouched
     rank = dist.get_rank()
     for step in range(args.steps):
-        batch = runtime_train.synthetic_batch(step, batch=plan.global_batch, seq=plan.seq, vocab=source.vocab, seed=0)
+        batch = synthetic_batch(step, batch=plan.global_batch, seq=plan.seq, vocab=source.vocab, seed=0)
         start = time.perf_counter()
         loss = handle.step(batch)
         print(f"[rank {rank}] step {step} loss {loss:.5f} time {(time.perf_counter() - start) * 1e3:.1f} ms",

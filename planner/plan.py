@@ -94,7 +94,7 @@ class Plan:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=120)
 
     def save(self, path: str | Path) -> None:
-        from planner.cli import write_atomic
+        from planner.files import write_atomic
 
         write_atomic(path, self.dumps())
 
@@ -172,7 +172,7 @@ class Plan:
 def provenance(cluster_desc: dict) -> dict:
     import torch
 
-    from planner import __version__
+    from planner.version import __version__
 
     return {"autopar_version": __version__, "torch_version": str(torch.__version__),
             "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),

@@ -110,8 +110,8 @@ def compare(got: dict, ref: dict, *, loss_rtol: float, delta_rtol: float) -> lis
 def _main(manifest: str) -> None:
     import torch.distributed as dist
 
-    from planner import runtime_train
-    from planner.apply import auto_parallelize
+    from planner.emit import train
+    from planner.emit.apply import auto_parallelize
     from planner.plan import Plan
     from profiler.zoo.registry import resolve_model
 
@@ -139,7 +139,7 @@ def _main(manifest: str) -> None:
         handle = auto_parallelize(model, inputs, plan=plan, optimizer="sgd", lr=mod.PLAN["lr"])
         losses = [
             handle.step(
-                runtime_train.synthetic_batch(
+                train.synthetic_batch(
                     step, batch=plan.global_batch, seq=plan.seq, vocab=mod.VOCAB, seed=mod.PLAN["seed"]
                 )
             )
@@ -164,8 +164,8 @@ def _meta_case(case: dict, out: Path) -> None:
     elements does this rank hold?), then its losses over ``steps``; and `auto_parallelize(init="meta")`'s losses."""
     import torch.distributed as dist
 
-    from planner import runtime_train
-    from planner.apply import auto_parallelize
+    from planner.emit import train
+    from planner.emit.apply import auto_parallelize
     from planner.plan import Plan
     from profiler.zoo.registry import resolve_model
 
@@ -190,7 +190,7 @@ def _meta_case(case: dict, out: Path) -> None:
     inputs = resolve_model(plan.model).build(batch=1, seq=plan.seq, device="meta")[1]
     handle = auto_parallelize(model, inputs, plan=plan, optimizer=mod.PLAN["optimizer"], lr=mod.PLAN["lr"], init="meta")
     result["apply_losses"] = [
-        handle.step(runtime_train.synthetic_batch(step, batch=plan.global_batch, seq=plan.seq, vocab=mod.VOCAB,
+        handle.step(train.synthetic_batch(step, batch=plan.global_batch, seq=plan.seq, vocab=mod.VOCAB,
                                             seed=mod.PLAN["seed"]))
         for step in range(case["steps"])
     ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from planner.cli import main
+from planner.cli.main import main
 from planner.plan import Plan
 
 MODEL = "gpt:layers=2,hidden=256,heads=8,seq=128,vocab=1000"

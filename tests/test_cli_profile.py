@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from planner.cli import main
+from planner.cli.main import main
 from profiler.zoo.registry import MODEL_PRESETS
 
 LAYER_FIELDS = {"name", "kind", "signature", "params", "shared_params", "fwd_flops", "bwd_flops", "saved_bytes",

@@ -218,7 +218,7 @@ def test_measured_profile_sets_the_level_and_the_roofline_the_scaling(tmp_path, 
     """With a measured profile on the cluster's device, single-rank compute equals the measured layer times
     (scaled by the micro-batch as the roofline scales it); a profile from another device is refused."""
     from costmodel.measured import load_measured
-    from planner.cli import main
+    from planner.cli.main import main
 
     monkeypatch.setenv("AUTOPAR_CACHE", str(tmp_path / "cache"))
     prof = tmp_path / "p.json"

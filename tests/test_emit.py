@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.emit import emit, write_script
+from planner.emit.script import emit, write_script
 from planner.plan import Plan
 from tests.test_emit_dist import GPT, LLAMA4, make_plan
 
@@ -107,7 +107,7 @@ def _losses(output: str) -> list[float]:
 def test_tp2_loss_decreases_over_20_steps(which, tmp_path):
     """`autopar plan MODEL --cluster cpu-local --fix tp=2` (the real planner), then the emitted script for 20 steps
     under torchrun: the loss falls."""
-    from planner.cli import main
+    from planner.cli.main import main
 
     spec = "gpt-tiny" if which == "gpt" else HF_LLAMA
     plan_path = tmp_path / "plan.yaml"
@@ -146,7 +146,7 @@ def test_example_train_auto_parallelize(tmp_path):
 
 
 def test_specializer_keeps_only_the_plans_branches():
-    from planner.emit import specialize_runtime
+    from planner.emit.script import specialize_runtime
 
     source = '''def f(plan, x):
     y = x
@@ -190,7 +190,7 @@ def test_ddp_script_carries_only_ddp():
 
 
 def test_tied_gpt_pipeline_keeps_an_embedding_group():
-    from planner.emit_config import runtime_config
+    from planner.emit.config import runtime_config
     from profiler.zoo.registry import resolve_model
 
     plan = make_plan(GPT, 2, pp=2, dp=2, schedule="1f1b")
@@ -225,7 +225,7 @@ def test_big_model_emits_meta_init_and_small_full():
 def test_meta_init_without_init_weights_is_refused():
     from torch import nn
 
-    from planner.runtime import find_init
+    from planner.emit.runtime import find_init
 
     with pytest.raises(ValueError, match="has no init_weights"):
         find_init(nn.Sequential(nn.Linear(2, 2)))
@@ -235,7 +235,7 @@ def test_meta_init_of_hf_model_recomputes_rotary_buffers():
     """One process: a Hugging Face Llama built on meta, materialised and initialised as a rank would."""
     import torch
 
-    from planner.runtime import materialize
+    from planner.emit.runtime import materialize
     from profiler.zoo.registry import resolve_model
 
     source = resolve_model(HF_LLAMA)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from planner.emit import write_script
+from planner.emit.script import write_script
 from planner.plan import AC, LayerStrategy, ParallelConfig, Plan
 from tests import dist_util
 

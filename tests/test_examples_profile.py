@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from planner.cli import main
+from planner.cli.main import main
 from profiler.api import profile_model
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "custom_model.py"

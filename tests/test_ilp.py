@@ -17,7 +17,7 @@ import pytest
 from costmodel.cluster import parse_cluster_yaml
 from costmodel.config import AC, ParallelConfig, Schedule
 from costmodel.estimate import Evaluator
-from planner import ilp
+from planner.search import ilp
 from profiler.api import profile_model
 
 MODELS = ("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128", "gpt:layers=3,hidden=64,heads=4,seq=64,vocab=256",
@@ -163,7 +163,7 @@ def test_heterogeneous_blocks_with_stages_are_refused_clearly(monkeypatch):
 def test_time_bound_is_a_lower_bound(seed):
     """The outer search's pruning bounds (cheap and refined) never exceed the ILP's optimum, and say +∞ only
     when the ILP finds nothing that fits."""
-    from planner.search_bounds import Bounds
+    from planner.search.bounds import Bounds
 
     lg, cl, cfg, gb, grad_opts, pp_opts = random_problem(seed)
     b = Bounds(lg, cl, gb, {}, grad_opts=grad_opts)

@@ -12,7 +12,7 @@ import pytest
 from costmodel.cluster import load_cluster
 from costmodel.config import ParallelConfig
 from costmodel.estimate import Evaluator
-from planner.cli import main
+from planner.cli.main import main
 from planner.plan import LayerStrategy, Plan, StageInfo
 from profiler.api import profile_model
 
@@ -137,7 +137,7 @@ def test_compression_report_warns_about_numerics(plans, capsys):
 
 
 def test_memory_margin_and_solver_gap_warnings(plans):
-    from planner.report import build_report
+    from planner.report.facts import build_report
 
     plan = plans["dp"][1]
     pred = dict(plan.predicted)
@@ -149,7 +149,7 @@ def test_memory_margin_and_solver_gap_warnings(plans):
 
 
 def test_dominant_link_warning(plans):
-    from planner.report import build_report
+    from planner.report.facts import build_report
 
     plan = plans["3d"][1]
     pred = dict(plan.predicted)
@@ -174,7 +174,7 @@ def test_json_is_one_object(plans, capsys):
 
 def test_layer_runs_break_on_strategy_changes():
     from costmodel.config import AC
-    from planner.report import layer_runs
+    from planner.report.facts import layer_runs
 
     plan = dp_plan()
     lays = [LayerStrategy(name="embed", stage=0)] + [
@@ -201,8 +201,8 @@ def test_memory_bars_are_exact_per_rank_when_the_plan_has_them():
     """Plans from `autopar plan` carry every rank's memory breakdown: the bars use it, no estimate."""
     from dataclasses import replace
 
-    from planner.report import build_report
-    from planner.report_svg import rank_memory
+    from planner.report.facts import build_report
+    from planner.report.svg import rank_memory
 
     lg, cl = _graph("gpt-small"), load_cluster("dgx-a100-80g")
     cfg = ParallelConfig(dp=2, pp=4, mbs=1)

@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
-from planner.cli import main
-from planner.textui import human_time
+from planner.cli.main import main
+from planner.report.textui import human_time
 from tests.test_inspect import compressed_plan, dp_plan, three_d_plan
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -77,7 +77,7 @@ def test_html_renders_in_chromium(page):
 @needs_chromium
 def test_broken_script_is_caught(tmp_path):
     """The check above would see a script error: a page with one shows it in #errors."""
-    from planner import report_html
+    from planner.report import html as report_html
 
     bad = tmp_path / "bad.html"
     bad.write_text(f"<html><head><script>{report_html.JS}</script></head><body><pre id=errors></pre>"

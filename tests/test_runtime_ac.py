@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from planner import runtime
+from planner.emit import runtime
 from profiler.zoo.registry import resolve_model
 
 

@@ -8,7 +8,7 @@ from functools import cache
 import pytest
 
 from costmodel.cluster import parse_cluster_yaml
-from planner.search import NoPlanFits, make_plan, search
+from planner.search.outer import NoPlanFits, make_plan, search
 from profiler.api import profile_model
 
 SMALL = "gpt:layers=4,hidden=1024,heads=16,seq=512,vocab=8192"

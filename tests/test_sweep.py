@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from planner.sweep import check_optimal, parse_sweep, sweep, with_inter_bandwidth
+from planner.cli.sweep import parse_sweep
+from planner.search.sweep import check_optimal, sweep, with_inter_bandwidth
 
 MODEL = "gpt:layers=8,hidden=1024,heads=16,seq=1024,vocab=8192"
 CLUSTER = "dgx-a100-80g:nodes=2"
@@ -42,7 +43,7 @@ def test_bandwidth_sweep_winners_are_optimal_and_change():
 def test_sweep_html_plots_each_value_and_marks_changes(tmp_path):
     """`autopar plan … --sweep … --html` writes a self-contained page: one point per value, a dashed line where
     the best plan changes (slow network: compression on; fast: off), and the table of winners."""
-    from planner.cli import main
+    from planner.cli.main import main
 
     out = tmp_path / "sweep.html"
     rc = main(["plan", "gpt:layers=8,hidden=2048,heads=16,seq=1024,vocab=32000", "--cluster", CLUSTER,

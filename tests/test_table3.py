@@ -10,7 +10,7 @@ import pytest
 from costmodel.cluster import load_cluster
 from costmodel.config import AC, ParallelConfig, Schedule
 from costmodel.estimate import estimate
-from planner.search import search
+from planner.search.outer import search
 from profiler.api import profile_model
 
 #: name, layers, hidden, heads, GPUs, global batch, published (pp, mbs, vpp)

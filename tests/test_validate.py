@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from costmodel.cluster import dump_cluster, load_cluster, parse_cluster_yaml
-from planner.validate import Measurement, compare, plan_from_config, predicted_parts, profile_for, repredict, spearman
-from planner.validate_fit import Scales, apply_scales, fit
+from planner.search.outer import profile_for
+from planner.validate.fit import Scales, apply_scales, fit
+from planner.validate.loop import Measurement, compare, plan_from_config, predicted_parts, repredict, spearman
 
 MODEL = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32"
 CONFIGS = ["dp=2", "dp=2,zero=3", "tp=2", "pp=2,schedule=gpipe", "pp=2,schedule=1f1b", "dp=2,grad_compress=fp16"]

@@ -281,7 +281,7 @@ def build_model() -> nn.Module:
     )
 
 
-# --- Parallelism: autopar's planner/runtime.py, keeping only the branches and functions this plan uses ---
+# --- Parallelism: autopar's planner/emit/runtime.py and train.py, only what this plan uses ---
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

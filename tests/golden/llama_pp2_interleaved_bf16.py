@@ -286,7 +286,7 @@ def build_model() -> nn.Module:
     )
 
 
-# --- Parallelism: autopar's planner/runtime.py, keeping only the branches and functions this plan uses ---
+# --- Parallelism: autopar's planner/emit/runtime.py and train.py, only what this plan uses ---
 
 
 SCHEDULES = {

@@ -7,20 +7,21 @@ import sys
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from planner.cli import _print_json, write_atomic
+    from planner.cli.common import print_json
+    from planner.files import write_atomic
     from planner.plan import Plan
-    from planner.report import build_report
+    from planner.report.facts import build_report
 
     plan = Plan.load(args.plan)  # ValueError with the reason ⇒ exit 2
     rep = build_report(plan)
     if args.html:
-        from planner.report_html import render_html
+        from planner.report.html import render_html
 
         write_atomic(args.html, render_html(plan, rep))
     if args.json:
-        _print_json(rep | ({"html": str(args.html)} if args.html else {}))
+        print_json(rep | ({"html": str(args.html)} if args.html else {}))
         return 0
-    from planner.report_text import print_report
+    from planner.report.text import print_report
 
     print_report(rep, file=sys.stdout)
     if args.html:

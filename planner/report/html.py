@@ -1,15 +1,15 @@
 """The HTML report of `autopar inspect --html`: one self-contained file (inline CSS, SVG and a few lines of JS; no
-network), with the pictures (`planner.report_timeline`, `planner.report_svg`) and the terminal report's tables."""
+network), with the pictures (`planner.report.timeline`, `planner.report.svg`) and the terminal report's tables."""
 
 from __future__ import annotations
 
 import json
 from html import escape
 
-from planner.report_svg import breakdown_svg, memory_svg, mesh_svg, scatter_svg
-from planner.report_text import config_text, short_config
-from planner.report_timeline import timeline_svg
-from planner.textui import human_bytes, human_count, human_time
+from planner.report.svg import breakdown_svg, memory_svg, mesh_svg, scatter_svg
+from planner.report.text import config_text, short_config
+from planner.report.textui import human_bytes, human_count, human_time
+from planner.report.timeline import timeline_svg
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:24px 32px;color:#222;max-width:1340px}

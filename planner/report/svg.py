@@ -1,11 +1,11 @@
 """SVG pictures for the HTML report: memory per pipeline rank, the step-time breakdown, alternatives as time vs
-memory with the Pareto front, and the device mesh. Each takes the `planner.report.build_report` dict."""
+memory with the Pareto front, and the device mesh. Each takes the `planner.report.facts.build_report` dict."""
 
 from __future__ import annotations
 
 from html import escape
 
-from planner.textui import human_bytes, human_time
+from planner.report.textui import human_bytes, human_time
 
 MEM_COLOURS = {
     "params": "#4e79a7",
@@ -193,7 +193,7 @@ def pareto(points: list[tuple[float, float]]) -> list[int]:
 
 
 def scatter_svg(rep: dict, width: int = 640, height: int = 380) -> str:
-    from planner.report_text import short_config
+    from planner.report.text import short_config
 
     pts = [("plan", rep["config"], rep["predicted"]["step_time_s"], rep["memory"]["peak_bytes"], None)]
     pts += [

@@ -1,9 +1,9 @@
 """Closed loop: run plans for a few steps, put measured time and memory beside the prediction, part by part.
 
-`run_plans` emits each plan's script (`planner.emit`), launches `planner/validate_driver.py` once per world size
+`run_plans` emits each plan's script (`planner.emit.script`), launches `planner/validate/driver.py` once per world size
 with ``python -m torch.distributed.run --standalone --nproc-per-node N`` (``OMP_NUM_THREADS=1``; gloo on CPU, NCCL
 on GPUs: the emitted script picks the backend), and merges the ranks' measurements into `Measurement`s.
-`compare` lines them up with the plan's prediction (`Comparison`). Recalibration is in `planner.validate_fit`.
+`compare` lines them up with the plan's prediction (`Comparison`). Recalibration is in `planner.validate.fit`.
 
 Parts compared (predicted ← the estimate's ``breakdown_s``; measured ← the driver):
 
@@ -27,21 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from planner.plan import LayerStrategy, Plan, StageInfo, provenance
+from planner.search.outer import profile_for
 
-DRIVER = Path(__file__).with_name("validate_driver.py")
+DRIVER = Path(__file__).with_name("driver.py")
 PARTS = ("compute", "comm", "optimizer", "idle", "step")
 
 
 # ------------------------------------------------------------------------------------------- plans from configs
-def profile_for(model: str, cluster, seq: int | None = None):
-    """The layer graph the cost model uses for ``model`` on ``cluster`` (CPU: fp32 capture, native kernels)."""
-    from profiler.api import profile_model
-
-    if cluster.device.name.startswith("cpu"):
-        return profile_model(model, seq=seq, dtype="fp32", kernels="native")
-    return profile_model(model, seq=seq)
-
-
 def plan_from(lg, cluster, cluster_spec: str, model: str, global_batch: int, cfg, *, acs=None,
               stage_of=None, solver: dict | None = None) -> Plan:
     """A `Plan` for ``cfg`` from the cost model (even stages unless ``stage_of``; ``cfg.ac`` unless ``acs``)."""
@@ -84,9 +76,9 @@ def plan_from_config(model: str, cluster_spec: str, global_batch: int, config: s
 
 def plan_from_search(model: str, cluster_spec: str, global_batch: int, *, fix: dict | None = None, lg=None,
                      time_limit: float = 30.0) -> Plan:
-    """The plan `planner.search.search` picks (CPU clusters: ``precision=fp32`` fixed)."""
+    """The plan `planner.search.outer.search` picks (CPU clusters: ``precision=fp32`` fixed)."""
     from costmodel.cluster import load_cluster
-    from planner.search import search
+    from planner.search.outer import search
 
     cluster = load_cluster(cluster_spec)
     fix = dict(fix or {})
@@ -171,7 +163,7 @@ def launch(cases: list[dict], nproc: int, workdir: Path, *, timeout: float = 600
 def run_plans(plans: dict[str, Plan], *, steps: int = 5, warmup: int = 2, nproc: int | None = None,
               workdir: str | Path | None = None) -> dict[str, Measurement]:
     """Emit and measure every plan; one torchrun launch per world size. ``nproc`` overrides the world size."""
-    from planner.emit import write_script
+    from planner.emit.script import write_script
 
     if steps < 1 or warmup < 0:
         raise ValueError(f"--steps {steps} must be ≥ 1 and warm-up {warmup} ≥ 0")

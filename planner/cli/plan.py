@@ -28,8 +28,8 @@ def load_job(args):
 def cmd_estimate(args: argparse.Namespace) -> int:
     from costmodel.config import ParallelConfig, parse_kv
     from costmodel.estimate import estimate
-    from planner.cli import _print_json
-    from planner.estimate_report import print_estimate
+    from planner.cli.common import print_json
+    from planner.report.estimate import print_estimate
 
     cfg = ParallelConfig(**parse_kv(args.config, what="--config"))
     lg, cluster = load_job(args)
@@ -43,7 +43,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.json:
         out = est.to_json() | {"config": cfg.to_dict(), "global_batch": gb, "seq": lg.model.seq,
                                "model": args.model, "cluster": args.cluster}
-        _print_json(out)
+        print_json(out)
         return 0
     print_estimate(args.model, args.cluster, cfg, gb, lg, est, file=sys.stdout)
     return 0
@@ -53,11 +53,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from costmodel.config import parse_kv
-    from planner.cli import _print_json, write_atomic
-    from planner.search import default_global_batch, make_plan, search
+    from planner.cli.common import print_json
+    from planner.files import write_atomic
+    from planner.search.outer import default_global_batch, make_plan, search
 
     if args.sweep:
-        from planner.sweep import run_sweep
+        from planner.cli.sweep import run_sweep
 
         return run_sweep(args)
     fix = parse_kv(args.fix or "", what="--fix")
@@ -72,7 +73,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = make_plan(lg, cluster, gb, result, model=args.model, cluster_spec=args.cluster)
     script = None
     if args.emit:  # emit first: a plan the emitter refuses leaves no file behind
-        from planner.emit import emit
+        from planner.emit.script import emit
 
         script = emit(plan)
     if args.out:
@@ -81,7 +82,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         write_atomic(args.emit, script)
     if args.json:
         d = plan.to_dict()
-        _print_json({"predicted": d["predicted"], "config": d["config"], "stages": d["stages"],
+        print_json({"predicted": d["predicted"], "config": d["config"], "stages": d["stages"],
                      "solver": d["solver"], "alternatives": d["alternatives"], "layers": d["layers"],
                      "global_batch": gb, "seq": plan.seq, "model": args.model, "cluster": args.cluster})
         return 0
@@ -121,7 +122,7 @@ def register(sub) -> None:
     pl.add_argument("--emit", help="also write a torchrun training script for the plan")
     pl.add_argument("--profile", help="per-layer times measured by `autopar profile MODEL --device … --out FILE` on "
                                       "the cluster's device, used instead of the roofline's level")
-    from planner.sweep import register_sweep_arg
+    from planner.cli.sweep import register_sweep_arg
 
     register_sweep_arg(pl)
 

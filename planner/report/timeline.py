@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from html import escape
 
-from planner.textui import human_time
+from planner.report.textui import human_time
 
 MAX_DRAWN_OPS = 40_000  #: above this many operations the timeline is not drawn (a note says so)
 COLOURS = {"F": "#4e79a7", "B": "#59a14f", "W": "#8cd17d", "R": "#f28e2b", "C": "#b07aa1", "T": "#9c9c9c"}

@@ -1,4 +1,4 @@
-"""The outer search: mesh shapes, schedules, micro-batches and sharding, each candidate solved by `planner.ilp`.
+"""The outer search: mesh shapes, schedules, micro-batches and sharding, each candidate solved by `planner.search.ilp`.
 
 Candidates (`candidates`): dp·tp·pp = the cluster's GPUs; tp divides the heads and kv_heads and stays inside a
 node (tp ≤ gpus_per_node; larger tp only when no plan inside a node exists); pp·vpp ≤ the number of blocks; dp·mbs
@@ -10,8 +10,8 @@ Per-layer AC and the compression of each group are the ILP's choices (``fix`` pi
 
 Pruning (all exact: the winner is the optimum over the whole space unless the time limit stops the search):
 - memory: the most loaded rank's model states with the candidate's sharding plus its smallest activations already
-  exceed a GPU, or the activation knapsack of `planner.search_bounds` has no solution ⇒ skip;
-- bounds (`planner.search_bounds`, stated and proved there; `tests/test_ilp.py` checks bound ≤ ILP optimum): a
+  exceed a GPU, or the activation knapsack of `planner.search.bounds` has no solution ⇒ skip;
+- bounds (`planner.search.bounds`, stated and proved there; `tests/test_ilp.py` checks bound ≤ ILP optimum): a
   cheap bound for every candidate (memory-aware work, integral bottleneck, FSDP and data-parallel exposure),
   sorted; a refined bound (per-rank memory on the bottleneck) for those that survive;
 - incumbents: before any ILP, the greedy plan (even stages, the least uniform recomputation that fits) of each
@@ -48,9 +48,9 @@ from costmodel.cluster import Cluster
 from costmodel.config import AC, ParallelConfig, Schedule
 from costmodel.estimate import ConfigError, Evaluator, even_stages
 from costmodel.layercost import is_tp_layer
-from planner import ilp
 from planner.plan import Plan
-from planner.search_bounds import Bounds
+from planner.search import ilp
+from planner.search.bounds import Bounds
 from profiler.graph import LayerGraph
 
 MAX_MBS = 16  #: largest micro-batch tried (a divisor of global_batch / dp)
@@ -441,6 +441,15 @@ def make_plan(lg: LayerGraph, cluster: Cluster, global_batch: int, result: Searc
                 # workaround: plan.provenance returns torch.__version__ as a TorchVersion (a str subclass) that
                 # yaml.safe_dump refuses; a JSON round trip makes every value a plain type
                 provenance=json.loads(json.dumps(provenance(yaml.safe_load(dump_cluster(cluster))), default=str)))
+
+
+def profile_for(model: str, cluster, seq: int | None = None):
+    """The layer graph the cost model uses for ``model`` on ``cluster`` (CPU: fp32 capture, native kernels)."""
+    from profiler.api import profile_model
+
+    if cluster.device.name.startswith("cpu"):
+        return profile_model(model, seq=seq, dtype="fp32", kernels="native")
+    return profile_model(model, seq=seq)
 
 
 def default_global_batch(cluster: Cluster) -> int:

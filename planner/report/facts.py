@@ -40,7 +40,7 @@ COMM_TERMS = {
     "dp_comm_exposed": "data-parallel",
 }
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "other")
-#: keys under which `autopar plan` may store why an alternative lost (planner/search.py writes ``lost_by``)
+#: keys under which `autopar plan` may store why an alternative lost (planner/search/outer.py writes ``lost_by``)
 LOST_KEYS = ("lost_by", "why", "lost_on", "reason")
 
 
@@ -207,7 +207,7 @@ def _dp_hidden(plan: Plan, cluster, exposed: float) -> tuple[float | None, str]:
     from costmodel.cluster import group_span
     from costmodel.collectives import all_reduce_time
     from costmodel.overlap import GRAD_REDUCE_BYTES
-    from planner.textui import human_time
+    from planner.report.textui import human_time
 
     mem = plan.predicted.get("memory_per_gpu_bytes") or {}
     numel = float(mem.get("params", 0.0)) / (4 if cfg.precision == "fp32" else 2)

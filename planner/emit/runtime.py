@@ -1,8 +1,8 @@
 """Apply a plan with stock torch.distributed: the one implementation behind emitted scripts and auto_parallelize.
 
-This module imports only torch and the standard library: `planner.emit` copies its source into every emitted
-training script, and `planner.apply.auto_parallelize` calls the same functions in-process. The plan arrives as a
-plain dict of literals (``PLAN``, built by `planner.emit_config.runtime_config`), so a script needs nothing else.
+This module imports only torch and the standard library: `planner.emit.script` copies its source into every emitted
+training script, and `planner.emit.apply.auto_parallelize` calls the same functions in-process. The plan arrives as a
+plain dict of literals (``PLAN``, built by `planner.emit.config.runtime_config`), so a script needs nothing else.
 
 Order of application (as in torchtitan's ``parallelize`` functions), per pipeline stage; each technique is one
 function and `parallelize` calls them in this order, each under the plan condition that selects it (emitted scripts
@@ -19,14 +19,14 @@ keep only the branches and functions their plan uses):
 2. tensor parallel: first, because it turns weights into DTensors that the later wrappers take as they are;
 3. activation checkpointing: after TP, before data parallel, so checkpoint wrappers sit inside FSDP units;
 4. pipeline-boundary compression: bf16 activations between stages;
-5. data parallel: DDP (ZeRO 0, and ZeRO 1 whose optimizer state `planner.runtime_train.build_optimizer` shards)
+5. data parallel: DDP (ZeRO 0, and ZeRO 1 whose optimizer state `planner.emit.train.build_optimizer` shards)
    with the compression comm hook, or FSDP2 ``fully_shard`` per block then the root (ZeRO 2:
    ``reshard_after_forward=False``; ZeRO 3: resharded after forward);
 6. embedding groups for tied weights across pipeline ranks (Megatron-LM): the copies' gradients are summed after
    each backward, so they stay equal;
 7. pipeline schedule over the local stages, the loss on the last stage.
 
-The training step, the optimizer and the synthetic data live in `planner.runtime_train`; the emitter inlines both.
+The training step, the optimizer and the synthetic data live in `planner.emit.train`; the emitter inlines both.
 """
 
 import contextlib

@@ -1,8 +1,8 @@
 """Emit a self-contained torchrun training script for a `Plan`.
 
 The script has no autopar import: it inlines the model's source (zoo models), builds Hugging Face models from
-their config class, or loads the user's ``file.py:factory`` by path; then it inlines `planner.runtime` and
-`planner.runtime_train` (the same functions `auto_parallelize` calls) specialised to the plan: ``if plan[...]``
+their config class, or loads the user's ``file.py:factory`` by path; then it inlines `planner.emit.runtime` and
+`planner.emit.train` (the same functions `auto_parallelize` calls) specialised to the plan: ``if plan[...]``
 branches the plan decides are resolved (`specialize_runtime`) and only the functions and imports still reached
 are kept; then the plan as a literal dict, a marked ``get_batch`` for the user's data, and a training loop
 logging loss, step time and peak memory per rank. Names from the model appear only as string literals
@@ -19,9 +19,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from planner import __version__, runtime, runtime_train
-from planner.emit_config import choose_init, runtime_config
+from planner.emit import runtime, train
+from planner.emit.config import choose_init, runtime_config
 from planner.plan import Plan
+from planner.version import __version__
 from profiler.zoo.registry import ModelSource, resolve_model
 
 DATA_SOURCES = ("synthetic",)
@@ -329,7 +330,7 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
     vocab = _vocab(source, model)
     model_imports, model_body = _model_section(source)
     runtime_imports, runtime_body = [], []
-    for module in (runtime, runtime_train):  # one body, in dependency order; imports between them dropped
+    for module in (runtime, train):  # one body, in dependency order; imports between them dropped
         imports_m, body_m = _split_source(inspect.getsource(module))
         runtime_imports += [i for i in imports_m if not i.startswith("from planner")]
         runtime_body.append(body_m)
@@ -366,7 +367,7 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
         + precision_note,
         "# --- The model ---",
         model_body,
-        "# --- Parallelism: autopar's planner/runtime.py, keeping only the branches and functions this plan uses ---",
+        "# --- Parallelism: autopar's planner/emit/runtime.py and train.py, only what this plan uses ---",
         runtime_body,
         "# --- Data and training loop ---",
         main,
@@ -394,7 +395,7 @@ def format_source(text: str) -> str:
 
 def write_script(plan: Plan, path: str | Path, **kwargs) -> Path:
     """Write ``emit(plan, **kwargs)`` to ``path`` and return it."""
-    from planner.cli import write_atomic
+    from planner.files import write_atomic
 
     path = Path(path)
     write_atomic(path, emit(plan, **kwargs))

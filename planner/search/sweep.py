@@ -2,8 +2,8 @@
 
 Keys (`SWEEP_KEYS`): ``inter_bw_GBps`` (inter-node bus bandwidth per GPU; the link's per-collective figures scale
 with it, its latency stays), ``nodes``, ``global_batch``, ``seq_len``. Each value is planned from scratch by
-`planner.search.search`; `SweepResult.changes` lists the values at which the winning configuration differs from the
-previous value's, and `SweepResult.to_dict` is plain data for the HTML report's plot.
+`planner.search.outer.search`; `SweepResult.changes` lists the values at which the winning configuration differs
+from the previous value's, and `SweepResult.to_dict` is plain data for the HTML report's plot.
 
 `check_optimal` re-plans every value with each *other* value's winner fixed (its mesh, schedule, micro-batch and
 sharding; AC and compression stay the ILP's choice) and reports any that beat the sweep's own winner there.
@@ -11,7 +11,6 @@ sharding; AC and compression stay the ILP's choice) and reports any that beat th
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass, field, replace
 
@@ -109,7 +108,7 @@ def with_inter_bandwidth(cluster: Cluster, gbps: float) -> Cluster:
 
 def _job(model: str, cluster: Cluster, key: str, value, *, global_batch: int | None, seq_len: int | None, lgs: dict):
     """(layer graph, cluster, global batch) at one value."""
-    from planner.validate import profile_for
+    from planner.search.outer import profile_for
 
     seq = int(value) if key == "seq_len" else seq_len
     if key == "inter_bw_GBps":
@@ -126,8 +125,8 @@ def _job(model: str, cluster: Cluster, key: str, value, *, global_batch: int | N
 
 def sweep(model: str, cluster: str | Cluster, key: str, values, *, global_batch: int | None = None,
           seq_len: int | None = None, fix: dict | None = None, time_limit: float = 30.0, top_k: int = 1) -> SweepResult:
-    """The best plan (`planner.search.search`) at each value of ``key`` (`SWEEP_KEYS`)."""
-    from planner.search import NoPlanFits, search
+    """The best plan (`planner.search.outer.search`) at each value of ``key`` (`SWEEP_KEYS`)."""
+    from planner.search.outer import NoPlanFits, search
 
     if key not in SWEEP_KEYS:
         raise ValueError(f"--sweep: unknown key {key!r}; sweepable keys: {', '.join(SWEEP_KEYS)}")
@@ -160,7 +159,7 @@ def sweep(model: str, cluster: str | Cluster, key: str, values, *, global_batch:
 def check_optimal(result: SweepResult, base: str | Cluster, *, time_limit: float = 30.0, rel_tol: float = 1e-9
                   ) -> list[dict]:
     """Re-plan each value with every other value's winner fixed; the cases where that beats the sweep's winner."""
-    from planner.search import NoPlanFits, search
+    from planner.search.outer import NoPlanFits, search
 
     cluster = load_cluster(base) if isinstance(base, str) else base
     kw = result.plan_kwargs
@@ -186,60 +185,3 @@ def check_optimal(result: SweepResult, base: str | Cluster, *, time_limit: float
                 bad.append({"value": p.value, "winner": p.label, "winner_s": p.step_time_s, "better": other,
                             "better_s": t})
     return bad
-
-
-# --------------------------------------------------------------------------------------------------- CLI glue
-def parse_sweep(text: str) -> tuple[str, list]:
-    """``KEY=v1,v2,…`` → (key, values); ints for nodes/global_batch/seq_len, floats for bandwidth."""
-    key, eq, rest = text.partition("=")
-    key = key.strip()
-    if not eq or key not in SWEEP_KEYS:
-        raise ValueError(f"--sweep {text!r}: write KEY=v1,v2,… with KEY one of {', '.join(SWEEP_KEYS)}")
-    values = []
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        try:
-            v = float(item) if key == "inter_bw_GBps" else int(item)
-        except ValueError:
-            raise ValueError(f"--sweep {key}: {item!r} is not a {'number' if key == 'inter_bw_GBps' else 'integer'}"
-                             ) from None
-        if v <= 0:
-            raise ValueError(f"--sweep {key}: values must be > 0, got {item}")
-        values.append(v)
-    if not values:
-        raise ValueError(f"--sweep {key}=…: give at least one value (e.g. {key}=1,2,4)")
-    return key, values
-
-
-def register_sweep_arg(parser: argparse.ArgumentParser) -> None:
-    """Add ``--sweep KEY=v1,v2,…`` to the `plan` sub-command's parser."""
-    parser.add_argument("--sweep", metavar="KEY=v1,v2,…",
-                        help=f"plan once per value of one parameter ({', '.join(SWEEP_KEYS)}) and show where the "
-                             "best plan changes")
-    parser.add_argument("--html", help="with --sweep: write the sweep as a self-contained HTML page with a plot")
-
-
-def run_sweep(args: argparse.Namespace) -> int:
-    """Run the sweep ``args.sweep`` with the plan command's other arguments; print a table or JSON."""
-    from costmodel.config import parse_kv
-    from planner.cli import _print_json, write_atomic
-
-    key, values = parse_sweep(args.sweep)
-    fix_text = getattr(args, "fix", None)
-    fix = parse_kv(fix_text, what="--fix") if isinstance(fix_text, str) else dict(fix_text or {})
-    res = sweep(args.model, args.cluster, key, values, global_batch=getattr(args, "global_batch", None),
-                seq_len=getattr(args, "seq_len", None), fix=fix, time_limit=getattr(args, "time_limit", None) or 30.0)
-    out = getattr(args, "out", None)
-    if out:
-        import json
-
-        write_atomic(out, json.dumps(res.to_dict(), indent=2) + "\n")
-    html = getattr(args, "html", None)
-    if html:
-        from planner.report_sweep import render_sweep_html
-
-        write_atomic(html, render_sweep_html(res.to_dict()))
-    if getattr(args, "json", False):
-        _print_json(res.to_dict())
-    else:
-        res.render()
-    return 0

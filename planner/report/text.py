@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from planner.textui import human_bytes, human_count, human_time, render_table
+from planner.report.textui import human_bytes, human_count, human_time, render_table
 
 CONFIG_ORDER = ("dp", "tp", "pp", "vpp", "schedule", "mbs", "ac", "zero", "sp", "grad_compress", "pp_compress",
                 "precision", "cp", "ep")

@@ -1,4 +1,4 @@
-"""From a `Plan` and the model's module tree to the literal dict ``PLAN`` that `planner.runtime` applies.
+"""From a `Plan` and the model's module tree to the literal dict ``PLAN`` that `planner.emit.runtime` applies.
 
 Both the emitted script (as a literal) and `auto_parallelize` (in-process) use this dict, so the two paths apply
 the same decisions. The tensor-parallel layout comes from the module names in `profiler.layers` (`COLUMN_NAMES`,
@@ -113,9 +113,9 @@ def choose_init(plan: Plan, model: nn.Module, init: str | None = None) -> tuple[
 
 def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: str = "adamw", lr: float = 1e-3,
                    powersgd_start_iter: int = 2, init: str | None = None) -> dict:
-    """The ``PLAN`` dict of `planner.runtime` for ``plan`` applied to ``model`` (any device, meta included).
+    """The ``PLAN`` dict of `planner.emit.runtime` for ``plan`` applied to ``model`` (any device, meta included).
 
-    ``init``: ``"full"`` or ``"meta"`` (see `planner.runtime`), or None to choose by size (`choose_init`).
+    ``init``: ``"full"`` or ``"meta"`` (see `planner.emit.runtime`), or None to choose by size (`choose_init`).
     """
     c = plan.config
     if optimizer not in OPTIMIZERS:

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner import runtime, runtime_train
-from planner.emit_config import runtime_config
+from planner.emit import runtime, train
+from planner.emit.config import runtime_config
 from planner.plan import Plan
 
 
@@ -19,7 +19,7 @@ from planner.plan import Plan
 class ParallelHandle:
     """A parallelised model: ``step(batch)`` trains one optimizer step; the parts are there for your own loop."""
 
-    parallel: runtime.Parallel  #: everything `planner.runtime.parallelize` built
+    parallel: runtime.Parallel  #: everything `planner.emit.runtime.parallelize` built
     optimizer: torch.optim.Optimizer  #: over this rank's parameters
     plan: Plan  #: the plan applied
 
@@ -45,11 +45,11 @@ class ParallelHandle:
         if inputs.shape[0] != self.plan.global_batch:
             raise ValueError(f"batch has {inputs.shape[0]} rows but the plan's global batch is "
                              f"{self.plan.global_batch}; pass the whole global batch on every rank")
-        return runtime_train.train_step(self.parallel, self.optimizer, inputs, labels)
+        return train.train_step(self.parallel, self.optimizer, inputs, labels)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, unsharded, under their original names (collective: call on every rank)."""
-        return runtime_train.full_parameters(self.parallel)
+        return train.full_parameters(self.parallel)
 
 
 def _load_plan(plan: Plan | str | Path | None, model: nn.Module, example_inputs, cluster: str,
@@ -59,9 +59,9 @@ def _load_plan(plan: Plan | str | Path | None, model: nn.Module, example_inputs,
     if isinstance(plan, (str, Path)):
         return Plan.load(plan)
     try:
-        from planner.search import plan_for_module
+        from planner.search.outer import plan_for_module
     except ImportError:
-        raise ValueError("automatic planning (planner.search.plan_for_module) is not available in this build; "
+        raise ValueError("automatic planning (planner.search.outer.plan_for_module) is not available in this build; "
                          "pass plan=Plan(...) or plan='plan.yaml' written by `autopar plan`") from None
     world = dist.get_world_size() if dist.is_initialized() else int(__import__("os").environ.get("WORLD_SIZE", 1))
     return plan_for_module(model, example_inputs, cluster=cluster, world_size=world, **(plan_kwargs or {}))
@@ -74,13 +74,13 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str = "cpu-lo
     """Parallelise ``model`` by ``plan`` (a Plan, a plan file, or None to plan it for ``cluster`` now) in a torchrun
     process, and return a handle that trains it.
 
-    Applies exactly what an emitted script applies (`planner.runtime.parallelize`). The caller's ``model`` is left
+    Applies exactly what an emitted script applies (`planner.emit.runtime.parallelize`). The caller's ``model`` is left
     untouched: it is deep-copied first. With ``copy=False`` the model itself is modified in place (wrapped, sharded,
     and with pipeline parallelism stripped of the blocks other stages own). Rank 0's weights are broadcast to every
     rank first, so all ranks start from the same model. The process group is started if needed (gloo on CPU, NCCL
     with CUDA), after checking the world size against the plan.
 
-    ``init="meta"`` (chosen automatically for models above `planner.emit_config.meta_threshold`, or forced; ``"full"``
+    ``init="meta"`` (chosen automatically for models above `planner.emit.config.meta_threshold`, or forced; ``"full"``
     forces the above): only the model's structure is used. A meta-device copy is sharded and each rank initialises
     its shards with the model's ``init_weights()`` (seeded by ``seed``), so the model's current weights are *not*
     kept; pass a model built under ``torch.device("meta")`` to never allocate it whole. Load a checkpoint after.
@@ -97,7 +97,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str = "cpu-lo
             for tensor in [*source.parameters(), *source.buffers()]:
                 dist.broadcast(tensor.data, src=0)
     par = runtime.parallelize(lambda: source, config, mesh)
-    return ParallelHandle(parallel=par, optimizer=runtime_train.build_optimizer(par, config), plan=the_plan)
+    return ParallelHandle(parallel=par, optimizer=train.build_optimizer(par, config), plan=the_plan)
 
 
 def meta_copy(model: nn.Module) -> nn.Module:

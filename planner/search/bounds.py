@@ -1,7 +1,7 @@
-"""Lower bounds on a candidate's step time and peak memory, valid for every plan the ILP (`planner.ilp`) can
-choose for that candidate; the outer search (`planner.search`) prunes with them before any ILP is built.
+"""Lower bounds on a candidate's step time and peak memory, valid for every plan the ILP (`planner.search.ilp`) can
+choose for that candidate; the outer search (`planner.search.outer`) prunes with them before any ILP is built.
 
-Notation as in `planner.ilp`: S = p·v stages on p pipeline ranks, m micro-batches, φ the schedule's fill/drain
+Notation as in `planner.search.ilp`: S = p·v stages on p pipeline ranks, m micro-batches, φ the schedule's fill/drain
 factor, s the device's overlap slowdown, T_r the per-micro-batch time of rank r, and
 
     step = (m − φ)·max_r T_r + φ·Σ_r T_r + max_r finish_r        (m ≥ φ, φ ≥ 0).
@@ -55,7 +55,7 @@ from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.estimate import Evaluator, pipeline_factor
 from costmodel.memory import DDP_BUCKET_BYTES, FRAGMENTATION, RUNTIME_RESERVED_BYTES, inflight, state_bytes_per_param
 from costmodel.overlap import GRAD_REDUCE_BYTES, optimizer_time
-from planner.ilp import GRAD_OPTIONS
+from planner.search.ilp import GRAD_OPTIONS
 from profiler.graph import LayerGraph
 
 INF = float("inf")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from planner.textui import human_bytes, human_time, render_table
+from planner.report.textui import human_bytes, human_time, render_table
 
 
 def print_estimate(model, cluster, cfg, global_batch, lg, est, *, file) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from html import escape
 
-from planner.report_html import CSS, JS, _table
+from planner.report.html import CSS, JS, _table
 
 _COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 

@@ -63,7 +63,7 @@ from costmodel.config import AC, ParallelConfig, parse_grad_compress
 from costmodel.estimate import Estimate, Evaluator
 from costmodel.memory import DDP_BUCKET_BYTES, FRAGMENTATION, RUNTIME_RESERVED_BYTES, inflight
 from costmodel.overlap import GRAD_REDUCE_BYTES, optimizer_time, zero1_sync_time, zero2_gather_time
-from planner.ilp_data import (  # noqa: F401 - re-exported: the ILP's data and options
+from planner.search.ilp_data import (  # noqa: F401 - re-exported: the ILP's data and options
     AC_ORDER,
     GRAD_OPTIONS,
     PP_OPTIONS,

@@ -9,9 +9,11 @@ from pathlib import Path
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from costmodel.cluster import load_cluster
-    from planner.cli import UsageError, _print_json, write_atomic
+    from planner.cli.common import UsageError, print_json
+    from planner.files import write_atomic
     from planner.plan import Plan
-    from planner.validate import compare, profile_for, render, repredict, run_plans, summary
+    from planner.search.outer import profile_for
+    from planner.validate.loop import compare, render, repredict, run_plans, summary
 
     if args.steps < 1 or args.warmup < 0:
         raise UsageError(f"--steps {args.steps} must be ≥ 1 and --warmup {args.warmup} ≥ 0")
@@ -33,7 +35,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
               "summary": summary(comps)}
     after = None
     if args.recalibrate:
-        from planner.validate_fit import fit
+        from planner.validate.fit import fit
 
         base = load_cluster(args.cluster or next(iter(clusters)))
         lgs = [profile_for(p.model, base, seq=p.seq) for p in plans.values()]
@@ -45,7 +47,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                                   "cost_before": res.cost_before, "cost_after": res.cost_after,
                                   "plans": {c.name: c.to_dict() for c in after}, "summary": summary(after)}
     if args.json:
-        _print_json(result)
+        print_json(result)
         return 0
     render(comps, title="predicted (as planned) vs measured")
     if after is not None:

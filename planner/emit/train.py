@@ -1,7 +1,7 @@
 """The training step of a parallelised model: optimizer (ZeRO-1 through ZeroRedundancyOptimizer), gradient
 accumulation over micro-batches (or the pipeline schedule), data-parallel and tied-weight gradient sync, synthetic
-data, and what the loop reports. Like `planner.runtime` it imports only torch and the standard library (and
-`planner.runtime`, whose source the emitter inlines alongside this one).
+data, and what the loop reports. Like `planner.emit.runtime` it imports only torch and the standard library (and
+`planner.emit.runtime`, whose source the emitter inlines alongside this one).
 """
 
 import contextlib
@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from planner.runtime import DTYPES, Parallel, sync_tied_grads
+from planner.emit.runtime import DTYPES, Parallel, sync_tied_grads
 
 
 def autocast(plan: dict, device: torch.device):

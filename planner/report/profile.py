@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from planner.textui import human_bytes, human_count, human_time
+from planner.report.textui import human_bytes, human_count, human_time
 from profiler.graph import LayerGraph
 from profiler.measure import Profile
 

@@ -1,6 +1,6 @@
 """Measure emitted training scripts from outside: run under torchrun, one launch for several plans.
 
-``python -m torch.distributed.run --standalone --nproc-per-node N planner/validate_driver.py CASES.json OUTDIR``
+``python -m torch.distributed.run --standalone --nproc-per-node N planner/validate/driver.py CASES.json OUTDIR``
 
 CASES.json lists ``{"name", "script", "steps", "warmup"}``. Each rank imports every script as a module (its
 ``main()`` does not run), builds the plan with the script's own functions (``init_distributed``, ``parallelize``,

@@ -1,4 +1,4 @@
-"""The coefficients of one outer candidate's ILP, read from the cost model (planner/ilp.py builds the model).
+"""The coefficients of one outer candidate's ILP, read from the cost model (planner/search/ilp.py builds the model).
 
 `build_data` evaluates every per-layer cost the ILP needs once, through `Evaluator` (shared layer costs between
 candidates via its ``cache``), and tabulates the rank-level quantities that depend non-linearly on a rank's block

@@ -8,41 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
-from pathlib import Path
 
-
-class UsageError(ValueError):
-    """A user-facing error the CLI reports in one line with exit code 2."""
-
-
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder, so no half-written file remains."""
-    path = Path(path)
-    if path.parent and not path.parent.exists():
-        raise UsageError(f"cannot write {path}: folder {path.parent} does not exist; create it or choose another path")
-    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; an output file is as readable as any other
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _print_json(obj) -> None:
-    json.dump(obj, sys.stdout, indent=2, sort_keys=False, default=str)
-    sys.stdout.write("\n")
+from planner.cli.common import UsageError, print_json
+from planner.files import write_atomic
 
 
 # ---------------------------------------------------------------------------------------------------- profile
 def cmd_profile(args: argparse.Namespace) -> int:
-    from planner.profile_report import layer_rows, profile_to_dict
-    from planner.textui import render_table
+    from planner.report.profile import layer_rows, profile_to_dict
+    from planner.report.textui import render_table
     from profiler.api import profile_model
 
     lg = profile_model(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, kernels=args.kernels)
@@ -66,11 +41,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.out:
         write_atomic(args.out, json.dumps(result, indent=2) + "\n")
     if args.json:
-        _print_json(result)
+        print_json(result)
         return 0
     headers, rows = layer_rows(lg, prof)
     g = lg.model
-    from planner.textui import human_count
+    from planner.report.textui import human_count
 
     title = (f"{g.name}: {human_count(g.num_params)} parameters, captured by {g.method} at batch {g.batch}, "
              f"seq {g.seq}, {g.dtype}; {len(lg.layers)} layers, {len(lg.signatures)} distinct")
@@ -82,7 +57,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------- models, clusters
 def cmd_models(args: argparse.Namespace) -> int:
-    from planner.textui import render_table
+    from planner.report.textui import render_table
     from profiler.zoo.registry import list_models
 
     rows = list_models()
@@ -95,7 +70,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_clusters(args: argparse.Namespace) -> int:
     from costmodel.cluster import list_clusters
-    from planner.textui import render_table
+    from planner.report.textui import render_table
 
     render_table("cluster presets", ["name", "description"], list_clusters(), right=[False, False])
     print("\nforms: PRESET[:nodes=N]   path/to/cluster.yaml")
@@ -125,9 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("clusters", help="list cluster presets").set_defaults(func=cmd_clusters)
 
     # the commands that need the cost model and planner register themselves (imported lazily where they run)
-    from planner import cli_inspect, cli_plan, cli_validate
+    from planner.cli import inspect, plan, validate
 
-    for module in (cli_plan, cli_inspect, cli_validate):
+    for module in (plan, inspect, validate):
         module.register(sub)
     return p
 

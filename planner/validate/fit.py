@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from costmodel.cluster import Cluster, Link, dump_cluster
 from costmodel.hardware import EfficiencyCurve
 from planner.plan import Plan
-from planner.validate import Measurement, predicted_parts, repredict
+from planner.validate.loop import Measurement, predicted_parts, repredict
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 WEIGHTS = {"step": 2.0, "compute": 1.0, "comm": 1.0, "optimizer": 0.5}
@@ -139,7 +139,7 @@ def fit(base: Cluster, plans: list[Plan], measured: list[Measurement], lgs: list
     import numpy as np
     from scipy.optimize import least_squares
 
-    from planner.validate import profile_for
+    from planner.search.outer import profile_for
 
     if not plans:
         raise ValueError("--recalibrate needs at least one measured plan")
