@@ -99,6 +99,14 @@ class ParallelConfig:
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
+    def runnable_facts(self, global_batch: int, arch: dict | None = None, seq: int | None = None) -> dict:
+        """The plain values `costmodel.runnable.problems` judges for this configuration of a job."""
+        arch = arch or {}
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "schedule": self.schedule.value,
+                "zero": self.zero, "sp": self.sp, "grad_compress": parse_grad_compress(self.grad_compress)[0],
+                "precision": self.precision, "micro_batches": global_batch // (self.dp * self.mbs),
+                "seq": seq or arch.get("seq"), "heads": arch.get("heads"), "kv_heads": arch.get("kv_heads")}
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["schedule"] = self.schedule.value

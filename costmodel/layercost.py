@@ -158,6 +158,14 @@ def _elt(dtype: str) -> int:
     return _BYTES.get(dtype, 4)
 
 
+def tp_comm_bytes(layer: Layer, ctx: CostContext) -> tuple[float, float]:
+    """(forward, backward) tensor-parallel all-reduce payload bytes of one micro-batch at the configuration's
+    micro-batch and precision (Megatron's f and g; with sequence parallelism the same bytes move as an all-gather
+    plus a reduce-scatter). Full recomputation repeats the forward's."""
+    bf, bb = _tp_comm_bytes(layer)
+    return bf * ctx.scale * ctx.act_scale, bb * ctx.scale * ctx.act_scale
+
+
 def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, ...], *,
                tp_layer: bool | None = None) -> LayerCost:
     """Cost of ``layer`` with checkpointing ``ac`` for one micro-batch on one rank (see the module docstring).
@@ -198,9 +206,9 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
 
     comm_f = comm_b = 0.0
     if tp > 1 and ctx.tp_span is not None:
-        bf, bb = _tp_comm_bytes(layer)
-        comm_f = all_reduce_time(bf * k * ctx.act_scale, ctx.tp_span, ctx.cluster) if bf else 0.0
-        comm_b = all_reduce_time(bb * k * ctx.act_scale, ctx.tp_span, ctx.cluster) if bb else 0.0
+        bf, bb = tp_comm_bytes(layer, ctx)
+        comm_f = all_reduce_time(bf, ctx.tp_span, ctx.cluster) if bf else 0.0
+        comm_b = all_reduce_time(bb, ctx.tp_span, ctx.cluster) if bb else 0.0
 
     if ac == AC.NONE:
         act, rec, rec_flops, rec_comm, rec_peak = act_none, 0.0, 0.0, 0.0, 0.0

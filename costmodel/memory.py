@@ -10,8 +10,10 @@ fp32 sharded parameters and gradients instead, 16Ψ/N in all, the same as ZeRO-3
 
 Activations of one micro-batch come from `costmodel.layercost`. How many micro-batches a pipeline rank holds at
 its peak depends on the schedule (`inflight`): GPipe holds all m; 1F1B holds p − r on rank r (Narayanan et al.
-2021 §2.2.1); the interleaved schedule holds (p − r) + (p − 1)/v on rank r, which for r = 0 is Korthikanti et al.
-2022 eq. 5's factor (1 + (p − 1)/(p·v)) on p micro-batches; zero-bubble ZB-H1 keeps 1F1B's peak (Qi et al. 2023
+2021 §2.2.1); the interleaved schedule holds torch's warm-up chunks plus one, ((v − 1)·q + 2(p − 1 − r) + 1)/v
+micro-batches on rank r (q = p when m is a multiple of p), which for r = 0 is p + (p − 1)/v, Korthikanti et al.
+2022 eq. 5's factor (1 + (p − 1)/(p·v)) on p micro-batches (for v > 2 the later ranks hold more than (p − r) +
+(p − 1)/v); zero-bubble ZB-H1 keeps 1F1B's peak (Qi et al. 2023
 §3.1). Never more than m.
 
 Temporaries: the recomputed layer's activations while its backward runs, FSDP's all-gathered parameters of the
@@ -53,7 +55,12 @@ def inflight(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: in
     if schedule == Schedule.GPIPE:
         n = micro_batches
     elif schedule == Schedule.INTERLEAVED:
-        n = (pp - rank) + (pp - 1) / vpp
+        # torch 2.13 ScheduleInterleaved1F1B (schedules.py, _get_warmup_ops): rank r runs (v − 1)·q + 2(p − 1 − r)
+        # forward chunks before its first backward, q = m // max(1, m // p) micro-batches per round, and holds one
+        # more in steady state; a chunk is 1/v of the rank's layers
+        q = micro_batches // max(1, micro_batches // pp)
+        chunks = min((vpp - 1) * q + 2 * (pp - 1 - rank) + 1, micro_batches * vpp)
+        n = chunks / vpp
     else:  # 1F1B and ZB-H1
         n = pp - rank
     return float(min(n, micro_batches))

@@ -3,9 +3,11 @@
 - DDP (ZeRO 0/1): gradients are all-reduced in buckets while the last micro-batch's backward runs (Li et al.
   2020, "PyTorch Distributed", §3.2.3). The part longer than that backward is exposed, and never less than the
   reduction of the last bucket (the first layer's gradients, at most the 25 MB bucket cap), which can only start
-  when the backward ends. ZeRO-1 (torch's ZeroRedundancyOptimizer) then broadcasts the updated parameters from
-  their owners, one collective per parameter tensor: the volume of an all-gather, with a latency per tensor
-  (exposed).
+  when the backward ends. Where the runtime cannot use DDP's hooks (tensor-parallel DTensor parameters, the
+  zero-bubble schedule's hand-written weight gradients: `costmodel.runnable.post_step_allreduce`) it all-reduces
+  after the backward, and all of it is exposed. ZeRO-1 (torch's ZeroRedundancyOptimizer) then broadcasts the
+  updated parameters from their owners, one collective per parameter tensor: the volume of an all-gather, with a
+  latency per tensor (exposed).
 - ZeRO-2 (FSDP2 without resharding after forward): gradients are reduce-scattered every micro-batch under that
   micro-batch's backward (so they stay sharded through gradient accumulation); parameters are all-gathered once
   per step under the first forward.
@@ -21,6 +23,7 @@ from __future__ import annotations
 from costmodel.collectives import all_gather_time, reduce_scatter_time
 from costmodel.compression import SyncView, compressed_grad_comm
 from costmodel.layercost import LayerCost
+from costmodel.runnable import post_step_allreduce
 
 GRAD_REDUCE_BYTES = 4  #: gradients are reduced in fp32 (DDP's fp32 grads; FSDP2 reduce_dtype=float32)
 
@@ -55,6 +58,8 @@ def dp_exposed(rank_costs: list[LayerCost], ev: SyncView) -> tuple[float, float]
     span, cluster = ev.dp_span, ev.cluster
     slow = cluster.device.overlap_slowdown
     window = sum(c.bwd_s + c.recompute_s for c in rank_costs)  # the last micro-batch's backward on this rank
+    if post_step_allreduce(cfg.dp, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp):
+        window = 0.0  # the runtime all-reduces after the whole backward (costmodel.runnable): nothing hides it
     params = sum(c.param_numel for c in rank_costs)
     first = rank_costs[0].param_numel
     if cfg.zero == 3:
@@ -98,3 +103,23 @@ def optimizer_time(params: float, ev: SyncView) -> float:
     per = 28 if cfg.precision == "fp32" else 30
     dev = ev.cluster.device
     return local * per / (dev.hbm_bw * dev.memory_eff)
+
+
+def dp_step_bytes(cfg, params: float, m: int) -> dict[str, float]:
+    """The data-parallel collectives the terms above charge one rank per step, as payload bytes by kind (an
+    all-gather's gathered size, a reduce-scatter's full input): what `autopar check` compares with the traced
+    runtime. ``params``: the rank's parameters before ZeRO sharding; ``m``: micro-batches per step. PowerSGD's
+    compressed rounds are not listed (their volume depends on the matrices: `costmodel.compression.powersgd_volume`).
+    """
+    pbytes = _param_bytes(cfg)
+    kind = cfg.grad_compress.split("-")[0]
+    if cfg.dp == 1:
+        return {}
+    if cfg.zero == 3:  # fsdp_exposed: per micro-batch, gathered for forward and again for backward
+        return {"all_gather": 2 * m * params * pbytes, "reduce_scatter": m * params * GRAD_REDUCE_BYTES}
+    if cfg.zero == 2:  # dp_exposed: a reduce-scatter per micro-batch, one all-gather per step
+        return {"all_gather": params * pbytes, "reduce_scatter": m * params * GRAD_REDUCE_BYTES}
+    out = {} if kind == "powersgd" else {"all_reduce": params * (2 if kind in ("bf16", "fp16") else GRAD_REDUCE_BYTES)}
+    if cfg.zero == 1:  # zero1_sync_time: the owners' broadcasts, an all-gather's volume
+        out["broadcast"] = params * pbytes
+    return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from costmodel.runnable import problems
 from planner.plan import AC, Plan, parse_grad_compress
 from profiler.layers import COLUMN_NAMES, ROW_NAMES
 
@@ -155,15 +156,9 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
     else:
         stage_rank = [s % c.pp for s in range(n_stages)]
     kind, rank = parse_grad_compress(c.grad_compress)
-    if c.precision not in ("fp32", "bf16", "fp16"):
-        raise ValueError(f"precision={c.precision} is not supported yet: float8 training needs torchao (the cost "
-                         "model predicts fp8 only); re-plan with --fix precision=bf16")
-    if c.zero == 1 and c.tp > 1 and c.dp > 1:
-        raise ValueError("zero=1 with tp>1 is not supported yet (ZeroRedundancyOptimizer takes no DTensor "
-                         "parameters); re-plan with --fix zero=2 or tp=1")
-    if c.pp > 1 and plan.grad_accum < c.pp:
-        raise ValueError(f"pp={c.pp} needs at least {c.pp} micro-batches, but global_batch/(dp·mbs) = "
-                         f"{plan.grad_accum}; raise global_batch or lower mbs")
+    why = problems(c.runnable_facts(plan.global_batch, seq=plan.seq))  # the rules the search and runtime apply
+    if why:
+        raise ValueError(f"this plan cannot run: {why[0]}")
     block0 = blocks[0] if len(blocks) else nn.Module()
     sp_norms = [n for n, m in block0.named_children() if "norm" in type(m).__name__.lower()]
     sp_gather = sorted({rel.rpartition(".")[0] for rel, k in layout.items() if k == "colwise"} - {""})

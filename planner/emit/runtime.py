@@ -1,8 +1,9 @@
 """Apply a plan with stock torch.distributed: the one implementation behind emitted scripts and auto_parallelize.
 
-This module imports only torch and the standard library: `planner.emit.script` copies its source into every emitted
-training script, and `planner.emit.apply.auto_parallelize` calls the same functions in-process. The plan arrives as a
-plain dict of literals (``PLAN``, built by `planner.emit.config.runtime_config`), so a script needs nothing else.
+This module imports only torch, the standard library and `costmodel.runnable` (the rules of what can run, itself
+standard library only): `planner.emit.script` copies all three sources into every emitted training script, and
+`planner.emit.apply.auto_parallelize` calls the same functions in-process. The plan arrives as a plain dict of
+literals (``PLAN``, built by `planner.emit.config.runtime_config`), so a script needs nothing else.
 
 Order of application (as in torchtitan's ``parallelize`` functions), per pipeline stage; each technique is one
 function and `parallelize` calls them in this order, each under the plan condition that selects it (emitted scripts
@@ -41,7 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import (
@@ -56,6 +57,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from costmodel.runnable import post_step_allreduce, problems
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -72,25 +75,31 @@ def check_world(plan: dict) -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     rank = os.environ.get("RANK", "0")
     shape = f"pp={plan['pp']} × dp={plan['dp']} × tp={plan['tp']}"
-    problems = []
+    errors = []
     if world != plan["world"]:
-        problems.append(
+        errors.append(
             f"this plan needs {plan['world']} processes ({shape}) but WORLD_SIZE={world}; start it with "
             f"torchrun --nproc-per-node {plan['world']}, or re-plan for {world} devices"
         )
     if plan["tp"] > local:
-        problems.append(
+        errors.append(
             f"tp={plan['tp']} needs that many processes per node, but LOCAL_WORLD_SIZE={local}; "
             f"re-plan with tp ≤ {local}"
         )
     if torch.cuda.is_available() and plan["tp"] > torch.cuda.device_count():
-        problems.append(f"tp={plan['tp']} but this node has {torch.cuda.device_count()} GPUs; re-plan with fewer")
-    if plan["precision"] not in ("fp32", "bf16", "fp16"):
-        problems.append(f"precision={plan['precision']} is not supported yet: float8 training needs torchao; "
-                        "re-plan with --fix precision=bf16")
-    if problems:
-        print(f"[rank {rank}] error: {'; '.join(problems)}", file=sys.stderr, flush=True)
+        errors.append(f"tp={plan['tp']} but this node has {torch.cuda.device_count()} GPUs; re-plan with fewer")
+    errors += plan_problems(plan)
+    if errors:
+        print(f"[rank {rank}] error: {'; '.join(errors)}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def plan_problems(plan: dict) -> list:
+    """Why this runtime cannot run ``plan`` as it stands (``costmodel.runnable.problems``, the rules the planner's
+    search and emitter apply too): a hand-edited ``PLAN`` fails here, before any collective."""
+    facts = {key: plan[key] for key in ("dp", "tp", "pp", "vpp", "schedule", "zero", "sp", "grad_compress",
+                                        "precision", "seq")}
+    return problems({**facts, "micro_batches": plan["grad_accum"]})
 
 
 def init_distributed(plan: dict) -> DeviceMesh:
@@ -161,7 +170,7 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
             apply_pp_compress(part, index, plan)
         # 5. Data parallel, wrapping what the steps above built: DDP with a comm hook (ZeRO 0, and ZeRO 1 whose
         #    optimizer state `build_optimizer` shards), or FSDP2 for ZeRO 2/3.
-        if plan["dp"] > 1 and plan["zero"] == 0 and plan["tp"] > 1:
+        if post_step_allreduce(plan["dp"], plan["tp"], plan["zero"], plan["schedule"], plan["pp"]):
             module = apply_dp_allreduce(part, plan, mesh["dp"])
         elif plan["dp"] > 1 and plan["zero"] <= 1:
             if plan["init"] == "meta":
@@ -444,26 +453,32 @@ def apply_pp_compress(part: nn.Module, stage: int, plan: dict) -> None:
         part.register_forward_pre_hook(lambda module, args: (args[0].to(dtype), *args[1:]))
 
 
-def bf16_cast_hook(process_group, bucket):
-    """DDP comm hook: all-reduce the gradient bucket in bf16 (``bf16_compress_hook`` is NCCL-only in torch 2.13)."""
-    group = process_group if process_group is not None else dist.group.WORLD
-    compressed = bucket.buffer().to(torch.bfloat16).div_(group.size())
-    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+def cast_hook(dtype: torch.dtype):
+    """DDP comm hook: all-reduce the gradient bucket in ``dtype`` (bf16/fp16), torch's ``fp16_compress_hook`` on any
+    backend (its ``bf16_compress_hook`` is NCCL-only in torch 2.13). The all-reduce is in place, so the result is
+    read from the sent buffer (a fake process group's future carries no value: `autopar check` traces this too)."""
 
-    def decompress(fut):
-        out = bucket.buffer()
-        out.copy_(fut.value()[0])
-        return out
+    def hook(process_group, bucket):
+        group = process_group if process_group is not None else dist.group.WORLD
+        compressed = bucket.buffer().to(dtype).div_(group.size())
+        future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
 
-    return future.then(decompress)
+        def decompress(fut):
+            out = bucket.buffer()
+            out.copy_(compressed)
+            return out
+
+        return future.then(decompress)
+
+    return hook
 
 
 def apply_dp_allreduce(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
-    """ZeRO 0 with tensor parallelism: DDP does not take DTensor parameters, so `allreduce_grads` averages the
-    gradients over the dp group after backward (see `train_step`); the part is returned as it is."""
-    if plan["grad_compress"] != "none":
-        raise ValueError(f"grad_compress={plan['grad_compress']} with tp={plan['tp']} needs FSDP: use zero ≥ 1 "
-                         "(bf16/fp16) or tp=1 (DDP comm hooks)")
+    """Data parallel without DDP, where DDP cannot reduce correctly (`costmodel.runnable.post_step_allreduce`):
+    tensor-parallel DTensor parameters (DDP takes none), and the zero-bubble schedule, whose weight gradients torch
+    computes with ``autograd.grad`` and writes to ``.grad`` by hand, so DDP's reducer hooks would never fire and the
+    replicas would drift apart. `allreduce_grads` averages the gradients over the dp group after the whole backward
+    (see `train_step`); the part is returned as it is."""
     part._autopar_grad_group = dp_mesh.get_group()
     return part
 
@@ -472,11 +487,10 @@ def apply_ddp(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
     """ZeRO 0: DDP over the dp group, with the plan's gradient compression as a comm hook."""
     cuda = current_device().type == "cuda"
     group = dp_mesh.get_group()
-    ddp = DDP(part, process_group=group, device_ids=[current_device()] if cuda else None)
-    if plan["grad_compress"] == "fp16":
-        ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
-    elif plan["grad_compress"] == "bf16":
-        ddp.register_comm_hook(group, default_hooks.bf16_compress_hook if cuda else bf16_cast_hook)
+    # gradients as views into the reduction buckets: without it DDP keeps a second copy of every gradient
+    ddp = DDP(part, process_group=group, device_ids=[current_device()] if cuda else None, gradient_as_bucket_view=True)
+    if plan["grad_compress"] in ("bf16", "fp16"):
+        ddp.register_comm_hook(group, cast_hook(DTYPES[plan["grad_compress"]]))
     elif plan["grad_compress"] == "powersgd":
         state = powerSGD_hook.PowerSGDState(
             process_group=group, matrix_approximation_rank=plan["powersgd_rank"],
@@ -487,13 +501,15 @@ def apply_ddp(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
 
 
 def apply_fsdp(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
-    """ZeRO 1-3: FSDP2 per block, then the root. Mixed precision only on GPUs (CPU runs stay fp32); gradients
-    reduced in bf16/fp16 when the plan compresses."""
+    """ZeRO 2-3: FSDP2 per block, then the root. Mixed precision only on GPUs (CPU runs stay fp32); gradients
+    reduced in fp32 (as torchtitan does), in bf16/fp16 when the plan compresses."""
     on_gpu = current_device().type == "cuda"
     compress = plan["grad_compress"]
     mp = MixedPrecisionPolicy(
         param_dtype=DTYPES[plan["precision"]] if on_gpu and plan["precision"] != "fp32" else None,
-        reduce_dtype=DTYPES[compress] if compress in ("bf16", "fp16") else None,
+        # fp32 reduction (and accumulation across micro-batches) unless the plan compresses: torch's default (None)
+        # would reduce in the bf16 compute dtype, which the cost model does not charge and the user did not ask for
+        reduce_dtype=DTYPES[compress] if compress in ("bf16", "fp16") else torch.float32,
     )
     reshard = plan["zero"] == 3  # ZeRO 1/2: keep parameters gathered between forward and backward
     for block in block_list(part, plan):

@@ -1,12 +1,12 @@
 """Emit a self-contained torchrun training script for a `Plan`.
 
 The script has no autopar import: it inlines the model's source (zoo models), builds Hugging Face models from
-their config class, or loads the user's ``file.py:factory`` by path; then it inlines `planner.emit.runtime` and
-`planner.emit.train` (the same functions `auto_parallelize` calls) specialised to the plan: ``if plan[...]``
-branches the plan decides are resolved (`specialize_runtime`) and only the functions and imports still reached
-are kept; then the plan as a literal dict, a marked ``get_batch`` for the user's data, and a training loop
-logging loss, step time and peak memory per rank. Names from the model appear only as string literals
-(``repr``) inside ``PLAN``, never as identifiers.
+their config class, or loads the user's ``file.py:factory`` by path; then it inlines `costmodel.runnable` (the
+rules of what can run), `planner.emit.runtime` and `planner.emit.train` (the same functions `auto_parallelize`
+calls) specialised to the plan: ``if plan[...]`` branches the plan decides are resolved (`specialize_runtime`) and
+only the functions and imports still reached are kept; then the plan as a literal dict, a marked ``get_batch`` for
+the user's data, and a training loop logging loss, step time and peak memory per rank. Names from the model appear
+only as string literals (``repr``) inside ``PLAN``, never as identifiers.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from costmodel import runnable
 from planner.emit import runtime, train
 from planner.emit.config import choose_init, runtime_config
 from planner.plan import Plan
@@ -26,6 +27,9 @@ from planner.version import __version__
 from profiler.zoo.registry import ModelSource, resolve_model
 
 DATA_SOURCES = ("synthetic",)
+#: rule functions of `costmodel.runnable` (pure, standard library only) that a runtime ``if`` may call on ``plan[...]``
+#: values: the emitter decides such a test for the plan as it decides ``plan[...]`` comparisons
+PURE_RULES = {"post_step_allreduce": runnable.post_step_allreduce}
 
 
 def _split_source(text: str) -> tuple[list[str], str]:
@@ -74,11 +78,15 @@ def _static_test(test: ast.expr, plan: dict) -> bool | None:
             return stop
         return None if None in values else not stop
     allowed = (ast.Compare, ast.UnaryOp, ast.Subscript, ast.Constant, ast.Name, ast.Tuple, ast.List,
-               ast.expr_context, ast.cmpop, ast.unaryop)
+               ast.expr_context, ast.cmpop, ast.unaryop, ast.Call)
     for node in ast.walk(test):
-        if not isinstance(node, allowed) or (isinstance(node, ast.Name) and node.id != "plan"):
+        if not isinstance(node, allowed) or (isinstance(node, ast.Name) and node.id != "plan"
+                                             and node.id not in PURE_RULES):
             return None
-    return bool(eval(compile(ast.Expression(test), "<plan>", "eval"), {"__builtins__": {}}, {"plan": plan}))
+        if isinstance(node, ast.Call) and (not isinstance(node.func, ast.Name) or node.keywords):
+            return None
+    return bool(eval(compile(ast.Expression(test), "<plan>", "eval"), {"__builtins__": {}},
+                     {"plan": plan, **PURE_RULES}))
 
 
 class _Specializer:
@@ -330,9 +338,9 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
     vocab = _vocab(source, model)
     model_imports, model_body = _model_section(source)
     runtime_imports, runtime_body = [], []
-    for module in (runtime, train):  # one body, in dependency order; imports between them dropped
+    for module in (runnable, runtime, train):  # one body, in dependency order; imports between them dropped
         imports_m, body_m = _split_source(inspect.getsource(module))
-        runtime_imports += [i for i in imports_m if not i.startswith("from planner")]
+        runtime_imports += [i for i in imports_m if not i.startswith(("from planner", "from costmodel"))]
         runtime_body.append(body_m)
     runtime_body = "\n\n\n".join(runtime_body)
     main = _MAIN.strip("\n")
@@ -367,7 +375,7 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
         + precision_note,
         "# --- The model ---",
         model_body,
-        "# --- Parallelism: autopar's planner/emit/runtime.py and train.py, only what this plan uses ---",
+        "# --- Parallelism: autopar's costmodel/runnable.py, planner/emit/runtime.py and train.py, as used here ---",
         runtime_body,
         "# --- Data and training loop ---",
         main,

@@ -1,7 +1,7 @@
 """The training step of a parallelised model: optimizer (ZeRO-1 through ZeroRedundancyOptimizer), gradient
 accumulation over micro-batches (or the pipeline schedule), data-parallel and tied-weight gradient sync, synthetic
 data, and what the loop reports. Like `planner.emit.runtime` it imports only torch and the standard library (and
-`planner.emit.runtime`, whose source the emitter inlines alongside this one).
+`planner.emit.runtime` and `costmodel.runnable`, whose sources the emitter inlines alongside this one).
 """
 
 import contextlib
@@ -10,9 +10,11 @@ import resource
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from costmodel.runnable import post_step_allreduce
 from planner.emit.runtime import DTYPES, Parallel, sync_tied_grads
 
 
@@ -39,8 +41,15 @@ def build_optimizer(par: Parallel, plan: dict) -> torch.optim.Optimizer:
 def train_step(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor) -> float:
     """One optimizer step on the global batch (the same on every rank; each dp rank takes its rows).
 
-    Returns the global mean loss, identical on every rank.
+    Returns the global mean loss, identical on every rank, as a Python float (`train_step_loss` has it as a tensor).
     """
+    return train_step_loss(par, optimizer, inputs, labels).item()
+
+
+def train_step_loss(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
+                    labels: torch.Tensor) -> torch.Tensor:
+    """`train_step` up to its loss, a 0-dim tensor on the device (no host synchronisation: `autopar check` runs this
+    on fake tensors)."""
     plan, device = par.plan, par.device
     dp_rank = par.mesh["dp"].get_local_rank()
     rows = plan["global_batch"] // plan["dp"]
@@ -53,16 +62,17 @@ def train_step(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Te
             args = (x,) if 0 in par.stage_indices else ()
             losses: list = []
             kwargs = {"target": y, "losses": losses} if n_stages - 1 in par.stage_indices else {}
-            par.schedule.step(*args, **kwargs)
+            # return_outputs=False: the last stage would otherwise keep every micro-batch's output (the logits)
+            par.schedule.step(*args, **kwargs, return_outputs=False)
             local = torch.stack(losses).mean().detach().float() if losses else torch.zeros((), device=device)
         else:
             local = torch.zeros((), device=device)
             module, n = par.modules[0], plan["grad_accum"]
             for k, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
                 last = k == n - 1
-                loss = _accumulate(module, xm, ym, n, last)
+                loss = _accumulate(module, xm, ym, n, last, keep_gathered=plan["zero"] == 2)
                 local += loss.detach().float()
-    if plan["dp"] > 1 and plan["zero"] == 0 and plan["tp"] > 1:
+    if post_step_allreduce(plan["dp"], plan["tp"], plan["zero"], plan["schedule"], plan["pp"]):
         for part in par.parts:
             allreduce_grads(part, plan["dp"])
     if plan["pp"] > 1 and plan["tied"]:
@@ -73,21 +83,44 @@ def train_step(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Te
         dist.all_reduce(total, group=par.mesh["pp"].get_group())  # only the last stage holds the loss
     if plan["dp"] > 1:
         dist.all_reduce(total, group=par.mesh["dp"].get_group())
-    return total.item() / plan["dp"]
+    return total[0] / plan["dp"]
+
+
+GRAD_BUCKET_BYTES = 25 * 2**20  #: DDP's default bucket cap, used for the post-step all-reduce too
 
 
 def allreduce_grads(part: nn.Module, dp: int) -> None:
-    """Average the gradients over the data-parallel group (DDP's job, for tensor-parallel DTensor parameters)."""
-    for p in part.parameters():
-        if p.grad is not None:
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(grad, group=part._autopar_grad_group)
-            grad.div_(dp)
+    """Average the gradients over the data-parallel group after the backward, where DDP cannot (tensor-parallel
+    DTensor parameters; the zero-bubble schedule's hand-written weight gradients). Like DDP, gradients are packed
+    into flat buckets of at most `GRAD_BUCKET_BYTES` (one all-reduce each, not one per tensor), in reverse
+    parameter order, as their gradients become ready."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+             for p in reversed(list(part.parameters())) if p.grad is not None]
+    bucket: list = []
+    size = 0
+    for k, grad in enumerate(grads):
+        bucket.append(grad)
+        size += grad.numel() * grad.element_size()
+        last = k == len(grads) - 1
+        if size >= GRAD_BUCKET_BYTES or last or grads[k + 1].dtype != grad.dtype:
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=part._autopar_grad_group)
+            flat.div_(dp)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            bucket, size = [], 0
 
 
-def _accumulate(module: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int, last: bool) -> torch.Tensor:
+def _accumulate(module: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int, last: bool,
+                keep_gathered: bool = False) -> torch.Tensor:
     """Forward and backward of one micro-batch. DDP syncs gradients on the last one only; FSDP2 reduce-scatters
-    every micro-batch, so that gradients stay sharded through accumulation (as the cost model assumes)."""
+    every micro-batch, so that gradients stay sharded through accumulation (as the cost model assumes). With
+    ``keep_gathered`` (ZeRO-2) FSDP2 keeps the parameters gathered after every backward but the last, so they are
+    all-gathered once per step, not once per micro-batch (the cost model's ZeRO-2: replicated parameters)."""
+    if keep_gathered and isinstance(module, FSDPModule):
+        module.set_reshard_after_backward(last)
     ctx = module.no_sync() if isinstance(module, DDP) and not last else contextlib.nullcontext()
     with ctx:
         loss = module(x, y)

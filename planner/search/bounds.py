@@ -55,6 +55,7 @@ from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.estimate import Evaluator, pipeline_factor
 from costmodel.memory import DDP_BUCKET_BYTES, FRAGMENTATION, RUNTIME_RESERVED_BYTES, inflight, state_bytes_per_param
 from costmodel.overlap import GRAD_REDUCE_BYTES, optimizer_time
+from costmodel.runnable import post_step_allreduce
 from planner.search.ilp import GRAD_OPTIONS
 from profiler.graph import LayerGraph
 
@@ -267,6 +268,8 @@ class Bounds:
             ag = all_gather_time(P * pbytes, span, cl)
             m = ev.m  # a reduce-scatter per micro-batch
             return finish + (1 - sl) * (m * max(0.0, rs - wb) + max(0.0, ag - fw)) + sl * (m * rs + ag)
+        if post_step_allreduce(cfg.dp, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp):
+            wb = 0.0  # all-reduced after the whole backward (costmodel.runnable): no window
         dev = cl.device
         mem_bw = dev.hbm_bw * dev.memory_eff
         last_elems = min(g.min_first_params, 25 * 2**20 / 4)

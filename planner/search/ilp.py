@@ -63,6 +63,7 @@ from costmodel.config import AC, ParallelConfig, parse_grad_compress
 from costmodel.estimate import Estimate, Evaluator
 from costmodel.memory import DDP_BUCKET_BYTES, FRAGMENTATION, RUNTIME_RESERVED_BYTES, inflight
 from costmodel.overlap import GRAD_REDUCE_BYTES, optimizer_time, zero1_sync_time, zero2_gather_time
+from costmodel.runnable import post_step_allreduce
 from planner.search.ilp_data import (  # noqa: F401 - re-exported: the ILP's data and options
     AC_ORDER,
     GRAD_OPTIONS,
@@ -311,8 +312,12 @@ class Model:
         lasts = {self._t(v[1]) for v in table.values()}
         assert len(lasts) == 1, "the last bucket depends on the rank's first layer only"
         tail = lasts.pop()
-        w = self._window(r, lambda x: self._t(x.bwd_s + x.recompute_s))
-        w_lo, w_hi = self._window_bounds(r)
+        cfg = d.cfg
+        if post_step_allreduce(cfg.dp, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp):
+            w, w_lo, w_hi = 0.0, 0.0, 0.0  # all-reduced after the whole backward: no window hides it
+        else:
+            w = self._window(r, lambda x: self._t(x.bwd_s + x.recompute_s))
+            w_lo, w_hi = self._window_bounds(r)
         x = c_expr - w
         g = self.dp_excess[r, k] = s.NumVar(0, self.inf, f"dp_excess[{r},{k}]")
         p = self.dp_tail[r, k] = s.NumVar(0, self.inf, f"dp_tail[{r},{k}]")

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from costmodel.cluster import Cluster
-from costmodel.config import AC, ParallelConfig
+from costmodel.config import AC, ParallelConfig, parse_grad_compress
 from costmodel.estimate import Evaluator, pipeline_factor
+from costmodel.runnable import grad_compress_options
 from profiler.graph import LayerGraph
 
 AC_ORDER = (AC.NONE, AC.SELECTIVE, AC.FULL)  #: decode order inside a stage and tie-break order
@@ -80,8 +81,10 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
     block_acs = _distinct_acs(ev, blocks[0], acs) if blocks else tuple(acs)
     fixed_acs = {i: _distinct_acs(ev, i, acs) for i in pre + post}
     # offer a compression option only when it can change some coefficient
-    if grad_opts is None:
-        grad_opts = ("none",) if cfg.dp == 1 or cfg.zero >= 2 else GRAD_OPTIONS
+    if grad_opts is None:  # among those the runtime can apply to this sharding (costmodel.runnable)
+        runnable = grad_compress_options(cfg.dp, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp)
+        grad_opts = ("none",) if cfg.zero >= 2 else tuple(k for k in GRAD_OPTIONS
+                                                          if parse_grad_compress(k)[0] in runnable)
     if pp_opts is None:
         pp_opts = ("none",) if S == 1 else PP_OPTIONS
     evs = {k: (ev if k == "none" else _evaluator(lg, cluster, replace(base, grad_compress=k), global_batch,

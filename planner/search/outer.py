@@ -3,9 +3,8 @@
 Candidates (`candidates`): dp·tp·pp = the cluster's GPUs; tp divides the heads and kv_heads and stays inside a
 node (tp ≤ gpus_per_node; larger tp only when no plan inside a node exists); pp·vpp ≤ the number of blocks; dp·mbs
 divides the global batch and mbs ≤ `MAX_MBS`; zero ∈ {0, 1, 2, 3} when dp > 1 (with dp = 1 they are all the
-same job: only 0; zero = 1 only with tp = 1, the only ZeRO-1 the emitter can run yet); sp ∈ {off, on} when
-tp > 1; with pp > 1 the schedules gpipe, 1f1b, zb (vpp = 1: the cost model's ZB-H1 gains nothing from virtual
-stages) and interleaved with 2 ≤ vpp ≤ `MAX_VPP`. ``fix`` pins any key.
+same job: only 0); sp ∈ {off, on} when tp > 1; with pp > 1 the schedules gpipe, 1f1b, zb (vpp = 1: the cost
+model's ZB-H1 gains nothing from virtual stages) and interleaved with 2 ≤ vpp ≤ `MAX_VPP`. ``fix`` pins any key.
 Per-layer AC and the compression of each group are the ILP's choices (``fix`` pins them too).
 
 Pruning (all exact: the winner is the optimum over the whole space unless the time limit stops the search):
@@ -26,9 +25,15 @@ Pruning (all exact: the winner is the optimum over the whole space unless the ti
 
 Dominance (kept unless ``fix`` pins the key): GPipe is dominated by 1F1B (φ = 1 for both, GPipe holds m ≥ p − r
 micro-batches in flight: same time, more memory); 1F1B by ZB-H1 (costmodel.memory gives it 1F1B's in-flight
-count and costmodel.estimate φ = 1/3 < 1 with every other term equal); sp=off by sp=on (costmodel.layercost: the
-same collective time, replicated work and activations divided by t). These are dominances *under this cost
-model*; a different cost model would have to re-check them.
+count and costmodel.estimate φ = 1/3 < 1 with every other term equal, unless zero-bubble must all-reduce DDP
+gradients after the backward where 1F1B overlaps them); sp=off by sp=on (costmodel.layercost: the same collective
+time, replicated work and activations divided by t). These are dominances *under this cost model*; a different
+cost model would have to re-check them. A dominating option counts only where the runtime can run it for that
+plan (`costmodel.runnable.problems`): sp=off stays when seq is not divisible by tp, and so on.
+
+Runnable: every candidate passes `costmodel.runnable.problems`, the rules the emitter and the runtime apply too
+(divisibility, micro-batches per pipeline, schedule × sharding, compression × sharding), so any plan the search
+returns emits a script that starts.
 
 Determinism: candidates are sorted by (time bound, dp, tp, pp, vpp, schedule, mbs, zero, sp); ties between plans
 go to the earlier candidate in that order; the ILP backend is deterministic. Time limits (the search's, and
@@ -45,9 +50,11 @@ import time
 from dataclasses import dataclass, replace
 
 from costmodel.cluster import Cluster
-from costmodel.config import AC, ParallelConfig, Schedule
+from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.estimate import ConfigError, Evaluator, even_stages
 from costmodel.layercost import is_tp_layer
+from costmodel.runnable import post_step_allreduce
+from costmodel.runnable import problems as runnable_problems
 from planner.plan import Plan
 from planner.search import ilp
 from planner.search.bounds import Bounds
@@ -100,8 +107,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *,
-               cross_node_tp: bool = False) -> list[ParallelConfig]:
-    """Every configuration of the search space that satisfies ``fix`` (see the module docstring)."""
+               cross_node_tp: bool = False, refused: list | None = None) -> list[ParallelConfig]:
+    """Every configuration of the search space that satisfies ``fix`` (see the module docstring). ``refused``
+    collects (configuration, the runtime's first reason) for those `costmodel.runnable` rules out."""
     world, gpn = cluster.world_size, cluster.gpus_per_node
     arch = lg.model.arch
     n_blocks = sum(1 for layer in lg.layers if layer.kind == "block")
@@ -124,24 +132,52 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
             mbss = [b for b in _divisors(global_batch // dp) if b <= MAX_MBS]
             scheds = [(Schedule.ONE_F_ONE_B, 1)]
             if pp > 1:
-                # dominated unless pinned: GPipe by 1F1B (same time, more in flight), 1F1B by ZB-H1 (same memory,
-                # φ = 1/3 < 1) under costmodel.estimate/memory
-                keep = SCHEDULES if "schedule" in fix else (Schedule.ZERO_BUBBLE,)
-                scheds = [(s, 1) for s in SCHEDULES if s != Schedule.INTERLEAVED and s in keep]
+                scheds = [(s, 1) for s in SCHEDULES if s != Schedule.INTERLEAVED]
                 scheds += [(Schedule.INTERLEAVED, v) for v in range(2, MAX_VPP + 1) if pp * v <= n_blocks]
+            runnable = {}  # configuration key → the configuration, for those the runtime can run
             for (sched, vpp) in scheds:
                 for mbs in mbss:
-                    # ZeRO-1 with tp > 1 is not emitted yet (ZeroRedundancyOptimizer takes no DTensor parameters)
-                    for zero in ((0, 1, 2, 3) if dp > 1 and tp == 1 else (0, 2, 3) if dp > 1 else (0,)):
-                        # sp=off is dominated by sp=on (same collectives, less compute and memory) unless pinned
-                        for sp in (((False, True) if "sp" in fix else (True,)) if tp > 1 else (False,)):
+                    for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
+                        for sp in ((False, True) if tp > 1 else (False,)):
                             key = {"dp": dp, "tp": tp, "pp": pp, "vpp": vpp, "schedule": sched.value, "mbs": mbs,
                                    "zero": zero, "sp": sp}
                             if any(k in fix and _norm(fix[k]) != _norm(v) for k, v in key.items()):
                                 continue
-                            out.append(ParallelConfig(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=sched, mbs=mbs,
-                                                      zero=zero, sp=sp, precision=precision))
+                            cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=sched, mbs=mbs, zero=zero,
+                                                 sp=sp, precision=precision)
+                            facts = cfg.runnable_facts(global_batch, arch, lg.model.seq)
+                            facts["grad_compress"] = parse_grad_compress(fix.get("grad_compress", "none"))[0]
+                            why = runnable_problems(facts)
+                            if why:  # the runtime would refuse it (costmodel.runnable): never offered
+                                if refused is not None:
+                                    refused.append((cfg, why[0]))
+                                continue
+                            runnable[_key(cfg)] = cfg
+            out += [cfg for cfg in runnable.values() if not _dominated(cfg, runnable, fix)]
     return out
+
+
+def _key(cfg: ParallelConfig) -> tuple:
+    return (cfg.dp, cfg.tp, cfg.pp, cfg.vpp, cfg.schedule, cfg.mbs, cfg.zero, cfg.sp)
+
+
+def _dominated(cfg: ParallelConfig, runnable: dict, fix: dict) -> bool:
+    """Whether a runnable configuration that differs from ``cfg`` only in a key ``fix`` leaves free is at least as
+    good under this cost model in time and memory (see the module docstring). Only a runnable dominator counts: an
+    option the runtime cannot do for this plan dominates nothing."""
+    def there(**change) -> ParallelConfig | None:
+        return runnable.get(_key(replace(cfg, **change)))
+
+    if "schedule" not in fix and cfg.pp > 1:
+        if cfg.schedule == Schedule.GPIPE and there(schedule=Schedule.ONE_F_ONE_B):
+            return True
+        zb = there(schedule=Schedule.ZERO_BUBBLE) if cfg.schedule == Schedule.ONE_F_ONE_B else None
+        # ZB-H1 beats 1F1B only where both reduce gradients alike: with DDP (zero ≤ 1, tp = 1) zero-bubble all-reduces
+        # after the backward (costmodel.runnable.post_step_allreduce), which 1F1B overlaps
+        if zb is not None and (post_step_allreduce(zb.dp, zb.tp, zb.zero, "zb", zb.pp)
+                               == post_step_allreduce(cfg.dp, cfg.tp, cfg.zero, "1f1b", cfg.pp)):
+            return True
+    return "sp" not in fix and cfg.tp > 1 and not cfg.sp and there(sp=True) is not None
 
 
 def _norm(v):
@@ -225,8 +261,9 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
     def kth(values) -> float:  # the (top_k + 1)-th smallest: the value a candidate must beat to matter
         return values[top_k] if len(values) > top_k else float("inf")
 
+    refused: list = []
     for cross_node in (False, True):  # tensor parallel crosses nodes only when nothing inside a node fits
-        cands = candidates(lg, cluster, global_batch, fix, cross_node_tp=cross_node)
+        cands = candidates(lg, cluster, global_batch, fix, cross_node_tp=cross_node, refused=refused)
         stats["candidates"] += len(cands)
         capacity = cluster.device.memory_bytes
         live = []
@@ -327,6 +364,10 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
         if known:
             break
     stats["pruned"] += stats["pruned_memory"]
+    if not known and not stats["candidates"] and refused:
+        cfg, why = refused[0]
+        raise NoPlanFits(f"no configuration that satisfies --fix {','.join(f'{k}={v}' for k, v in fix.items())} "
+                         f"can run: e.g. {_short(cfg)}: {why}")
     if not known and not stats["candidates"]:
         raise NoPlanFits(f"no configuration satisfies --fix {','.join(f'{k}={v}' for k, v in fix.items())} for "
                          f"{lg.model.name} on {cluster.world_size} GPUs with global batch {global_batch} (dp·tp·pp "

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -268,7 +268,84 @@ def build_model() -> nn.Module:
     return GPT(GPTConfig(layers=2, hidden=64, heads=4, seq=32, vocab=128, ffn=None, dropout=0.0, attention="sdpa"))
 
 
-# --- Parallelism: autopar's planner/emit/runtime.py and train.py, only what this plan uses ---
+# --- Parallelism: autopar's costmodel/runnable.py, planner/emit/runtime.py and train.py, as used here ---
+
+
+RUNNABLE_PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def post_step_allreduce(dp: int, tp: int, zero: int, schedule: str, pp: int) -> bool:
+    """True where data-parallel gradients are averaged by an explicit all-reduce after the whole backward instead of
+    DDP's overlapped bucket hooks: tensor parallelism without FSDP (DDP takes no DTensor parameters), and the
+    zero-bubble schedule (torch computes its weight gradients with ``autograd.grad`` and writes ``.grad`` by hand,
+    so DDP's reducer hooks never fire for them: replicas would silently diverge)."""
+    return dp > 1 and zero <= 1 and (tp > 1 or (pp > 1 and schedule == "zb"))
+
+
+def grad_compress_options(dp: int, tp: int, zero: int, schedule: str = "1f1b", pp: int = 1) -> tuple[str, ...]:
+    """The gradient compressions (``none``, ``bf16``, ``fp16``, ``powersgd``) the runtime can apply: DDP comm hooks
+    (ZeRO 0/1 under DDP) take all; FSDP2 (ZeRO 2/3) reduces in bf16/fp16 through its ``reduce_dtype`` but has no
+    PowerSGD; the explicit post-step all-reduce (`post_step_allreduce`) compresses nothing."""
+    if dp == 1 or post_step_allreduce(dp, tp, zero, schedule, pp):
+        return ("none",)
+    if zero >= 2:
+        return ("none", "bf16", "fp16")
+    return ("none", "bf16", "fp16", "powersgd")
+
+
+def problems(facts: dict) -> list:
+    """Every reason the runtime cannot run ``facts`` as planned (empty when it can), one actionable line each."""
+    f = facts
+    dp, tp, pp, zero = f["dp"], f["tp"], f["pp"], f["zero"]
+    schedule = f["schedule"] if pp > 1 else "1f1b"
+    out = []
+    if f["precision"] not in RUNNABLE_PRECISIONS:
+        out.append(
+            f"precision={f['precision']} is not supported by the runtime yet (float8 training needs torchao; "
+            "the cost model only predicts it); re-plan with --fix precision=bf16"
+        )
+    if zero == 1 and tp > 1 and dp > 1:
+        out.append(
+            "zero=1 with tp>1 is not supported yet (ZeroRedundancyOptimizer takes no DTensor parameters); "
+            "re-plan with --fix zero=2 or tp=1"
+        )
+    for key in ("heads", "kv_heads"):
+        if tp > 1 and f.get(key) and f[key] % tp:
+            out.append(f"tp={tp} does not divide {key}={f[key]}; choose a tp that divides it")
+    if f.get("sp") and tp > 1 and f.get("seq") and f["seq"] % tp:
+        out.append(
+            f"sequence parallel needs seq={f['seq']} divisible by tp={tp}; re-plan with --fix sp=off or a "
+            "tp that divides the sequence"
+        )
+    m = f["micro_batches"]
+    # torch runs GPipe and the interleaved schedules with fewer micro-batches than ranks (1F1B refuses), but the cost
+    # model prices a full pipeline: m ≥ pp for every schedule
+    if pp > 1 and m < pp:
+        out.append(
+            f"pp={pp} needs at least {pp} micro-batches per step, but global_batch/(dp·mbs) = {m}; raise "
+            "--global-batch or lower mbs"
+        )
+    rounds = max(1, m // pp)  # torch 2.13's interleaved schedules run m micro-batches in rounds of m // rounds
+    if pp > 1 and schedule in ("interleaved", "zb") and m % rounds:
+        out.append(
+            f"schedule={schedule} runs the {m} micro-batches per step in {rounds} equal rounds (torch's "
+            f"ScheduleInterleaved*: m divisible by max(1, m // pp)), which {m} is not; change --global-batch "
+            "or mbs"
+        )
+    kind = f.get("grad_compress", "none")
+    allowed = grad_compress_options(dp, tp, zero, schedule, pp)
+    if kind not in allowed:
+        why = (
+            "FSDP2 (zero ≥ 2) reduces in bf16/fp16 only"
+            if zero >= 2
+            else "gradients are all-reduced after the step here (tensor parallel or zero-bubble without FSDP), where "
+            "no compression hook applies"
+        )
+        out.append(
+            f"grad_compress={kind} cannot run with dp={dp} tp={tp} zero={zero} schedule={schedule}: {why}; "
+            f"choose one of {', '.join(allowed)}"
+        )
+    return out
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -280,22 +357,33 @@ def check_world(plan: dict) -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     rank = os.environ.get("RANK", "0")
     shape = f"pp={plan['pp']} × dp={plan['dp']} × tp={plan['tp']}"
-    problems = []
+    errors = []
     if world != plan["world"]:
-        problems.append(
+        errors.append(
             f"this plan needs {plan['world']} processes ({shape}) but WORLD_SIZE={world}; start it with "
             f"torchrun --nproc-per-node {plan['world']}, or re-plan for {world} devices"
         )
     if plan["tp"] > local:
-        problems.append(
+        errors.append(
             f"tp={plan['tp']} needs that many processes per node, but LOCAL_WORLD_SIZE={local}; "
             f"re-plan with tp ≤ {local}"
         )
     if torch.cuda.is_available() and plan["tp"] > torch.cuda.device_count():
-        problems.append(f"tp={plan['tp']} but this node has {torch.cuda.device_count()} GPUs; re-plan with fewer")
-    if problems:
-        print(f"[rank {rank}] error: {'; '.join(problems)}", file=sys.stderr, flush=True)
+        errors.append(f"tp={plan['tp']} but this node has {torch.cuda.device_count()} GPUs; re-plan with fewer")
+    errors += plan_problems(plan)
+    if errors:
+        print(f"[rank {rank}] error: {'; '.join(errors)}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def plan_problems(plan: dict) -> list:
+    """Why this runtime cannot run ``plan`` as it stands (``costmodel.runnable.problems``, the rules the planner's
+    search and emitter apply too): a hand-edited ``PLAN`` fails here, before any collective."""
+    facts = {
+        key: plan[key]
+        for key in ("dp", "tp", "pp", "vpp", "schedule", "zero", "sp", "grad_compress", "precision", "seq")
+    }
+    return problems({**facts, "micro_batches": plan["grad_accum"]})
 
 
 def init_distributed(plan: dict) -> DeviceMesh:
@@ -394,13 +482,15 @@ def apply_ac(part: nn.Module, plan: dict) -> None:
 
 
 def apply_fsdp(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
-    """ZeRO 1-3: FSDP2 per block, then the root. Mixed precision only on GPUs (CPU runs stay fp32); gradients
-    reduced in bf16/fp16 when the plan compresses."""
+    """ZeRO 2-3: FSDP2 per block, then the root. Mixed precision only on GPUs (CPU runs stay fp32); gradients
+    reduced in fp32 (as torchtitan does), in bf16/fp16 when the plan compresses."""
     on_gpu = current_device().type == "cuda"
     compress = plan["grad_compress"]
     mp = MixedPrecisionPolicy(
         param_dtype=DTYPES[plan["precision"]] if on_gpu and plan["precision"] != "fp32" else None,
-        reduce_dtype=DTYPES[compress] if compress in ("bf16", "fp16") else None,
+        # fp32 reduction (and accumulation across micro-batches) unless the plan compresses: torch's default (None)
+        # would reduce in the bf16 compute dtype, which the cost model does not charge and the user did not ask for
+        reduce_dtype=DTYPES[compress] if compress in ("bf16", "fp16") else torch.float32,
     )
     reshard = plan["zero"] == 3  # ZeRO 1/2: keep parameters gathered between forward and backward
     for block in block_list(part, plan):
@@ -425,8 +515,16 @@ def build_optimizer(par: Parallel, plan: dict) -> torch.optim.Optimizer:
 def train_step(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor) -> float:
     """One optimizer step on the global batch (the same on every rank; each dp rank takes its rows).
 
-    Returns the global mean loss, identical on every rank.
+    Returns the global mean loss, identical on every rank, as a Python float (`train_step_loss` has it as a tensor).
     """
+    return train_step_loss(par, optimizer, inputs, labels).item()
+
+
+def train_step_loss(
+    par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """`train_step` up to its loss, a 0-dim tensor on the device (no host synchronisation: `autopar check` runs this
+    on fake tensors)."""
     plan, device = par.plan, par.device
     dp_rank = par.mesh["dp"].get_local_rank()
     rows = plan["global_batch"] // plan["dp"]
@@ -438,17 +536,23 @@ def train_step(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Te
         module, n = par.modules[0], plan["grad_accum"]
         for k, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
             last = k == n - 1
-            loss = _accumulate(module, xm, ym, n, last)
+            loss = _accumulate(module, xm, ym, n, last, keep_gathered=plan["zero"] == 2)
             local += loss.detach().float()
     optimizer.step()
     total = local.reshape(1).clone()
     dist.all_reduce(total, group=par.mesh["dp"].get_group())
-    return total.item() / plan["dp"]
+    return total[0] / plan["dp"]
 
 
-def _accumulate(module: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int, last: bool) -> torch.Tensor:
+def _accumulate(
+    module: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int, last: bool, keep_gathered: bool = False
+) -> torch.Tensor:
     """Forward and backward of one micro-batch. DDP syncs gradients on the last one only; FSDP2 reduce-scatters
-    every micro-batch, so that gradients stay sharded through accumulation (as the cost model assumes)."""
+    every micro-batch, so that gradients stay sharded through accumulation (as the cost model assumes). With
+    ``keep_gathered`` (ZeRO-2) FSDP2 keeps the parameters gathered after every backward but the last, so they are
+    all-gathered once per step, not once per micro-batch (the cost model's ZeRO-2: replicated parameters)."""
+    if keep_gathered and isinstance(module, FSDPModule):
+        module.set_reshard_after_backward(last)
     ctx = module.no_sync() if isinstance(module, DDP) and not last else contextlib.nullcontext()
     with ctx:
         loss = module(x, y)

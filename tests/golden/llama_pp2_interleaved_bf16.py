@@ -286,7 +286,84 @@ def build_model() -> nn.Module:
     )
 
 
-# --- Parallelism: autopar's planner/emit/runtime.py and train.py, only what this plan uses ---
+# --- Parallelism: autopar's costmodel/runnable.py, planner/emit/runtime.py and train.py, as used here ---
+
+
+RUNNABLE_PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def post_step_allreduce(dp: int, tp: int, zero: int, schedule: str, pp: int) -> bool:
+    """True where data-parallel gradients are averaged by an explicit all-reduce after the whole backward instead of
+    DDP's overlapped bucket hooks: tensor parallelism without FSDP (DDP takes no DTensor parameters), and the
+    zero-bubble schedule (torch computes its weight gradients with ``autograd.grad`` and writes ``.grad`` by hand,
+    so DDP's reducer hooks never fire for them: replicas would silently diverge)."""
+    return dp > 1 and zero <= 1 and (tp > 1 or (pp > 1 and schedule == "zb"))
+
+
+def grad_compress_options(dp: int, tp: int, zero: int, schedule: str = "1f1b", pp: int = 1) -> tuple[str, ...]:
+    """The gradient compressions (``none``, ``bf16``, ``fp16``, ``powersgd``) the runtime can apply: DDP comm hooks
+    (ZeRO 0/1 under DDP) take all; FSDP2 (ZeRO 2/3) reduces in bf16/fp16 through its ``reduce_dtype`` but has no
+    PowerSGD; the explicit post-step all-reduce (`post_step_allreduce`) compresses nothing."""
+    if dp == 1 or post_step_allreduce(dp, tp, zero, schedule, pp):
+        return ("none",)
+    if zero >= 2:
+        return ("none", "bf16", "fp16")
+    return ("none", "bf16", "fp16", "powersgd")
+
+
+def problems(facts: dict) -> list:
+    """Every reason the runtime cannot run ``facts`` as planned (empty when it can), one actionable line each."""
+    f = facts
+    dp, tp, pp, zero = f["dp"], f["tp"], f["pp"], f["zero"]
+    schedule = f["schedule"] if pp > 1 else "1f1b"
+    out = []
+    if f["precision"] not in RUNNABLE_PRECISIONS:
+        out.append(
+            f"precision={f['precision']} is not supported by the runtime yet (float8 training needs torchao; "
+            "the cost model only predicts it); re-plan with --fix precision=bf16"
+        )
+    if zero == 1 and tp > 1 and dp > 1:
+        out.append(
+            "zero=1 with tp>1 is not supported yet (ZeroRedundancyOptimizer takes no DTensor parameters); "
+            "re-plan with --fix zero=2 or tp=1"
+        )
+    for key in ("heads", "kv_heads"):
+        if tp > 1 and f.get(key) and f[key] % tp:
+            out.append(f"tp={tp} does not divide {key}={f[key]}; choose a tp that divides it")
+    if f.get("sp") and tp > 1 and f.get("seq") and f["seq"] % tp:
+        out.append(
+            f"sequence parallel needs seq={f['seq']} divisible by tp={tp}; re-plan with --fix sp=off or a "
+            "tp that divides the sequence"
+        )
+    m = f["micro_batches"]
+    # torch runs GPipe and the interleaved schedules with fewer micro-batches than ranks (1F1B refuses), but the cost
+    # model prices a full pipeline: m ≥ pp for every schedule
+    if pp > 1 and m < pp:
+        out.append(
+            f"pp={pp} needs at least {pp} micro-batches per step, but global_batch/(dp·mbs) = {m}; raise "
+            "--global-batch or lower mbs"
+        )
+    rounds = max(1, m // pp)  # torch 2.13's interleaved schedules run m micro-batches in rounds of m // rounds
+    if pp > 1 and schedule in ("interleaved", "zb") and m % rounds:
+        out.append(
+            f"schedule={schedule} runs the {m} micro-batches per step in {rounds} equal rounds (torch's "
+            f"ScheduleInterleaved*: m divisible by max(1, m // pp)), which {m} is not; change --global-batch "
+            "or mbs"
+        )
+    kind = f.get("grad_compress", "none")
+    allowed = grad_compress_options(dp, tp, zero, schedule, pp)
+    if kind not in allowed:
+        why = (
+            "FSDP2 (zero ≥ 2) reduces in bf16/fp16 only"
+            if zero >= 2
+            else "gradients are all-reduced after the step here (tensor parallel or zero-bubble without FSDP), where "
+            "no compression hook applies"
+        )
+        out.append(
+            f"grad_compress={kind} cannot run with dp={dp} tp={tp} zero={zero} schedule={schedule}: {why}; "
+            f"choose one of {', '.join(allowed)}"
+        )
+    return out
 
 
 SCHEDULES = {
@@ -306,22 +383,33 @@ def check_world(plan: dict) -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     rank = os.environ.get("RANK", "0")
     shape = f"pp={plan['pp']} × dp={plan['dp']} × tp={plan['tp']}"
-    problems = []
+    errors = []
     if world != plan["world"]:
-        problems.append(
+        errors.append(
             f"this plan needs {plan['world']} processes ({shape}) but WORLD_SIZE={world}; start it with "
             f"torchrun --nproc-per-node {plan['world']}, or re-plan for {world} devices"
         )
     if plan["tp"] > local:
-        problems.append(
+        errors.append(
             f"tp={plan['tp']} needs that many processes per node, but LOCAL_WORLD_SIZE={local}; "
             f"re-plan with tp ≤ {local}"
         )
     if torch.cuda.is_available() and plan["tp"] > torch.cuda.device_count():
-        problems.append(f"tp={plan['tp']} but this node has {torch.cuda.device_count()} GPUs; re-plan with fewer")
-    if problems:
-        print(f"[rank {rank}] error: {'; '.join(problems)}", file=sys.stderr, flush=True)
+        errors.append(f"tp={plan['tp']} but this node has {torch.cuda.device_count()} GPUs; re-plan with fewer")
+    errors += plan_problems(plan)
+    if errors:
+        print(f"[rank {rank}] error: {'; '.join(errors)}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def plan_problems(plan: dict) -> list:
+    """Why this runtime cannot run ``plan`` as it stands (``costmodel.runnable.problems``, the rules the planner's
+    search and emitter apply too): a hand-edited ``PLAN`` fails here, before any collective."""
+    facts = {
+        key: plan[key]
+        for key in ("dp", "tp", "pp", "vpp", "schedule", "zero", "sp", "grad_compress", "precision", "seq")
+    }
+    return problems({**facts, "micro_batches": plan["grad_accum"]})
 
 
 def init_distributed(plan: dict) -> DeviceMesh:
@@ -456,8 +544,16 @@ def build_optimizer(par: Parallel, plan: dict) -> torch.optim.Optimizer:
 def train_step(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor) -> float:
     """One optimizer step on the global batch (the same on every rank; each dp rank takes its rows).
 
-    Returns the global mean loss, identical on every rank.
+    Returns the global mean loss, identical on every rank, as a Python float (`train_step_loss` has it as a tensor).
     """
+    return train_step_loss(par, optimizer, inputs, labels).item()
+
+
+def train_step_loss(
+    par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """`train_step` up to its loss, a 0-dim tensor on the device (no host synchronisation: `autopar check` runs this
+    on fake tensors)."""
     plan, device = par.plan, par.device
     dp_rank = par.mesh["dp"].get_local_rank()
     rows = plan["global_batch"] // plan["dp"]
@@ -469,12 +565,13 @@ def train_step(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Te
         args = (x,) if 0 in par.stage_indices else ()
         losses: list = []
         kwargs = {"target": y, "losses": losses} if n_stages - 1 in par.stage_indices else {}
-        par.schedule.step(*args, **kwargs)
+        # return_outputs=False: the last stage would otherwise keep every micro-batch's output (the logits)
+        par.schedule.step(*args, **kwargs, return_outputs=False)
         local = torch.stack(losses).mean().detach().float() if losses else torch.zeros((), device=device)
     optimizer.step()
     total = local.reshape(1).clone()
     dist.all_reduce(total, group=par.mesh["pp"].get_group())  # only the last stage holds the loss
-    return total.item() / plan["dp"]
+    return total[0] / plan["dp"]
 
 
 def synthetic_batch(step: int, *, batch: int, seq: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

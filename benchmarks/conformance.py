@@ -1,0 +1,77 @@
+"""Conformance table: `autopar check` (the runtime traced on a fake world of the plan's size) against the cost model,
+over plans that the search picks or `--fix` pins, at real scale. Prints one row per plan: world, configuration,
+worst memory / collective / FLOP error, the worst memory part, and whether every gradient was reduced.
+
+    python benchmarks/conformance.py            # the table (minutes on 2 cores)
+    python benchmarks/conformance.py --quick    # small models only
+
+Each plan is traced in a fresh process (one fake process group per process). Pipeline-parallel plans are not traced
+yet (see planner/check/trace.py); they are listed as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+JOBS = [  # (model, cluster, global batch, --fix)
+    ("llama-tiny", "cpu-local", 8, "dp=2,zero=0"),
+    ("llama-tiny", "cpu-local", 8, "dp=2,zero=1"),
+    ("llama-tiny", "cpu-local", 8, "dp=2,zero=2"),
+    ("llama-tiny", "cpu-local", 8, "dp=2,zero=3,ac=full"),
+    ("llama-tiny", "cpu-local", 8, "tp=2,sp=on"),
+    ("gpt-tiny", "cpu-local", 8, "dp=2,grad_compress=bf16"),
+    ("llama:layers=8,hidden=1024,heads=16,kv_heads=8,ffn=2816,vocab=32000,seq=2048", "dgx-h100:nodes=1", 32,
+     "dp=8,zero=3"),
+    ("llama:layers=8,hidden=1024,heads=16,kv_heads=8,ffn=2816,vocab=32000,seq=2048", "dgx-h100:nodes=1", 32,
+     "dp=4,tp=2,zero=2,sp=on"),
+    ("llama3-8b", "dgx-h100:nodes=8", 64, "pp=1"),
+    ("llama3-70b", "dgx-h100:nodes=8", 64, "pp=1,tp=8"),
+]
+
+
+def run(model: str, cluster: str, gb: int, fix: str, work: Path) -> dict:
+    plan = work / f"plan{abs(hash((model, cluster, gb, fix)))}.yaml"
+    t0 = time.perf_counter()
+    made = subprocess.run(["autopar", "plan", model, "--cluster", cluster, "--global-batch", str(gb), "--fix", fix,
+                           "--out", str(plan)], capture_output=True, text=True)
+    if made.returncode:
+        return {"error": made.stderr.strip().splitlines()[-1]}
+    t1 = time.perf_counter()
+    out = subprocess.run(["autopar", "check", str(plan), "--json"], capture_output=True, text=True)
+    if out.returncode:
+        return {"error": out.stderr.strip().splitlines()[-1], "plan_s": t1 - t0}
+    res = json.loads(out.stdout)
+    role = max(res["roles"], key=lambda r: max(r["errors"]["memory"].values()))
+    part = max(role["errors"]["memory"], key=role["errors"]["memory"].get)
+    return res | {"plan_s": t1 - t0, "check_s": time.perf_counter() - t1, "worst_part": part}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small models only")
+    args = ap.parse_args()
+    jobs = [j for j in JOBS if not args.quick or j[1] == "cpu-local"]
+    print(f"{'model':>22s} {'cluster':>17s} {'fix':>24s} {'mem':>7s} {'(part)':>12s} {'comm':>7s} {'flops':>7s} "
+          f"{'reduced':>8s} {'check s':>8s}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for model, cluster, gb, fix in jobs:
+            r = run(model, cluster, gb, fix, Path(tmp))
+            name = model if len(model) <= 22 else model[:19] + "..."
+            if "error" in r:
+                print(f"{name:>22s} {cluster:>17s} {fix:>24s}  {r['error'][:80]}")
+                continue
+            reduced = "yes" if not r["unreduced_params"] else "NO"
+            print(f"{name:>22s} {cluster:>17s} {fix:>24s} {r['memory_error_max']:7.1%} {r['worst_part']:>12s} "
+                  f"{r['comm_error_max']:7.1%} {r['flops_error_max']:7.1%} {reduced:>8s} {r['check_s']:8.1f}")
+            sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

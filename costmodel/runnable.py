@@ -1,0 +1,85 @@
+"""What the runtime can run, and how it reduces gradients: one rule set for the cost model, the search, the emitter
+and the runtime itself.
+
+A plan the search offers must emit, start, and run as costed. So each condition under which `planner.emit.runtime`
+(the code every emitted script and `auto_parallelize` execute) would refuse a configuration, and each choice of
+mechanism the cost model must price the same way the runtime makes it, is written once here, as a plain function
+of plain values:
+
+- `problems(facts)`: every reason a configuration cannot run, each one line saying what and how to fix. The
+  search skips a candidate with any (`planner.search.outer.candidates`), the emitter refuses a plan with one
+  (`planner.emit.config.runtime_config`), and the runtime checks its ``PLAN`` dict again at start
+  (`planner.emit.runtime.check_world`: an edited script fails before any collective).
+- `grad_compress_options(...)`: the data-parallel gradient compressions the runtime applies for a sharding (the ILP
+  chooses among them only).
+- `post_step_allreduce(...)`: where gradients are all-reduced after the whole backward rather than in DDP's
+  overlapped buckets (`costmodel.overlap.dp_exposed` then hides none of it).
+
+This module imports nothing but the standard library: the emitter copies it into every script beside the runtime.
+
+``facts`` keys (missing optional ones are not checked): ``dp``, ``tp``, ``pp``, ``vpp``, ``schedule`` (``gpipe``,
+``1f1b``, ``interleaved``, ``zb``), ``zero``, ``sp`` (bool), ``grad_compress`` (``none``, ``bf16``, ``fp16``,
+``powersgd``), ``precision``, ``micro_batches`` (per pipeline per step), and optionally ``seq``, ``heads``,
+``kv_heads``.
+"""
+
+RUNNABLE_PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def post_step_allreduce(dp: int, tp: int, zero: int, schedule: str, pp: int) -> bool:
+    """True where data-parallel gradients are averaged by an explicit all-reduce after the whole backward instead of
+    DDP's overlapped bucket hooks: tensor parallelism without FSDP (DDP takes no DTensor parameters), and the
+    zero-bubble schedule (torch computes its weight gradients with ``autograd.grad`` and writes ``.grad`` by hand,
+    so DDP's reducer hooks never fire for them: replicas would silently diverge)."""
+    return dp > 1 and zero <= 1 and (tp > 1 or (pp > 1 and schedule == "zb"))
+
+
+def grad_compress_options(dp: int, tp: int, zero: int, schedule: str = "1f1b", pp: int = 1) -> tuple[str, ...]:
+    """The gradient compressions (``none``, ``bf16``, ``fp16``, ``powersgd``) the runtime can apply: DDP comm hooks
+    (ZeRO 0/1 under DDP) take all; FSDP2 (ZeRO 2/3) reduces in bf16/fp16 through its ``reduce_dtype`` but has no
+    PowerSGD; the explicit post-step all-reduce (`post_step_allreduce`) compresses nothing."""
+    if dp == 1 or post_step_allreduce(dp, tp, zero, schedule, pp):
+        return ("none",)
+    if zero >= 2:
+        return ("none", "bf16", "fp16")
+    return ("none", "bf16", "fp16", "powersgd")
+
+
+def problems(facts: dict) -> list:
+    """Every reason the runtime cannot run ``facts`` as planned (empty when it can), one actionable line each."""
+    f = facts
+    dp, tp, pp, zero = f["dp"], f["tp"], f["pp"], f["zero"]
+    schedule = f["schedule"] if pp > 1 else "1f1b"
+    out = []
+    if f["precision"] not in RUNNABLE_PRECISIONS:
+        out.append(f"precision={f['precision']} is not supported by the runtime yet (float8 training needs torchao; "
+                   "the cost model only predicts it); re-plan with --fix precision=bf16")
+    if zero == 1 and tp > 1 and dp > 1:
+        out.append("zero=1 with tp>1 is not supported yet (ZeroRedundancyOptimizer takes no DTensor parameters); "
+                   "re-plan with --fix zero=2 or tp=1")
+    for key in ("heads", "kv_heads"):
+        if tp > 1 and f.get(key) and f[key] % tp:
+            out.append(f"tp={tp} does not divide {key}={f[key]}; choose a tp that divides it")
+    if f.get("sp") and tp > 1 and f.get("seq") and f["seq"] % tp:
+        out.append(f"sequence parallel needs seq={f['seq']} divisible by tp={tp}; re-plan with --fix sp=off or a "
+                   "tp that divides the sequence")
+    m = f["micro_batches"]
+    # torch runs GPipe and the interleaved schedules with fewer micro-batches than ranks (1F1B refuses), but the cost
+    # model prices a full pipeline: m ≥ pp for every schedule
+    if pp > 1 and m < pp:
+        out.append(f"pp={pp} needs at least {pp} micro-batches per step, but global_batch/(dp·mbs) = {m}; raise "
+                   "--global-batch or lower mbs")
+    rounds = max(1, m // pp)  # torch 2.13's interleaved schedules run m micro-batches in rounds of m // rounds
+    if pp > 1 and schedule in ("interleaved", "zb") and m % rounds:
+        out.append(f"schedule={schedule} runs the {m} micro-batches per step in {rounds} equal rounds (torch's "
+                   f"ScheduleInterleaved*: m divisible by max(1, m // pp)), which {m} is not; change --global-batch "
+                   "or mbs")
+    kind = f.get("grad_compress", "none")
+    allowed = grad_compress_options(dp, tp, zero, schedule, pp)
+    if kind not in allowed:
+        why = ("FSDP2 (zero ≥ 2) reduces in bf16/fp16 only" if zero >= 2 else
+               "gradients are all-reduced after the step here (tensor parallel or zero-bubble without FSDP), where "
+               "no compression hook applies")
+        out.append(f"grad_compress={kind} cannot run with dp={dp} tp={tp} zero={zero} schedule={schedule}: {why}; "
+                   f"choose one of {', '.join(allowed)}")
+    return out

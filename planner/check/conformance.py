@@ -1,0 +1,133 @@
+"""Predicted vs traced, per rank role: `check_plan` traces each distinct role of a plan (`planner.check.trace`) and
+lines it up with what the cost model charges for the same rank, term by term.
+
+Roles: every data- and tensor-parallel rank of one pipeline rank holds the same shapes, so a plan has one role per
+pipeline rank (traced at dp = tp = 0).
+
+Predicted (all from `costmodel`, at the precision the traced runtime runs: fp32 on CPU, see `planner.check.trace`):
+
+- memory: `costmodel.estimate.Evaluator` on the plan's layers, stages and AC: parameters, gradients, optimizer
+  state, activations, temporaries (the "other" part less the GPU allowance, which a trace cannot see) and their sum;
+- collectives per step, by kind and group: the data-parallel terms of `costmodel.overlap.dp_step_bytes`, the
+  tensor-parallel all-reduce payload of `costmodel.layercost.tp_comm_bytes` (traced sequence-parallel
+  all-gather + reduce-scatter pairs count as the all-reduce they replace: (AG + RS)/2);
+- FLOPs: the micro-batches × (3 × forward + recomputation) FLOPs of the rank's layers, ÷ tp on tensor-parallel
+  layers (the cost model's convention: backward = 2 × forward).
+
+A relative error is |traced − predicted| / max(traced, predicted). The plan conforms when each role's peak memory is
+within `MEMORY_TOL` (the parts are reported too: the cost model adds each part's maximum, the trace peaks once),
+every predicted collective kind within `COMM_TOL`, FLOPs within `FLOPS_TOL`, and every rank reduces at least as
+many gradient elements over its data-parallel group as it holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from costmodel.cluster import load_cluster
+from costmodel.config import parse_grad_compress
+from costmodel.estimate import Evaluator
+from costmodel.layercost import is_tp_layer, tp_comm_bytes
+from costmodel.memory import FRAGMENTATION, RUNTIME_RESERVED_BYTES
+from costmodel.overlap import dp_step_bytes
+from planner.check.trace import trace_rank
+from planner.plan import Plan
+from profiler.api import profile_model
+
+MEMORY_TOL = 0.05  #: on each role's peak memory (issue 12's acceptance)
+COMM_TOL = 0.02  #: per collective kind
+FLOPS_TOL = 0.02
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "temporaries", "peak")
+
+
+def rel_error(traced: float, predicted: float) -> float:
+    top = max(abs(traced), abs(predicted))
+    return abs(traced - predicted) / top if top else 0.0
+
+
+def predicted_roles(plan: Plan, lg=None) -> list[dict]:
+    """What the cost model charges each pipeline rank of ``plan`` (traced precision: fp32 on CPU)."""
+    cluster = load_cluster(plan.cluster) if isinstance(plan.cluster, str) else plan.cluster
+    cfg = replace(plan.config, precision="fp32")
+    lg = lg or profile_model(plan.model, seq=plan.seq, dtype="fp32")
+    names = [layer.name for layer in lg.layers]
+    by_name = {lay.name: lay for lay in plan.layers}
+    if set(names) != set(by_name):
+        raise ValueError(f"{plan.model}: the plan's layers do not match the captured model's; re-plan it")
+    acs = [by_name[n].ac for n in names]
+    stage_of = [by_name[n].stage for n in names]
+    ev = Evaluator(lg, cluster, cfg, plan.global_batch)
+    est = ev.evaluate(acs, stage_of)
+    on_gpu = cluster.device.name != "cpu"
+    kind, _ = parse_grad_compress(cfg.grad_compress)
+    roles = []
+    for r in range(cfg.pp):
+        parts = next(s.memory_parts for s in est.stages if s.rank == r)
+        allocated = (parts["peak"] - (RUNTIME_RESERVED_BYTES if on_gpu else 0.0)) / (1 + FRAGMENTATION)
+        memory = {"params": parts["params"], "grads": parts["grads"], "optimizer": parts["optimizer"],
+                  "activations": parts["activations"]}
+        memory["temporaries"] = allocated - sum(memory.values())
+        memory["peak"] = allocated
+        mine = [i for i, s in enumerate(stage_of) if s % cfg.pp == r]
+        costs = [ev.cost(i, acs[i]) for i in mine]
+        flops = ev.m * sum((3 * c.fwd_flops + c.recompute_flops) / (cfg.tp if cfg.tp > 1 and is_tp_layer(
+            lg.layers[i]) else 1) for i, c in zip(mine, costs))
+        collectives = {}
+        if cfg.dp > 1:
+            params = sum(c.param_numel for c in costs)
+            for k, nbytes in dp_step_bytes(cfg, params, ev.m).items():
+                collectives[f"{k}@dp"] = nbytes
+        if cfg.tp > 1 and kind:
+            tp_bytes = 0.0
+            for i in mine:
+                if is_tp_layer(lg.layers[i]):
+                    bf, bb = tp_comm_bytes(lg.layers[i], ev.ctx)
+                    tp_bytes += bf + bb + (bf if acs[i].value == "full" else 0.0)
+            collectives["all_reduce_equivalent@tp"] = ev.m * tp_bytes
+        roles.append({"pp_rank": r, "rank": r * cfg.dp * cfg.tp, "memory": memory, "collectives": collectives,
+                      "flops": flops})
+    return roles
+
+
+def _traced_collectives(trace) -> dict:
+    out = {k: float(v["bytes"]) for k, v in trace.collectives.items()}
+    ar = out.get("all_reduce@tp", 0.0) + (out.get("all_gather@tp", 0.0) + out.get("reduce_scatter@tp", 0.0)) / 2
+    if ar:
+        out["all_reduce_equivalent@tp"] = ar
+    return out
+
+
+def check_plan(plan: Plan) -> dict:
+    """Trace every role of ``plan`` and compare (see the module docstring); the JSON of `autopar check`."""
+    if plan.config.pp > 1:
+        raise ValueError("autopar check: pipeline-parallel plans (pp > 1) are not traced yet: torch's pipeline "
+                         "schedules exchange stage metadata through the process group, which a fake one cannot "
+                         "carry; check the plan with --fix pp=1 or run `autopar validate` on real ranks")
+    predicted = predicted_roles(plan)
+    roles, unreduced = [], []
+    worst = {"memory": 0.0, "comm": 0.0, "flops": 0.0}
+    for pred in predicted:
+        tr = trace_rank(plan, pred["rank"])
+        mem_err = {k: rel_error(tr.memory[k], pred["memory"][k]) for k in MEMORY_PARTS}
+        traced_comm = _traced_collectives(tr)
+        comm_err = {k: rel_error(traced_comm.get(k, 0.0), v) for k, v in pred["collectives"].items()}
+        flops_err = rel_error(tr.flops, pred["flops"])
+        worst["memory"] = max(worst["memory"], mem_err["peak"])  # the figure that decides whether a plan fits
+        worst["comm"] = max([worst["comm"], *comm_err.values()])
+        worst["flops"] = max(worst["flops"], flops_err)
+        if tr.dp_reduced_elements < tr.grad_elements * (1 - 1e-9):
+            unreduced.append(f"pipeline rank {pred['pp_rank']}: {tr.grad_elements - tr.dp_reduced_elements:.0f} of "
+                             f"{tr.grad_elements:.0f} gradient elements never reduced over the data-parallel group")
+        roles.append({
+            "ranks": f"pp={pred['pp_rank']} (each of its dp×tp = {plan.config.dp * plan.config.tp} ranks)",
+            "rank": pred["rank"], "stage": pred["pp_rank"],
+            "predicted": {"memory": pred["memory"], "collectives": pred["collectives"], "flops": pred["flops"]},
+            "traced": {"memory": tr.memory, "collectives": tr.collectives, "flops": tr.flops,
+                       "grad_elements": tr.grad_elements, "dp_reduced_elements": tr.dp_reduced_elements},
+            "errors": {"memory": mem_err, "collectives": comm_err, "flops": flops_err},
+        })
+    ok = (worst["memory"] <= MEMORY_TOL and worst["comm"] <= COMM_TOL and worst["flops"] <= FLOPS_TOL
+          and not unreduced)
+    return {"ok": ok, "memory_error_max": worst["memory"], "comm_error_max": worst["comm"],
+            "flops_error_max": worst["flops"], "unreduced_params": unreduced, "roles": roles,
+            "precision_traced": "fp32", "tolerances": {"memory": MEMORY_TOL, "comm": COMM_TOL, "flops": FLOPS_TOL}}

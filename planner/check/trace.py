@@ -1,0 +1,271 @@
+"""Trace one rank of a plan on a fake world: the runtime's own `parallelize` and training step (the functions every
+emitted script inlines), on torch's fake process group of the plan's world size, with fake tensors.
+
+How (torch 2.13, shared/FINDINGS.md "Large-scale behaviour without a GPU"):
+
+- ``init_process_group("fake", store=FakeStore(), rank=r, world_size=W)`` and the plan's (pp, dp, tp) mesh, built
+  outside any fake mode (mesh coordinates need real tensors);
+- the model is built on the meta device and `planner.emit.runtime.parallelize` runs as it does in a script with
+  ``init="meta"``: each rank allocates only its shards (``to_empty``). Only the weight initialisation is skipped
+  (values do not change shapes, memory or collectives; allocated pages are never touched, so a 70B shard costs
+  address space, not memory);
+- under ``FakeTensorMode`` the optimizer takes one step on zero gradients (so its state exists, as in every step
+  after the first), then one training step (`planner.emit.train.train_step_loss`, the step `train_step` wraps)
+  runs under torch's ``MemTracker`` (memory by category, each at its maximum) and a dispatch mode that records every
+  collective (kind, group, bytes) and counts FLOPs with ``FlopCounterMode``'s formulas on each op's local tensors
+  (a DTensor op's shards; attention by `sdpa_flop_count`, which the CPU kernel lacks). One step, not
+  two: DDP rebuilds its buckets before the second, which needs real tensors.
+
+What the trace cannot see: the CPU path of the runtime trains in fp32 (autocast and FSDP's mixed-precision policy
+apply on GPUs only), so a bf16 plan is traced, and compared, at fp32; pipeline-parallel plans are not traced yet
+(torch 2.13's schedules vote on and exchange stage metadata through the group, which a fake one cannot carry);
+DDP's built-in all-reduce is replaced by the same reduction as a Python hook (`_python_allreduce_hooks`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from planner.emit import runtime, train
+from planner.emit.config import runtime_config
+from planner.plan import Plan
+from profiler.zoo.registry import resolve_model
+
+#: collective ops (c10d and functional) → the kind they are, and which tensor argument carries the bytes moved
+_KINDS = {
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_reduce_coalesced_": "all_reduce",
+    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter", "broadcast_": "broadcast", "send": "send",
+    "recv_": "recv", "recv_any_source_": "recv", "alltoall_": "all_to_all", "alltoall_base_": "all_to_all",
+    "all_to_all_single": "all_to_all",
+}
+
+
+@dataclass
+class Trace:
+    """What one rank did in one (steady-state) training step."""
+
+    rank: int  #: global rank traced
+    coords: dict  #: its (pp, dp, tp) coordinates
+    memory: dict  #: bytes, each category's maximum over the step: params, grads, optimizer, activations,
+    #: temporaries, and the peak of their sum
+    collectives: dict = field(default_factory=dict)  #: "kind@group" → {"count", "bytes"} per step
+    flops: float = 0.0  #: FLOPs this rank executed (forward, backward, recomputation)
+    grad_elements: float = 0.0  #: gradient elements on this rank that its dp group must reduce
+    dp_reduced_elements: float = 0.0  #: elements reduced over this rank's dp group (all-reduce / reduce-scatter)
+
+
+class _Collectives(TorchDispatchMode):
+    """Records every collective: kind, the group it runs on (named by mesh dimension where it is one), bytes."""
+
+    def __init__(self, groups: dict[tuple, str]):
+        super().__init__()
+        self.groups = groups
+        self.log: list[tuple[str, str, int, int]] = []  # (kind, group, bytes, elements)
+        self.flops = 0.0  #: torch's FLOP formulas (FlopCounterMode's registry) on this rank's local tensors
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns, name = func.namespace, func._opname
+        if ns in ("c10d", "_c10d_functional") and name in _KINDS:
+            self._record(_KINDS[name], args)
+        out = func(*args, **kwargs)
+        if ns == "aten":  # a DTensor op computes on its local shards (this mode does not see that inner op)
+            local = [a._local_tensor if isinstance(a, DTensor) else a for a in args]
+            packet = func._overloadpacket
+            if packet in flop_registry:
+                res = out._local_tensor if isinstance(out, DTensor) else out
+                self.flops += flop_registry[packet](*local, **kwargs, out_val=res)
+            elif "scaled_dot_product" in name and "attention" in name:
+                self._attention(name, local)
+        return out
+
+    def _record(self, kind: str, args) -> None:
+        ranks = None
+        tensors = []
+        for a in args:
+            if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
+                ranks = tuple(dist.get_process_group_ranks(dist.ProcessGroup.unbox(a)))
+            elif isinstance(a, str) and ranks is None:
+                with contextlib.suppress(Exception):
+                    from torch.distributed.distributed_c10d import _resolve_process_group
+
+                    ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(a)))
+            elif isinstance(a, torch.Tensor):
+                tensors.append(a)
+            elif isinstance(a, (list, tuple)):
+                flat = [t for x in a for t in (x if isinstance(x, (list, tuple)) else [x])]
+                tensors.extend(t for t in flat if isinstance(t, torch.Tensor))
+        if not tensors:
+            return
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        numels = [t.numel() for t in tensors]
+        if kind in ("all_gather",):
+            nbytes, elems = max(sizes), max(numels)  # the gathered (output) buffer
+        elif kind == "reduce_scatter":
+            nbytes, elems = max(sizes), max(numels)  # the full (input) buffer
+        else:
+            nbytes, elems = sum(sizes), sum(numels)
+        group = self.groups.get(ranks, f"{len(ranks)} ranks" if ranks else "?")
+        self.log.append((kind, group, nbytes, elems))
+
+    def _attention(self, name: str, args) -> None:
+        q, k, v = args[:3] if "backward" not in name else args[1:4]
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+            return
+        if "backward" in name:
+            self.flops += sdpa_backward_flop_count(q.shape, q.shape, k.shape, v.shape)
+        else:
+            self.flops += sdpa_flop_count(q.shape, k.shape, v.shape)
+
+
+class _CategoryPeaks(MemTracker):
+    """torch's MemTracker, also keeping each category's own maximum over the step (its "peak" snapshot holds the
+    categories at the moment of the total's peak, when, say, gradients are not all allocated yet), and accepting
+    one forward per micro-batch. Hooks two of the tracker's methods (torch 2.13, ``_update_peak_stats`` and
+    ``_pre_fw_hook``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.category_max: dict[str, int] = defaultdict(int)
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        # a module runs once per micro-batch; torch's tracker refuses a second forward of a module in one session
+        # unless its per-module statistics are reset (only the per-category totals are used here)
+        if not self._mod_tracker.is_bw:
+            self.memory_tracking.pop(module, None)
+        super()._pre_fw_hook(module, inputs)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        super()._update_peak_stats(peak_state)
+        for dev_snap in self._curr_mem_snap.values():
+            for key, value in dev_snap.items():
+                name = str(getattr(key, "value", key))
+                self.category_max[name] = max(self.category_max[name], value)
+
+
+def _mesh_groups(mesh) -> dict[tuple, str]:
+    """This rank's group of each mesh dimension (ranks tuple → dimension name), and the whole world."""
+    out = {}
+    for name in ("tp", "dp", "pp"):  # a 1-sized dimension's group is this rank alone
+        out.setdefault(tuple(dist.get_process_group_ranks(mesh[name].get_group())), name)
+    out.setdefault(tuple(range(dist.get_world_size())), "world")
+    return out
+
+
+@contextlib.contextmanager
+def _shapes_only():
+    """Skip the model's weight initialisation inside `planner.emit.runtime.materialize` (shapes only)."""
+    saved = runtime.find_init
+    runtime.find_init = lambda model: (lambda: None)
+    try:
+        yield
+    finally:
+        runtime.find_init = saved
+
+
+def trace_rank(plan: Plan, rank: int) -> Trace:
+    """Run ``plan``'s runtime on a fake world as global rank ``rank`` and record its last step (see the module
+    docstring). Leaves no process group behind."""
+    source = resolve_model(plan.model).with_seq(plan.seq)
+
+    def build():
+        model, _ = source.build(batch=plan.config.mbs, seq=plan.seq, device="meta")
+        return model
+
+    config = runtime_config(plan, build(), init="meta", optimizer="adamw")
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process; trace in a fresh one")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=config["world"])
+    try:
+        mesh = init_device_mesh("cpu", (config["pp"], config["dp"], config["tp"]), mesh_dim_names=("pp", "dp", "tp"))
+        coords = {name: mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
+        with _shapes_only(), contextlib.redirect_stdout(sys.stderr):  # the runtime's notes are not our output
+            par = runtime.parallelize(build, config, mesh)
+        if config["grad_compress"] == "none":
+            _python_allreduce_hooks(par)
+        optimizer = train.build_optimizer(par, config)
+        vocab = source.vocab if getattr(source, "vocab", None) else _vocab(par)
+        inputs, labels = train.synthetic_batch(0, batch=plan.global_batch, seq=plan.seq, vocab=vocab, seed=0)
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        counter = _Collectives(_mesh_groups(mesh))
+        with fake:  # the optimizer state a steady-state step holds (AdamW creates it at its first step)
+            _create_optimizer_state(par, optimizer)
+        tracker = _CategoryPeaks()
+        tracker.track_external(*par.modules, getattr(optimizer, "optim", optimizer))  # ZeRO-1: its local optimizer
+        with fake, tracker, counter:
+            train.train_step_loss(par, optimizer, inputs, labels)
+        by = tracker.category_max  # each category's maximum over the step; "Total" is the peak itself
+        memory = {"params": by["Parameter"] + by["Buffer"], "grads": by["Gradient"], "optimizer": by["Optstate"],
+                  "activations": by["Activation"], "temporaries": by["Temp"] + by["Other"], "peak": by["Total"]}
+        collectives: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
+        reduced = 0.0
+        for kind, group, nbytes, elems in counter.log:
+            entry = collectives[f"{kind}@{group}"]
+            entry["count"] += 1
+            entry["bytes"] += nbytes
+            if group == "dp" and kind in ("all_reduce", "reduce_scatter"):
+                reduced += elems
+        grad_elems = sum(_local(p).numel() for m in par.modules for p in m.parameters() if p.requires_grad)
+        return Trace(rank=rank, coords=coords, memory=memory, collectives=dict(collectives),
+                     flops=float(counter.flops),
+                     grad_elements=float(grad_elems) if config["dp"] > 1 else 0.0, dp_reduced_elements=reduced)
+    finally:
+        dist.destroy_process_group()
+
+
+def _python_allreduce_hooks(par) -> None:
+    """DDP's built-in all-reduce (no comm hook) reads its result from the work's future, which the fake group leaves
+    empty (the C++ reducer then fails). Register the same reduction as a Python hook: all-reduce the bucket in place
+    and divide by the group size, exactly what the built-in one does."""
+
+    def hook(process_group, bucket):
+        group = process_group if process_group is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        buffer.div_(group.size())
+        fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+        return fut.then(lambda _: buffer)
+
+    for module in par.modules:
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            module.register_comm_hook(None, hook)
+
+
+def _create_optimizer_state(par, optimizer) -> None:
+    """One optimizer step on zero gradients, then none: the state (AdamW's moments, ZeRO-1's shard of them) exists
+    as it does from the second training step on."""
+    params = [p for m in par.modules for p in m.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _vocab(par) -> int:
+    for m in par.parts[0].modules():
+        if isinstance(m, torch.nn.Embedding):
+            return m.num_embeddings
+    raise ValueError("cannot tell the vocabulary size (no nn.Embedding on this rank)")

@@ -1,0 +1,123 @@
+"""One rule set for what can run (costmodel.runnable): each rule, and that the search, the emitter and the runtime
+all apply it: every plan the search offers emits, and the dominances only prune where the dominator can run."""
+
+from __future__ import annotations
+
+import pytest
+
+from costmodel.cluster import load_cluster
+from costmodel.config import ParallelConfig
+from costmodel.runnable import grad_compress_options, post_step_allreduce, problems
+from planner.emit.config import runtime_config
+from planner.emit.runtime import plan_problems
+from planner.search.outer import NoPlanFits, candidates, make_plan, search
+from profiler.api import profile_model
+from profiler.zoo.registry import resolve_model
+
+BASE = {"dp": 2, "tp": 1, "pp": 1, "vpp": 1, "schedule": "1f1b", "zero": 0, "sp": False, "grad_compress": "none",
+        "precision": "bf16", "micro_batches": 4, "seq": 32}
+
+
+def facts(**change) -> dict:
+    return {**BASE, **change}
+
+
+def test_each_rule_names_the_fix():
+    assert problems(facts()) == []
+    cases = {
+        "precision=fp8": facts(precision="fp8"),
+        "zero=1 with tp>1": facts(tp=2, zero=1),
+        "does not divide heads=6": facts(tp=4, heads=6),
+        "sequence parallel needs seq=30": facts(tp=4, sp=True, seq=30),
+        "needs at least 4 micro-batches": facts(pp=4, micro_batches=2),
+        "5 micro-batches per step in 2 equal rounds": facts(pp=2, vpp=2, schedule="interleaved", micro_batches=5),
+        "grad_compress=powersgd cannot run": facts(zero=2, grad_compress="powersgd"),
+    }
+    for needle, f in cases.items():
+        found = problems(f)
+        assert len(found) == 1 and needle in found[0], (needle, found)
+        assert "\n" not in found[0] and ("re-plan" in found[0] or "choose" in found[0] or "change" in found[0]
+                                         or "raise" in found[0])
+    # torch 2.13's rounds rule, not "a multiple of pp": m = 3 < 2·2 runs in one round, m = 6 in three rounds of 2
+    assert problems(facts(pp=2, vpp=2, schedule="interleaved", micro_batches=3)) == []
+    assert problems(facts(pp=2, schedule="zb", micro_batches=6)) == []
+    assert problems(facts(pp=4, schedule="zb", micro_batches=9)) != []
+
+
+def test_gradient_reduction_mechanism():
+    # DDP hooks only where torch lets them fire: not for DTensor parameters, not for zero-bubble weight gradients
+    assert not post_step_allreduce(2, 1, 0, "1f1b", 2)
+    assert post_step_allreduce(2, 1, 0, "zb", 2) and post_step_allreduce(2, 1, 1, "zb", 2)
+    assert post_step_allreduce(2, 2, 0, "1f1b", 1)
+    assert not post_step_allreduce(2, 1, 2, "zb", 2) and not post_step_allreduce(1, 1, 0, "zb", 2)
+    assert grad_compress_options(2, 1, 0) == ("none", "bf16", "fp16", "powersgd")
+    assert grad_compress_options(2, 1, 3) == ("none", "bf16", "fp16")
+    assert grad_compress_options(2, 2, 0) == ("none",) == grad_compress_options(2, 1, 0, "zb", 2)
+    assert problems(facts(tp=2, grad_compress="bf16")) and problems(facts(pp=2, schedule="zb", grad_compress="bf16"))
+
+
+def test_runtime_applies_the_same_rules():
+    plan = {**BASE, "grad_accum": 1, "pp": 2, "schedule": "1f1b"}
+    plan.pop("micro_batches")
+    assert plan_problems(plan) and "needs at least 2 micro-batches" in plan_problems(plan)[0]
+
+
+SMALL_SEQ_JOB = "llama:layers=4,hidden=128,heads=8,kv_heads=8,ffn=256,vocab=256,seq=36"  # seq % 8 ≠ 0
+
+
+@pytest.fixture(scope="module")
+def odd_seq():
+    return profile_model(SMALL_SEQ_JOB)
+
+
+def test_sp_off_stays_when_sp_cannot_run(odd_seq):
+    """seq = 36 is not divisible by tp = 8: sp=on cannot run, so it dominates nothing and sp=off is offered."""
+    cluster = load_cluster("dgx-h100:nodes=1")
+    cands = candidates(odd_seq, cluster, 16, {"tp": 8})
+    assert cands and all(not c.sp for c in cands)
+    tp4 = candidates(odd_seq, cluster, 16, {"tp": 4})  # 36 % 4 == 0: sp=off dominated by sp=on again
+    assert tp4 and all(c.sp for c in tp4)
+
+
+def test_zero_bubble_does_not_dominate_ddp_1f1b(odd_seq):
+    """With DDP (zero ≤ 1, tp = 1) zero-bubble all-reduces after the backward; 1F1B overlaps it, so 1F1B stays."""
+    cluster = load_cluster("dgx-h100:nodes=1")
+    cands = candidates(odd_seq, cluster, 16, {"tp": 1, "pp": 2, "mbs": 1})
+    scheds = {(c.zero, c.schedule.value) for c in cands if c.vpp == 1}
+    assert (0, "1f1b") in scheds and (0, "zb") in scheds and (1, "1f1b") in scheds
+    assert (2, "1f1b") not in scheds and (2, "zb") in scheds and (3, "1f1b") not in scheds  # FSDP: zb dominates
+    assert all(c.schedule.value != "gpipe" for c in cands)
+
+
+def test_every_searched_plan_emits(odd_seq):
+    """The winner and every alternative pass the rules and build the runtime's PLAN (the emitter's checks)."""
+    cluster = load_cluster("dgx-h100:nodes=1")
+    model, _ = resolve_model(SMALL_SEQ_JOB).build(batch=1, seq=36, device="meta")
+    for gb in (8, 16, 24):
+        res = search(odd_seq, cluster, gb, top_k=8, time_limit=20, progress=False)
+        for sol in [res.best, *(a.solution for a in res.alternatives)]:
+            cfg = sol.config
+            assert problems(cfg.runnable_facts(gb, odd_seq.model.arch, 36)) == [], cfg
+            if sol is res.best:
+                plan = make_plan(odd_seq, cluster, gb, res, model=SMALL_SEQ_JOB, cluster_spec="dgx-h100:nodes=1")
+                runtime_config(plan, model)
+
+
+def test_pinned_unrunnable_fix_says_why(odd_seq):
+    cluster = load_cluster("dgx-h100:nodes=1")
+    with pytest.raises(NoPlanFits, match="ZeroRedundancyOptimizer"):
+        search(odd_seq, cluster, 16, fix={"zero": 1, "tp": 4}, progress=False)
+    with pytest.raises(NoPlanFits, match="micro-batches"):
+        search(odd_seq, cluster, 16, fix={"pp": 4, "dp": 2, "mbs": 4}, progress=False)
+
+
+def test_emitter_refuses_an_unrunnable_plan():
+    from planner.plan import LayerStrategy, Plan
+
+    names = ["embed", "layers.0", "layers.1", "head"]
+    plan = Plan(model="llama-tiny", fingerprint="x", seq=32, global_batch=2, cluster="cpu-local",
+                config=ParallelConfig(pp=2, mbs=2, precision="fp32"),
+                layers=tuple(LayerStrategy(name=n, stage=int(i >= 2)) for i, n in enumerate(names)))
+    model, _ = resolve_model("llama-tiny").build(batch=1, seq=32, device="meta")
+    with pytest.raises(ValueError, match="cannot run: pp=2 needs at least 2 micro-batches"):
+        runtime_config(plan, model)
