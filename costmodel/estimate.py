@@ -175,20 +175,24 @@ class Evaluator:
             self._cache[key] = layer_cost(layer, ac, self.ctx, self.owned[layer.name])
         return self._cache[key]
 
+    def p2p_bytes(self, i: int) -> float:
+        """Bytes one rank sends per micro-batch into a stage that starts at layer ``i`` (the gradient comes back
+        with as many): each TP rank sends its 1/t slice (scatter/gather, Narayanan et al. 2021 §4.1; the runtime's
+        ``apply_pp_scatter``), halved by bf16 boundaries."""
+        nbytes = self.lg.layers[i].input_bytes * self.ctx.scale * self.act_scale / self.cfg.tp
+        return nbytes / 2 if self._pp_cast() else nbytes
+
+    def _pp_cast(self) -> bool:
+        return self.cfg.pp_compress == "bf16" and self.act_scale * dtype_bytes(self.lg.model.dtype) > 2
+
     def p2p_time(self, i: int) -> float:
         """Per micro-batch, the activation into layer ``i`` and its gradient back, when a stage starts at i."""
-        layer = self.lg.layers[i]
-        nbytes = layer.input_bytes * self.ctx.scale * self.act_scale
-        if self.cfg.tp > 1:
-            nbytes /= self.cfg.tp  # scatter/gather: each TP rank sends 1/t (Narayanan et al. 2021 §4.1)
-        cast = 0.0
-        if self.cfg.pp_compress == "bf16" and self.act_scale * dtype_bytes(self.lg.model.dtype) > 2:
-            cast = 2 * pp_cast_time(nbytes, self.cluster)
-            nbytes /= 2
+        nbytes = self.p2p_bytes(i)
+        cast = 2 * pp_cast_time(nbytes, self.cluster) if self._pp_cast() else 0.0
         return 2 * send_recv_time(nbytes, self.pp_cross_node, self.cluster) + cast
 
     def static_bytes(self, params: float) -> tuple[float, float, float]:
-        p, g, k = state_bytes_per_param(self.cfg.precision, self.cfg.zero, self.cfg.dp)
+        p, g, k = state_bytes_per_param(self.cfg.precision, self.cfg.zero, self.cfg.dp, self.cfg.pp)
         return params * p, params * g, params * k
 
     # -- composition -----------------------------------------------------------------------------------------

@@ -36,15 +36,31 @@ FRAGMENTATION = 0.05  #: caching-allocator fragmentation allowance, a fraction o
 DDP_BUCKET_BYTES = 25 * 2**20  #: torch DDP default bucket_cap_mb = 25
 
 
-def state_bytes_per_param(precision: str, zero: int, dp: int) -> tuple[float, float, float]:
-    """(parameter, gradient, optimizer) bytes per parameter on one rank: the ZeRO paper's 2Ψ + 2Ψ + KΨ."""
+def pipelined_fsdp(zero: int, dp: int, pp: int) -> bool:
+    """FSDP2 (ZeRO 2/3) inside torch's pipeline stages: ``PipelineStage`` turns off FSDP's gradient sync and its
+    reshard after backward for every micro-batch and reduce-scatters once after the last backward
+    (torch/distributed/pipelining/stage.py, 2.13: ``backward_maybe_with_nosync``, ``perform_reduce_grad``). So
+    the stage holds unsharded gradients (accumulated in the fp32 reduce dtype) and, under ZeRO 3, unsharded
+    parameters from its first backward to the end of the step, and reduce-scatters once per step."""
+    return pp > 1 and zero >= 2 and dp > 1
+
+
+def state_bytes_per_param(precision: str, zero: int, dp: int, pp: int = 1) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer) bytes per parameter on one rank: the ZeRO paper's 2Ψ + 2Ψ + KΨ; under
+    pipelining FSDP also holds the unsharded fp32 gradients (and, ZeRO 3, the unsharded parameters) across the
+    micro-batches (`pipelined_fsdp`)."""
     p, g, k = (4.0, 4.0, 8.0) if precision == "fp32" else (2.0, 2.0, 12.0)
+    unsharded_param = p
     if zero >= 1:
         k /= dp
     if zero >= 2:
         g /= dp
     if zero >= 3:
         p /= dp
+    if pipelined_fsdp(zero, dp, pp):
+        g += 4.0
+        if zero >= 3:
+            p += unsharded_param
     return p, g, k
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from costmodel.collectives import all_gather_time, reduce_scatter_time
 from costmodel.compression import SyncView, compressed_grad_comm
 from costmodel.layercost import LayerCost
+from costmodel.memory import pipelined_fsdp
 from costmodel.runnable import post_step_allreduce
 
 GRAD_REDUCE_BYTES = 4  #: gradients are reduced in fp32 (DDP's fp32 grads; FSDP2 reduce_dtype=float32)
@@ -62,17 +63,19 @@ def dp_exposed(rank_costs: list[LayerCost], ev: SyncView) -> tuple[float, float]
         window = 0.0  # the runtime all-reduces after the whole backward (costmodel.runnable): nothing hides it
     params = sum(c.param_numel for c in rank_costs)
     first = rank_costs[0].param_numel
-    if cfg.zero == 3:
-        return 0.0, 0.0  # reduce-scatters happen per micro-batch, see fsdp_exposed
+    pipelined = pipelined_fsdp(cfg.zero, cfg.dp, cfg.pp)
+    if cfg.zero == 3:  # reduce-scatters happen per micro-batch (fsdp_exposed), or once after the pipeline
+        return (reduce_scatter_time(params * GRAD_REDUCE_BYTES, span, cluster) if pipelined else 0.0), 0.0
     if cfg.zero == 2:
-        # every micro-batch reduce-scatters its gradients under its own backward (gradients stay sharded); the
-        # once-per-step all-gather hides under the first forward
+        # every micro-batch reduce-scatters its gradients under its own backward (gradients stay sharded), or,
+        # pipelined, once after the last backward, hidden by nothing; the once-per-step all-gather hides under the
+        # first forward
         rs = reduce_scatter_time(params * GRAD_REDUCE_BYTES, span, cluster)
         ag = zero2_gather_time(params, ev)
         fwd = sum(c.fwd_s for c in rank_costs)
-        e1, s1 = _hidden(rs, window, slow)
+        e1, s1 = (rs, 0.0) if pipelined else _hidden(rs, window, slow)
         e2, s2 = _hidden(ag, fwd, slow)
-        return ev.m * (e1 + s1) + e2 + s2, 0.0
+        return (1 if pipelined else ev.m) * (e1 + s1) + e2 + s2, 0.0
     comm, last, encode = compressed_grad_comm(rank_costs, params, first, ev)
     exposed, slowdown = _hidden(comm, window, slow)
     exposed = max(exposed, last) + slowdown
@@ -87,7 +90,9 @@ def fsdp_exposed(stage_costs: list[LayerCost], ev: SyncView) -> float:
     slow = cluster.device.overlap_slowdown
     pbytes = 4 if ev.cfg.precision == "fp32" else 2
     ag = [all_gather_time(c.param_numel * pbytes, span, cluster) for c in stage_costs]
-    rs = [reduce_scatter_time(c.param_numel * GRAD_REDUCE_BYTES, span, cluster) for c in stage_costs]
+    # pipelined, the reduce-scatter runs once per step after the last backward (dp_exposed), not per micro-batch
+    rs_bytes = 0.0 if pipelined_fsdp(ev.cfg.zero, ev.cfg.dp, ev.cfg.pp) else GRAD_REDUCE_BYTES
+    rs = [reduce_scatter_time(c.param_numel * rs_bytes, span, cluster) for c in stage_costs]
     fwd = sum(c.fwd_s for c in stage_costs)
     bwd = sum(c.bwd_s + c.recompute_s for c in stage_costs)
     e_f, s_f = _hidden(sum(ag[1:]), fwd, slow)
@@ -115,10 +120,11 @@ def dp_step_bytes(cfg, params: float, m: int) -> dict[str, float]:
     kind = cfg.grad_compress.split("-")[0]
     if cfg.dp == 1:
         return {}
+    rs = 1 if pipelined_fsdp(cfg.zero, cfg.dp, cfg.pp) else m  # reduce-scatters per step
     if cfg.zero == 3:  # fsdp_exposed: per micro-batch, gathered for forward and again for backward
-        return {"all_gather": 2 * m * params * pbytes, "reduce_scatter": m * params * GRAD_REDUCE_BYTES}
-    if cfg.zero == 2:  # dp_exposed: a reduce-scatter per micro-batch, one all-gather per step
-        return {"all_gather": params * pbytes, "reduce_scatter": m * params * GRAD_REDUCE_BYTES}
+        return {"all_gather": 2 * m * params * pbytes, "reduce_scatter": rs * params * GRAD_REDUCE_BYTES}
+    if cfg.zero == 2:  # dp_exposed: a reduce-scatter per micro-batch (pipelined: per step), one all-gather
+        return {"all_gather": params * pbytes, "reduce_scatter": rs * params * GRAD_REDUCE_BYTES}
     out = {} if kind == "powersgd" else {"all_reduce": params * (2 if kind in ("bf16", "fp16") else GRAD_REDUCE_BYTES)}
     if cfg.zero == 1:  # zero1_sync_time: the owners' broadcasts, an all-gather's volume
         out["broadcast"] = params * pbytes

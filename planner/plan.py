@@ -74,6 +74,7 @@ class Plan:
     solver: dict = field(default_factory=dict)  #: status, objective, bound, gap, time_s, candidates
     alternatives: tuple[dict, ...] = ()  #: top-k other candidates: config, predicted, why they lost
     provenance: dict = field(default_factory=dict)  #: versions, cluster facts, creation time
+    traced: dict = field(default_factory=dict)  #: what `autopar check` traced beside the prediction (`traced_summary`)
     schema_version: int = SCHEMA_VERSION  #: plan file schema
 
     @property
@@ -88,7 +89,7 @@ class Plan:
             "config": self.config.to_dict(), "layers": [lay.to_dict() for lay in self.layers],
             "stages": [s.to_dict() for s in self.stages], "predicted": self.predicted, "solver": self.solver,
             "alternatives": list(self.alternatives), "provenance": self.provenance,
-        }
+        } | ({"traced": self.traced} if self.traced else {})
 
     def dumps(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=120)
@@ -125,7 +126,8 @@ class Plan:
         plan = Plan(model=d["model"], fingerprint=d["fingerprint"], seq=int(d["seq"]),
                     global_batch=int(d["global_batch"]), cluster=d["cluster"], config=config, layers=layers,
                     stages=stages, predicted=d.get("predicted") or {}, solver=d.get("solver") or {},
-                    alternatives=tuple(d.get("alternatives") or ()), provenance=d.get("provenance") or {})
+                    alternatives=tuple(d.get("alternatives") or ()), provenance=d.get("provenance") or {},
+                    traced=d.get("traced") or {})
         plan.validate(source=source)
         return plan
 

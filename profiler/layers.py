@@ -180,7 +180,9 @@ def group_layers(graph: ModelGraph) -> LayerGraph:
                     owned.append(p)
                 elif owner[p] != idx and p not in shared:
                     shared.append(p)
-        incoming = {i for n in nodes for i in n.inputs if producer.get(i, idx) < idx}
+        # what a pipeline boundary before this layer carries: the previous layer's outputs it reads (values made
+        # earlier, such as rotary tables, are recomputed by every stage's forward, as the zoo's models do)
+        incoming = {i for n in nodes for i in n.inputs if producer.get(i, idx) == idx - 1}
         for n in nodes:
             producer[n.name] = idx
         prefix = name if kind == "block" else ""

@@ -44,10 +44,13 @@ def test_data_parallel_terms_match_the_trace(config, kinds):
     assert role["traced"]["dp_reduced_elements"] >= role["traced"]["grad_elements"] > 0
 
 
-def test_a_replica_that_never_syncs_is_caught(monkeypatch):
+def _no_ddp() -> None:  # runs in the tracing process: a runtime that forgets data-parallel reduction
+    runtime.apply_ddp = lambda part, plan, dp_mesh: part
+
+
+def test_a_replica_that_never_syncs_is_caught():
     """A runtime that forgets data-parallel reduction (as zero-bubble did under DDP) fails the check."""
-    monkeypatch.setattr(runtime, "apply_ddp", lambda part, plan, dp_mesh: part)
-    result = check_plan(_plan("dp=2,zero=0"))
+    result = check_plan(_plan("dp=2,zero=0"), prepare=_no_ddp)
     assert not result["ok"] and result["unreduced_params"]
     assert "never reduced over the data-parallel group" in result["unreduced_params"][0]
 
@@ -66,10 +69,43 @@ def test_cli_check_json_contract(tmp_path, capsys):
     assert "reduce_scatter@dp" in html.read_text()
 
 
-def test_cli_check_refuses_pipelines_in_one_line(tmp_path, capsys):
-    path = tmp_path / "plan.yaml"
-    plan_from_config("llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32", "cpu-local", 8,
-                     "pp=2,mbs=2").save(path)
-    assert main(["check", str(path)]) == 2
+def test_cli_check_bad_input_is_one_line(tmp_path, capsys):
+    assert main(["check", str(tmp_path / "missing.yaml")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "pipeline-parallel plans (pp > 1) are not traced yet" in err[0]
+    assert len(err) == 1 and "missing.yaml" in err[0]
+
+
+ZB_MODEL = "llama:layers=4,hidden=128,heads=4,kv_heads=2,ffn=256,vocab=256,seq=64"
+
+
+def _zb_plan():
+    return plan_from_config(ZB_MODEL, "dgx-h100:nodes=1", 16, "pp=2,dp=4,zero=0,mbs=2,schedule=zb")
+
+
+def test_pipeline_roles_trace_their_boundaries():
+    """Each pipeline rank is a role; sends and receives match the cost model's boundary bytes exactly."""
+    result = check_plan(_zb_plan())
+    assert [r["stage"] for r in result["roles"]] == [0, 1]
+    for role in result["roles"]:
+        for kind in ("send@pp", "recv@pp", "all_reduce@dp"):
+            assert role["errors"]["collectives"][kind] <= 0.02, (kind, role["predicted"]["collectives"],
+                                                                  role["traced"]["collectives"])
+    assert result["unreduced_params"] == []
+
+
+def _old_zero_bubble_rule(dp, tp, zero, schedule, pp) -> bool:
+    return dp > 1 and zero <= 1 and tp > 1  # before: DDP's hooks trusted under zero-bubble
+
+
+def _ddp_under_zero_bubble() -> None:  # runs in the tracing process
+    from planner.emit import train
+
+    runtime.post_step_allreduce = train.post_step_allreduce = _old_zero_bubble_rule
+
+
+def test_the_zero_bubble_ddp_bug_is_caught():
+    """With the old rule (DDP hooks under zero-bubble) the weight gradients of the second stage are never reduced:
+    torch writes them with autograd.grad, past DDP's reducer. The check names that pipeline rank."""
+    result = check_plan(_zb_plan(), prepare=_ddp_under_zero_bubble)
+    assert not result["ok"]
+    assert any(line.startswith("pipeline rank 1") for line in result["unreduced_params"]), result["unreduced_params"]

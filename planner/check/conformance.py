@@ -11,6 +11,8 @@ Predicted (all from `costmodel`, at the precision the traced runtime runs: fp32 
 - collectives per step, by kind and group: the data-parallel terms of `costmodel.overlap.dp_step_bytes`, the
   tensor-parallel all-reduce payload of `costmodel.layercost.tp_comm_bytes` (traced sequence-parallel
   all-gather + reduce-scatter pairs count as the all-reduce they replace: (AG + RS)/2);
+- pipeline sends and receives: `costmodel.estimate.Evaluator.p2p_bytes` at each of the rank's stage boundaries,
+  forward and back, every micro-batch;
 - FLOPs: the micro-batches × (3 × forward + recomputation) FLOPs of the rank's layers, ÷ tp on tensor-parallel
   layers (the cost model's convention: backward = 2 × forward).
 
@@ -38,6 +40,22 @@ MEMORY_TOL = 0.05  #: on each role's peak memory (issue 12's acceptance)
 COMM_TOL = 0.02  #: per collective kind
 FLOPS_TOL = 0.02
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "temporaries", "peak")
+
+
+def traced_summary(result: dict) -> dict:
+    """What a plan file records of a check (`Plan.traced`): the verdict, the worst errors, and per role the traced
+    peak memory and collective bytes beside the predicted ones."""
+    roles = []
+    for role in result["roles"]:
+        got, pred = role["traced"], role["predicted"]
+        roles.append({"stage": role["stage"], "rank": role["rank"],
+                      "peak_bytes": {"predicted": pred["memory"]["peak"],
+                                     "traced": (got["memory"] or {}).get("peak")},
+                      "collective_bytes": {k: {"predicted": v, "traced": role["traced_equivalent"].get(k, 0.0)}
+                                           for k, v in pred["collectives"].items()},
+                      "flops": {"predicted": pred["flops"], "traced": got["flops"]}})
+    return {k: result[k] for k in ("ok", "memory_error_max", "comm_error_max", "flops_error_max",
+                                   "unreduced_params", "precision_traced")} | {"roles": roles}
 
 
 def rel_error(traced: float, predicted: float) -> float:
@@ -84,9 +102,62 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
                     bf, bb = tp_comm_bytes(lg.layers[i], ev.ctx)
                     tp_bytes += bf + bb + (bf if acs[i].value == "full" else 0.0)
             collectives["all_reduce_equivalent@tp"] = ev.m * tp_bytes
+        if cfg.pp > 1:  # each boundary: the activation forward, its gradient back, every micro-batch
+            n_stages = cfg.pp * cfg.vpp
+            starts = {s: stage_of.index(s) for s in range(n_stages)}
+            sent = received = 0.0
+            for c in range(r, n_stages, cfg.pp):
+                if c < n_stages - 1:
+                    sent += ev.p2p_bytes(starts[c + 1])
+                    received += ev.p2p_bytes(starts[c + 1])
+                if c > 0:
+                    received += ev.p2p_bytes(starts[c])
+                    sent += ev.p2p_bytes(starts[c])
+            collectives["send@pp"], collectives["recv@pp"] = ev.m * sent, ev.m * received
         roles.append({"pp_rank": r, "rank": r * cfg.dp * cfg.tp, "memory": memory, "collectives": collectives,
                       "flops": flops})
     return roles
+
+
+def _child(plan: Plan, rank: int, conn, prepare) -> None:
+    try:
+        if prepare is not None:
+            prepare()
+        conn.send(("ok", trace_rank(plan, rank)))
+    except ValueError as exc:  # the user's input: reported in one line by the CLI
+        conn.send(("value", str(exc)))
+    except BaseException as exc:  # noqa: BLE001 - a bug: carried to the parent with its traceback
+        import traceback
+
+        conn.send(("bug", "".join(traceback.format_exception(exc))))
+    finally:
+        conn.close()
+
+
+def _trace_in_child(plan: Plan, rank: int, prepare=None):
+    """`trace_rank` in a child process: each role gets a fresh fake process group (torch keeps process-group
+    names and DTensor's mesh caches per process, so a second world in one process resolves stale groups). Children
+    come from a fork server that has imported the tracer once, so a role costs its trace, not another
+    ``import torch``; not forked from this process, whose threads (a test runner's, torch's) may hold locks."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["planner.check.trace"])
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(plan, rank, child, prepare))
+    proc.start()
+    child.close()
+    try:
+        kind, value = parent.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"tracing rank {rank} died (exit code {proc.exitcode})") from None
+    proc.join()
+    if kind == "value":
+        raise ValueError(value)
+    if kind == "bug":
+        raise RuntimeError(f"tracing rank {rank} failed:\n{value}")
+    return value
 
 
 def _traced_collectives(trace) -> dict:
@@ -97,22 +168,19 @@ def _traced_collectives(trace) -> dict:
     return out
 
 
-def check_plan(plan: Plan) -> dict:
-    """Trace every role of ``plan`` and compare (see the module docstring); the JSON of `autopar check`."""
-    if plan.config.pp > 1:
-        raise ValueError("autopar check: pipeline-parallel plans (pp > 1) are not traced yet: torch's pipeline "
-                         "schedules exchange stage metadata through the process group, which a fake one cannot "
-                         "carry; check the plan with --fix pp=1 or run `autopar validate` on real ranks")
+def check_plan(plan: Plan, *, prepare=None) -> dict:
+    """Trace every role of ``plan`` and compare (see the module docstring); the JSON of `autopar check`.
+    ``prepare``: a module-level function each tracing process calls first (tests inject runtime faults with it)."""
     predicted = predicted_roles(plan)
     roles, unreduced = [], []
     worst = {"memory": 0.0, "comm": 0.0, "flops": 0.0}
     for pred in predicted:
-        tr = trace_rank(plan, pred["rank"])
-        mem_err = {k: rel_error(tr.memory[k], pred["memory"][k]) for k in MEMORY_PARTS}
+        tr = _trace_in_child(plan, pred["rank"], prepare)
+        mem_err = {k: rel_error(tr.memory[k], pred["memory"][k]) for k in MEMORY_PARTS} if tr.memory else {}
         traced_comm = _traced_collectives(tr)
         comm_err = {k: rel_error(traced_comm.get(k, 0.0), v) for k, v in pred["collectives"].items()}
         flops_err = rel_error(tr.flops, pred["flops"])
-        worst["memory"] = max(worst["memory"], mem_err["peak"])  # the figure that decides whether a plan fits
+        worst["memory"] = max(worst["memory"], mem_err.get("peak", 0.0))  # the figure that decides if a plan fits
         worst["comm"] = max([worst["comm"], *comm_err.values()])
         worst["flops"] = max(worst["flops"], flops_err)
         if tr.dp_reduced_elements < tr.grad_elements * (1 - 1e-9):
@@ -124,6 +192,7 @@ def check_plan(plan: Plan) -> dict:
             "predicted": {"memory": pred["memory"], "collectives": pred["collectives"], "flops": pred["flops"]},
             "traced": {"memory": tr.memory, "collectives": tr.collectives, "flops": tr.flops,
                        "grad_elements": tr.grad_elements, "dp_reduced_elements": tr.dp_reduced_elements},
+            "traced_equivalent": traced_comm,
             "errors": {"memory": mem_err, "collectives": comm_err, "flops": flops_err},
         })
     ok = (worst["memory"] <= MEMORY_TOL and worst["comm"] <= COMM_TOL and worst["flops"] <= FLOPS_TOL

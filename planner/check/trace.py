@@ -17,9 +17,11 @@ How (torch 2.13, shared/FINDINGS.md "Large-scale behaviour without a GPU"):
   two: DDP rebuilds its buckets before the second, which needs real tensors.
 
 What the trace cannot see: the CPU path of the runtime trains in fp32 (autocast and FSDP's mixed-precision policy
-apply on GPUs only), so a bf16 plan is traced, and compared, at fp32; pipeline-parallel plans are not traced yet
-(torch 2.13's schedules vote on and exchange stage metadata through the group, which a fake one cannot carry);
-DDP's built-in all-reduce is replaced by the same reduction as a Python hook (`_python_allreduce_hooks`).
+apply on GPUs only), so a bf16 plan is traced, and compared, at fp32. Two things a fake group cannot carry are
+supplied by the harness, each the same as what torch would have computed: pipeline stages get their boundary shapes
+from the model's own forward on the meta device instead of torch 2.13's vote and metadata exchange
+(`_static_stages`), and DDP's built-in all-reduce becomes the same reduction as a Python hook
+(`_python_allreduce_hooks`).
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ class Trace:
 
     rank: int  #: global rank traced
     coords: dict  #: its (pp, dp, tp) coordinates
-    memory: dict  #: bytes, each category's maximum over the step: params, grads, optimizer, activations,
-    #: temporaries, and the peak of their sum
+    memory: dict | None  #: bytes, each category's maximum over the step: params, grads, optimizer, activations,
+    #: temporaries, and the peak of their sum (None: not traced, see `trace_rank`)
     collectives: dict = field(default_factory=dict)  #: "kind@group" → {"count", "bytes"} per step
     flops: float = 0.0  #: FLOPs this rank executed (forward, backward, recomputation)
     grad_elements: float = 0.0  #: gradient elements on this rank that its dp group must reduce
@@ -186,11 +188,16 @@ def trace_rank(plan: Plan, rank: int) -> Trace:
     docstring). Leaves no process group behind."""
     source = resolve_model(plan.model).with_seq(plan.seq)
 
-    def build():
+    def build():  # what the emitted script's build_model() does; the runtime calls it under torch.device("meta")
+        if source.family == "hf":  # (ModelSource.build(device="meta") would give fake tensors, for capture)
+            from profiler.zoo import hf
+
+            return hf.build_lm(source.config)
         model, _ = source.build(batch=plan.config.mbs, seq=plan.seq, device="meta")
         return model
 
-    config = runtime_config(plan, build(), init="meta", optimizer="adamw")
+    with torch.device("meta"):
+        config = runtime_config(plan, build(), init="meta", optimizer="adamw")
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised in this process; trace in a fresh one")
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -203,6 +210,8 @@ def trace_rank(plan: Plan, rank: int) -> Trace:
             par = runtime.parallelize(build, config, mesh)
         if config["grad_compress"] == "none":
             _python_allreduce_hooks(par)
+        if config["pp"] > 1:
+            _static_stages(par, config, build)
         optimizer = train.build_optimizer(par, config)
         vocab = source.vocab if getattr(source, "vocab", None) else _vocab(par)
         inputs, labels = train.synthetic_batch(0, batch=plan.global_batch, seq=plan.seq, vocab=vocab, seed=0)
@@ -210,13 +219,19 @@ def trace_rank(plan: Plan, rank: int) -> Trace:
         counter = _Collectives(_mesh_groups(mesh))
         with fake:  # the optimizer state a steady-state step holds (AdamW creates it at its first step)
             _create_optimizer_state(par, optimizer)
-        tracker = _CategoryPeaks()
-        tracker.track_external(*par.modules, getattr(optimizer, "optim", optimizer))  # ZeRO-1: its local optimizer
-        with fake, tracker, counter:
+        # torch's MemTracker follows backward through module hooks that autograd.grad() refuses, and zero-bubble
+        # computes its input gradients with autograd.grad(): such ranks are traced without memory
+        memory = None
+        tracker = None if (config["pp"] > 1 and config["schedule"] == "zb") else _CategoryPeaks()
+        if tracker is not None:
+            tracker.track_external(*par.modules, getattr(optimizer, "optim", optimizer))  # ZeRO-1: its local optim
+        with fake, tracker or contextlib.nullcontext(), counter:
             train.train_step_loss(par, optimizer, inputs, labels)
-        by = tracker.category_max  # each category's maximum over the step; "Total" is the peak itself
-        memory = {"params": by["Parameter"] + by["Buffer"], "grads": by["Gradient"], "optimizer": by["Optstate"],
-                  "activations": by["Activation"], "temporaries": by["Temp"] + by["Other"], "peak": by["Total"]}
+        if tracker is not None:
+            by = tracker.category_max  # each category's maximum over the step; "Total" is the peak itself
+            memory = {"params": by["Parameter"] + by["Buffer"], "grads": by["Gradient"],
+                      "optimizer": by["Optstate"], "activations": by["Activation"],
+                      "temporaries": by["Temp"] + by["Other"], "peak": by["Total"]}
         collectives: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
         reduced = 0.0
         for kind, group, nbytes, elems in counter.log:
@@ -231,6 +246,52 @@ def trace_rank(plan: Plan, rank: int) -> Trace:
                      grad_elements=float(grad_elems) if config["dp"] > 1 else 0.0, dp_reduced_elements=reduced)
     finally:
         dist.destroy_process_group()
+
+
+def _static_stages(par, config: dict, build) -> None:
+    """Give every local pipeline stage the shapes of what it receives and sends, read off one forward of the whole
+    model on the meta device (a stage starts at its first block's input; the first takes the tokens, the last
+    returns the model's output; bf16 on the wire with ``pp_compress``), and let torch's schedule take them as
+    static metadata: its warm-up vote (``_warmup_forward_vote``/``_warmup_backward_result``, torch 2.13) answers
+    "static" without the group. A real run would infer the same shapes through the group (DYNAMIC mode)."""
+    from torch.distributed.pipelining._utils import _StageMeta, extract_tensor_metas
+
+    model = build()
+    container = config["block_container"]
+    blocks = model.get_submodule(container)
+    first = {}  # stage -> index of its first block
+    for i in range(len(blocks)):
+        first.setdefault(config["stage_of"][f"{container}.{i}"], i)
+    seen: dict[int, torch.Tensor] = {}
+
+    def keep(i):
+        def hook(module, args):
+            seen.setdefault(i, args[0])  # (returns None: the block's arguments stay as they are)
+        return hook
+
+    hooks = [blocks[i].register_forward_pre_hook(keep(i)) for i in first.values()]
+    tokens = torch.zeros(config["mbs"], config["seq"], dtype=torch.long, device="meta")
+    output = model(tokens)  # with autograd on: what needs a gradient sent back says so (requires_grad)
+    for h in hooks:
+        h.remove()
+    n_stages = config["pp"] * config["vpp"]
+    wire = torch.bfloat16 if config["pp_compress"] == "bf16" else None
+
+    def boundary(s: int) -> torch.Tensor:  # what stage s receives (its tensor-parallel slice: apply_pp_scatter)
+        if s == 0:
+            return tokens
+        t = seen[first[s]]
+        t = t[..., : t.shape[-1] // config["tp"]]
+        return t.to(wire) if wire is not None else t
+
+    for stage in par.stages:
+        s = stage.stage_index
+        sent = output if s == n_stages - 1 else boundary(s + 1)
+        stage._user_meta = _StageMeta(inputs=extract_tensor_metas((boundary(s),)),
+                                      outputs=extract_tensor_metas((sent,)))
+        # a tensor made inside FakeTensorMode from a literal keeps its value, so the schedule's .item() works
+        stage._warmup_forward_vote = lambda has_backward, received_acc=None: torch.tensor([1], dtype=torch.int32)
+        stage._warmup_backward_result = lambda received_result=None: torch.tensor([1], dtype=torch.int32)
 
 
 def _python_allreduce_hooks(par) -> None:

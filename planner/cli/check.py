@@ -6,7 +6,7 @@ import argparse
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from planner.check.conformance import check_plan
+    from planner.check.conformance import check_plan, traced_summary
     from planner.cli.common import print_json
     from planner.files import write_atomic
     from planner.plan import Plan
@@ -16,6 +16,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     result = check_plan(plan)
     if args.html:
         write_atomic(args.html, render_check_html(result, f"autopar check {args.plan}"))
+    if args.write:  # the plan file keeps what was traced beside what was predicted (`autopar inspect` shows both)
+        write_atomic(args.plan, plan.with_(traced=traced_summary(result)).dumps())
     if args.json:
         print_json(result | ({"html": str(args.html)} if args.html else {}))
         return 0
@@ -30,5 +32,7 @@ def register(sub) -> None:
                                      "with what the cost model predicted (memory, collectives, FLOPs)")
     p.add_argument("plan", help="plan file written by `autopar plan --out PLAN.yaml`")
     p.add_argument("--html", metavar="REPORT.html", help="also write the comparison as a self-contained HTML page")
+    p.add_argument("--write", action="store_true",
+                   help="record the traced figures in the plan file, beside the predicted ones (inspect shows both)")
     p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
     p.set_defaults(func=cmd_check)

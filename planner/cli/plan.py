@@ -71,6 +71,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         measured = load_measured(args.profile, lg, cluster)
     result = search(lg, cluster, gb, fix=fix, top_k=args.top_k, time_limit=args.time_limit, measured=measured)
     plan = make_plan(lg, cluster, gb, result, model=args.model, cluster_spec=args.cluster)
+    plan, check_note = _maybe_check(plan, args.check)
     script = None
     if args.emit:  # emit first: a plan the emitter refuses leaves no file behind
         from planner.emit.script import emit
@@ -84,7 +85,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         d = plan.to_dict()
         print_json({"predicted": d["predicted"], "config": d["config"], "stages": d["stages"],
                      "solver": d["solver"], "alternatives": d["alternatives"], "layers": d["layers"],
-                     "global_batch": gb, "seq": plan.seq, "model": args.model, "cluster": args.cluster})
+                     "global_batch": gb, "seq": plan.seq, "model": args.model, "cluster": args.cluster,
+                     "traced": plan.traced, "check": check_note})
         return 0
     p, c = plan.predicted, plan.config
     print(f"{args.model} on {args.cluster} ({cluster.world_size} GPUs), global batch {gb}: "
@@ -98,6 +100,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sv = plan.solver
     print(f"  solver: {sv['status']} gap {sv['gap']:.2g}, {sv['candidates']} candidates, {sv['pruned']} pruned, "
           f"{sv['solved']} ILPs ({sv['backend']}), {sv['time_s']:.2f} s")
+    print(f"  check: {check_note}")
     for a in plan.alternatives:
         ac = a["config"]
         print(f"  alternative dp={ac['dp']} tp={ac['tp']} pp={ac['pp']} zero={ac['zero']} mbs={ac['mbs']}: "
@@ -105,6 +108,39 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.out:
         print(f"wrote {args.out}")
     return 0
+
+
+#: `--check auto` traces the winner when roles × layers per rank × micro-batches stays at or under this: about
+#: half a minute on 2 cores (an 8-layer model, 1 role and 1 micro-batch traced in 11 s, half of it start-up)
+CHECK_AUTO_WORK = 48
+
+
+def _maybe_check(plan, mode: str):
+    """(plan with what `autopar check` traced, one line saying what happened) under ``--check``."""
+    from planner.check.conformance import check_plan, traced_summary
+
+    per_rank = max(sum(1 for lay in plan.layers if lay.stage % plan.config.pp == r) for r in range(plan.config.pp))
+    work = plan.config.pp * per_rank * plan.grad_accum
+    how = "run `autopar check PLAN.yaml --write` to trace it and record the result in the plan"
+    if mode == "off" or (mode == "auto" and work > CHECK_AUTO_WORK):
+        why = "--check off" if mode == "off" else (f"not traced automatically ({plan.config.pp} role(s) × "
+                                                  f"{per_rank} layers × {plan.grad_accum} micro-batches > "
+                                                  f"{CHECK_AUTO_WORK}; --check on forces it)")
+        return plan, f"{why}; {how}"
+    try:
+        result = check_plan(plan)
+    except (RuntimeError, ValueError) as exc:
+        if mode == "on":
+            raise
+        # the plan stands without it; the failure is worth a report (autopar check PLAN.yaml shows it whole)
+        first = next((s for s in reversed(str(exc).strip().splitlines()) if s.strip()), type(exc).__name__)
+        return plan, f"could not trace this plan ({first.strip()[:160]}); {how}"
+    verdict = "conforms" if result["ok"] else "DIVERGES"
+    note = (f"traced on a fake world of {plan.config.world}: {verdict} (worst peak memory "
+            f"{result['memory_error_max']:.1%}, collectives {result['comm_error_max']:.1%}, FLOPs "
+            f"{result['flops_error_max']:.1%}{'; UNREDUCED gradients' if result['unreduced_params'] else ''}); "
+            "details: autopar check PLAN.yaml")
+    return plan.with_(traced=traced_summary(result)), note
 
 
 def register(sub) -> None:
@@ -120,6 +156,9 @@ def register(sub) -> None:
                     help="seconds for the whole search; when exceeded the best plan so far is returned with its gap")
     pl.add_argument("--out", help="write the plan as YAML to this file")
     pl.add_argument("--emit", help="also write a torchrun training script for the plan")
+    pl.add_argument("--check", choices=["auto", "on", "off"], default="auto",
+                    help="trace the winner's runtime on a fake world of its size and record predicted vs traced in "
+                         "the plan (auto: when it is quick, see `autopar check`)")
     pl.add_argument("--profile", help="per-layer times measured by `autopar profile MODEL --device … --out FILE` on "
                                       "the cluster's device, used instead of the roofline's level")
     from planner.cli.sweep import register_sweep_arg

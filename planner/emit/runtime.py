@@ -19,7 +19,8 @@ keep only the branches and functions their plan uses):
    first and the last stage;
 2. tensor parallel: first, because it turns weights into DTensors that the later wrappers take as they are;
 3. activation checkpointing: after TP, before data parallel, so checkpoint wrappers sit inside FSDP units;
-4. pipeline-boundary compression: bf16 activations between stages;
+4. pipeline boundaries: each tensor-parallel rank sends its 1/tp slice (Megatron's scatter/gather); bf16
+   activations between stages when the plan compresses;
 5. data parallel: DDP (ZeRO 0, and ZeRO 1 whose optimizer state `planner.emit.train.build_optimizer` shards)
    with the compression comm hook, or FSDP2 ``fully_shard`` per block then the root (ZeRO 2:
    ``reshard_after_forward=False``; ZeRO 3: resharded after forward);
@@ -165,7 +166,10 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
         # 3. Activation checkpointing, per block as the plan says.
         if plan["ac"]:
             apply_ac(part, plan)
-        # 4. Pipeline-boundary compression: bf16 activations (and their gradients) between stages.
+        # 4a. Pipeline boundaries: each tensor-parallel rank sends its 1/tp slice (Megatron's scatter/gather).
+        if plan["pp"] > 1 and plan["tp"] > 1:
+            apply_pp_scatter(part, index, plan, mesh["tp"])
+        # 4b. Pipeline-boundary compression: bf16 activations (and their gradients) between stages.
         if plan["pp"] > 1 and plan["pp_compress"] == "bf16":
             apply_pp_compress(part, index, plan)
         # 5. Data parallel, wrapping what the steps above built: DDP with a comm hook (ZeRO 0, and ZeRO 1 whose
@@ -441,6 +445,30 @@ def apply_ac(part: nn.Module, plan: dict) -> None:
         elif mode == "selective":
             context_fn = partial(create_selective_checkpoint_contexts, _selective_policy)
             blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=True, context_fn=context_fn)
+
+
+def _hidden_slice(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Replicated tensor → this rank's slice of the last dimension (no communication; backward all-gathers)."""
+    last = x.dim() - 1
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(last)]).to_local()
+
+
+def _hidden_gather(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Slices of the last dimension → the whole tensor on every rank (all-gather; backward keeps this slice)."""
+    last = x.dim() - 1
+    return DTensor.from_local(x, mesh, [Shard(last)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+
+def apply_pp_scatter(part: nn.Module, stage: int, plan: dict, tp_mesh: DeviceMesh) -> None:
+    """Megatron-LM's scatter/gather across pipeline boundaries (Narayanan et al. 2021 §4.1): the activation leaving
+    a stage is the same on every tensor-parallel rank, so each sends only its 1/tp slice of the hidden dimension
+    and the next stage all-gathers the slices over its tensor-parallel group (inside a node) before its first
+    block; the gradients go back the same way. The pipeline carries 1/tp of the bytes, as the cost model charges."""
+    n_stages = plan["pp"] * plan["vpp"]
+    if stage < n_stages - 1:
+        part.register_forward_hook(lambda module, args, out: _hidden_slice(out, tp_mesh))
+    if stage > 0:
+        part.register_forward_pre_hook(lambda module, args: (_hidden_gather(args[0], tp_mesh), *args[1:]))
 
 
 def apply_pp_compress(part: nn.Module, stage: int, plan: dict) -> None:

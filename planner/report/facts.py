@@ -70,6 +70,7 @@ def build_report(plan: Plan) -> dict:
         "solver": dict(plan.solver),
         "mesh": mesh_facts(plan, cluster),
         "provenance": dict(plan.provenance),
+        "traced": dict(plan.traced),  # what `autopar check` traced of this plan (empty: not checked)
     }
     report["warnings"] = warnings(plan, report)
     report["predicted"]["step_time_s"] = step

@@ -142,6 +142,26 @@ def print_report(rep: dict, file=None) -> None:
     else:
         out.line("  no solver facts (plan not made by the search)")
 
+    out.heading("traced (autopar check: the runtime on a fake world of this size)")
+    tr = rep.get("traced") or {}
+    if tr:
+        verdict = "conforms" if tr.get("ok") else "DIVERGES"
+        out.line(f"  {verdict}: worst peak-memory error {_pct(tr['memory_error_max'])}, collectives "
+                 f"{_pct(tr['comm_error_max'])}, FLOPs {_pct(tr['flops_error_max'])} (traced at "
+                 f"{tr.get('precision_traced', '?')})", "green" if tr.get("ok") else "bold yellow")
+        rows = []
+        for role in tr.get("roles", []):
+            peak = role["peak_bytes"]
+            rows.append([f"pp rank {role['stage']}", "peak memory", human_bytes(peak["predicted"]),
+                         human_bytes(peak["traced"]) if peak["traced"] is not None else "(not traced)"])
+            for kind, v in role["collective_bytes"].items():
+                rows.append(["", kind, human_bytes(v["predicted"]), human_bytes(v["traced"])])
+        render_table("", ["role", "term", "predicted", "traced"], rows, right=[False, False, True, True], file=file)
+        for line in tr.get("unreduced_params", []):
+            out.line(f"  ! not reduced: {line}", "bold yellow")
+    else:
+        out.line("  not checked: `autopar check PLAN.yaml --write` traces it and records the result here")
+
     mesh = rep["mesh"]
     out.heading(f"device mesh ({mesh['world']} ranks, {mesh['gpus_per_node']} per node; order pp, dp, cp, tp)")
     for g in mesh["groups"]:

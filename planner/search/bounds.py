@@ -53,7 +53,14 @@ from costmodel.collectives import all_gather_time, all_reduce_time, reduce_scatt
 from costmodel.compression import powersgd_volume
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.estimate import Evaluator, pipeline_factor
-from costmodel.memory import DDP_BUCKET_BYTES, FRAGMENTATION, RUNTIME_RESERVED_BYTES, inflight, state_bytes_per_param
+from costmodel.memory import (
+    DDP_BUCKET_BYTES,
+    FRAGMENTATION,
+    RUNTIME_RESERVED_BYTES,
+    inflight,
+    pipelined_fsdp,
+    state_bytes_per_param,
+)
 from costmodel.overlap import GRAD_REDUCE_BYTES, optimizer_time
 from costmodel.runnable import post_step_allreduce
 from planner.search.ilp import GRAD_OPTIONS
@@ -159,7 +166,7 @@ class Bounds:
         dev = self.cluster.device
         on_gpu = dev.name != "cpu"
         cap = (dev.memory_bytes - (RUNTIME_RESERVED_BYTES if on_gpu else 0.0)) / (1 + FRAGMENTATION)
-        per = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp)) + extra
+        per = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp, cfg.pp)) + extra
         temp = 0.0
         if cfg.zero == 0 and cfg.dp > 1:
             temp = 2 * DDP_BUCKET_BYTES
@@ -249,6 +256,8 @@ class Bounds:
         sl = self.cluster.device.overlap_slowdown
         S = cfg.pp * cfg.vpp
         ag, rs = g.ag[ev.dp_span], g.rs[ev.dp_span]
+        if pipelined_fsdp(cfg.zero, cfg.dp, cfg.pp):
+            rs = [0.0] * len(rs)  # once per step after the pipeline: in _finish
         xf, xl, xr = S * min(ag), S * min(ag), S * min(rs)
         fwd_excess = max(0.0, sum(ag) - xf - g.fwd)
         bwd_excess = max(0.0, sum(ag) - xl + sum(rs) - xr - (g.bwd + g.fwd))
@@ -258,6 +267,9 @@ class Bounds:
         p = cfg.pp
         P = g.params / p
         finish = optimizer_time(P, _OptView(cfg, self.cluster))
+        pipelined = pipelined_fsdp(cfg.zero, cfg.dp, cfg.pp)
+        if cfg.zero == 3 and pipelined:  # one exposed reduce-scatter of the average rank's gradients (affine: ≤ max)
+            return finish + reduce_scatter_time(P * GRAD_REDUCE_BYTES, ev.dp_span, self.affine_cluster)
         if cfg.dp == 1 or cfg.zero == 3:
             return finish
         span, cl, sl = ev.dp_span, self.affine_cluster, self.cluster.device.overlap_slowdown
@@ -266,6 +278,8 @@ class Bounds:
         if cfg.zero == 2:
             rs = reduce_scatter_time(P * GRAD_REDUCE_BYTES, span, cl)
             ag = all_gather_time(P * pbytes, span, cl)
+            if pipelined:  # one reduce-scatter after the pipeline, hidden by nothing
+                return finish + rs + (1 - sl) * max(0.0, ag - fw) + sl * ag
             m = ev.m  # a reduce-scatter per micro-batch
             return finish + (1 - sl) * (m * max(0.0, rs - wb) + max(0.0, ag - fw)) + sl * (m * rs + ag)
         if post_step_allreduce(cfg.dp, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp):
@@ -299,7 +313,7 @@ class Bounds:
         layers it can hold."""
         g = self._group(cfg)
         m = self.gb // (cfg.dp * cfg.mbs)
-        per = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp))
+        per = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp, cfg.pp))
         temp = 2 * DDP_BUCKET_BYTES if (cfg.zero == 0 and cfg.dp > 1) else 0.0
         block_act = g.block_opts_act_min
         first = (per * (g.pre_params + cfg.vpp * g.block_params)

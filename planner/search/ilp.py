@@ -61,7 +61,7 @@ from costmodel.collectives import all_gather_time, reduce_scatter_time
 from costmodel.compression import compressed_grad_comm
 from costmodel.config import AC, ParallelConfig, parse_grad_compress
 from costmodel.estimate import Estimate, Evaluator
-from costmodel.memory import DDP_BUCKET_BYTES, FRAGMENTATION, RUNTIME_RESERVED_BYTES, inflight
+from costmodel.memory import DDP_BUCKET_BYTES, FRAGMENTATION, RUNTIME_RESERVED_BYTES, inflight, pipelined_fsdp
 from costmodel.overlap import GRAD_REDUCE_BYTES, optimizer_time, zero1_sync_time, zero2_gather_time
 from costmodel.runnable import post_step_allreduce
 from planner.search.ilp_data import (  # noqa: F401 - re-exported: the ILP's data and options
@@ -232,8 +232,10 @@ class Model:
         def ag(i):
             return all_gather_time(ev.cost(i, AC.NONE).param_numel * pbytes, span, cl)
 
+        rs_bytes = 0.0 if pipelined_fsdp(d.cfg.zero, d.cfg.dp, d.cfg.pp) else GRAD_REDUCE_BYTES  # once per step
+
         def rs(i):
-            return reduce_scatter_time(ev.cost(i, AC.NONE).param_numel * GRAD_REDUCE_BYTES, span, cl)
+            return reduce_scatter_time(ev.cost(i, AC.NONE).param_numel * rs_bytes, span, cl)
 
         b, fixed = (d.blocks[0] if d.blocks else None), _fixed_on_stage(d, u)
         first = d.pre[0] if (c == 0 and d.pre) else b
@@ -266,8 +268,12 @@ class Model:
         self.dp_excess, self.dp_tail, self.dp_delta = {}, {}, {}
         for r in range(d.pp):
             opt, _, opt_hi = self.tab(r, lambda n, r=r: self._t(optimizer_time(self._params(r, n), d.ev)))
-            if d.cfg.dp == 1 or d.cfg.zero == 3:
+            if d.cfg.dp == 1 or (d.cfg.zero == 3 and not pipelined_fsdp(d.cfg.zero, d.cfg.dp, d.cfg.pp)):
                 s.Add(self.finish >= opt)
+            elif d.cfg.zero == 3:  # pipelined: one reduce-scatter after the last backward, nothing hides it
+                rs, _, _ = self.tab(r, lambda n, r=r: self._t(reduce_scatter_time(
+                    self._params(r, n) * GRAD_REDUCE_BYTES, d.ev.dp_span, d.ev.cluster)))
+                s.Add(self.finish >= opt + rs)
             elif d.cfg.zero == 2:
                 s.Add(self.finish >= opt + self._zero2(r))
             else:
@@ -292,8 +298,11 @@ class Model:
         ag, _, _ = self.tab(r, lambda n: self._t(zero2_gather_time(self._params(r, n), ev)))
         e1 = self.dp_excess[r, "rs"] = s.NumVar(0, self.inf, f"zero2_excess[{r},rs]")
         e2 = self.dp_excess[r, "ag"] = s.NumVar(0, self.inf, f"zero2_excess[{r},ag]")
-        s.Add(e1 >= rs - self._window(r, lambda x: self._t(x.bwd_s + x.recompute_s)))
         s.Add(e2 >= ag - self._window(r, lambda x: self._t(x.fwd_s)))
+        if pipelined_fsdp(d.cfg.zero, d.cfg.dp, d.cfg.pp):  # one reduce-scatter after the pipeline, exposed
+            s.Add(e1 >= rs)
+            return e1 + (1 - sl) * e2 + sl * ag
+        s.Add(e1 >= rs - self._window(r, lambda x: self._t(x.bwd_s + x.recompute_s)))
         return (1 - sl) * (d.m * e1 + e2) + sl * (d.m * rs + ag)  # a reduce-scatter per micro-batch
 
     def _ddp(self, r, k):

@@ -145,6 +145,12 @@ def _is_moe(config) -> bool:
     return any(isinstance(getattr(config, key, None), int) and getattr(config, key) > 0 for key in _EXPERT_KEYS)
 
 
+def build_lm(config) -> HFCausalLMLoss:
+    """The wrapped model with random weights on the current default device (``torch.device("meta")`` gives meta
+    tensors, as the emitted scripts' ``build_model`` under meta-device initialisation)."""
+    return _build_lm(config)
+
+
 def _build_lm(config) -> HFCausalLMLoss:
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 

@@ -457,7 +457,7 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
     modules = []
     for index, part in zip(indices, parts):
         module = part  # what trains: the part itself, or its data-parallel wrapper
-        # 4. Pipeline-boundary compression: bf16 activations (and their gradients) between stages.
+        # 4b. Pipeline-boundary compression: bf16 activations (and their gradients) between stages.
         apply_pp_compress(part, index, plan)
         modules.append(module)
     par = Parallel(plan=plan, mesh=mesh, parts=parts, modules=modules, stage_indices=indices, device=device)
