@@ -126,7 +126,8 @@ def predict(row: Row, k: Constants | None = None):
     cluster = _cluster(row.cluster)
     if k is not None:
         cluster = k.apply(cluster, "fit in progress")
-    return Evaluator(_graph(row.model), cluster, row.config, row.global_batch).evaluate()
+    # both published stacks (Megatron-LM, llm-foundry with its fused cross entropy) compute the loss gradient in place
+    return Evaluator(_graph(row.model), cluster, row.config, row.global_batch, in_place_loss=True).evaluate()
 
 
 def _error(rows: list[Row], k: Constants) -> float:

@@ -138,13 +138,16 @@ class Evaluator:
     """Costs of one (model, cluster, configuration, global batch); `evaluate` composes a step."""
 
     def __init__(self, lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
-                 cache: dict | None = None, measured: tuple[dict, int] | None = None) -> None:
+                 cache: dict | None = None, measured: tuple[dict, int] | None = None,
+                 in_place_loss: bool = False) -> None:
         """``cache``: optional dict shared by Evaluators of the *same* ``lg`` and ``cluster`` (e.g. a planner's
         candidates): the parameter ownership is computed once and layer costs are shared between
         configurations whose (tp, sp, mbs, precision) agree, the only configuration fields they depend on.
         Results are identical with and without it; it may carry ``"measured"`` for all of them.
         ``measured``: (layer name → measured (forward, backward) seconds, batch) from
-        `costmodel.measured.load_measured`, used instead of the roofline's level."""
+        `costmodel.measured.load_measured`, used instead of the roofline's level. ``in_place_loss``: the
+        stack's loss computes its gradient in place (`costmodel.layercost.CostContext.in_place_loss`; published runs
+        of other stacks), unlike autopar's runtime."""
         check_config(lg, cluster, cfg, global_batch)
         self.lg, self.cluster, self.cfg, self.global_batch = lg, cluster, cfg, global_batch
         self.m = global_batch // (cfg.dp * cfg.mbs)
@@ -159,12 +162,12 @@ class Evaluator:
         self.ctx = CostContext(cluster=cluster, tp=cfg.tp, sp=cfg.sp, mbs=cfg.mbs,
                                captured_batch=lg.model.batch, precision=cfg.precision, act_scale=self.act_scale,
                                tp_span=self.tp_span, measured=measured[0] if measured else None,
-                               measured_batch=measured[1] if measured else 1)
+                               measured_batch=measured[1] if measured else 1, in_place_loss=in_place_loss)
         if "owned" not in shared:
             shared["owned"] = owned_params(lg)
         self.owned = shared["owned"]
         self._cache: dict[tuple[str, str, AC], LayerCost] = shared.setdefault(
-            ("layer_costs", cfg.tp, cfg.sp, cfg.mbs, cfg.precision, bool(measured)), {})
+            ("layer_costs", cfg.tp, cfg.sp, cfg.mbs, cfg.precision, bool(measured), in_place_loss), {})
         self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
 
     # -- per-layer and per-boundary pieces (the ILP's coefficients) ------------------------------------------
@@ -276,7 +279,7 @@ class Evaluator:
             if rank_of[c] != r:
                 continue
             act += inflight(cfg.schedule, cfg.pp, cfg.vpp, r, self.m) * sum(costs[i].act_bytes for i in idx)
-            peak_extra = max([peak_extra] + [costs[i].recompute_peak_bytes for i in idx])
+            peak_extra = max([peak_extra] + [costs[i].backward_peak_bytes for i in idx])
         temp = peak_extra
         layer_params = [costs[i].param_numel for c, idx in enumerate(stages) if rank_of[c] == r for i in idx]
         if cfg.zero == 3 and cfg.dp > 1:  # the current and the prefetched layer, gathered in 16 bits

@@ -56,7 +56,8 @@ class LayerCost:
     tp_comm_fwd_s: float  #: tensor-parallel collectives of the forward, not overlapped
     tp_comm_bwd_s: float  #: tensor-parallel collectives of the backward and the recomputation, not overlapped
     act_bytes: float  #: activations kept from forward to backward
-    recompute_peak_bytes: float  #: extra activations alive while this layer's recomputed forward is used
+    backward_peak_bytes: float  #: extra bytes alive while this layer's backward runs: the recomputed forward's
+    #: activations (under AC) and the gradient working set (twice the widest node output)
     param_numel: float  #: parameters held by one rank before ZeRO sharding (after TP)
     fwd_flops: float  #: forward FLOPs of the whole layer (all TP ranks), for model FLOPs
     recompute_flops: float  #: recomputed FLOPs of the whole layer, for hardware FLOPs
@@ -84,6 +85,10 @@ class CostContext:
     #: without parallelism (`profiler.measure`); they replace the roofline's absolute level, see `layer_cost`
     measured: Mapping[str, tuple[float, float]] | None = None
     measured_batch: int = 1  #: batch the measured times are for
+    #: the software stack's loss computes its gradient in place (flash-attn's fused CrossEntropyLoss, which
+    #: llm-foundry's ``loss_fn: fused_crossentropy`` uses; Megatron-LM's vocab-parallel cross entropy): the head adds
+    #: no backward working set. autopar's runtime uses ``F.cross_entropy``, which does (traced by `autopar check`)
+    in_place_loss: bool = False
 
     @property
     def scale(self) -> float:
@@ -178,8 +183,10 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     fwd = bwd = core_fwd = 0.0
     act_sharded = act_repl = core_act = 0.0
     fwd_flops = core_flops = 0.0
+    widest = 0.0  # the largest output of any node: its gradient, and the gradient of its input, meet in backward
     for n in layer.nodes:
         f = _shard(n, ctx.tp, ctx.sp, tp_layer)
+        widest = max(widest, n.output_bytes * k * f * ctx.act_scale)
         attn = n.kind == "attention"
         t_f = _node_time(n.fwd_flops * k * f, n.fwd_bytes * k * f * ctx.act_scale, ctx, attention=attn)
         fwd += t_f
@@ -233,10 +240,13 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
                     rows = shape[0] // (tp if f < 1 and n.tp_role in ("column", "vocab") else 1)
                     cols = _prod(shape[1:]) // (tp if f < 1 and n.tp_role == "row" else 1)
                     matrices.append((int(rows), int(cols)))
+    # backward's working set: while a node's backward runs, the gradient of its output and the gradient it makes for
+    # its input are alive together; the widest node (a language model's logits and their log-softmax) sets it
+    grad_working_set = 0.0 if (ctx.in_place_loss and layer.kind == "head") else 2 * widest
     return LayerCost(
         fwd_s=fwd, bwd_s=bwd, recompute_s=rec, tp_comm_fwd_s=comm_f, tp_comm_bwd_s=comm_b + rec_comm, act_bytes=act,
-        recompute_peak_bytes=rec_peak, param_numel=param_numel, fwd_flops=fwd_flops, recompute_flops=rec_flops,
-        grad_matrices=tuple(matrices), param_tensors=len(counted),
+        backward_peak_bytes=rec_peak + grad_working_set, param_numel=param_numel, fwd_flops=fwd_flops,
+        recompute_flops=rec_flops, grad_matrices=tuple(matrices), param_tensors=len(counted),
     )
 
 

@@ -13,8 +13,9 @@ Predicted (all from `costmodel`, at the precision the traced runtime runs: fp32 
   all-gather + reduce-scatter pairs count as the all-reduce they replace: (AG + RS)/2);
 - pipeline sends and receives: `costmodel.estimate.Evaluator.p2p_bytes` at each of the rank's stage boundaries,
   forward and back, every micro-batch;
-- FLOPs: the micro-batches × (3 × forward + recomputation) FLOPs of the rank's layers, ÷ tp on tensor-parallel
-  layers (the cost model's convention: backward = 2 × forward).
+- FLOPs: the micro-batches × (forward + backward + recomputation) FLOPs of the rank's layers as captured (the
+  profiler's per-node counts; attention's backward is 2.5 × its forward, not the 2 × of the model-FLOP
+  convention), ÷ tp on tensor-parallel layers.
 
 A relative error is |traced − predicted| / max(traced, predicted). The plan conforms when each role's peak memory is
 within `MEMORY_TOL` (the parts are reported too: the cost model adds each part's maximum, the trace peaks once),
@@ -40,6 +41,9 @@ MEMORY_TOL = 0.05  #: on each role's peak memory (issue 12's acceptance)
 COMM_TOL = 0.02  #: per collective kind
 FLOPS_TOL = 0.02
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "temporaries", "peak")
+#: the trace runs this machine's CPU kernels (attention, dropout), so the prediction is made from a capture of the
+#: same kernels (``native``), at the traced precision: what each saves for backward differs from the GPU kernels'
+KERNELS = "native"
 
 
 def traced_summary(result: dict) -> dict:
@@ -67,7 +71,7 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
     """What the cost model charges each pipeline rank of ``plan`` (traced precision: fp32 on CPU)."""
     cluster = load_cluster(plan.cluster) if isinstance(plan.cluster, str) else plan.cluster
     cfg = replace(plan.config, precision="fp32")
-    lg = lg or profile_model(plan.model, seq=plan.seq, dtype="fp32")
+    lg = lg or profile_model(plan.model, seq=plan.seq, dtype="fp32", kernels=KERNELS)
     names = [layer.name for layer in lg.layers]
     by_name = {lay.name: lay for lay in plan.layers}
     if set(names) != set(by_name):
@@ -88,8 +92,8 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
         memory["peak"] = allocated
         mine = [i for i, s in enumerate(stage_of) if s % cfg.pp == r]
         costs = [ev.cost(i, acs[i]) for i in mine]
-        flops = ev.m * sum((3 * c.fwd_flops + c.recompute_flops) / (cfg.tp if cfg.tp > 1 and is_tp_layer(
-            lg.layers[i]) else 1) for i, c in zip(mine, costs))
+        flops = ev.m * sum(((lg.layers[i].fwd_flops + lg.layers[i].bwd_flops) * ev.ctx.scale + c.recompute_flops)
+                           / (cfg.tp if cfg.tp > 1 and is_tp_layer(lg.layers[i]) else 1) for i, c in zip(mine, costs))
         collectives = {}
         if cfg.dp > 1:
             params = sum(c.param_numel for c in costs)

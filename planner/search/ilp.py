@@ -374,10 +374,10 @@ class Model:
                     u = self.uses_ac[r, a] = s.BoolVar(f"uses_ac[{r},{a.value}]")
                     for c in stages:
                         s.Add(self.blocks[c, a] <= nb * u)
-                    s.Add(peak >= self._b(ev.cost(d.blocks[0], a).recompute_peak_bytes) * u)
+                    s.Add(peak >= self._b(ev.cost(d.blocks[0], a).backward_peak_bytes) * u)
             for i, rr in d.fixed_rank.items():
                 if rr == r:
-                    s.Add(peak >= sum(self._b(ev.cost(i, a).recompute_peak_bytes) * self.fixed_ac[i, a]
+                    s.Add(peak >= sum(self._b(ev.cost(i, a).backward_peak_bytes) * self.fixed_ac[i, a]
                                       for a in d.fixed_acs[i]))
             temp = 0.0
             if cfg.zero == 3 and cfg.dp > 1:  # the current and the prefetched layer, gathered in 16 bits
