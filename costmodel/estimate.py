@@ -28,7 +28,13 @@ from costmodel.collectives import send_recv_time
 from costmodel.compression import pp_cast_time
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.layercost import CostContext, LayerCost, dtype_bytes, is_tp_layer, layer_cost, owned_params
-from costmodel.memory import DDP_BUCKET_BYTES, MemoryBreakdown, allowance, inflight, state_bytes_per_param
+from costmodel.memory import (
+    MemoryBreakdown,
+    allowance,
+    dp_reduction_temp_bytes,
+    inflight,
+    state_bytes_per_param,
+)
 from costmodel.overlap import dp_exposed, fsdp_exposed, optimizer_time
 from profiler.graph import LayerGraph
 
@@ -285,8 +291,7 @@ class Evaluator:
         if cfg.zero == 3 and cfg.dp > 1:  # the current and the prefetched layer, gathered in 16 bits
             top2 = sorted(layer_params)[-2:]
             temp += sum(top2) * (4 if cfg.precision == "fp32" else 2)
-        elif cfg.zero == 0 and cfg.dp > 1:
-            temp += 2 * DDP_BUCKET_BYTES
+        temp += dp_reduction_temp_bytes(cfg, self.grad_kind)
         if self.grad_kind == "powersgd" and cfg.dp > 1:
             temp += 4 * params  # error feedback: one fp32 copy of the local gradients
         allocated = p_b + g_b + o_b + act + temp

@@ -16,8 +16,9 @@ micro-batches on rank r (q = p when m is a multiple of p), which for r = 0 is p 
 (p − 1)/v); zero-bubble ZB-H1 keeps 1F1B's peak (Qi et al. 2023
 §3.1). Never more than m.
 
-Temporaries: the recomputed layer's activations while its backward runs, FSDP's all-gathered parameters of the
-current and the prefetched layer, DDP's two gradient buckets in flight, PowerSGD's error-feedback buffers.
+Temporaries: the recomputed layer's activations and the gradient working set while a layer's backward runs
+(`costmodel.layercost`), FSDP's all-gathered parameters of the current and the prefetched layer, the data-parallel
+reduction's copy of a bucket where there is one (`dp_reduction_temp_bytes`), PowerSGD's error-feedback buffers.
 
 Allowance (stated, not fitted): on GPUs, 1 GiB for the CUDA context, cuBLAS and NCCL workspaces, plus 5 % of the
 allocated peak for caching-allocator fragmentation.
@@ -29,11 +30,24 @@ import math
 from dataclasses import dataclass
 
 from costmodel.config import Schedule
+from costmodel.runnable import post_step_allreduce
 
 GiB = 2**30
 RUNTIME_RESERVED_BYTES = 1 * GiB  #: CUDA context + library workspaces (GPU devices only); an assumption
 FRAGMENTATION = 0.05  #: caching-allocator fragmentation allowance, a fraction of the allocated peak
 DDP_BUCKET_BYTES = 25 * 2**20  #: torch DDP default bucket_cap_mb = 25
+
+
+def dp_reduction_temp_bytes(cfg, grad_kind: str) -> float:
+    """Memory the data-parallel gradient reduction adds beyond the gradients (ZeRO 0/1): DDP's buckets are the
+    gradients themselves (the runtime's ``gradient_as_bucket_view=True``), so nothing, except a cast hook's 16-bit
+    copy of the bucket in flight (bf16/fp16 compression); the explicit post-step all-reduce
+    (`costmodel.runnable.post_step_allreduce`) flattens one bucket at a time. FSDP (ZeRO 2/3) is costed apart."""
+    if cfg.dp == 1 or cfg.zero >= 2:
+        return 0.0
+    if post_step_allreduce(cfg.dp, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp):
+        return float(DDP_BUCKET_BYTES)
+    return DDP_BUCKET_BYTES / 2 if grad_kind in ("bf16", "fp16") else 0.0
 
 
 def pipelined_fsdp(zero: int, dp: int, pp: int) -> bool:

@@ -121,3 +121,13 @@ def test_emitter_refuses_an_unrunnable_plan():
     model, _ = resolve_model("llama-tiny").build(batch=1, seq=32, device="meta")
     with pytest.raises(ValueError, match="cannot run: pp=2 needs at least 2 micro-batches"):
         runtime_config(plan, model)
+
+
+def test_irregular_groups_are_not_offered():
+    """tp = 6 on 8-GPU nodes: half the TP groups would straddle two nodes while the cost model prices rank 0's."""
+    lg = profile_model("llama:layers=4,hidden=96,heads=6,kv_heads=6,ffn=192,vocab=256,seq=36")
+    cluster = load_cluster("dgx-h100:nodes=3")  # 24 GPUs: tp = 6 and tp = 3 divide the world, not a node's 8
+    cands = candidates(lg, cluster, 48, {})
+    assert cands
+    assert all(8 % c.tp == 0 and (8 % (c.dp * c.tp) == 0 or (c.dp * c.tp) % 8 == 0) for c in cands)
+    assert {c.tp for c in cands} <= {1, 2}

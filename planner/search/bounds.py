@@ -54,9 +54,9 @@ from costmodel.compression import powersgd_volume
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.estimate import Evaluator, pipeline_factor
 from costmodel.memory import (
-    DDP_BUCKET_BYTES,
     FRAGMENTATION,
     RUNTIME_RESERVED_BYTES,
+    dp_reduction_temp_bytes,
     inflight,
     pipelined_fsdp,
     state_bytes_per_param,
@@ -167,10 +167,8 @@ class Bounds:
         on_gpu = dev.name != "cpu"
         cap = (dev.memory_bytes - (RUNTIME_RESERVED_BYTES if on_gpu else 0.0)) / (1 + FRAGMENTATION)
         per = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp, cfg.pp)) + extra
-        temp = 0.0
-        if cfg.zero == 0 and cfg.dp > 1:
-            temp = 2 * DDP_BUCKET_BYTES
-        elif cfg.zero == 3 and cfg.dp > 1:  # at least the gathered block (every rank holds one)
+        temp = dp_reduction_temp_bytes(cfg, "none")  # the least over compressions (none adds least)
+        if cfg.zero == 3 and cfg.dp > 1:  # at least the gathered block (every rank holds one)
             temp = g.block_params * (4 if cfg.precision == "fp32" else 2)
         return cap, per, temp
 
@@ -314,7 +312,7 @@ class Bounds:
         g = self._group(cfg)
         m = self.gb // (cfg.dp * cfg.mbs)
         per = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp, cfg.pp))
-        temp = 2 * DDP_BUCKET_BYTES if (cfg.zero == 0 and cfg.dp > 1) else 0.0
+        temp = dp_reduction_temp_bytes(cfg, "none")
         block_act = g.block_opts_act_min
         first = (per * (g.pre_params + cfg.vpp * g.block_params)
                  + inflight(cfg.schedule, cfg.pp, cfg.vpp, 0, m) * (g.pre_act + cfg.vpp * block_act))

@@ -61,7 +61,13 @@ from costmodel.collectives import all_gather_time, reduce_scatter_time
 from costmodel.compression import compressed_grad_comm
 from costmodel.config import AC, ParallelConfig, parse_grad_compress
 from costmodel.estimate import Estimate, Evaluator
-from costmodel.memory import DDP_BUCKET_BYTES, FRAGMENTATION, RUNTIME_RESERVED_BYTES, inflight, pipelined_fsdp
+from costmodel.memory import (
+    FRAGMENTATION,
+    RUNTIME_RESERVED_BYTES,
+    dp_reduction_temp_bytes,
+    inflight,
+    pipelined_fsdp,
+)
 from costmodel.overlap import GRAD_REDUCE_BYTES, optimizer_time, zero1_sync_time, zero2_gather_time
 from costmodel.runnable import post_step_allreduce
 from planner.search.ilp_data import (  # noqa: F401 - re-exported: the ILP's data and options
@@ -384,13 +390,12 @@ class Model:
                 pb = 4 if cfg.precision == "fp32" else 2
                 temp = self.tab(r, lambda n, r=r, pb=pb: self._b(pb * sum(sorted(
                     x.param_numel for x in _rank_layer_costs(d, r, n))[-2:])))[0]
-            elif cfg.zero == 0 and cfg.dp > 1:
-                temp = self._b(2 * DDP_BUCKET_BYTES)
             allocated = self._b(per_param) * params + act + peak + temp
             for k in d.grad_opts:
-                extra = 0.0
-                if parse_grad_compress(k)[0] == "powersgd" and cfg.dp > 1:
-                    extra = self._b(4.0) * params  # error feedback buffer
+                kind = parse_grad_compress(k)[0]
+                extra = self._b(dp_reduction_temp_bytes(cfg, kind))  # a bucket's copy, where there is one
+                if kind == "powersgd" and cfg.dp > 1:
+                    extra = extra + self._b(4.0) * params  # error feedback buffer
                 lhs = (1 + FRAGMENTATION) * (allocated + extra) + reserve
                 if len(d.grad_opts) == 1:
                     s.Add(lhs <= cap)

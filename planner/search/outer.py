@@ -1,7 +1,8 @@
 """The outer search: mesh shapes, schedules, micro-batches and sharding, each candidate solved by `planner.search.ilp`.
 
 Candidates (`candidates`): dp·tp·pp = the cluster's GPUs; tp divides the heads and kv_heads and stays inside a
-node (tp ≤ gpus_per_node; larger tp only when no plan inside a node exists); pp·vpp ≤ the number of blocks; dp·mbs
+node (tp ≤ gpus_per_node; larger tp only when no plan inside a node exists); tp and dp·tp divide the GPUs per node
+or are multiples of it (regular groups, each priced as the one at rank 0 is); pp·vpp ≤ the number of blocks; dp·mbs
 divides the global batch and mbs ≤ `MAX_MBS`; zero ∈ {0, 1, 2, 3} when dp > 1 (with dp = 1 they are all the
 same job: only 0); sp ∈ {off, on} when tp > 1; with pp > 1 the schedules gpipe, 1f1b, zb (vpp = 1: the cost
 model's ZB-H1 gains nothing from virtual stages) and interleaved with 2 ≤ vpp ≤ `MAX_VPP`. ``fix`` pins any key.
@@ -123,10 +124,14 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
             continue
         if (tp > gpn) != cross_node_tp:
             continue
+        if not _regular(tp, gpn):
+            continue  # some TP groups would straddle nodes: the cost model prices the group at rank 0 only
         for pp in _divisors(world // tp):
             if pp > 1 and (not uniform or pp > n_blocks):
                 continue
             dp = world // (tp * pp)
+            if not _regular(dp * tp, gpn):
+                continue  # likewise for the data-parallel groups (stride tp) and the pipeline's (stride dp·tp)
             if global_batch % dp:
                 continue
             mbss = [b for b in _divisors(global_batch // dp) if b <= MAX_MBS]
@@ -155,6 +160,13 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
                             runnable[_key(cfg)] = cfg
             out += [cfg for cfg in runnable.values() if not _dominated(cfg, runnable, fix)]
     return out
+
+
+def _regular(span: int, gpus_per_node: int) -> bool:
+    """Whether every group of ``span`` consecutive ranks lies on the nodes alike (within one node, or over whole
+    nodes): only then is the group at rank 0, which the cost model prices (`costmodel.cluster.group_span`), the
+    same as every other. tp = 6 on 8-GPU nodes is not: two of its four groups straddle two nodes."""
+    return gpus_per_node % span == 0 if span <= gpus_per_node else span % gpus_per_node == 0
 
 
 def _key(cfg: ParallelConfig) -> tuple:
