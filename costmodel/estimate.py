@@ -148,7 +148,7 @@ class Evaluator:
                  in_place_loss: bool = False) -> None:
         """``cache``: optional dict shared by Evaluators of the *same* ``lg`` and ``cluster`` (e.g. a planner's
         candidates): the parameter ownership is computed once and layer costs are shared between
-        configurations whose (tp, sp, mbs, precision) agree, the only configuration fields they depend on.
+        configurations whose (tp, sp, mbs, precision, pp > 1) agree, the only configuration fields they depend on.
         Results are identical with and without it; it may carry ``"measured"`` for all of them.
         ``measured``: (layer name → measured (forward, backward) seconds, batch) from
         `costmodel.measured.load_measured`, used instead of the roofline's level. ``in_place_loss``: the
@@ -169,11 +169,12 @@ class Evaluator:
                                captured_batch=lg.model.batch, precision=cfg.precision, act_scale=self.act_scale,
                                tp_span=self.tp_span, measured=measured[0] if measured else None,
                                measured_batch=measured[1] if measured else 1, in_place_loss=in_place_loss)
-        if "owned" not in shared:
-            shared["owned"] = owned_params(lg)
-        self.owned = shared["owned"]
+        pipelined = cfg.pp > 1  # tied embedding/head weights have a copy on each end of the pipeline
+        if ("owned", pipelined) not in shared:
+            shared["owned", pipelined] = owned_params(lg, pipelined=pipelined)
+        self.owned = shared["owned", pipelined]
         self._cache: dict[tuple[str, str, AC], LayerCost] = shared.setdefault(
-            ("layer_costs", cfg.tp, cfg.sp, cfg.mbs, cfg.precision, bool(measured), in_place_loss), {})
+            ("layer_costs", cfg.tp, cfg.sp, cfg.mbs, cfg.precision, bool(measured), in_place_loss, pipelined), {})
         self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
 
     # -- per-layer and per-boundary pieces (the ILP's coefficients) ------------------------------------------
@@ -291,7 +292,7 @@ class Evaluator:
         if cfg.zero == 3 and cfg.dp > 1:  # the current and the prefetched layer, gathered in 16 bits
             top2 = sorted(layer_params)[-2:]
             temp += sum(top2) * (4 if cfg.precision == "fp32" else 2)
-        temp += dp_reduction_temp_bytes(cfg, self.grad_kind)
+        temp += dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params)
         if self.grad_kind == "powersgd" and cfg.dp > 1:
             temp += 4 * params  # error feedback: one fp32 copy of the local gradients
         allocated = p_b + g_b + o_b + act + temp

@@ -250,17 +250,21 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     )
 
 
-def owned_params(lg: LayerGraph) -> dict[str, tuple[ParamInfo, ...]]:
-    """Layer name → the parameters it owns: each parameter belongs to the first layer that reads it."""
+def owned_params(lg: LayerGraph, *, pipelined: bool = False) -> dict[str, tuple[ParamInfo, ...]]:
+    """Layer name → the parameters it owns: each parameter belongs to the first layer that reads it. ``pipelined``
+    (pp > 1): a weight tied between the embedding and the head is held, and trained, by both the first and the last
+    stage (Megatron-LM's embedding group; `planner.emit.runtime.split_pipeline`), so the head owns its copy too."""
     by_fqn = {p.fqn: p for p in lg.model.params if not p.is_buffer}
-    seen: set[str] = set()
+    seen: dict[str, str] = {}  # parameter → the kind of the layer that owns it
     out = {}
     for layer in lg.layers:
         owned = []
         for n in layer.nodes:
             for p in n.params:
-                if p in by_fqn and p not in seen:
-                    seen.add(p)
+                if p not in by_fqn or p in (x.fqn for x in owned):
+                    continue
+                if p not in seen or (pipelined and layer.kind == "head" and seen[p] == "embed"):
+                    seen.setdefault(p, layer.kind)
                     owned.append(by_fqn[p])
         out[layer.name] = tuple(owned)
     return out

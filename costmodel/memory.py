@@ -38,16 +38,18 @@ FRAGMENTATION = 0.05  #: caching-allocator fragmentation allowance, a fraction o
 DDP_BUCKET_BYTES = 25 * 2**20  #: torch DDP default bucket_cap_mb = 25
 
 
-def dp_reduction_temp_bytes(cfg, grad_kind: str) -> float:
+def dp_reduction_temp_bytes(cfg, grad_kind: str, grad_bytes: float = math.inf) -> float:
     """Memory the data-parallel gradient reduction adds beyond the gradients (ZeRO 0/1): DDP's buckets are the
     gradients themselves (the runtime's ``gradient_as_bucket_view=True``), so nothing, except a cast hook's 16-bit
     copy of the bucket in flight (bf16/fp16 compression); the explicit post-step all-reduce
-    (`costmodel.runnable.post_step_allreduce`) flattens one bucket at a time. FSDP (ZeRO 2/3) is costed apart."""
+    (`costmodel.runnable.post_step_allreduce`) flattens one bucket at a time. A bucket holds at most the rank's
+    ``grad_bytes`` (fp32 gradients). FSDP (ZeRO 2/3) is costed apart."""
     if cfg.dp == 1 or cfg.zero >= 2:
         return 0.0
+    bucket = min(float(DDP_BUCKET_BYTES), grad_bytes)
     if post_step_allreduce(cfg.dp, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp):
-        return float(DDP_BUCKET_BYTES)
-    return DDP_BUCKET_BYTES / 2 if grad_kind in ("bf16", "fp16") else 0.0
+        return bucket
+    return bucket / 2 if grad_kind in ("bf16", "fp16") else 0.0
 
 
 def pipelined_fsdp(zero: int, dp: int, pp: int) -> bool:

@@ -299,8 +299,7 @@ def _python_allreduce_hooks(par) -> None:
     empty (the C++ reducer then fails). Register the same reduction as a Python hook: all-reduce the bucket in place
     and divide by the group size, exactly what the built-in one does."""
 
-    def hook(process_group, bucket):
-        group = process_group if process_group is not None else dist.group.WORLD
+    def hook(group, bucket):
         buffer = bucket.buffer()
         buffer.div_(group.size())
         fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
@@ -308,7 +307,7 @@ def _python_allreduce_hooks(par) -> None:
 
     for module in par.modules:
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
-            module.register_comm_hook(None, hook)
+            module.register_comm_hook(module.process_group, hook)  # the hook's state: DDP's own group
 
 
 def _create_optimizer_state(par, optimizer) -> None:

@@ -167,7 +167,7 @@ class Bounds:
         on_gpu = dev.name != "cpu"
         cap = (dev.memory_bytes - (RUNTIME_RESERVED_BYTES if on_gpu else 0.0)) / (1 + FRAGMENTATION)
         per = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp, cfg.pp)) + extra
-        temp = dp_reduction_temp_bytes(cfg, "none")  # the least over compressions (none adds least)
+        temp = dp_reduction_temp_bytes(cfg, "none", 0.0)  # a lower bound: the least over compressions and ranks
         if cfg.zero == 3 and cfg.dp > 1:  # at least the gathered block (every rank holds one)
             temp = g.block_params * (4 if cfg.precision == "fp32" else 2)
         return cap, per, temp
@@ -312,7 +312,7 @@ class Bounds:
         g = self._group(cfg)
         m = self.gb // (cfg.dp * cfg.mbs)
         per = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp, cfg.pp))
-        temp = dp_reduction_temp_bytes(cfg, "none")
+        temp = dp_reduction_temp_bytes(cfg, "none", 0.0)
         block_act = g.block_opts_act_min
         first = (per * (g.pre_params + cfg.vpp * g.block_params)
                  + inflight(cfg.schedule, cfg.pp, cfg.vpp, 0, m) * (g.pre_act + cfg.vpp * block_act))

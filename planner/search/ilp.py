@@ -393,7 +393,8 @@ class Model:
             allocated = self._b(per_param) * params + act + peak + temp
             for k in d.grad_opts:
                 kind = parse_grad_compress(k)[0]
-                extra = self._b(dp_reduction_temp_bytes(cfg, kind))  # a bucket's copy, where there is one
+                extra = self.tab(r, lambda n, r=r, kind=kind: self._b(dp_reduction_temp_bytes(  # a bucket's copy
+                    cfg, kind, 4.0 * self._params(r, n))))[0]
                 if kind == "powersgd" and cfg.dp > 1:
                     extra = extra + self._b(4.0) * params  # error feedback buffer
                 lhs = (1 + FRAGMENTATION) * (allocated + extra) + reserve
