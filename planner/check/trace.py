@@ -21,7 +21,8 @@ apply on GPUs only), so a bf16 plan is traced, and compared, at fp32. Two things
 supplied by the harness, each the same as what torch would have computed: pipeline stages get their boundary shapes
 from the model's own forward on the meta device instead of torch 2.13's vote and metadata exchange
 (`_static_stages`), and DDP's built-in all-reduce becomes the same reduction as a Python hook
-(`_python_allreduce_hooks`).
+(`_python_allreduce_hooks`). Zero-bubble pipeline ranks are traced without memory: the tracker follows backward with
+module hooks that ``autograd.grad`` (which zero-bubble's input-gradient pass uses) refuses.
 """
 
 from __future__ import annotations
