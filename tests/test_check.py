@@ -109,3 +109,25 @@ def test_the_zero_bubble_ddp_bug_is_caught():
     result = check_plan(_zb_plan(), prepare=_ddp_under_zero_bubble)
     assert not result["ok"]
     assert any(line.startswith("pipeline rank 1") for line in result["unreduced_params"]), result["unreduced_params"]
+
+
+def _keep_outputs() -> None:  # runs in the tracing process: torch's default, return_outputs=True
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        def step(self, *args, _orig=cls.step, **kwargs):
+            kwargs["return_outputs"] = True
+            return _orig(self, *args, **kwargs)
+
+        cls.step = step
+
+
+def test_the_last_stage_keeps_no_outputs():
+    """With torch's default return_outputs=True the last stage keeps every micro-batch's logits through the step;
+    the runtime steps with False, and the check sees the difference: m × the logits on the last rank."""
+    model = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=4096,seq=64"
+    plan = plan_from_config(model, "cpu-local", 8, "pp=2,mbs=2,schedule=1f1b")  # 4 micro-batches
+    kept = check_plan(plan, prepare=_keep_outputs)["roles"][1]["traced"]["memory"]["peak"]
+    lean = check_plan(plan)["roles"][1]["traced"]["memory"]["peak"]
+    logits = 2 * 64 * 4096 * 4  # mbs · seq · vocab · fp32
+    assert kept - lean >= 3 * logits, (kept, lean, logits)
