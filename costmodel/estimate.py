@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from costmodel.cluster import Cluster, group_span
-from costmodel.collectives import send_recv_time
+from costmodel.collectives import all_reduce_time, send_recv_time
 from costmodel.compression import pp_cast_time
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.layercost import CostContext, LayerCost, dtype_bytes, is_tp_layer, layer_cost, owned_params
@@ -173,6 +173,7 @@ class Evaluator:
         if ("owned", pipelined) not in shared:
             shared["owned", pipelined] = owned_params(lg, pipelined=pipelined)
         self.owned = shared["owned", pipelined]
+        self._tied_numel: float | None = None  # elements of the embedding/head tied weight per rank (pp > 1)
         self._cache: dict[tuple[str, str, AC], LayerCost] = shared.setdefault(
             ("layer_costs", cfg.tp, cfg.sp, cfg.mbs, cfg.precision, bool(measured), in_place_loss, pipelined), {})
         self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
@@ -200,6 +201,29 @@ class Evaluator:
         nbytes = self.p2p_bytes(i)
         cast = 2 * pp_cast_time(nbytes, self.cluster) if self._pp_cast() else 0.0
         return 2 * send_recv_time(nbytes, self.pp_cross_node, self.cluster) + cast
+
+    def tied_sync_time(self, rank: int) -> float:
+        """Megatron's embedding-group all-reduce (`planner.emit.runtime.sync_tied_grads`): with pp > 1 the first and
+        the last pipeline rank each hold a copy of a weight tied between the embedding and the head, and sum its
+        fp32 gradient over the two after the backward, before the optimizer: exposed. Zero on other ranks."""
+        cfg = self.cfg
+        if cfg.pp == 1 or rank not in (0, cfg.pp - 1) or not self.tied_bytes():
+            return 0.0
+        span = group_span(self.cluster, 2, cfg.dp * cfg.tp * cfg.cp * (cfg.pp - 1))
+        return all_reduce_time(self.tied_bytes(), span, self.cluster)
+
+    def tied_bytes(self) -> float:
+        """fp32 gradient bytes of the tied weight's copy on one end of the pipeline (0 without pipelining or ties);
+        the embedding and the head are vocabulary-parallel under TP."""
+        if self._tied_numel is None:
+            embed = next((layer.name for layer in self.lg.layers if layer.kind == "embed"), None)
+            head = next((layer.name for layer in self.lg.layers if layer.kind == "head"), None)
+            numel = 0.0
+            if self.cfg.pp > 1 and embed and head:
+                both = {p.fqn for p in self.owned[embed]} & {p.fqn for p in self.owned[head]}
+                numel = sum(p.numel for p in self.owned[embed] if p.fqn in both)
+            self._tied_numel = numel / self.cfg.tp
+        return 4.0 * self._tied_numel
 
     def static_bytes(self, params: float) -> tuple[float, float, float]:
         p, g, k = state_bytes_per_param(self.cfg.precision, self.cfg.zero, self.cfg.dp, self.cfg.pp)
@@ -245,7 +269,8 @@ class Evaluator:
             comp_cost.append(encode)
             opt.append(optimizer_time(params, self))
             mems.append(self._rank_memory(r, rank_of, stages, costs, params))
-        finish = [dp_exp[r] + comp_cost[r] + opt[r] for r in range(cfg.pp)]
+        tied = [self.tied_sync_time(r) for r in range(cfg.pp)]
+        finish = [dp_exp[r] + comp_cost[r] + opt[r] + tied[r] for r in range(cfg.pp)]
         last = max(range(cfg.pp), key=lambda r: finish[r])
         step = pipe + finish[last]
 
@@ -253,7 +278,7 @@ class Evaluator:
         agg = {k: sum(parts[c][k] for c in b) for k in parts[0]}
         breakdown = {
             "compute": self.m * agg["compute"], "recompute": self.m * agg["recompute"],
-            "tp_comm": self.m * agg["tp_comm"], "cp_comm": 0.0, "pp_comm": self.m * agg["pp_comm"],
+            "tp_comm": self.m * agg["tp_comm"], "cp_comm": 0.0, "pp_comm": self.m * agg["pp_comm"] + tied[last],
             "dp_comm_exposed": self.m * agg["fsdp"] + dp_exp[last], "bubble": pipe - self.m * t_rank[bottleneck],
             "optimizer": opt[last], "compression": comp_cost[last],
         }

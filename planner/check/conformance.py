@@ -118,6 +118,8 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
                     received += ev.p2p_bytes(starts[c])
                     sent += ev.p2p_bytes(starts[c])
             collectives["send@pp"], collectives["recv@pp"] = ev.m * sent, ev.m * received
+            if ev.tied_sync_time(r):  # the embedding group: the first and the last pipeline rank
+                collectives["all_reduce@" + ("pp" if cfg.pp == 2 else "2 ranks")] = ev.tied_bytes()
         roles.append({"pp_rank": r, "rank": r * cfg.dp * cfg.tp, "memory": memory, "collectives": collectives,
                       "flops": flops})
     return roles

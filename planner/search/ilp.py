@@ -274,6 +274,8 @@ class Model:
         self.dp_excess, self.dp_tail, self.dp_delta = {}, {}, {}
         for r in range(d.pp):
             opt, _, opt_hi = self.tab(r, lambda n, r=r: self._t(optimizer_time(self._params(r, n), d.ev)))
+            tied = self._t(d.ev.tied_sync_time(r))  # the embedding group's all-reduce, exposed (first/last rank)
+            opt, opt_hi = opt + tied, opt_hi + tied
             if d.cfg.dp == 1 or (d.cfg.zero == 3 and not pipelined_fsdp(d.cfg.zero, d.cfg.dp, d.cfg.pp)):
                 s.Add(self.finish >= opt)
             elif d.cfg.zero == 3:  # pipelined: one reduce-scatter after the last backward, nothing hides it
