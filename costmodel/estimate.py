@@ -181,6 +181,8 @@ class Evaluator:
     # -- per-layer and per-boundary pieces (the ILP's coefficients) ------------------------------------------
     def cost(self, i: int, ac: AC) -> LayerCost:
         layer = self.lg.layers[i]
+        if layer.kind != "block":
+            ac = AC.NONE  # the runtime checkpoints blocks only (planner.emit.runtime.apply_ac)
         key = (layer.signature, layer.name if layer.kind != "block" else "", ac)
         if key not in self._cache:
             self._cache[key] = layer_cost(layer, ac, self.ctx, self.owned[layer.name])
