@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from enum import Enum
 
+from costmodel.runnable import pipelined_fsdp, post_step_allreduce
+
 
 class Schedule(str, Enum):
     """Pipeline schedules (torch.distributed.pipelining names in brackets)."""
@@ -98,6 +100,16 @@ class ParallelConfig:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def reduces_after_step(self) -> bool:
+        """Data-parallel gradients all-reduced after the whole backward (`costmodel.runnable.post_step_allreduce`)."""
+        return post_step_allreduce(self.dp, self.tp, self.zero, self.schedule.value, self.pp)
+
+    @property
+    def fsdp_in_pipeline(self) -> bool:
+        """FSDP inside torch's pipeline stages (`costmodel.runnable.pipelined_fsdp`)."""
+        return pipelined_fsdp(self.zero, self.dp, self.pp)
 
     def runnable_facts(self, global_batch: int, arch: dict | None = None, seq: int | None = None) -> dict:
         """The plain values `costmodel.runnable.problems` judges for this configuration of a job."""

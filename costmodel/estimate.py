@@ -208,11 +208,11 @@ class Evaluator:
         """Megatron's embedding-group all-reduce (`planner.emit.runtime.sync_tied_grads`): with pp > 1 the first and
         the last pipeline rank each hold a copy of a weight tied between the embedding and the head, and sum its
         fp32 gradient over the two after the backward, before the optimizer: exposed. Zero on other ranks."""
-        cfg = self.cfg
-        if cfg.pp == 1 or rank not in (0, cfg.pp - 1) or not self.tied_bytes():
+        cfg, nbytes = self.cfg, self.tied_bytes()
+        if cfg.pp == 1 or rank not in (0, cfg.pp - 1) or not nbytes:
             return 0.0
         span = group_span(self.cluster, 2, cfg.dp * cfg.tp * cfg.cp * (cfg.pp - 1))
-        return all_reduce_time(self.tied_bytes(), span, self.cluster)
+        return all_reduce_time(nbytes, span, self.cluster)
 
     def tied_bytes(self) -> float:
         """fp32 gradient bytes of the tied weight's copy on one end of the pipeline (0 without pipelining or ties);

@@ -258,13 +258,12 @@ def owned_params(lg: LayerGraph, *, pipelined: bool = False) -> dict[str, tuple[
     seen: dict[str, str] = {}  # parameter → the kind of the layer that owns it
     out = {}
     for layer in lg.layers:
-        owned = []
+        owned: dict[str, ParamInfo] = {}
         for n in layer.nodes:
             for p in n.params:
-                if p not in by_fqn or p in (x.fqn for x in owned):
-                    continue
-                if p not in seen or (pipelined and layer.kind == "head" and seen[p] == "embed"):
+                if p in by_fqn and p not in owned and (
+                        p not in seen or (pipelined and layer.kind == "head" and seen[p] == "embed")):
                     seen.setdefault(p, layer.kind)
-                    owned.append(by_fqn[p])
-        out[layer.name] = tuple(owned)
+                    owned[p] = by_fqn[p]
+        out[layer.name] = tuple(owned.values())
     return out

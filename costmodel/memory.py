@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 
 from costmodel.config import Schedule
-from costmodel.runnable import post_step_allreduce
+from costmodel.runnable import pipelined_fsdp
 
 GiB = 2**30
 RUNTIME_RESERVED_BYTES = 1 * GiB  #: CUDA context + library workspaces (GPU devices only); an assumption
@@ -47,18 +47,9 @@ def dp_reduction_temp_bytes(cfg, grad_kind: str, grad_bytes: float = math.inf) -
     if cfg.dp == 1 or cfg.zero >= 2:
         return 0.0
     bucket = min(float(DDP_BUCKET_BYTES), grad_bytes)
-    if post_step_allreduce(cfg.dp, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp):
+    if cfg.reduces_after_step:
         return bucket
     return bucket / 2 if grad_kind in ("bf16", "fp16") else 0.0
-
-
-def pipelined_fsdp(zero: int, dp: int, pp: int) -> bool:
-    """FSDP2 (ZeRO 2/3) inside torch's pipeline stages: ``PipelineStage`` turns off FSDP's gradient sync and its
-    reshard after backward for every micro-batch and reduce-scatters once after the last backward
-    (torch/distributed/pipelining/stage.py, 2.13: ``backward_maybe_with_nosync``, ``perform_reduce_grad``). So
-    the stage holds unsharded gradients (accumulated in the fp32 reduce dtype) and, under ZeRO 3, unsharded
-    parameters from its first backward to the end of the step, and reduce-scatters once per step."""
-    return pp > 1 and zero >= 2 and dp > 1
 
 
 def state_bytes_per_param(precision: str, zero: int, dp: int, pp: int = 1) -> tuple[float, float, float]:

@@ -23,8 +23,6 @@ from __future__ import annotations
 from costmodel.collectives import all_gather_time, reduce_scatter_time
 from costmodel.compression import SyncView, compressed_grad_comm
 from costmodel.layercost import LayerCost
-from costmodel.memory import pipelined_fsdp
-from costmodel.runnable import post_step_allreduce
 
 GRAD_REDUCE_BYTES = 4  #: gradients are reduced in fp32 (DDP's fp32 grads; FSDP2 reduce_dtype=float32)
 
@@ -59,11 +57,11 @@ def dp_exposed(rank_costs: list[LayerCost], ev: SyncView) -> tuple[float, float]
     span, cluster = ev.dp_span, ev.cluster
     slow = cluster.device.overlap_slowdown
     window = sum(c.bwd_s + c.recompute_s for c in rank_costs)  # the last micro-batch's backward on this rank
-    if post_step_allreduce(cfg.dp, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp):
+    if cfg.reduces_after_step:
         window = 0.0  # the runtime all-reduces after the whole backward (costmodel.runnable): nothing hides it
     params = sum(c.param_numel for c in rank_costs)
     first = rank_costs[0].param_numel
-    pipelined = pipelined_fsdp(cfg.zero, cfg.dp, cfg.pp)
+    pipelined = cfg.fsdp_in_pipeline
     if cfg.zero == 3:  # reduce-scatters happen per micro-batch (fsdp_exposed), or once after the pipeline
         return (reduce_scatter_time(params * GRAD_REDUCE_BYTES, span, cluster) if pipelined else 0.0), 0.0
     if cfg.zero == 2:
@@ -91,7 +89,7 @@ def fsdp_exposed(stage_costs: list[LayerCost], ev: SyncView) -> float:
     pbytes = 4 if ev.cfg.precision == "fp32" else 2
     ag = [all_gather_time(c.param_numel * pbytes, span, cluster) for c in stage_costs]
     # pipelined, the reduce-scatter runs once per step after the last backward (dp_exposed), not per micro-batch
-    rs_bytes = 0.0 if pipelined_fsdp(ev.cfg.zero, ev.cfg.dp, ev.cfg.pp) else GRAD_REDUCE_BYTES
+    rs_bytes = 0.0 if ev.cfg.fsdp_in_pipeline else GRAD_REDUCE_BYTES
     rs = [reduce_scatter_time(c.param_numel * rs_bytes, span, cluster) for c in stage_costs]
     fwd = sum(c.fwd_s for c in stage_costs)
     bwd = sum(c.bwd_s + c.recompute_s for c in stage_costs)
@@ -120,7 +118,7 @@ def dp_step_bytes(cfg, params: float, m: int) -> dict[str, float]:
     kind = cfg.grad_compress.split("-")[0]
     if cfg.dp == 1:
         return {}
-    rs = 1 if pipelined_fsdp(cfg.zero, cfg.dp, cfg.pp) else m  # reduce-scatters per step
+    rs = 1 if cfg.fsdp_in_pipeline else m  # reduce-scatters per step
     if cfg.zero == 3:  # fsdp_exposed: per micro-batch, gathered for forward and again for backward
         return {"all_gather": 2 * m * params * pbytes, "reduce_scatter": rs * params * GRAD_REDUCE_BYTES}
     if cfg.zero == 2:  # dp_exposed: a reduce-scatter per micro-batch (pipelined: per step), one all-gather

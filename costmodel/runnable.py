@@ -13,7 +13,9 @@ of plain values:
 - `grad_compress_options(...)`: the data-parallel gradient compressions the runtime applies for a sharding (the ILP
   chooses among them only).
 - `post_step_allreduce(...)`: where gradients are all-reduced after the whole backward rather than in DDP's
-  overlapped buckets (`costmodel.overlap.dp_exposed` then hides none of it).
+  overlapped buckets (`costmodel.overlap.dp_exposed` then hides none of it); `pipelined_fsdp(...)`: where torch's
+  pipeline stages hold FSDP's gradients unsharded and reduce-scatter once per step. `ParallelConfig` has both as
+  properties (`reduces_after_step`, `fsdp_in_pipeline`) for the cost model and the search.
 
 This module imports nothing but the standard library: the emitter copies it into every script beside the runtime.
 
@@ -32,6 +34,15 @@ def post_step_allreduce(dp: int, tp: int, zero: int, schedule: str, pp: int) -> 
     zero-bubble schedule (torch computes its weight gradients with ``autograd.grad`` and writes ``.grad`` by hand,
     so DDP's reducer hooks never fire for them: replicas would silently diverge)."""
     return dp > 1 and zero <= 1 and (tp > 1 or (pp > 1 and schedule == "zb"))
+
+
+def pipelined_fsdp(zero: int, dp: int, pp: int) -> bool:
+    """FSDP2 (ZeRO 2/3) inside torch's pipeline stages: ``PipelineStage`` turns off FSDP's gradient sync and its
+    reshard after backward for every micro-batch and reduce-scatters once after the last backward
+    (torch/distributed/pipelining/stage.py, 2.13: ``backward_maybe_with_nosync``, ``perform_reduce_grad``). So
+    the stage holds unsharded gradients (accumulated in the fp32 reduce dtype) and, under ZeRO 3, unsharded
+    parameters from its first backward to the end of the step, and reduce-scatters once per step."""
+    return pp > 1 and zero >= 2 and dp > 1
 
 
 def grad_compress_options(dp: int, tp: int, zero: int, schedule: str = "1f1b", pp: int = 1) -> tuple[str, ...]:

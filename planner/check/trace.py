@@ -120,10 +120,8 @@ class _Collectives(TorchDispatchMode):
             return
         sizes = [t.numel() * t.element_size() for t in tensors]
         numels = [t.numel() for t in tensors]
-        if kind in ("all_gather",):
-            nbytes, elems = max(sizes), max(numels)  # the gathered (output) buffer
-        elif kind == "reduce_scatter":
-            nbytes, elems = max(sizes), max(numels)  # the full (input) buffer
+        if kind in ("all_gather", "reduce_scatter"):
+            nbytes, elems = max(sizes), max(numels)  # the full buffer: gathered output, or reduce-scattered input
         else:
             nbytes, elems = sum(sizes), sum(numels)
         group = self.groups.get(ranks, f"{len(ranks)} ranks" if ranks else "?")

@@ -19,20 +19,13 @@ def _rows(role: dict) -> list[tuple[str, str, str, str, str]]:
         rows = [("memory", k, human_bytes(v), "(not traced)", "") for k, v in pred["memory"].items()]
     traced_comm = {k: v["bytes"] for k, v in got["collectives"].items()}
     for k, v in pred["collectives"].items():
-        rows.append(("collective", k, human_bytes(v), human_bytes(traced_comm.get(k, _equivalent(got, k))),
+        rows.append(("collective", k, human_bytes(v), human_bytes(role["traced_equivalent"].get(k, 0.0)),
                      f"{err['collectives'][k]:.1%}"))
     for k, v in sorted(traced_comm.items()):
         if k not in pred["collectives"]:
             rows.append(("collective", k, "(not costed)", human_bytes(v), ""))
     rows.append(("compute", "FLOPs", human_count(pred["flops"]), human_count(got["flops"]), f"{err['flops']:.1%}"))
     return rows
-
-
-def _equivalent(got: dict, key: str) -> float:
-    c = {k: v["bytes"] for k, v in got["collectives"].items()}
-    if key == "all_reduce_equivalent@tp":
-        return c.get("all_reduce@tp", 0) + (c.get("all_gather@tp", 0) + c.get("reduce_scatter@tp", 0)) / 2
-    return 0.0
 
 
 def _summary(result: dict) -> str:

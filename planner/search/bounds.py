@@ -58,11 +58,9 @@ from costmodel.memory import (
     RUNTIME_RESERVED_BYTES,
     dp_reduction_temp_bytes,
     inflight,
-    pipelined_fsdp,
     state_bytes_per_param,
 )
 from costmodel.overlap import GRAD_REDUCE_BYTES, optimizer_time
-from costmodel.runnable import post_step_allreduce
 from planner.search.ilp import GRAD_OPTIONS
 from profiler.graph import LayerGraph
 
@@ -254,7 +252,7 @@ class Bounds:
         sl = self.cluster.device.overlap_slowdown
         S = cfg.pp * cfg.vpp
         ag, rs = g.ag[ev.dp_span], g.rs[ev.dp_span]
-        if pipelined_fsdp(cfg.zero, cfg.dp, cfg.pp):
+        if cfg.fsdp_in_pipeline:
             rs = [0.0] * len(rs)  # once per step after the pipeline: in _finish
         xf, xl, xr = S * min(ag), S * min(ag), S * min(rs)
         fwd_excess = max(0.0, sum(ag) - xf - g.fwd)
@@ -265,7 +263,7 @@ class Bounds:
         p = cfg.pp
         P = g.params / p
         finish = optimizer_time(P, _OptView(cfg, self.cluster))
-        pipelined = pipelined_fsdp(cfg.zero, cfg.dp, cfg.pp)
+        pipelined = cfg.fsdp_in_pipeline
         if cfg.zero == 3 and pipelined:  # one exposed reduce-scatter of the average rank's gradients (affine: ≤ max)
             return finish + reduce_scatter_time(P * GRAD_REDUCE_BYTES, ev.dp_span, self.affine_cluster)
         if cfg.dp == 1 or cfg.zero == 3:
@@ -280,7 +278,7 @@ class Bounds:
                 return finish + rs + (1 - sl) * max(0.0, ag - fw) + sl * ag
             m = ev.m  # a reduce-scatter per micro-batch
             return finish + (1 - sl) * (m * max(0.0, rs - wb) + max(0.0, ag - fw)) + sl * (m * rs + ag)
-        if post_step_allreduce(cfg.dp, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp):
+        if cfg.reduces_after_step:
             wb = 0.0  # all-reduced after the whole backward (costmodel.runnable): no window
         dev = cl.device
         mem_bw = dev.hbm_bw * dev.memory_eff

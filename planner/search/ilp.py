@@ -66,10 +66,8 @@ from costmodel.memory import (
     RUNTIME_RESERVED_BYTES,
     dp_reduction_temp_bytes,
     inflight,
-    pipelined_fsdp,
 )
 from costmodel.overlap import GRAD_REDUCE_BYTES, optimizer_time, zero1_sync_time, zero2_gather_time
-from costmodel.runnable import post_step_allreduce
 from planner.search.ilp_data import (  # noqa: F401 - re-exported: the ILP's data and options
     AC_ORDER,
     GRAD_OPTIONS,
@@ -238,7 +236,7 @@ class Model:
         def ag(i):
             return all_gather_time(ev.cost(i, AC.NONE).param_numel * pbytes, span, cl)
 
-        rs_bytes = 0.0 if pipelined_fsdp(d.cfg.zero, d.cfg.dp, d.cfg.pp) else GRAD_REDUCE_BYTES  # once per step
+        rs_bytes = 0.0 if d.cfg.fsdp_in_pipeline else GRAD_REDUCE_BYTES  # once per step
 
         def rs(i):
             return reduce_scatter_time(ev.cost(i, AC.NONE).param_numel * rs_bytes, span, cl)
@@ -276,7 +274,7 @@ class Model:
             opt, _, opt_hi = self.tab(r, lambda n, r=r: self._t(optimizer_time(self._params(r, n), d.ev)))
             tied = self._t(d.ev.tied_sync_time(r))  # the embedding group's all-reduce, exposed (first/last rank)
             opt, opt_hi = opt + tied, opt_hi + tied
-            if d.cfg.dp == 1 or (d.cfg.zero == 3 and not pipelined_fsdp(d.cfg.zero, d.cfg.dp, d.cfg.pp)):
+            if d.cfg.dp == 1 or (d.cfg.zero == 3 and not d.cfg.fsdp_in_pipeline):
                 s.Add(self.finish >= opt)
             elif d.cfg.zero == 3:  # pipelined: one reduce-scatter after the last backward, nothing hides it
                 rs, _, _ = self.tab(r, lambda n, r=r: self._t(reduce_scatter_time(
@@ -307,7 +305,7 @@ class Model:
         e1 = self.dp_excess[r, "rs"] = s.NumVar(0, self.inf, f"zero2_excess[{r},rs]")
         e2 = self.dp_excess[r, "ag"] = s.NumVar(0, self.inf, f"zero2_excess[{r},ag]")
         s.Add(e2 >= ag - self._window(r, lambda x: self._t(x.fwd_s)))
-        if pipelined_fsdp(d.cfg.zero, d.cfg.dp, d.cfg.pp):  # one reduce-scatter after the pipeline, exposed
+        if d.cfg.fsdp_in_pipeline:  # one reduce-scatter after the pipeline, exposed
             s.Add(e1 >= rs)
             return e1 + (1 - sl) * e2 + sl * ag
         s.Add(e1 >= rs - self._window(r, lambda x: self._t(x.bwd_s + x.recompute_s)))
@@ -330,7 +328,7 @@ class Model:
         assert len(lasts) == 1, "the last bucket depends on the rank's first layer only"
         tail = lasts.pop()
         cfg = d.cfg
-        if post_step_allreduce(cfg.dp, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp):
+        if cfg.reduces_after_step:
             w, w_lo, w_hi = 0.0, 0.0, 0.0  # all-reduced after the whole backward: no window hides it
         else:
             w = self._window(r, lambda x: self._t(x.bwd_s + x.recompute_s))

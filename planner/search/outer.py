@@ -54,7 +54,6 @@ from costmodel.cluster import Cluster
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.estimate import ConfigError, Evaluator, even_stages
 from costmodel.layercost import is_tp_layer
-from costmodel.runnable import post_step_allreduce
 from costmodel.runnable import problems as runnable_problems
 from planner.plan import Plan
 from planner.search import ilp
@@ -186,8 +185,7 @@ def _dominated(cfg: ParallelConfig, runnable: dict, fix: dict) -> bool:
         zb = there(schedule=Schedule.ZERO_BUBBLE) if cfg.schedule == Schedule.ONE_F_ONE_B else None
         # ZB-H1 beats 1F1B only where both reduce gradients alike: with DDP (zero ≤ 1, tp = 1) zero-bubble all-reduces
         # after the backward (costmodel.runnable.post_step_allreduce), which 1F1B overlaps
-        if zb is not None and (post_step_allreduce(zb.dp, zb.tp, zb.zero, "zb", zb.pp)
-                               == post_step_allreduce(cfg.dp, cfg.tp, cfg.zero, "1f1b", cfg.pp)):
+        if zb is not None and zb.reduces_after_step == cfg.reduces_after_step:
             return True
     return "sp" not in fix and cfg.tp > 1 and not cfg.sp and there(sp=True) is not None
 
