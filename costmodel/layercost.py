@@ -14,7 +14,10 @@ each row-parallel output; backward, one all-reduce of the input gradient of each
 sharing an input (2 + 2 per block, as in Narayanan et al. 2021 §3.3: 8bsh(t−1)/t bytes per layer). With sequence
 parallelism each all-reduce becomes an all-gather plus a reduce-scatter of the same total volume, so the time is
 the same (Korthikanti §4.2.2). A vocabulary-parallel embedding all-reduces its output; the vocabulary-parallel
-head all-reduces its input gradient (loss-parallel statistics are a few bytes per token and are neglected).
+head all-reduces its input gradient (loss-parallel statistics are a few bytes per token and are neglected). With
+sequence parallelism the runtime (`planner.emit.runtime.apply_tp`) slices the embedding's output into the first
+block (backward: an all-gather) and all-gathers the last block's output for the head (forward), each half an
+all-reduce's payload.
 
 A measured profile (`profiler.measure` on the cluster's device) replaces the roofline's absolute level layer by
 layer: the measured forward and backward at the measured batch, times the roofline's ratio between the
@@ -168,6 +171,11 @@ def tp_comm_bytes(layer: Layer, ctx: CostContext) -> tuple[float, float]:
     micro-batch and precision (Megatron's f and g; with sequence parallelism the same bytes move as an all-gather
     plus a reduce-scatter). Full recomputation repeats the forward's."""
     bf, bb = _tp_comm_bytes(layer)
+    if ctx.sp and layer.kind == "embed":  # the first sequence-parallel block slices the replicated embedding:
+        # its backward all-gathers a gradient of the embedding's size (half an all-reduce's payload)
+        bb += max((n.output_bytes for n in layer.nodes if n.tp_role == "vocab"), default=0) / 2
+    elif ctx.sp and layer.kind == "head":  # the last one all-gathers its output for the head
+        bf += layer.input_bytes / 2
     return bf * ctx.scale * ctx.act_scale, bb * ctx.scale * ctx.act_scale
 
 
@@ -242,7 +250,13 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
                     matrices.append((int(rows), int(cols)))
     # backward's working set: while a node's backward runs, the gradient of its output and the gradient it makes for
     # its input are alive together; the widest node (a language model's logits and their log-softmax) sets it
-    grad_working_set = 0.0 if (ctx.in_place_loss and layer.kind == "head") else 2 * widest
+    grad_working_set = 2 * widest
+    if layer.kind == "head" and ctx.in_place_loss:
+        grad_working_set = 0.0
+    elif layer.kind == "head" and tp > 1:  # torch 2.13's loss_parallel backward (tensor/parallel/loss.py,
+        # _nll_loss_and_log_softmax_backward) holds zeros_like(x), exp(x), their sum and the product, each a slice
+        # of the logits, beside the incoming gradient: twice the fused kernel's working set (measured: 4.0 vs 2.0)
+        grad_working_set = 4 * widest
     return LayerCost(
         fwd_s=fwd, bwd_s=bwd, recompute_s=rec, tp_comm_fwd_s=comm_f, tp_comm_bwd_s=comm_b + rec_comm, act_bytes=act,
         backward_peak_bytes=rec_peak + grad_working_set, param_numel=param_numel, fwd_flops=fwd_flops,

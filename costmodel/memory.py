@@ -5,8 +5,11 @@ Model states follow the ZeRO paper (Rajbhandari et al. 2020, §3.1 and Figure 1)
 model of Ψ parameters holds 2Ψ bytes of 16-bit parameters, 2Ψ of 16-bit gradients and KΨ of optimizer state with
 K = 12 (fp32 master weights, momentum and variance); stage 1 shards the optimizer state over the data-parallel
 group of N ranks, stage 2 also the gradients, stage 3 also the parameters. In fp32 training the parameters and
-gradients take 4 bytes each and K = 8 (no separate master copy). FSDP2 with a bf16 `MixedPrecisionPolicy` keeps
-fp32 sharded parameters and gradients instead, 16Ψ/N in all, the same as ZeRO-3's (2 + 2 + 12)Ψ/N.
+gradients take 4 bytes each and K = 8 (no separate master copy). Stages 2 and 3 run as FSDP2, which with a bf16
+`MixedPrecisionPolicy` keeps fp32 shards of the parameters (the master weights) and of the gradients: 16Ψ/N in all
+for stage 3, the same as ZeRO-3's (2 + 2 + 12)Ψ/N; stage 2 adds the unsharded 16-bit parameters it keeps between
+forward and backward, 2Ψ + 16Ψ/N (2Ψ/N more than the paper's, the gradient shard being fp32), and in fp32
+training 4Ψ + 16Ψ/N (the fp32 shard beside the unsharded parameters).
 
 Activations of one micro-batch come from `costmodel.layercost`. How many micro-batches a pipeline rank holds at
 its peak depends on the schedule (`inflight`): GPipe holds all m; 1F1B holds p − r on rank r (Narayanan et al.
@@ -60,10 +63,9 @@ def state_bytes_per_param(precision: str, zero: int, dp: int, pp: int = 1) -> tu
     unsharded_param = p
     if zero >= 1:
         k /= dp
-    if zero >= 2:
-        g /= dp
-    if zero >= 3:
-        p /= dp
+    if zero >= 2:  # FSDP2: fp32 shards of the parameters (the master weights) and of the gradients, Adam's two
+        # moments; ZeRO 2 also keeps the unsharded (training-precision) parameters from forward to backward
+        p, g, k = 4.0 / dp + (unsharded_param if zero == 2 else 0.0), 4.0 / dp, 8.0 / dp
     if pipelined_fsdp(zero, dp, pp):
         g += 4.0
         if zero >= 3:

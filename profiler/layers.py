@@ -96,13 +96,41 @@ def _with(n: NodeInfo, **changes) -> NodeInfo:
     return replace(n, **changes)
 
 
-def _edge_roles(nodes: list[NodeInfo], kind: str) -> list[NodeInfo]:
-    """Embedding lookups and the vocabulary projection are split along the vocabulary."""
+def _edge_roles(nodes: list[NodeInfo], kind: str, vocab: int | None, param_shapes: dict[str, tuple]) -> list[NodeInfo]:
+    """Tensor-parallel roles outside the blocks, as the runtime shards them (Megatron-LM's vocabulary parallelism):
+    the token embedding (the embedding whose table has ``vocab`` rows, the head's output width) and the head's
+    vocabulary projection are ``vocab``; in the head, every node downstream of that projection (the fp32 cast,
+    log-softmax and loss) works on this rank's slice of the vocabulary under torch's ``loss_parallel``:
+    ``sharded``. Everything else (position embeddings, dropout, the final norm) runs whole on every rank: ``none``.
+    """
     out = []
+    on_slice: set[str] = set()
     for n in nodes:
-        vocab_op = ("embedding" in n.op and n.params) or (kind == "head" and n.kind == "matmul" and n.params)
-        out.append(_with(n, tp_role="vocab" if vocab_op else "replicated"))
+        rows = [param_shapes.get(p, (0,))[0] for p in n.params]
+        if vocab and "embedding" in n.op and vocab in rows:
+            role = "vocab"
+        elif vocab and kind == "head" and n.kind == "matmul" and vocab in rows:
+            role = "vocab"
+            on_slice.add(n.name)
+        elif kind == "head" and any(i in on_slice for i in n.inputs):
+            role = "sharded"
+            on_slice.add(n.name)
+        else:
+            role = "none"
+        out.append(_with(n, tp_role=role))
     return out
+
+
+def _vocabulary(groups: list, param_shapes: dict[str, tuple]) -> int | None:
+    """The head's output width: rows of the last parameterised matmul after the blocks (None without a head)."""
+    if not groups or groups[-1][1] != "head":
+        return None
+    for n in reversed(groups[-1][2]):
+        if n.kind == "matmul" and n.params:
+            shape = param_shapes.get(n.params[0])
+            if shape and len(shape) == 2:
+                return shape[0]
+    return None
 
 
 def _dedupe_saved_within(nodes: list[NodeInfo]) -> list[NodeInfo]:
@@ -163,13 +191,14 @@ def group_layers(graph: ModelGraph) -> LayerGraph:
     owner: dict[str, int] = {}
     producer: dict[str, int] = {}
     out_bytes = {n.name: n.output_bytes for n in graph.nodes}
+    vocab = _vocabulary(groups, param_shapes)
     layers = []
     for idx, (name, kind, nodes) in enumerate(groups):
         nodes = _dedupe_saved_within(nodes)
         if kind == "block":
             nodes = assign_tp_roles(nodes)
         elif kind in ("embed", "head"):
-            nodes = _edge_roles(nodes, kind)
+            nodes = _edge_roles(nodes, kind, vocab, param_shapes)
         owned, shared = [], []
         for n in nodes:
             for p in n.params:

@@ -243,8 +243,8 @@ def _comm_case(case: dict, out: Path) -> None:
         par = mod.parallelize(mod.build_model, mod.PLAN, mesh)
         inputs, labels = mod.get_batch(0)
         mode = CollectiveLog(dist.get_world_size())
-        with mode:
-            loss = par.modules[0](inputs, labels)
+        with mode, mod.loss_context(mod.PLAN):
+            loss = par.loss_fn(par.modules[0](inputs), labels)
             mode.phase = "backward"
             loss.backward()
         result[name] = mode.log

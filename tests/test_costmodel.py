@@ -40,11 +40,18 @@ def cfg(s: str) -> ParallelConfig:
 
 
 # ------------------------------------------------------------------------------------------------- memory
-@pytest.mark.parametrize("zero,expected", [(0, 16), (1, 4 + 12 / 8), (2, 2 + 14 / 8), (3, 16 / 8)])
+@pytest.mark.parametrize("zero,expected", [(0, 16), (1, 4 + 12 / 8), (2, 2 + 16 / 8), (3, 16 / 8)])
 def test_zero_model_states_follow_the_zero_paper(zero, expected):
-    """Rajbhandari et al. 2020 §3.1/Fig. 1: 2Ψ + 2Ψ + KΨ with K = 12, partitioned over N_d = 8 by stage."""
+    """Rajbhandari et al. 2020 §3.1/Fig. 1: 2Ψ + 2Ψ + KΨ with K = 12, partitioned over N_d = 8 by stage; stage 2
+    as FSDP2 runs it (the runtime's ZeRO-2), whose gradient shard is fp32: 2Ψ/N more than the paper's 2 + 14/N."""
     p, g, k = state_bytes_per_param("bf16", zero, 8)
     assert p + g + k == pytest.approx(expected)
+
+
+def test_fsdp_zero2_in_fp32_keeps_its_shard_beside_the_unsharded_parameters():
+    """fp32, ZeRO-2 over 4 ranks: unsharded parameters (4) + FSDP's fp32 shard (4/4), gradient shard 4/4, Adam 8/4
+    (what `autopar check` traces: parameters 381 MiB = 305 MiB unsharded + 76 MiB shard on a 80M-parameter rank)."""
+    assert state_bytes_per_param("fp32", 2, 4) == pytest.approx((4 + 1, 1, 2))
 
 
 def test_zero_stage_never_increases_memory(gpt):

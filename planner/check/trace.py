@@ -83,13 +83,33 @@ class _Collectives(TorchDispatchMode):
         self.groups = groups
         self.log: list[tuple[str, str, int, int]] = []  # (kind, group, bytes, elements)
         self.flops = 0.0  #: torch's FLOP formulas (FlopCounterMode's registry) on this rank's local tensors
+        self.dtensor_depth = 0  #: > 0 while a DTensor op runs: its collectives reach `record_inner`, not this mode
+
+    def record_inner(self, kind: str, group, tensor: torch.Tensor) -> None:
+        """A collective a DTensor op issues from inside its dispatch (a redistribution its sharding rule needs,
+        ``loss_parallel``'s statistics), where this mode is not on the stack: seen through the functional
+        collectives it calls (`_inner_collectives`)."""
+        if not self.dtensor_depth:
+            return  # issued outside DTensor dispatch: this mode records the op itself
+        from torch.distributed._functional_collectives import _resolve_group_name
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(_resolve_group_name(group))))
+        scale = len(ranks) if kind == "all_gather" else 1  # the gathered buffer from this rank's shard
+        nbytes = tensor.numel() * tensor.element_size() * scale
+        self.log.append((kind, self.groups.get(ranks, f"{len(ranks)} ranks"), nbytes, tensor.numel() * scale))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ns, name = func.namespace, func._opname
         if ns in ("c10d", "_c10d_functional") and name in _KINDS:
             self._record(_KINDS[name], args)
-        out = func(*args, **kwargs)
+        inside = any(isinstance(a, DTensor) for a in args)  # DTensor runs the op (and its collectives) unseen
+        self.dtensor_depth += inside
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.dtensor_depth -= inside
         if ns == "aten":  # a DTensor op computes on its local shards (this mode does not see that inner op)
             local = [a._local_tensor if isinstance(a, DTensor) else a for a in args]
             packet = func._overloadpacket
@@ -120,8 +140,11 @@ class _Collectives(TorchDispatchMode):
             return
         sizes = [t.numel() * t.element_size() for t in tensors]
         numels = [t.numel() for t in tensors]
-        if kind in ("all_gather", "reduce_scatter"):
-            nbytes, elems = max(sizes), max(numels)  # the full buffer: gathered output, or reduce-scattered input
+        if kind == "all_gather":  # the gathered buffer: a functional all-gather takes only this rank's shard
+            n = len(ranks) if ranks else 1
+            nbytes, elems = max(max(sizes), min(sizes) * n), max(max(numels), min(numels) * n)
+        elif kind == "reduce_scatter":  # the full input, which every form of the op takes
+            nbytes, elems = max(sizes), max(numels)
         else:
             nbytes, elems = sum(sizes), sum(numels)
         group = self.groups.get(ranks, f"{len(ranks)} ranks" if ranks else "?")
@@ -182,6 +205,40 @@ def _shapes_only():
         runtime.find_init = saved
 
 
+#: torch.distributed._functional_collectives functions DTensor calls from inside its dispatch → (kind, argument
+#: index of the group)
+_FUNCOL = {"all_reduce": ("all_reduce", 2), "all_gather_tensor": ("all_gather", 2),
+           "all_gather_tensor_autograd": ("all_gather", 2), "reduce_scatter_tensor": ("reduce_scatter", 3),
+           "reduce_scatter_tensor_autograd": ("reduce_scatter", 3), "all_to_all_single": ("all_to_all", 3),
+           "all_to_all_single_autograd": ("all_to_all", 3), "broadcast": ("broadcast", 2)}
+
+
+@contextlib.contextmanager
+def _inner_collectives(counter: _Collectives):
+    """Route the functional collectives DTensor calls inside its own dispatch to ``counter.record_inner``."""
+    import torch.distributed._functional_collectives as funcol
+
+    saved = {name: getattr(funcol, name) for name in _FUNCOL}
+
+    def wrap(name, original):
+        kind, at = _FUNCOL[name]
+
+        def call(tensor, *args, **kwargs):
+            group = kwargs.get("group", args[at - 1] if len(args) >= at else None)
+            counter.record_inner(kind, group, tensor)
+            return original(tensor, *args, **kwargs)
+
+        return call
+
+    for name, original in saved.items():
+        setattr(funcol, name, wrap(name, original))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(funcol, name, original)
+
+
 def trace_rank(plan: Plan, rank: int) -> Trace:
     """Run ``plan``'s runtime on a fake world as global rank ``rank`` and record its last step (see the module
     docstring). Leaves no process group behind."""
@@ -224,7 +281,7 @@ def trace_rank(plan: Plan, rank: int) -> Trace:
         tracker = None if (config["pp"] > 1 and config["schedule"] == "zb") else _CategoryPeaks()
         if tracker is not None:
             tracker.track_external(*par.modules, getattr(optimizer, "optim", optimizer))  # ZeRO-1: its local optim
-        with fake, tracker or contextlib.nullcontext(), counter:
+        with fake, tracker or contextlib.nullcontext(), counter, _inner_collectives(counter):
             train.train_step_loss(par, optimizer, inputs, labels)
         if tracker is not None:
             by = tracker.category_max  # each category's maximum over the step; "Total" is the peak itself

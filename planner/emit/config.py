@@ -47,6 +47,20 @@ def tp_layout(block: nn.Module) -> dict[str, str]:
     return layout
 
 
+def vocab_modules(model: nn.Module, container: str) -> dict:
+    """The modules tensor parallelism splits along the vocabulary (Megatron-LM's vocabulary-parallel embedding and
+    head), as `profiler.layers` assigns their ``vocab`` roles: the head is the last ``nn.Linear`` outside the blocks
+    whose output width is the row count of an ``nn.Embedding`` outside the blocks (the token embedding; position
+    embeddings stay whole). ``{"vocab": V, "vocab_embed": name | None, "vocab_head": name | None}``."""
+    outside = [(n, m) for n, m in model.named_modules() if n != container and not n.startswith(container + ".")]
+    embeddings = {m.num_embeddings: n for n, m in outside if isinstance(m, nn.Embedding)}
+    heads = [(n, m) for n, m in outside if isinstance(m, nn.Linear) and m.out_features in embeddings]
+    if not heads:
+        return {"vocab": 0, "vocab_embed": None, "vocab_head": None}
+    name, head = heads[-1]
+    return {"vocab": head.out_features, "vocab_embed": embeddings[head.out_features], "vocab_head": name}
+
+
 def tied_parameters(model: nn.Module, plan: Plan, container: str, stage_rank: list[int]) -> list[dict]:
     """Weights the model shares between modules (the GPT head tied to the token embedding), each as
     ``{"names": [first name, aliases…], "pp_ranks": [pipeline ranks holding a copy]}``.
@@ -171,6 +185,7 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
         "stage_rank": stage_rank, "ac": ac, "tp_blocks": tp_blocks, "tp_layout": layout, "sp_norms": sp_norms,
         "sp_gather": sp_gather, "tied": tied_parameters(model, plan, container, stage_rank) if c.pp > 1 else [],
         "optimizer": optimizer, "lr": lr, "seed": seed, "init": init_mode,
+        **vocab_modules(model, container),
     }
 
 

@@ -17,7 +17,9 @@ keep only the branches and functions their plan uses):
 1. pipeline split: each rank keeps the blocks of its (virtual) stages; ``tok_embeddings``/``norm``/``output``
    become ``None`` where not owned; a weight tied between the embedding and the head is then held by both the
    first and the last stage;
-2. tensor parallel: first, because it turns weights into DTensors that the later wrappers take as they are;
+2. tensor parallel: first, because it turns weights into DTensors that the later wrappers take as they are; the
+   token embedding and the head are split along the vocabulary (Megatron-LM), the loss computed on each rank's
+   slice of the logits under torch's ``loss_parallel``;
 3. activation checkpointing: after TP, before data parallel, so checkpoint wrappers sit inside FSDP units;
 4. pipeline boundaries: each tensor-parallel rank sends its 1/tp slice (Megatron's scatter/gather); bf16
    activations between stages when the plan compresses;
@@ -33,6 +35,7 @@ The training step, the optimizer and the synthetic data live in `planner.emit.tr
 
 import contextlib
 import copy
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -53,9 +56,16 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
 )
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -134,6 +144,7 @@ class Parallel:
     schedule: object = None  #: the pipeline schedule (None without pipeline parallelism)
     device: torch.device | None = None  #: where this rank computes
     tied_groups: list = field(default_factory=list)  #: this rank's embedding group per ``plan["tied"]`` entry
+    loss_fn: object = None  #: ``(logits, labels) → loss`` (`loss_function`)
 
 
 def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
@@ -163,6 +174,7 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
         # 2. Tensor parallel: Megatron column/row layout per block, sequence parallel on the norms.
         if plan["tp"] > 1:
             apply_tp(part, plan, mesh["tp"])
+            apply_vocab_parallel(part, plan, mesh["tp"])
         # 3. Activation checkpointing, per block as the plan says.
         if plan["ac"]:
             apply_ac(part, plan)
@@ -186,7 +198,8 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
         if plan["init"] == "meta":
             materialize(part, index, plan, device)
         modules.append(module)
-    par = Parallel(plan=plan, mesh=mesh, parts=parts, modules=modules, stage_indices=indices, device=device)
+    par = Parallel(plan=plan, mesh=mesh, parts=parts, modules=modules, stage_indices=indices, device=device,
+                   loss_fn=loss_function(plan, mesh))
     # 6. Tied weights across pipeline ranks: one embedding group per (dp, tp) coordinate, built on every rank.
     if plan["pp"] > 1 and plan["tied"]:
         par.tied_groups = build_tied_groups(plan, mesh)
@@ -413,6 +426,79 @@ def apply_tp(part: nn.Module, plan: dict, tp_mesh: DeviceMesh) -> None:
                 block.register_forward_hook(_convert_output(_to_replicate, tp_mesh))
 
 
+def apply_vocab_parallel(part: nn.Module, plan: dict, tp_mesh: DeviceMesh) -> None:
+    """Megatron-LM's vocabulary parallelism on the modules ``plan`` names (`planner.emit.config.vocab_modules`), where
+    this part holds them. Each tensor-parallel rank keeps rows ``[r·⌈V/tp⌉, (r+1)·⌈V/tp⌉)`` of the token embedding
+    (`VocabLookup`: other ids look up zeros, the output is all-reduced; the gradient stays sharded) and the same rows
+    of the head's weight, so it computes its slice of the logits from the replicated hidden states (backward: one
+    all-reduce of the input gradient); `lm_loss` takes the cross-entropy on those slices under ``loss_parallel``.
+    A weight tied between the two (one parameter in this part) is sharded once and tied again: both shard its rows.
+
+    Not torch's ``RowwiseParallel`` for the embedding: in torch 2.13 its backward computes the whole V×h gradient on
+    every rank (``embedding_dense_backward`` on replicated inputs) and leaves it Replicate in ``.grad``."""
+    embed = _submodule(part, plan["vocab_embed"])
+    head = _submodule(part, plan["vocab_head"])
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    if embed is not None:
+        embed.weight = nn.Parameter(distribute_tensor(embed.weight, tp_mesh, [Shard(0)]),
+                                    requires_grad=embed.weight.requires_grad)
+        lookup = partial(VocabLookup, embed, tp_mesh, plan["vocab"])
+        original = embed.forward
+
+        def forward(*args, **kwargs):
+            with lookup():
+                return original(*args, **kwargs)
+
+        embed.forward = forward
+    if head is not None:
+        parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1)))
+        if tied:
+            head.weight = embed.weight
+
+
+class VocabLookup(TorchFunctionMode):
+    """Inside a vocabulary-parallel embedding's forward (its own code runs unchanged: a scaled embedding still
+    scales), a lookup in its weight reads this rank's rows of the table, with zeros for ids outside them, and sums
+    the partial results over the tensor-parallel group: one all-reduce forward, none backward, and a gradient that
+    is this rank's rows only."""
+
+    def __init__(self, module: nn.Module, tp_mesh: DeviceMesh, vocab: int):
+        super().__init__()
+        self.module, self.mesh, self.vocab = module, tp_mesh, vocab
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.embedding and len(args) >= 2 and args[1] is self.module.weight:
+            return self.lookup(args[0], padding_idx=kwargs.get("padding_idx", args[2] if len(args) > 2 else None))
+        return func(*args, **kwargs)
+
+    def lookup(self, ids: torch.Tensor, padding_idx: int | None) -> torch.Tensor:
+        weight = self.module.weight
+        table = weight.to_local() if isinstance(weight, DTensor) else weight
+        start = self.mesh.get_local_rank() * -(-self.vocab // self.mesh.size())
+        local = ids - start
+        outside = (local < 0) | (local >= table.shape[0])
+        if padding_idx is not None:
+            padding_idx = padding_idx % self.vocab - start
+            padding_idx = padding_idx if 0 <= padding_idx < table.shape[0] else None
+        rows = F.embedding(local.masked_fill(outside, 0), table, padding_idx=padding_idx)
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0)
+        return DTensor.from_local(rows, self.mesh, [Partial()], run_check=False).redistribute(
+            self.mesh, [Replicate()]).to_local()
+
+
+def _submodule(part: nn.Module, name: str | None):
+    """``part``'s module at the dotted ``name``, or None (no name, or split off on this pipeline stage)."""
+    if not name:
+        return None
+    module = part
+    for attr in name.split("."):
+        module = getattr(module, attr, None)
+        if module is None:
+            return None
+    return module
+
+
 def _is_square(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[-1] == t.shape[-2] > 1
 
@@ -601,8 +687,35 @@ def sync_tied_grads(par: Parallel) -> None:
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, as the zoo models compute it."""
-    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
+    """Mean next-token cross-entropy of ``logits[:, t]`` against ``labels[:, t]`` (no further shift; label −100 is
+    ignored), as the zoo models compute it."""
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, tp_mesh: DeviceMesh, vocab: int) -> torch.Tensor:
+    """`lm_loss` when ``logits`` is this rank's slice of a ``vocab``-wide vocabulary (`apply_vocab_parallel`): torch's
+    ``loss_parallel`` cross-entropy over the slices, whose backward must run inside that context too (`loss_context`,
+    which `planner.emit.train.train_step_loss` holds for the whole step)."""
+    shape = (*logits.shape[:-1], vocab)
+    stride = tuple(math.prod(shape[k + 1 :]) for k in range(len(shape)))
+    logits = DTensor.from_local(logits, tp_mesh, [Shard(logits.dim() - 1)], run_check=False, shape=shape,
+                                stride=stride)
+    return F.cross_entropy(logits.float().view(-1, vocab), labels.reshape(-1)).to_local()
+
+
+def loss_function(plan: dict, mesh: DeviceMesh):
+    """``(logits, labels) → loss`` for this plan: on vocabulary slices when the head is split."""
+    if plan["tp"] > 1 and plan["vocab_head"]:
+        return partial(vocab_parallel_loss, tp_mesh=mesh["tp"], vocab=plan["vocab"])
+    return lm_loss
+
+
+def loss_context(plan: dict):
+    """The context a training step's forward and backward run in: torch's ``loss_parallel`` when the loss works on
+    vocabulary slices."""
+    if plan["tp"] > 1 and plan["vocab_head"]:
+        return loss_parallel()
+    return contextlib.nullcontext()
 
 
 def build_pipeline(par: Parallel) -> None:
@@ -616,6 +729,6 @@ def build_pipeline(par: Parallel) -> None:
     ]
     schedule_cls = SCHEDULES[plan["schedule"]]
     if schedule_cls in (ScheduleGPipe, Schedule1F1B):
-        par.schedule = schedule_cls(par.stages[0], plan["grad_accum"], loss_fn=lm_loss)
+        par.schedule = schedule_cls(par.stages[0], plan["grad_accum"], loss_fn=par.loss_fn)
     else:
-        par.schedule = schedule_cls(par.stages, plan["grad_accum"], loss_fn=lm_loss)
+        par.schedule = schedule_cls(par.stages, plan["grad_accum"], loss_fn=par.loss_fn)

@@ -237,7 +237,7 @@ def _model_section(source: ModelSource) -> tuple[list[str], str]:
             + ('    model.set_experts_implementation("batched_mm")\n' if moe else "")
             + "    return HFCausalLMLoss(model)\n"
         )
-        return ["import torch", "from torch import nn"], body
+        return ["import torch", "import torch.nn.functional as F", "from torch import nn"], body
     if source.family == "file":
         assert source.path is not None and source.factory is not None
         body = (

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from costmodel.runnable import post_step_allreduce
-from planner.emit.runtime import DTYPES, Parallel, sync_tied_grads
+from planner.emit.runtime import DTYPES, Parallel, loss_context, sync_tied_grads
 
 
 def autocast(plan: dict, device: torch.device):
@@ -56,7 +56,7 @@ def train_step_loss(par: Parallel, optimizer: torch.optim.Optimizer, inputs: tor
     x = inputs[dp_rank * rows : (dp_rank + 1) * rows].to(device)
     y = labels[dp_rank * rows : (dp_rank + 1) * rows].to(device)
     optimizer.zero_grad(set_to_none=True)
-    with autocast(plan, device):
+    with autocast(plan, device), loss_context(plan):
         if plan["pp"] > 1:
             n_stages = plan["pp"] * plan["vpp"]
             args = (x,) if 0 in par.stage_indices else ()
@@ -70,7 +70,7 @@ def train_step_loss(par: Parallel, optimizer: torch.optim.Optimizer, inputs: tor
             module, n = par.modules[0], plan["grad_accum"]
             for k, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
                 last = k == n - 1
-                loss = _accumulate(module, xm, ym, n, last, keep_gathered=plan["zero"] == 2)
+                loss = _accumulate(module, par.loss_fn, xm, ym, n, last, keep_gathered=plan["zero"] == 2)
                 local += loss.detach().float()
     if post_step_allreduce(plan["dp"], plan["tp"], plan["zero"], plan["schedule"], plan["pp"]):
         for part in par.parts:
@@ -113,7 +113,7 @@ def allreduce_grads(part: nn.Module, dp: int) -> None:
             bucket, size = [], 0
 
 
-def _accumulate(module: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int, last: bool,
+def _accumulate(module: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, n: int, last: bool,
                 keep_gathered: bool = False) -> torch.Tensor:
     """Forward and backward of one micro-batch. DDP syncs gradients on the last one only; FSDP2 reduce-scatters
     every micro-batch, so that gradients stay sharded through accumulation (as the cost model assumes). With
@@ -123,7 +123,7 @@ def _accumulate(module: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int, las
         module.set_reshard_after_backward(last)
     ctx = module.no_sync() if isinstance(module, DDP) and not last else contextlib.nullcontext()
     with ctx:
-        loss = module(x, y)
+        loss = loss_fn(module(x), y)
         (loss / n).backward()
     return loss / n
 

@@ -16,6 +16,7 @@ from them; to run other code on them, re-enter it with ``torch._guards.detect_fa
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 _TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
@@ -27,7 +28,11 @@ DEFAULT_MAX_SEQ = 2048
 class HFCausalLMLoss(nn.Module):
     """Wraps a Hugging Face LM so ``forward(input_ids, labels)`` returns the scalar loss (logits without labels).
 
-    The wrapped model is ``self.model``, so module paths read ``model.model.layers.0…``.
+    The loss follows autopar's batch contract, the zoo's: ``labels[:, t]`` is the token after ``input_ids[:, t]``,
+    so the cross-entropy compares ``logits[:, t]`` with ``labels[:, t]`` directly (label −100 ignored). Passing
+    ``labels=`` to the model instead would shift them once more (Hugging Face expects labels equal to the inputs).
+    No key/value cache is built: training needs none. The wrapped model is ``self.model``, so module paths read
+    ``model.model.layers.0…``.
     """
 
     def __init__(self, model: nn.Module):
@@ -35,9 +40,10 @@ class HFCausalLMLoss(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.model(input_ids=input_ids, use_cache=False).logits
         if labels is None:
-            return self.model(input_ids=input_ids).logits
-        return self.model(input_ids=input_ids, labels=labels).loss
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def parse_value(text: str) -> bool | int | float | str | None:

@@ -73,6 +73,9 @@ PLAN = {
     "lr": 0.001,
     "seed": 0,
     "init": "full",
+    "vocab": 128,
+    "vocab_embed": "tok_embeddings",
+    "vocab_head": "output",
 }
 STEPS = 10
 VOCAB = 128
@@ -417,6 +420,7 @@ class Parallel:
     schedule: object = None  #: the pipeline schedule (None without pipeline parallelism)
     device: torch.device | None = None  #: where this rank computes
     tied_groups: list = field(default_factory=list)  #: this rank's embedding group per ``plan["tied"]`` entry
+    loss_fn: object = None  #: ``(logits, labels) → loss`` (`loss_function`)
 
 
 def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
@@ -439,7 +443,15 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
         #    optimizer state `build_optimizer` shards), or FSDP2 for ZeRO 2/3.
         module = apply_fsdp(part, plan, mesh["dp"])
         modules.append(module)
-    par = Parallel(plan=plan, mesh=mesh, parts=parts, modules=modules, stage_indices=indices, device=device)
+    par = Parallel(
+        plan=plan,
+        mesh=mesh,
+        parts=parts,
+        modules=modules,
+        stage_indices=indices,
+        device=device,
+        loss_fn=loss_function(plan, mesh),
+    )
     return par
 
 
@@ -499,6 +511,23 @@ def apply_fsdp(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
     return part
 
 
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``logits[:, t]`` against ``labels[:, t]`` (no further shift; label −100 is
+    ignored), as the zoo models compute it."""
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def loss_function(plan: dict, mesh: DeviceMesh):
+    """``(logits, labels) → loss`` for this plan: on vocabulary slices when the head is split."""
+    return lm_loss
+
+
+def loss_context(plan: dict):
+    """The context a training step's forward and backward run in: torch's ``loss_parallel`` when the loss works on
+    vocabulary slices."""
+    return contextlib.nullcontext()
+
+
 def autocast(plan: dict, device: torch.device):
     """Mixed precision for DDP/pipeline runs on GPUs (FSDP casts through its policy; CPU runs stay fp32)."""
     return contextlib.nullcontext()
@@ -531,12 +560,12 @@ def train_step_loss(
     x = inputs[dp_rank * rows : (dp_rank + 1) * rows].to(device)
     y = labels[dp_rank * rows : (dp_rank + 1) * rows].to(device)
     optimizer.zero_grad(set_to_none=True)
-    with autocast(plan, device):
+    with autocast(plan, device), loss_context(plan):
         local = torch.zeros((), device=device)
         module, n = par.modules[0], plan["grad_accum"]
         for k, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
             last = k == n - 1
-            loss = _accumulate(module, xm, ym, n, last, keep_gathered=plan["zero"] == 2)
+            loss = _accumulate(module, par.loss_fn, xm, ym, n, last, keep_gathered=plan["zero"] == 2)
             local += loss.detach().float()
     optimizer.step()
     total = local.reshape(1).clone()
@@ -545,7 +574,7 @@ def train_step_loss(
 
 
 def _accumulate(
-    module: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int, last: bool, keep_gathered: bool = False
+    module: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, n: int, last: bool, keep_gathered: bool = False
 ) -> torch.Tensor:
     """Forward and backward of one micro-batch. DDP syncs gradients on the last one only; FSDP2 reduce-scatters
     every micro-batch, so that gradients stay sharded through accumulation (as the cost model assumes). With
@@ -555,7 +584,7 @@ def _accumulate(
         module.set_reshard_after_backward(last)
     ctx = module.no_sync() if isinstance(module, DDP) and not last else contextlib.nullcontext()
     with ctx:
-        loss = module(x, y)
+        loss = loss_fn(module(x), y)
         (loss / n).backward()
     return loss / n
 

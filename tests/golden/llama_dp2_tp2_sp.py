@@ -17,6 +17,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -24,9 +25,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.overrides import TorchFunctionMode
 
 # --- The plan (module names are plain strings) ---
 
@@ -71,6 +79,9 @@ PLAN = {
     "lr": 0.001,
     "seed": 0,
     "init": "full",
+    "vocab": 128,
+    "vocab_embed": "tok_embeddings",
+    "vocab_head": "output",
 }
 STEPS = 10
 VOCAB = 128
@@ -430,6 +441,7 @@ class Parallel:
     schedule: object = None  #: the pipeline schedule (None without pipeline parallelism)
     device: torch.device | None = None  #: where this rank computes
     tied_groups: list = field(default_factory=list)  #: this rank's embedding group per ``plan["tied"]`` entry
+    loss_fn: object = None  #: ``(logits, labels) → loss`` (`loss_function`)
 
 
 def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
@@ -448,11 +460,20 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
         module = part  # what trains: the part itself, or its data-parallel wrapper
         # 2. Tensor parallel: Megatron column/row layout per block, sequence parallel on the norms.
         apply_tp(part, plan, mesh["tp"])
+        apply_vocab_parallel(part, plan, mesh["tp"])
         # 5. Data parallel, wrapping what the steps above built: DDP with a comm hook (ZeRO 0, and ZeRO 1 whose
         #    optimizer state `build_optimizer` shards), or FSDP2 for ZeRO 2/3.
         module = apply_fsdp(part, plan, mesh["dp"])
         modules.append(module)
-    par = Parallel(plan=plan, mesh=mesh, parts=parts, modules=modules, stage_indices=indices, device=device)
+    par = Parallel(
+        plan=plan,
+        mesh=mesh,
+        parts=parts,
+        modules=modules,
+        stage_indices=indices,
+        device=device,
+        loss_fn=loss_function(plan, mesh),
+    )
     return par
 
 
@@ -550,6 +571,83 @@ def apply_tp(part: nn.Module, plan: dict, tp_mesh: DeviceMesh) -> None:
                 block.register_forward_hook(_convert_output(_to_replicate, tp_mesh))
 
 
+def apply_vocab_parallel(part: nn.Module, plan: dict, tp_mesh: DeviceMesh) -> None:
+    """Megatron-LM's vocabulary parallelism on the modules ``plan`` names (`planner.emit.config.vocab_modules`), where
+    this part holds them. Each tensor-parallel rank keeps rows ``[r·⌈V/tp⌉, (r+1)·⌈V/tp⌉)`` of the token embedding
+    (`VocabLookup`: other ids look up zeros, the output is all-reduced; the gradient stays sharded) and the same rows
+    of the head's weight, so it computes its slice of the logits from the replicated hidden states (backward: one
+    all-reduce of the input gradient); `lm_loss` takes the cross-entropy on those slices under ``loss_parallel``.
+    A weight tied between the two (one parameter in this part) is sharded once and tied again: both shard its rows.
+
+    Not torch's ``RowwiseParallel`` for the embedding: in torch 2.13 its backward computes the whole V×h gradient on
+    every rank (``embedding_dense_backward`` on replicated inputs) and leaves it Replicate in ``.grad``."""
+    embed = _submodule(part, plan["vocab_embed"])
+    head = _submodule(part, plan["vocab_head"])
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    if embed is not None:
+        embed.weight = nn.Parameter(
+            distribute_tensor(embed.weight, tp_mesh, [Shard(0)]), requires_grad=embed.weight.requires_grad
+        )
+        lookup = partial(VocabLookup, embed, tp_mesh, plan["vocab"])
+        original = embed.forward
+
+        def forward(*args, **kwargs):
+            with lookup():
+                return original(*args, **kwargs)
+
+        embed.forward = forward
+    if head is not None:
+        parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1)))
+        if tied:
+            head.weight = embed.weight
+
+
+class VocabLookup(TorchFunctionMode):
+    """Inside a vocabulary-parallel embedding's forward (its own code runs unchanged: a scaled embedding still
+    scales), a lookup in its weight reads this rank's rows of the table, with zeros for ids outside them, and sums
+    the partial results over the tensor-parallel group: one all-reduce forward, none backward, and a gradient that
+    is this rank's rows only."""
+
+    def __init__(self, module: nn.Module, tp_mesh: DeviceMesh, vocab: int):
+        super().__init__()
+        self.module, self.mesh, self.vocab = module, tp_mesh, vocab
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.embedding and len(args) >= 2 and args[1] is self.module.weight:
+            return self.lookup(args[0], padding_idx=kwargs.get("padding_idx", args[2] if len(args) > 2 else None))
+        return func(*args, **kwargs)
+
+    def lookup(self, ids: torch.Tensor, padding_idx: int | None) -> torch.Tensor:
+        weight = self.module.weight
+        table = weight.to_local() if isinstance(weight, DTensor) else weight
+        start = self.mesh.get_local_rank() * -(-self.vocab // self.mesh.size())
+        local = ids - start
+        outside = (local < 0) | (local >= table.shape[0])
+        if padding_idx is not None:
+            padding_idx = padding_idx % self.vocab - start
+            padding_idx = padding_idx if 0 <= padding_idx < table.shape[0] else None
+        rows = F.embedding(local.masked_fill(outside, 0), table, padding_idx=padding_idx)
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0)
+        return (
+            DTensor.from_local(rows, self.mesh, [Partial()], run_check=False)
+            .redistribute(self.mesh, [Replicate()])
+            .to_local()
+        )
+
+
+def _submodule(part: nn.Module, name: str | None):
+    """``part``'s module at the dotted ``name``, or None (no name, or split off on this pipeline stage)."""
+    if not name:
+        return None
+    module = part
+    for attr in name.split("."):
+        module = getattr(module, attr, None)
+        if module is None:
+            return None
+    return module
+
+
 def apply_fsdp(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
     """ZeRO 2-3: FSDP2 per block, then the root. Mixed precision only on GPUs (CPU runs stay fp32); gradients
     reduced in fp32 (as torchtitan does), in bf16/fp16 when the plan compresses."""
@@ -566,6 +664,27 @@ def apply_fsdp(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     return part
+
+
+def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, tp_mesh: DeviceMesh, vocab: int) -> torch.Tensor:
+    """`lm_loss` when ``logits`` is this rank's slice of a ``vocab``-wide vocabulary (`apply_vocab_parallel`): torch's
+    ``loss_parallel`` cross-entropy over the slices, whose backward must run inside that context too (`loss_context`,
+    which `planner.emit.train.train_step_loss` holds for the whole step)."""
+    shape = (*logits.shape[:-1], vocab)
+    stride = tuple(math.prod(shape[k + 1 :]) for k in range(len(shape)))
+    logits = DTensor.from_local(logits, tp_mesh, [Shard(logits.dim() - 1)], run_check=False, shape=shape, stride=stride)
+    return F.cross_entropy(logits.float().view(-1, vocab), labels.reshape(-1)).to_local()
+
+
+def loss_function(plan: dict, mesh: DeviceMesh):
+    """``(logits, labels) → loss`` for this plan: on vocabulary slices when the head is split."""
+    return partial(vocab_parallel_loss, tp_mesh=mesh["tp"], vocab=plan["vocab"])
+
+
+def loss_context(plan: dict):
+    """The context a training step's forward and backward run in: torch's ``loss_parallel`` when the loss works on
+    vocabulary slices."""
+    return loss_parallel()
 
 
 def autocast(plan: dict, device: torch.device):
@@ -600,12 +719,12 @@ def train_step_loss(
     x = inputs[dp_rank * rows : (dp_rank + 1) * rows].to(device)
     y = labels[dp_rank * rows : (dp_rank + 1) * rows].to(device)
     optimizer.zero_grad(set_to_none=True)
-    with autocast(plan, device):
+    with autocast(plan, device), loss_context(plan):
         local = torch.zeros((), device=device)
         module, n = par.modules[0], plan["grad_accum"]
         for k, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
             last = k == n - 1
-            loss = _accumulate(module, xm, ym, n, last, keep_gathered=plan["zero"] == 2)
+            loss = _accumulate(module, par.loss_fn, xm, ym, n, last, keep_gathered=plan["zero"] == 2)
             local += loss.detach().float()
     optimizer.step()
     total = local.reshape(1).clone()
@@ -614,7 +733,7 @@ def train_step_loss(
 
 
 def _accumulate(
-    module: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int, last: bool, keep_gathered: bool = False
+    module: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, n: int, last: bool, keep_gathered: bool = False
 ) -> torch.Tensor:
     """Forward and backward of one micro-batch. DDP syncs gradients on the last one only; FSDP2 reduce-scatters
     every micro-batch, so that gradients stay sharded through accumulation (as the cost model assumes). With
@@ -624,7 +743,7 @@ def _accumulate(
         module.set_reshard_after_backward(last)
     ctx = module.no_sync() if isinstance(module, DDP) and not last else contextlib.nullcontext()
     with ctx:
-        loss = module(x, y)
+        loss = loss_fn(module(x), y)
         (loss / n).backward()
     return loss / n
 

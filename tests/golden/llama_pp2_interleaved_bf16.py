@@ -76,6 +76,9 @@ PLAN = {
     "lr": 0.001,
     "seed": 0,
     "init": "full",
+    "vocab": 128,
+    "vocab_embed": "tok_embeddings",
+    "vocab_head": "output",
 }
 STEPS = 10
 VOCAB = 128
@@ -443,6 +446,7 @@ class Parallel:
     schedule: object = None  #: the pipeline schedule (None without pipeline parallelism)
     device: torch.device | None = None  #: where this rank computes
     tied_groups: list = field(default_factory=list)  #: this rank's embedding group per ``plan["tied"]`` entry
+    loss_fn: object = None  #: ``(logits, labels) → loss`` (`loss_function`)
 
 
 def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
@@ -460,7 +464,15 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
         # 4b. Pipeline-boundary compression: bf16 activations (and their gradients) between stages.
         apply_pp_compress(part, index, plan)
         modules.append(module)
-    par = Parallel(plan=plan, mesh=mesh, parts=parts, modules=modules, stage_indices=indices, device=device)
+    par = Parallel(
+        plan=plan,
+        mesh=mesh,
+        parts=parts,
+        modules=modules,
+        stage_indices=indices,
+        device=device,
+        loss_fn=loss_function(plan, mesh),
+    )
     # 7. Pipeline schedule over this rank's stages.
     build_pipeline(par)
     return par
@@ -508,8 +520,20 @@ def apply_pp_compress(part: nn.Module, stage: int, plan: dict) -> None:
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, as the zoo models compute it."""
-    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
+    """Mean next-token cross-entropy of ``logits[:, t]`` against ``labels[:, t]`` (no further shift; label −100 is
+    ignored), as the zoo models compute it."""
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def loss_function(plan: dict, mesh: DeviceMesh):
+    """``(logits, labels) → loss`` for this plan: on vocabulary slices when the head is split."""
+    return lm_loss
+
+
+def loss_context(plan: dict):
+    """The context a training step's forward and backward run in: torch's ``loss_parallel`` when the loss works on
+    vocabulary slices."""
+    return contextlib.nullcontext()
 
 
 def build_pipeline(par: Parallel) -> None:
@@ -523,9 +547,9 @@ def build_pipeline(par: Parallel) -> None:
     ]
     schedule_cls = SCHEDULES[plan["schedule"]]
     if schedule_cls in (ScheduleGPipe, Schedule1F1B):
-        par.schedule = schedule_cls(par.stages[0], plan["grad_accum"], loss_fn=lm_loss)
+        par.schedule = schedule_cls(par.stages[0], plan["grad_accum"], loss_fn=par.loss_fn)
     else:
-        par.schedule = schedule_cls(par.stages, plan["grad_accum"], loss_fn=lm_loss)
+        par.schedule = schedule_cls(par.stages, plan["grad_accum"], loss_fn=par.loss_fn)
 
 
 def autocast(plan: dict, device: torch.device):
@@ -560,7 +584,7 @@ def train_step_loss(
     x = inputs[dp_rank * rows : (dp_rank + 1) * rows].to(device)
     y = labels[dp_rank * rows : (dp_rank + 1) * rows].to(device)
     optimizer.zero_grad(set_to_none=True)
-    with autocast(plan, device):
+    with autocast(plan, device), loss_context(plan):
         n_stages = plan["pp"] * plan["vpp"]
         args = (x,) if 0 in par.stage_indices else ()
         losses: list = []
