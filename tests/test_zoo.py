@@ -357,6 +357,21 @@ def test_hf_models_build_and_train_on_cpu(name):
         assert model.model.config._experts_implementation == "batched_mm"
 
 
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_hf_loss_follows_the_batch_contract(name):
+    """labels[:, t] is the token after input_ids[:, t]: the wrapper's loss is the cross-entropy of the model's own
+    logits[:, t] against labels[:, t], computed here independently (passing labels= to transformers would shift
+    them a second time and train on token t + 2)."""
+    source = resolve_model(HF_SPECS[name][0])
+    torch.manual_seed(0)
+    model, (input_ids, labels) = source.build(batch=2, seq=16, device="cpu")
+    logits = model.model(input_ids=input_ids).logits
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+    assert model(input_ids, labels).item() == pytest.approx(expected.item(), rel=1e-5)
+    shifted_again = model.model(input_ids=input_ids, labels=labels).loss  # what the wrapper used to return
+    assert abs(shifted_again.item() - expected.item()) > 1e-3
+
+
 def test_hf_meta_build_returns_fake_tensors_that_export():
     spec, _ = HF_SPECS["llama"]
     model, (input_ids, labels) = resolve_model(spec).build(batch=2, seq=16, device="meta")
