@@ -127,7 +127,8 @@ def predict(row: Row, k: Constants | None = None):
     if k is not None:
         cluster = k.apply(cluster, "fit in progress")
     # both published stacks (Megatron-LM, llm-foundry with its fused cross entropy) compute the loss gradient in place
-    return Evaluator(_graph(row.model), cluster, row.config, row.global_batch, in_place_loss=True).evaluate()
+    return Evaluator(_graph(row.model), cluster, row.config, row.global_batch, in_place_loss=True,
+                     gathered_column_inputs=False).evaluate()
 
 
 def _error(rows: list[Row], k: Constants) -> float:

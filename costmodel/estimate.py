@@ -21,10 +21,10 @@ The same composition is what the planner's ILP linearises (planner/search/ilp.py
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from costmodel.cluster import Cluster, group_span
-from costmodel.collectives import all_reduce_time, send_recv_time
+from costmodel.collectives import all_gather_time, all_reduce_time, send_recv_time
 from costmodel.compression import pp_cast_time
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.layercost import CostContext, LayerCost, dtype_bytes, is_tp_layer, layer_cost, owned_params
@@ -145,7 +145,7 @@ class Evaluator:
 
     def __init__(self, lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
                  cache: dict | None = None, measured: tuple[dict, int] | None = None,
-                 in_place_loss: bool = False) -> None:
+                 in_place_loss: bool = False, gathered_column_inputs: bool = True) -> None:
         """``cache``: optional dict shared by Evaluators of the *same* ``lg`` and ``cluster`` (e.g. a planner's
         candidates): the parameter ownership is computed once and layer costs are shared between
         configurations whose (tp, sp, mbs, precision, pp > 1) agree, the only configuration fields they depend on.
@@ -153,7 +153,8 @@ class Evaluator:
         ``measured``: (layer name → measured (forward, backward) seconds, batch) from
         `costmodel.measured.load_measured`, used instead of the roofline's level. ``in_place_loss``: the
         stack's loss computes its gradient in place (`costmodel.layercost.CostContext.in_place_loss`; published runs
-        of other stacks), unlike autopar's runtime."""
+        of other stacks), unlike autopar's runtime; ``gathered_column_inputs``: its column-parallel linears save
+        their whole input, as autopar's runtime does (`CostContext.gathered_column_inputs`; False for Megatron-LM)."""
         check_config(lg, cluster, cfg, global_batch)
         self.lg, self.cluster, self.cfg, self.global_batch = lg, cluster, cfg, global_batch
         self.m = global_batch // (cfg.dp * cfg.mbs)
@@ -168,14 +169,16 @@ class Evaluator:
         self.ctx = CostContext(cluster=cluster, tp=cfg.tp, sp=cfg.sp, mbs=cfg.mbs,
                                captured_batch=lg.model.batch, precision=cfg.precision, act_scale=self.act_scale,
                                tp_span=self.tp_span, measured=measured[0] if measured else None,
-                               measured_batch=measured[1] if measured else 1, in_place_loss=in_place_loss)
+                               measured_batch=measured[1] if measured else 1, in_place_loss=in_place_loss,
+                               gathered_column_inputs=gathered_column_inputs)
         pipelined = cfg.pp > 1  # tied embedding/head weights have a copy on each end of the pipeline
         if ("owned", pipelined) not in shared:
             shared["owned", pipelined] = owned_params(lg, pipelined=pipelined)
         self.owned = shared["owned", pipelined]
         self._tied_numel: float | None = None  # elements of the embedding/head tied weight per rank (pp > 1)
         self._cache: dict[tuple[str, str, AC], LayerCost] = shared.setdefault(
-            ("layer_costs", cfg.tp, cfg.sp, cfg.mbs, cfg.precision, bool(measured), in_place_loss, pipelined), {})
+            ("layer_costs", cfg.tp, cfg.sp, cfg.mbs, cfg.precision, bool(measured), in_place_loss,
+             gathered_column_inputs, pipelined), {})
         self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
 
     # -- per-layer and per-boundary pieces (the ILP's coefficients) ------------------------------------------
@@ -185,8 +188,18 @@ class Evaluator:
             ac = AC.NONE  # the runtime checkpoints blocks only (planner.emit.runtime.apply_ac)
         key = (layer.signature, layer.name if layer.kind != "block" else "", ac)
         if key not in self._cache:
-            self._cache[key] = layer_cost(layer, ac, self.ctx, self.owned[layer.name])
+            c = layer_cost(layer, ac, self.ctx, self.owned[layer.name])
+            if self.cfg.pp > 1 and layer.kind == "head":  # torch's PipelineStage keeps the last stage's output,
+                # the logits (this rank's vocabulary slice under TP), from its forward to its backward (fwd_cache)
+                c = replace(c, act_bytes=c.act_bytes + self.head_output_bytes(layer))
+            self._cache[key] = c
         return self._cache[key]
+
+    def head_output_bytes(self, layer) -> float:
+        """Bytes of the head's output per micro-batch on one rank: its vocabulary projection's output."""
+        out = max((n.output_bytes for n in layer.nodes if n.tp_role == "vocab"), default=0)
+        tp = self.cfg.tp if self.cfg.tp > 1 and is_tp_layer(layer) else 1
+        return out * self.ctx.scale * self.act_scale / tp
 
     def p2p_bytes(self, i: int) -> float:
         """Bytes one rank sends per micro-batch into a stage that starts at layer ``i`` (the gradient comes back
@@ -198,11 +211,28 @@ class Evaluator:
     def _pp_cast(self) -> bool:
         return self.cfg.pp_compress == "bf16" and self.act_scale * dtype_bytes(self.lg.model.dtype) > 2
 
+    def pp_gathers(self, i: int) -> list[float]:
+        """Tensor-parallel all-gathers (gathered bytes) one micro-batch adds at a stage boundary before layer ``i``,
+        as the runtime does it: each scattered transfer is completed by an all-gather (the receiver gathers the
+        activation forward, the sender the gradient backward: `planner.emit.runtime.apply_pp_scatter`); with
+        sequence parallelism the sender's last block also gathers its output and the receiver's first block's
+        sequence slice gathers its gradient (`apply_tp`'s run edges). None without tensor parallelism."""
+        if self.cfg.tp == 1:
+            return []
+        scattered = self.p2p_bytes(i) * self.cfg.tp
+        out = [scattered, scattered]
+        if self.cfg.sp:
+            full = self.lg.layers[i].input_bytes * self.ctx.scale * self.act_scale
+            out += [full, full]
+        return out
+
     def p2p_time(self, i: int) -> float:
-        """Per micro-batch, the activation into layer ``i`` and its gradient back, when a stage starts at i."""
+        """Per micro-batch, the activation into layer ``i`` and its gradient back, when a stage starts at i, with
+        the tensor-parallel all-gathers around them (`pp_gathers`)."""
         nbytes = self.p2p_bytes(i)
         cast = 2 * pp_cast_time(nbytes, self.cluster) if self._pp_cast() else 0.0
-        return 2 * send_recv_time(nbytes, self.pp_cross_node, self.cluster) + cast
+        gather = sum(all_gather_time(g, self.tp_span, self.cluster) for g in self.pp_gathers(i))
+        return 2 * send_recv_time(nbytes, self.pp_cross_node, self.cluster) + cast + gather
 
     def tied_sync_time(self, rank: int) -> float:
         """Megatron's embedding-group all-reduce (`planner.emit.runtime.sync_tied_grads`): with pp > 1 the first and

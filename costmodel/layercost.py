@@ -92,6 +92,10 @@ class CostContext:
     #: llm-foundry's ``loss_fn: fused_crossentropy`` uses; Megatron-LM's vocab-parallel cross entropy): the head adds
     #: no backward working set. autopar's runtime uses ``F.cross_entropy``, which does (traced by `autopar check`)
     in_place_loss: bool = False
+    #: the column-parallel linears save their input whole, as torch's DTensor linears do (the replicated input, or
+    #: under sequence parallelism the all-gathered one; autopar's runtime, traced by `autopar check`); Megatron-LM
+    #: saves only the sequence shard under SP and all-gathers it again in backward (Korthikanti et al. 2022 §4.2.2)
+    gathered_column_inputs: bool = True
 
     @property
     def scale(self) -> float:
@@ -200,8 +204,9 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         fwd += t_f
         bwd += _node_time(n.bwd_flops * k * f, n.bwd_bytes * k * f * ctx.act_scale, ctx, attention=attn)
         fwd_flops += n.fwd_flops * k
-        saved = n.saved_bytes * k * f * ctx.act_scale
-        if n.tp_role in _SHARDED_ROLES and tp_layer:
+        whole = n.tp_role == "column" and ctx.gathered_column_inputs  # its saved input is not split
+        saved = n.saved_bytes * k * (1.0 if whole else f) * ctx.act_scale
+        if n.tp_role in _SHARDED_ROLES and tp_layer and not whole:
             act_sharded += saved
         else:
             act_repl += saved

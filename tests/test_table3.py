@@ -1,7 +1,8 @@
 """Korthikanti et al. 2022 Table 3: for each published configuration (same model, GPU count and global batch), the
 searched plan predicts at least the throughput the cost model predicts for the published configuration
 (t = 8, the published p, selective recomputation, sequence parallel, interleaving with 3 virtual stages for 175B
-and 530B; Megatron 2022 ran unfused attention, hence ``attention=math``, see costmodel/calibrate.py)."""
+and 530B; Megatron 2022 ran unfused attention, hence ``attention=math``, see costmodel/calibrate.py), wherever
+that configuration fits as autopar's runtime runs it."""
 
 from __future__ import annotations
 
@@ -36,4 +37,8 @@ def test_search_matches_or_beats_the_published_configuration(row):
     pub = estimate(lg, cl, cfg, gb)
     r = search(lg, cl, gb, time_limit=8, progress=False)
     assert r.best.estimate.fits
+    if not pub.fits:  # as autopar's runtime would run it: its sequence-parallel linears save the gathered input
+        # (torch's DTensor), where Megatron-LM saves the shard; 1T at p = 64 then needs ~90 GiB on its first stage
+        assert row[0] == "1T", f"{row[0]}: the published configuration no longer fits"
+        return
     assert r.best.estimate.tokens_per_s >= pub.tokens_per_s * (1 - 1e-9), (row[0], r.best.config, cfg)

@@ -12,7 +12,7 @@ Predicted (all from `costmodel`, at the precision the traced runtime runs: fp32 
   tensor-parallel all-reduce payload of `costmodel.layercost.tp_comm_bytes` (traced sequence-parallel
   all-gather + reduce-scatter pairs count as the all-reduce they replace: (AG + RS)/2);
 - pipeline sends and receives: `costmodel.estimate.Evaluator.p2p_bytes` at each of the rank's stage boundaries,
-  forward and back, every micro-batch;
+  forward and back, every micro-batch, and under TP the all-gathers around each (`pp_gathers`), half on each side;
 - FLOPs: the micro-batches × (forward + backward + recomputation) FLOPs of the rank's layers as captured (the
   profiler's per-node counts; attention's backward is 2.5 × its forward, not the 2 × of the model-FLOP
   convention), ÷ tp on tensor-parallel layers.
@@ -109,15 +109,20 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
         if cfg.pp > 1:  # each boundary: the activation forward, its gradient back, every micro-batch
             n_stages = cfg.pp * cfg.vpp
             starts = {s: stage_of.index(s) for s in range(n_stages)}
-            sent = received = 0.0
+            sent = received = gathered = 0.0
             for c in range(r, n_stages, cfg.pp):
-                if c < n_stages - 1:
+                if c < n_stages - 1:  # sends its output, receives its gradient; under TP gathers its side's half
                     sent += ev.p2p_bytes(starts[c + 1])
                     received += ev.p2p_bytes(starts[c + 1])
-                if c > 0:
+                    gathered += sum(ev.pp_gathers(starts[c + 1])) / 2
+                if c > 0:  # receives its input, sends the input's gradient
                     received += ev.p2p_bytes(starts[c])
                     sent += ev.p2p_bytes(starts[c])
+                    gathered += sum(ev.pp_gathers(starts[c])) / 2
             collectives["send@pp"], collectives["recv@pp"] = ev.m * sent, ev.m * received
+            if gathered:  # an all-gather counts as half the all-reduce of its gathered size, as traced
+                collectives["all_reduce_equivalent@tp"] = collectives.get("all_reduce_equivalent@tp", 0.0) + (
+                    ev.m * gathered / 2)
             if ev.tied_sync_time(r):  # the embedding group: the first and the last pipeline rank
                 collectives["all_reduce@" + ("pp" if cfg.pp == 2 else "2 ranks")] = ev.tied_bytes()
         roles.append({"pp_rank": r, "rank": r * cfg.dp * cfg.tp, "memory": memory, "collectives": collectives,
