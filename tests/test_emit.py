@@ -13,13 +13,9 @@ import pytest
 
 from planner.emit.script import emit, write_script
 from planner.plan import Plan
-from tests.test_emit_dist import GPT, LLAMA4, make_plan
+from tests.test_emit_dist import GPT, HF_LLAMA, LLAMA4, _hf_plan, make_plan
 
 GOLDEN = Path(__file__).parent / "golden"
-HF_LLAMA = (
-    "hf:llama:num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
-    "num_key_value_heads=2,vocab_size=128,seq=32"
-)
 ROOT = Path(__file__).resolve().parents[1]
 
 GOLDEN_PLANS = {
@@ -29,23 +25,6 @@ GOLDEN_PLANS = {
     ),
     "llama_dp2_tp2_sp": lambda: make_plan(LLAMA4, 4, dp=2, tp=2, zero=2, sp=True, grad_compress="bf16"),
 }
-
-
-def _hf_plan(**cfg) -> Plan:
-    from planner.plan import LayerStrategy, ParallelConfig
-
-    names = ["embed", "model.model.layers.0", "model.model.layers.1", "head"]
-    config = ParallelConfig(precision="fp32", **cfg)
-    layers = tuple(LayerStrategy(name=n, stage=0, tp=config.tp > 1 and n.startswith("model.")) for n in names)
-    return Plan(
-        model=HF_LLAMA,
-        fingerprint="hand-built",
-        seq=32,
-        global_batch=8,
-        cluster="cpu-local",
-        config=config,
-        layers=layers,
-    )
 
 
 @pytest.mark.parametrize("name", list(GOLDEN_PLANS))

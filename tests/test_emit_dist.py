@@ -23,6 +23,10 @@ pytestmark = pytest.mark.dist
 
 GPT = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128,dropout=0"
 LLAMA4 = "llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32"
+HF_LLAMA = (
+    "hf:llama:num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
+    "num_key_value_heads=2,vocab_size=128,seq=32"
+)
 EXACT = (1e-4, 1e-4)
 CAST = (1e-3, 2e-2)
 POWERSGD = (1e-4, 0.5)
@@ -45,6 +49,15 @@ def make_plan(spec: str, n_blocks: int, *, stages: list[int] | None = None, ac: 
     layers.append(LayerStrategy(name="head", stage=n_stages - 1))
     return Plan(model=spec, fingerprint="hand-built", seq=32, global_batch=global_batch, cluster="cpu-local",
                 config=config, layers=tuple(layers))
+
+
+def _hf_plan(**cfg) -> Plan:
+    """A hand-built plan for the two-layer Hugging Face Llama (blocks at ``model.model.layers``), one stage."""
+    names = ["embed", "model.model.layers.0", "model.model.layers.1", "head"]
+    config = ParallelConfig(precision="fp32", **cfg)
+    layers = tuple(LayerStrategy(name=n, stage=0, tp=config.tp > 1 and n.startswith("model.")) for n in names)
+    return Plan(model=HF_LLAMA, fingerprint="hand-built", seq=32, global_batch=8, cluster="cpu-local",
+                config=config, layers=layers)
 
 
 # name: (world, plan, (loss_rtol, delta_rtol))
@@ -72,6 +85,7 @@ CASES = {
     "gpt_tied_pp2_1f1b": (2, lambda: make_plan(GPT, 2, pp=2, mbs=2, schedule="1f1b"), EXACT),
     "pp_bf16_boundary": (2, lambda: make_plan(LLAMA4, 4, pp=2, mbs=2, pp_compress="bf16"), CAST),
     "dp2_tp2": (4, lambda: make_plan(GPT, 2, dp=2, tp=2), EXACT),
+    "hf_dp2_tp2_zero3": (4, lambda: _hf_plan(dp=2, tp=2, zero=3), EXACT),  # vocab-parallel HF embedding and head
     "fsdp2_tp2_sp": (4, lambda: make_plan(LLAMA4, 4, dp=2, tp=2, zero=3, sp=True), EXACT),
     "pp2_dp2": (4, lambda: make_plan(LLAMA4, 4, pp=2, dp=2, schedule="1f1b"), EXACT),
     "pp2_fsdp2": (4, lambda: make_plan(LLAMA4, 4, pp=2, dp=2, zero=3, schedule="gpipe"), EXACT),
