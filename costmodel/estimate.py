@@ -32,7 +32,7 @@ from costmodel.memory import (
     MemoryBreakdown,
     allowance,
     dp_reduction_temp_bytes,
-    inflight,
+    inflight_chunks,
     state_bytes_per_param,
 )
 from costmodel.overlap import dp_exposed, fsdp_exposed, optimizer_time
@@ -323,7 +323,8 @@ class Evaluator:
         tokens = self.global_batch * lg.model.seq
         stage_est = tuple(
             StageEstimate(index=c, rank=rank_of[c], first=stages[c][0], last=stages[c][-1], time_s=t_stage[c],
-                          inflight=inflight(cfg.schedule, cfg.pp, cfg.vpp, rank_of[c], self.m),
+                          inflight=inflight_chunks(cfg.schedule, cfg.pp, cfg.vpp, rank_of[c], self.m)[
+                              sum(1 for b in range(c) if rank_of[b] == rank_of[c])],
                           memory_bytes=mems[rank_of[c]].peak, memory_parts=mems[rank_of[c]].to_dict())
             for c in range(n_stages))
         return Estimate(
@@ -338,17 +339,23 @@ class Evaluator:
         cfg = self.cfg
         p_b, g_b, o_b = self.static_bytes(params)
         act = 0.0
-        peak_extra = 0.0
+        block_peak = edge_peak = 0.0  # the largest backward working set of a block, and of the embedding/head
+        held = iter(inflight_chunks(cfg.schedule, cfg.pp, cfg.vpp, r, self.m))  # per chunk, in the rank's order
         for c, idx in enumerate(stages):
             if rank_of[c] != r:
                 continue
-            act += inflight(cfg.schedule, cfg.pp, cfg.vpp, r, self.m) * sum(costs[i].act_bytes for i in idx)
-            peak_extra = max([peak_extra] + [costs[i].backward_peak_bytes for i in idx])
-        temp = peak_extra
+            act += next(held) * sum(costs[i].act_bytes for i in idx)
+            for i in idx:
+                if self.lg.layers[i].kind == "block":
+                    block_peak = max(block_peak, costs[i].backward_peak_bytes)
+                else:
+                    edge_peak = max(edge_peak, costs[i].backward_peak_bytes)
         layer_params = [costs[i].param_numel for c, idx in enumerate(stages) if rank_of[c] == r for i in idx]
-        if cfg.zero == 3 and cfg.dp > 1:  # the current and the prefetched layer, gathered in 16 bits
+        if cfg.zero == 3 and cfg.dp > 1:  # the current and the prefetched layer, gathered in 16 bits, while a
+            # block's backward runs; the loss's backward (the head's working set) runs before any gather
             top2 = sorted(layer_params)[-2:]
-            temp += sum(top2) * (4 if cfg.precision == "fp32" else 2)
+            block_peak += sum(top2) * (4 if cfg.precision == "fp32" else 2)
+        temp = max(block_peak, edge_peak)
         temp += dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params)
         if self.grad_kind == "powersgd" and cfg.dp > 1:
             temp += 4 * params  # error feedback: one fp32 copy of the local gradients

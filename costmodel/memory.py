@@ -12,12 +12,13 @@ forward and backward, 2Ψ + 16Ψ/N (2Ψ/N more than the paper's, the gradient sh
 training 4Ψ + 16Ψ/N (the fp32 shard beside the unsharded parameters).
 
 Activations of one micro-batch come from `costmodel.layercost`. How many micro-batches a pipeline rank holds at
-its peak depends on the schedule (`inflight`): GPipe holds all m; 1F1B holds p − r on rank r (Narayanan et al.
-2021 §2.2.1); the interleaved schedule holds torch's warm-up chunks plus one, ((v − 1)·q + 2(p − 1 − r) + 1)/v
-micro-batches on rank r (q = p when m is a multiple of p), which for r = 0 is p + (p − 1)/v, Korthikanti et al.
-2022 eq. 5's factor (1 + (p − 1)/(p·v)) on p micro-batches (for v > 2 the later ranks hold more than (p − r) +
-(p − 1)/v); zero-bubble ZB-H1 keeps 1F1B's peak (Qi et al. 2023
-§3.1). Never more than m.
+its peak depends on the schedule (`inflight_chunks`): GPipe holds all m; 1F1B holds p − r on rank r (Narayanan et
+al. 2021 §2.2.1); the interleaved schedule holds torch's warm-up chunks plus one, ((v − 1)·q + 2(p − 1 − r) + 1)
+chunk-micro-batches on rank r (q = p when m is a multiple of p), on average ((v − 1)·q + 2(p − 1 − r) + 1)/v per
+chunk, which for r = 0 is p + (p − 1)/v, Korthikanti et al. 2022 eq. 5's factor (1 + (p − 1)/(p·v)) on p
+micro-batches (for v > 2 the later ranks hold more than (p − r) + (p − 1)/v), but unevenly: the last rank's last
+chunk, which holds the head, only one; zero-bubble ZB-H1 keeps 1F1B's peak (Qi et al. 2023 §3.1). Never more
+than m per chunk.
 
 Temporaries: the recomputed layer's activations and the gradient working set while a layer's backward runs
 (`costmodel.layercost`), FSDP's all-gathered parameters of the current and the prefetched layer, the data-parallel
@@ -73,22 +74,38 @@ def state_bytes_per_param(precision: str, zero: int, dp: int, pp: int = 1) -> tu
     return p, g, k
 
 
-def inflight(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> float:
-    """Micro-batches whose activations pipeline rank ``rank`` holds at its peak (see the module docstring)."""
+def inflight_chunks(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> list[float]:
+    """Micro-batches whose activations each of pipeline rank ``rank``'s ``vpp`` stages (its chunks, in order)
+    holds at the rank's peak (see the module docstring). Interleaved: torch 2.13's ScheduleInterleaved1F1B
+    (schedules.py, _get_warmup_ops) runs (v − 1)·q + 2(p − 1 − r) forward chunks before its first backward and
+    one more in steady state, assigning forwards to the rank's chunks in rounds of q = m // max(1, m // p)
+    micro-batches; so the last rank's last chunk (the head's) holds one, its earlier chunks q each."""
     if pp == 1:
-        return 1.0
-    if schedule == Schedule.GPIPE:
-        n = micro_batches
-    elif schedule == Schedule.INTERLEAVED:
-        # torch 2.13 ScheduleInterleaved1F1B (schedules.py, _get_warmup_ops): rank r runs (v − 1)·q + 2(p − 1 − r)
-        # forward chunks before its first backward, q = m // max(1, m // p) micro-batches per round, and holds one
-        # more in steady state; a chunk is 1/v of the rank's layers
+        return [1.0] * vpp
+    if schedule == Schedule.INTERLEAVED:
         q = micro_batches // max(1, micro_batches // pp)
-        chunks = min((vpp - 1) * q + 2 * (pp - 1 - rank) + 1, micro_batches * vpp)
-        n = chunks / vpp
-    else:  # 1F1B and ZB-H1
-        n = pp - rank
-    return float(min(n, micro_batches))
+        ops = min((vpp - 1) * q + 2 * (pp - 1 - rank) + 1, micro_batches * vpp)
+        counts = [0] * vpp
+        for k in range(ops):
+            counts[(k // q) % vpp] += 1
+        return [float(min(c, micro_batches)) for c in counts]
+    n = micro_batches if schedule == Schedule.GPIPE else pp - rank  # 1F1B and ZB-H1: p − r
+    return [float(min(n, micro_batches))] * vpp
+
+
+def inflight(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> float:
+    """Micro-batches in flight on pipeline rank ``rank`` averaged over its chunks (`inflight_chunks`): the weight of
+    a block when the blocks are spread evenly over the rank's chunks."""
+    counts = inflight_chunks(schedule, pp, vpp, rank, micro_batches)
+    return sum(counts) / len(counts)
+
+
+def edge_inflight(schedule: Schedule, pp: int, vpp: int, micro_batches: int) -> tuple[float, float]:
+    """(embedding, head): the micro-batches in flight on the first rank's first chunk and on the last rank's last
+    chunk, where the layers outside the blocks live."""
+    first = inflight_chunks(schedule, pp, vpp, 0, micro_batches)[0]
+    last = inflight_chunks(schedule, pp, vpp, (pp * vpp - 1) % pp, micro_batches)[-1]
+    return first, last
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,8 @@
   per step under the first forward.
 - ZeRO-3 (FSDP2): every micro-batch all-gathers each layer's parameters for forward and again for backward,
   prefetching one layer ahead, and reduce-scatters its gradients; the communication longer than the compute it
-  overlaps is exposed, plus the first layer's all-gather, which nothing hides.
+  overlaps is exposed, plus the first layer's all-gather, which nothing hides. Under pipelining the gradients are
+  reduce-scattered once per step and the parameters gathered m + 1 times, not 2m (`fsdp_gather_share`).
 - While communication overlaps compute, the compute slows down by the device's ``overlap_slowdown`` (the
   collective kernels take SMs and memory bandwidth); that cost is added to the exposed time.
 """
@@ -82,12 +83,23 @@ def dp_exposed(rank_costs: list[LayerCost], ev: SyncView) -> tuple[float, float]
     return exposed, encode
 
 
+def fsdp_gather_share(cfg, m: int) -> float:
+    """ZeRO-3's parameter all-gathers per micro-batch, as a share of one before the forward and one before the
+    backward. Under pipelining torch's PipelineStage keeps the parameters unsharded after every backward but the
+    last (``set_reshard_after_backward(False)``, pipelining/stage.py) while FSDP still reshards after each forward,
+    so a stage gathers before an op only when its previous op was a forward (or it is the first): a stage's ops
+    run F^w (F B)^k B^w in every torch 2.13 schedule, m + 1 gathers per step instead of 2m (traced by
+    `autopar check`)."""
+    return (m + 1) / (2 * m) if cfg.fsdp_in_pipeline else 1.0
+
+
 def fsdp_exposed(stage_costs: list[LayerCost], ev: SyncView) -> float:
     """Per micro-batch, the ZeRO-3 parameter all-gathers and gradient reduce-scatters not hidden by compute."""
     span, cluster = ev.dp_span, ev.cluster
     slow = cluster.device.overlap_slowdown
     pbytes = 4 if ev.cfg.precision == "fp32" else 2
-    ag = [all_gather_time(c.param_numel * pbytes, span, cluster) for c in stage_costs]
+    share = fsdp_gather_share(ev.cfg, ev.m)
+    ag = [share * all_gather_time(c.param_numel * pbytes, span, cluster) for c in stage_costs]
     # pipelined, the reduce-scatter runs once per step after the last backward (dp_exposed), not per micro-batch
     rs_bytes = 0.0 if ev.cfg.fsdp_in_pipeline else GRAD_REDUCE_BYTES
     rs = [reduce_scatter_time(c.param_numel * rs_bytes, span, cluster) for c in stage_costs]
@@ -120,7 +132,8 @@ def dp_step_bytes(cfg, params: float, m: int) -> dict[str, float]:
         return {}
     rs = 1 if cfg.fsdp_in_pipeline else m  # reduce-scatters per step
     if cfg.zero == 3:  # fsdp_exposed: per micro-batch, gathered for forward and again for backward
-        return {"all_gather": 2 * m * params * pbytes, "reduce_scatter": rs * params * GRAD_REDUCE_BYTES}
+        gathers = 2 * m * fsdp_gather_share(cfg, m)
+        return {"all_gather": gathers * params * pbytes, "reduce_scatter": rs * params * GRAD_REDUCE_BYTES}
     if cfg.zero == 2:  # dp_exposed: a reduce-scatter per micro-batch (pipelined: per step), one all-gather
         return {"all_gather": params * pbytes, "reduce_scatter": rs * params * GRAD_REDUCE_BYTES}
     out = {} if kind == "powersgd" else {"all_reduce": params * (2 if kind in ("bf16", "fp16") else GRAD_REDUCE_BYTES)}

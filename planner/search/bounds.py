@@ -57,10 +57,11 @@ from costmodel.memory import (
     FRAGMENTATION,
     RUNTIME_RESERVED_BYTES,
     dp_reduction_temp_bytes,
+    edge_inflight,
     inflight,
     state_bytes_per_param,
 )
-from costmodel.overlap import GRAD_REDUCE_BYTES, optimizer_time
+from costmodel.overlap import GRAD_REDUCE_BYTES, fsdp_gather_share, optimizer_time
 from planner.search.ilp import GRAD_OPTIONS
 from profiler.graph import LayerGraph
 
@@ -186,7 +187,9 @@ class Bounds:
         own = cfg.vpp * p if p > 1 else 0
         # Σ_r n_r / inflight_r is least with the blocks beyond one per stage on the rank with the most in flight
         total -= per * g.block_params * (inv_own + (nb - own) * inv_least)
-        return total - g.pre_act - g.post_act
+        k_pre, k_post = edge_inflight(cfg.schedule, p, cfg.vpp, m)  # their own chunks' counts, over the rank's
+        return (total - g.pre_act * k_pre / inflight(cfg.schedule, p, cfg.vpp, 0, m)
+                - g.post_act * k_post / inflight(cfg.schedule, p, cfg.vpp, last, m))
 
     def _integral_bottleneck(self, cfg: ParallelConfig, g: _Group, p2p: float) -> float:
         p, v, S = cfg.pp, cfg.vpp, cfg.pp * cfg.vpp
@@ -218,7 +221,8 @@ class Bounds:
             fixed_t += p2p * (v - 1 if r == 0 else v)
             budget = cap - temp - per * ((g.pre_params if r == 0 else 0.0) + (g.post_params if r == (S - 1) % p
                                                                                 else 0.0))
-            budget -= k * ((g.pre_act if r == 0 else 0.0) + (g.post_act if r == (S - 1) % p else 0.0))
+            k_pre, k_post = edge_inflight(cfg.schedule, p, v, m)
+            budget -= (k_pre * g.pre_act if r == 0 else 0.0) + (k_post * g.post_act if r == (S - 1) % p else 0.0)
             ranks.append((fixed_t, budget, [(t, per * g.block_params + k * act) for act, t in g.block_opts]))
         nb = len(self.blocks)
 
@@ -251,7 +255,8 @@ class Bounds:
             return 0.0
         sl = self.cluster.device.overlap_slowdown
         S = cfg.pp * cfg.vpp
-        ag, rs = g.ag[ev.dp_span], g.rs[ev.dp_span]
+        share = fsdp_gather_share(cfg, ev.m)
+        ag, rs = [share * a for a in g.ag[ev.dp_span]], g.rs[ev.dp_span]
         if cfg.fsdp_in_pipeline:
             rs = [0.0] * len(rs)  # once per step after the pipeline: in _finish
         xf, xl, xr = S * min(ag), S * min(ag), S * min(rs)
@@ -312,11 +317,12 @@ class Bounds:
         per = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp, cfg.pp))
         temp = dp_reduction_temp_bytes(cfg, "none", 0.0)
         block_act = g.block_opts_act_min
-        first = (per * (g.pre_params + cfg.vpp * g.block_params)
-                 + inflight(cfg.schedule, cfg.pp, cfg.vpp, 0, m) * (g.pre_act + cfg.vpp * block_act))
+        k_pre, k_post = edge_inflight(cfg.schedule, cfg.pp, cfg.vpp, m)
+        first = (per * (g.pre_params + cfg.vpp * g.block_params) + k_pre * g.pre_act
+                 + inflight(cfg.schedule, cfg.pp, cfg.vpp, 0, m) * cfg.vpp * block_act)
         last_rank = (cfg.pp * cfg.vpp - 1) % cfg.pp
-        last = (per * (g.post_params + cfg.vpp * g.block_params)
-                + inflight(cfg.schedule, cfg.pp, cfg.vpp, last_rank, m) * (g.post_act + cfg.vpp * block_act))
+        last = (per * (g.post_params + cfg.vpp * g.block_params) + k_post * g.post_act
+                + inflight(cfg.schedule, cfg.pp, cfg.vpp, last_rank, m) * cfg.vpp * block_act)
         if cfg.pp == 1:
             n = len(self.blocks)
             first = per * g.params + g.pre_act + g.post_act + n * block_act

@@ -39,10 +39,12 @@ Constraint families, one function each:
    window, L the last bucket. Written as s·C + G with G ≥ (1 − s)·x, G ≥ 0, G ≥ L − s·P and P ≤ max(0, x) by a
    binary δ (P ≤ x + M(1 − δ), P ≤ M·δ): the concave part of the max is what needs the binary. ZeRO-2: two tight
    epigraphs as in 3. ZeRO-1 adds the parameter all-gather (tabulated).
-6. `add_memory`: per rank, 1.05·(params + grads + optimizer + in-flight activations + recompute peak +
-   temporaries) + reserve ≤ capacity (`costmodel.memory`); the recompute peak is the max over the rank's layers,
-   rec_peak[r] ≥ peak_a·uses_ac[r, a] with blocks[c, a] ≤ nb·uses_ac[r, a]; PowerSGD's error buffer is gated by
-   its compress binary.
+6. `add_memory`: per rank, 1.05·(params + grads + optimizer + in-flight activations + backward peak +
+   temporaries) + reserve ≤ capacity (`costmodel.memory`); blocks weigh the rank's average in-flight count, the
+   embedding and head their own chunk's; the backward peak is the max over the rank's layers, rec_peak[r] ≥
+   peak_a·uses_ac[r, a] + gathered_r (ZeRO-3's gathered layers, during a block's backward) with blocks[c, a] ≤
+   nb·uses_ac[r, a], and rec_peak[r] ≥ the embedding's and head's own; PowerSGD's error buffer is gated by its
+   compress binary.
 
 Decode (`decode`) assigns blocks in order (stage 0 first; within a stage AC modes in the order none, selective,
 full), checks one AC per layer, contiguous non-empty stages and memory, and re-evaluates with
@@ -65,9 +67,17 @@ from costmodel.memory import (
     FRAGMENTATION,
     RUNTIME_RESERVED_BYTES,
     dp_reduction_temp_bytes,
+    edge_inflight,
     inflight,
+    inflight_chunks,
 )
-from costmodel.overlap import GRAD_REDUCE_BYTES, optimizer_time, zero1_sync_time, zero2_gather_time
+from costmodel.overlap import (
+    GRAD_REDUCE_BYTES,
+    fsdp_gather_share,
+    optimizer_time,
+    zero1_sync_time,
+    zero2_gather_time,
+)
 from planner.search.ilp_data import (  # noqa: F401 - re-exported: the ILP's data and options
     AC_ORDER,
     GRAD_OPTIONS,
@@ -233,8 +243,10 @@ class Model:
         span, cl = ev.dp_span, ev.cluster
         pbytes = 4 if d.cfg.precision == "fp32" else 2
 
+        share = fsdp_gather_share(d.cfg, ev.m)
+
         def ag(i):
-            return all_gather_time(ev.cost(i, AC.NONE).param_numel * pbytes, span, cl)
+            return share * all_gather_time(ev.cost(i, AC.NONE).param_numel * pbytes, span, cl)
 
         rs_bytes = 0.0 if d.cfg.fsdp_in_pipeline else GRAD_REDUCE_BYTES  # once per step
 
@@ -371,26 +383,35 @@ class Model:
         for r in range(d.pp):
             stages = _units_of(d, r)
             params = self.tab(r, lambda n, r=r: self._params(r, n))[0]
-            act = inflight(cfg.schedule, cfg.pp, cfg.vpp, r, d.m) * self.layer_sum(
-                stages, lambda x: self._b(x.act_bytes))
+            # blocks at the rank's average in-flight count (decoding spreads them evenly over its chunks), the
+            # embedding and head at their own chunk's (costmodel.memory.inflight_chunks)
+            k = inflight(cfg.schedule, cfg.pp, cfg.vpp, r, d.m)
+            act = k * self.layer_sum(stages, lambda x: self._b(x.act_bytes))
+            k_edge = dict(zip(("pre", "post"), edge_inflight(cfg.schedule, cfg.pp, cfg.vpp, d.m)))
+            for i, rr in d.fixed_rank.items():
+                if rr == r:
+                    ki = k_edge["pre" if i in d.pre else "post"]
+                    act += sum((ki - k) * self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a]
+                               for a in d.fixed_acs[i])
             # the recomputation peak is the largest over the rank's layers
             peak = self.rec_peak[r] = s.NumVar(0, self.inf, f"rec_peak[{r}]")
+            gathered = 0.0  # ZeRO-3: the current and the prefetched layer, gathered in 16 bits during a block's
+            # backward (the head's loss backward runs before any gather: costmodel.estimate._rank_memory)
+            if cfg.zero == 3 and cfg.dp > 1:
+                pb = 4 if cfg.precision == "fp32" else 2
+                gathered = self.tab(r, lambda n, r=r, pb=pb: self._b(pb * sum(sorted(
+                    x.param_numel for x in _rank_layer_costs(d, r, n))[-2:])))[0]
             if d.blocks:
                 for a in d.acs:
                     u = self.uses_ac[r, a] = s.BoolVar(f"uses_ac[{r},{a.value}]")
                     for c in stages:
                         s.Add(self.blocks[c, a] <= nb * u)
-                    s.Add(peak >= self._b(ev.cost(d.blocks[0], a).backward_peak_bytes) * u)
+                    s.Add(peak >= self._b(ev.cost(d.blocks[0], a).backward_peak_bytes) * u + gathered)
             for i, rr in d.fixed_rank.items():
                 if rr == r:
                     s.Add(peak >= sum(self._b(ev.cost(i, a).backward_peak_bytes) * self.fixed_ac[i, a]
                                       for a in d.fixed_acs[i]))
-            temp = 0.0
-            if cfg.zero == 3 and cfg.dp > 1:  # the current and the prefetched layer, gathered in 16 bits
-                pb = 4 if cfg.precision == "fp32" else 2
-                temp = self.tab(r, lambda n, r=r, pb=pb: self._b(pb * sum(sorted(
-                    x.param_numel for x in _rank_layer_costs(d, r, n))[-2:])))[0]
-            allocated = self._b(per_param) * params + act + peak + temp
+            allocated = self._b(per_param) * params + act + peak
             for k in d.grad_opts:
                 kind = parse_grad_compress(k)[0]
                 extra = self.tab(r, lambda n, r=r, kind=kind: self._b(dp_reduction_temp_bytes(  # a bucket's copy
@@ -445,15 +466,20 @@ class Model:
             assert len(chosen) == 1, f"layer {i}: {len(chosen)} AC modes chosen"
             acs[i] = chosen[0]
             stage_of[i] = 0 if i in d.pre else d.S - 1
-        # a unit's blocks are split evenly over its stages (earlier stages take the extra ones), AC modes in order
+        # a unit's blocks are split evenly over its stages, AC modes in order (most activations first) onto the
+        # stages with the fewest micro-batches in flight first, which also take the extra ones: the rank then holds
+        # no more than the ILP's average-weighted activations (rearrangement inequality)
+        cfg = d.cfg
         per_stage: dict[int, list[AC]] = {}
         for u, stages in enumerate(d.units):
             modes = [a for a in d.acs for _ in range(round(self.blocks[u, a].solution_value()))]
             base, extra = divmod(len(modes), len(stages))
+            held = inflight_chunks(cfg.schedule, cfg.pp, cfg.vpp, stages[0] % d.pp, d.m)
+            order = sorted(range(len(stages)), key=lambda j: (held[stages[j] // d.pp], j))
             k = 0
-            for j, c in enumerate(stages):
-                take = base + (1 if j < extra else 0)
-                per_stage[c], k = modes[k:k + take], k + take
+            for rank_in_order, j in enumerate(order):
+                take = base + (1 if rank_in_order < extra else 0)
+                per_stage[stages[j]], k = modes[k:k + take], k + take
         it = iter(d.blocks)
         for c in range(d.S):
             for a in per_stage[c]:
