@@ -56,7 +56,7 @@ def run(model: str, cluster: str, gb: int, fix: str, work: Path) -> dict:
     if out.returncode:
         return {"error": out.stderr.strip().splitlines()[-1], "plan_s": t1 - t0}
     res = json.loads(out.stdout)
-    traced = [r for r in res["roles"] if r["errors"]["memory"]]  # zero-bubble ranks are traced without memory
+    traced = [r for r in res["roles"] if r["errors"]["memory"]]
     part = "(not traced)"
     if traced:
         role = max(traced, key=lambda r: max(r["errors"]["memory"].values()))

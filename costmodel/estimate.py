@@ -32,6 +32,7 @@ from costmodel.memory import (
     MemoryBreakdown,
     allowance,
     dp_reduction_temp_bytes,
+    held_states,
     inflight_chunks,
     state_bytes_per_param,
 )
@@ -338,13 +339,13 @@ class Evaluator:
     def _rank_memory(self, r, rank_of, stages, costs, params) -> MemoryBreakdown:
         cfg = self.cfg
         p_b, g_b, o_b = self.static_bytes(params)
-        act = 0.0
+        mine = [idx for c, idx in enumerate(stages) if rank_of[c] == r]  # the rank's chunks, in order
+        full = [sum(costs[i].act_bytes for i in idx) for idx in mine]
+        pending = [sum(costs[i].pending_bytes for i in idx) for idx in mine]
+        act = max(sum(f * a + p * b for f, p, a, b in zip(fs, ps, full, pending))
+                  for fs, ps in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, self.m))
         block_peak = edge_peak = 0.0  # the largest backward working set of a block, and of the embedding/head
-        held = iter(inflight_chunks(cfg.schedule, cfg.pp, cfg.vpp, r, self.m))  # per chunk, in the rank's order
-        for c, idx in enumerate(stages):
-            if rank_of[c] != r:
-                continue
-            act += next(held) * sum(costs[i].act_bytes for i in idx)
+        for idx in mine:
             for i in idx:
                 if self.lg.layers[i].kind == "block":
                     block_peak = max(block_peak, costs[i].backward_peak_bytes)

@@ -66,6 +66,11 @@ class LayerCost:
     recompute_flops: float  #: recomputed FLOPs of the whole layer, for hardware FLOPs
     grad_matrices: tuple[tuple[int, int], ...]  #: local 2-D gradient shapes (for PowerSGD), others count as vectors
     param_tensors: int = 0  #: parameter tensors the layer owns (collectives issued per tensor)
+    #: what torch's zero-bubble schedule keeps of a micro-batch from its input-gradient pass to its weight pass
+    #: (pipelining/_backward.py, ``stage_backward_input``, which runs ``autograd.grad(retain_graph=True)``): the
+    #: retained graph's saved activations (all of them: `autopar check` traces no less) and the gradients at the
+    #: outputs of the ops reading a parameter, kept for the weight pass
+    pending_bytes: float = 0.0
 
     @property
     def tp_comm_s(self) -> float:
@@ -196,9 +201,12 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     act_sharded = act_repl = core_act = 0.0
     fwd_flops = core_flops = 0.0
     widest = 0.0  # the largest output of any node: its gradient, and the gradient of its input, meet in backward
+    weight_outputs = 0.0
     for n in layer.nodes:
         f = _shard(n, ctx.tp, ctx.sp, tp_layer)
         widest = max(widest, n.output_bytes * k * f * ctx.act_scale)
+        if n.params:
+            weight_outputs += n.output_bytes * k * f * ctx.act_scale
         attn = n.kind == "attention"
         t_f = _node_time(n.fwd_flops * k * f, n.fwd_bytes * k * f * ctx.act_scale, ctx, attention=attn)
         fwd += t_f
@@ -266,6 +274,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         fwd_s=fwd, bwd_s=bwd, recompute_s=rec, tp_comm_fwd_s=comm_f, tp_comm_bwd_s=comm_b + rec_comm, act_bytes=act,
         backward_peak_bytes=rec_peak + grad_working_set, param_numel=param_numel, fwd_flops=fwd_flops,
         recompute_flops=rec_flops, grad_matrices=tuple(matrices), param_tensors=len(counted),
+        pending_bytes=act + weight_outputs,
     )
 
 

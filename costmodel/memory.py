@@ -30,6 +30,7 @@ allocated peak for caching-allocator fragmentation.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -89,8 +90,64 @@ def inflight_chunks(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batc
         for k in range(ops):
             counts[(k // q) % vpp] += 1
         return [float(min(c, micro_batches)) for c in counts]
-    n = micro_batches if schedule == Schedule.GPIPE else pp - rank  # 1F1B and ZB-H1: p − r
+    if schedule == Schedule.ZERO_BUBBLE:  # those holding all their activations (`zero_bubble_states`; the memory
+        # model adds those pending a weight pass: `held_states`)
+        return [max(full[c] for full, _ in zero_bubble_states(pp, vpp, rank, micro_batches)) for c in range(vpp)]
+    n = micro_batches if schedule == Schedule.GPIPE else pp - rank  # 1F1B: p − r
     return [float(min(n, micro_batches))] * vpp
+
+
+def held_states(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> list[tuple[tuple, tuple]]:
+    """The states of the rank's chunks that can set its activation peak, each ``(full, pending)``: per chunk, the
+    micro-batches holding all their activations, and (zero-bubble only) those whose input gradient is done but not
+    their weight gradient, which keep only what the weight pass needs (`costmodel.layercost.LayerCost.
+    pending_bytes`). Other schedules have one state, `inflight_chunks` full."""
+    if pp > 1 and schedule == Schedule.ZERO_BUBBLE:
+        return list(zero_bubble_states(pp, vpp, rank, micro_batches))
+    return [(tuple(inflight_chunks(schedule, pp, vpp, rank, micro_batches)), (0.0,) * vpp)]
+
+
+@functools.lru_cache(maxsize=4096)
+def zero_bubble_states(pp: int, vpp: int, rank: int, micro_batches: int) -> tuple[tuple[tuple, tuple], ...]:
+    """The Pareto-maximal ``(full, pending)`` states (`held_states`) of a rank under torch 2.13's zero-bubble
+    schedule, read off the schedule torch builds (``ScheduleInterleavedZeroBubble._calculate_single_rank_operations``:
+    ``_get_warmup_ops`` and ``_get_1f1b_rank_ops`` with ``enable_zero_bubble``), not a formula: a micro-batch is
+    full from its forward to its input-gradient pass, then pending until its weight pass (the input pass detaches
+    the stage outputs, so only the weight ops' part of the graph stays); weight passes trail input passes by the
+    rank's index, so later ranks hold more than 1F1B's p − r."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    rounds = max(1, micro_batches // pp)
+    per_round = micro_batches // rounds
+    warmup = torch_schedules._get_warmup_ops(rank, vpp, per_round, pp, micro_batches, multiply_factor=1)
+    total = vpp * micro_batches
+    steady = total - warmup
+
+    def forward_stage(step):
+        return ((step // per_round) % vpp) * pp + rank
+
+    def backward_stage(step):
+        return (vpp - 1 - ((step - warmup) // per_round) % vpp) * pp + rank
+
+    ops = torch_schedules._get_1f1b_rank_ops(vpp, pp, warmup, steady, total - steady, rank, forward_stage,
+                                            backward_stage, rank, enable_zero_bubble=True)
+    full, pending = [0] * vpp, [0] * vpp
+    states = set()
+    for op in ops:
+        if op is None:
+            continue
+        chunk, kind = op.stage_index // pp, op.computation_type.value
+        if kind == "F":
+            full[chunk] += 1
+        elif kind == "I":
+            full[chunk] -= 1
+            pending[chunk] += 1
+        elif kind == "W":
+            pending[chunk] -= 1
+        states.add((tuple(full), tuple(pending)))
+    keep = [a for a in states if not any(b != a and all(x >= y for x, y in zip(b[0] + b[1], a[0] + a[1]))
+                                         for b in states)]
+    return tuple(sorted((tuple(float(x) for x in f), tuple(float(x) for x in p)) for f, p in keep))
 
 
 def inflight(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> float:

@@ -91,6 +91,19 @@ def test_pipeline_roles_trace_their_boundaries():
             assert role["errors"]["collectives"][kind] <= 0.02, (kind, role["predicted"]["collectives"],
                                                                   role["traced"]["collectives"])
     assert result["unreduced_params"] == []
+    assert all(role["traced"]["memory"]["peak"] > 0 for role in result["roles"])  # zero-bubble ranks too
+
+
+def test_zero_bubble_holds_what_torchs_schedule_keeps():
+    """The states the memory model takes from torch's zero-bubble schedule, pinned on pp = 2, m = 4, where torch
+    2.13 orders rank 0 F0 F1 I0 W0 F2 I1 W1 … and rank 1 F0 I0 F1 I1 W0 F2 …: (full, pending) micro-batches. The
+    last rank holds two where 1F1B holds one."""
+    from costmodel.config import Schedule
+    from costmodel.memory import held_states, inflight
+
+    assert held_states(Schedule.ZERO_BUBBLE, 2, 1, 0, 4) == [((1.0,), (1.0,)), ((2.0,), (0.0,))]
+    assert held_states(Schedule.ZERO_BUBBLE, 2, 1, 1, 4) == [((0.0,), (2.0,)), ((1.0,), (1.0,))]
+    assert inflight(Schedule.ONE_F_ONE_B, 2, 1, 1, 4) == 1.0
 
 
 def _old_zero_bubble_rule(dp, tp, zero, schedule, pp) -> bool:

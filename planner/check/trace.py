@@ -21,8 +21,8 @@ apply on GPUs only), so a bf16 plan is traced, and compared, at fp32. Two things
 supplied by the harness, each the same as what torch would have computed: pipeline stages get their boundary shapes
 from the model's own forward on the meta device instead of torch 2.13's vote and metadata exchange
 (`_static_stages`), and DDP's built-in all-reduce becomes the same reduction as a Python hook
-(`_python_allreduce_hooks`). Zero-bubble pipeline ranks are traced without memory: the tracker follows backward with
-module hooks that ``autograd.grad`` (which zero-bubble's input-gradient pass uses) refuses.
+(`_python_allreduce_hooks`). A stage's received activations reach its module as views of the receive buffers
+(`_as_views`), so that torch's memory tracker can follow zero-bubble's ``autograd.grad`` input-gradient pass.
 """
 
 from __future__ import annotations
@@ -275,19 +275,14 @@ def trace_rank(plan: Plan, rank: int) -> Trace:
         counter = _Collectives(_mesh_groups(mesh))
         with fake:  # the optimizer state a steady-state step holds (AdamW creates it at its first step)
             _create_optimizer_state(par, optimizer)
-        # torch's MemTracker follows backward through module hooks that autograd.grad() refuses, and zero-bubble
-        # computes its input gradients with autograd.grad(): such ranks are traced without memory
-        memory = None
-        tracker = None if (config["pp"] > 1 and config["schedule"] == "zb") else _CategoryPeaks()
-        if tracker is not None:
-            tracker.track_external(*par.modules, getattr(optimizer, "optim", optimizer))  # ZeRO-1: its local optim
-        with fake, tracker or contextlib.nullcontext(), counter, _inner_collectives(counter):
+        tracker = _CategoryPeaks()
+        tracker.track_external(*par.modules, getattr(optimizer, "optim", optimizer))  # ZeRO-1: its local optim
+        with fake, tracker, counter, _inner_collectives(counter):
             train.train_step_loss(par, optimizer, inputs, labels)
-        if tracker is not None:
-            by = tracker.category_max  # each category's maximum over the step; "Total" is the peak itself
-            memory = {"params": by["Parameter"] + by["Buffer"], "grads": by["Gradient"],
-                      "optimizer": by["Optstate"], "activations": by["Activation"],
-                      "temporaries": by["Temp"] + by["Other"], "peak": by["Total"]}
+        by = tracker.category_max  # each category's maximum over the step; "Total" is the peak itself
+        memory = {"params": by["Parameter"] + by["Buffer"], "grads": by["Gradient"],
+                  "optimizer": by["Optstate"], "activations": by["Activation"],
+                  "temporaries": by["Temp"] + by["Other"], "peak": by["Total"]}
         collectives: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
         reduced = 0.0
         for kind, group, nbytes, elems in counter.log:
@@ -348,6 +343,20 @@ def _static_stages(par, config: dict, build) -> None:
         # a tensor made inside FakeTensorMode from a literal keeps its value, so the schedule's .item() works
         stage._warmup_forward_vote = lambda has_backward, received_acc=None: torch.tensor([1], dtype=torch.int32)
         stage._warmup_backward_result = lambda received_result=None: torch.tensor([1], dtype=torch.int32)
+        stage._retrieve_recv_activations = _as_views(stage._retrieve_recv_activations)
+
+
+def _as_views(retrieve):
+    """A stage's received activations as views of the receive buffers (no copy): torch's MemTracker hooks the
+    stage module's inputs with a multi-grad hook, which autograd.grad() (the zero-bubble schedule's input
+    gradients) refuses on a leaf tensor; a view is not a leaf, and its gradient is the buffer's."""
+
+    def call(*args, **kwargs):
+        received = retrieve(*args, **kwargs)
+        return tuple(t.view_as(t) if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad else t
+                     for t in received)
+
+    return call
 
 
 def _python_allreduce_hooks(par) -> None:

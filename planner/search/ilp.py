@@ -67,8 +67,7 @@ from costmodel.memory import (
     FRAGMENTATION,
     RUNTIME_RESERVED_BYTES,
     dp_reduction_temp_bytes,
-    edge_inflight,
-    inflight,
+    held_states,
     inflight_chunks,
 )
 from costmodel.overlap import (
@@ -383,16 +382,22 @@ class Model:
         for r in range(d.pp):
             stages = _units_of(d, r)
             params = self.tab(r, lambda n, r=r: self._params(r, n))[0]
-            # blocks at the rank's average in-flight count (decoding spreads them evenly over its chunks), the
-            # embedding and head at their own chunk's (costmodel.memory.inflight_chunks)
-            k = inflight(cfg.schedule, cfg.pp, cfg.vpp, r, d.m)
-            act = k * self.layer_sum(stages, lambda x: self._b(x.act_bytes))
-            k_edge = dict(zip(("pre", "post"), edge_inflight(cfg.schedule, cfg.pp, cfg.vpp, d.m)))
-            for i, rr in d.fixed_rank.items():
-                if rr == r:
-                    ki = k_edge["pre" if i in d.pre else "post"]
-                    act += sum((ki - k) * self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a]
-                               for a in d.fixed_acs[i])
+            # per state of the rank's chunks (costmodel.memory.held_states: micro-batches holding all their
+            # activations, and zero-bubble's pending a weight pass), blocks at the rank's average count (decoding
+            # spreads them evenly over its chunks), the embedding and head at their own chunk's; the largest state
+            act = s.NumVar(0, self.inf, f"act[{r}]")
+            for full, pend in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, d.m):
+                k, w = sum(full) / len(full), sum(pend) / len(pend)
+                expr = k * self.layer_sum(stages, lambda x: self._b(x.act_bytes))
+                if w:
+                    expr += w * self.layer_sum(stages, lambda x: self._b(x.pending_bytes))
+                for i, rr in d.fixed_rank.items():
+                    if rr == r:
+                        c = 0 if i in d.pre else -1  # the embedding's chunk, the head's
+                        expr += sum(((full[c] - k) * self._b(ev.cost(i, a).act_bytes)
+                                     + (pend[c] - w) * self._b(ev.cost(i, a).pending_bytes))
+                                    * self.fixed_ac[i, a] for a in d.fixed_acs[i])
+                s.Add(act >= expr)
             # the recomputation peak is the largest over the rank's layers
             peak = self.rec_peak[r] = s.NumVar(0, self.inf, f"rec_peak[{r}]")
             gathered = 0.0  # ZeRO-3: the current and the prefetched layer, gathered in 16 bits during a block's
