@@ -54,7 +54,7 @@ def traced_summary(result: dict) -> dict:
         got, pred = role["traced"], role["predicted"]
         roles.append({"stage": role["stage"], "rank": role["rank"],
                       "peak_bytes": {"predicted": pred["memory"]["peak"],
-                                     "traced": (got["memory"] or {}).get("peak")},
+                                     "traced": got["memory"]["peak"]},
                       "collective_bytes": {k: {"predicted": v, "traced": role["traced_equivalent"].get(k, 0.0)}
                                            for k, v in pred["collectives"].items()},
                       "flops": {"predicted": pred["flops"], "traced": got["flops"]}})
@@ -187,7 +187,7 @@ def check_plan(plan: Plan, *, prepare=None) -> dict:
     worst = {"memory": 0.0, "comm": 0.0, "flops": 0.0}
     for pred in predicted:
         tr = _trace_in_child(plan, pred["rank"], prepare)
-        mem_err = {k: rel_error(tr.memory[k], pred["memory"][k]) for k in MEMORY_PARTS} if tr.memory else {}
+        mem_err = {k: rel_error(tr.memory[k], pred["memory"][k]) for k in MEMORY_PARTS}
         traced_comm = _traced_collectives(tr)
         comm_err = {k: rel_error(traced_comm.get(k, 0.0), v) for k, v in pred["collectives"].items()}
         flops_err = rel_error(tr.flops, pred["flops"])

@@ -67,8 +67,8 @@ class Trace:
 
     rank: int  #: global rank traced
     coords: dict  #: its (pp, dp, tp) coordinates
-    memory: dict | None  #: bytes, each category's maximum over the step: params, grads, optimizer, activations,
-    #: temporaries, and the peak of their sum (None: not traced, see `trace_rank`)
+    memory: dict  #: bytes, each category's maximum over the step: params, grads, optimizer, activations,
+    #: temporaries, and the peak of their sum
     collectives: dict = field(default_factory=dict)  #: "kind@group" → {"count", "bytes"} per step
     flops: float = 0.0  #: FLOPs this rank executed (forward, backward, recomputation)
     grad_elements: float = 0.0  #: gradient elements on this rank that its dp group must reduce

@@ -12,11 +12,8 @@ from planner.report.textui import human_bytes, human_count, render_table
 def _rows(role: dict) -> list[tuple[str, str, str, str, str]]:
     """(what, term, predicted, traced, error) for one role."""
     pred, got, err = role["predicted"], role["traced"], role["errors"]
-    if got["memory"]:
-        rows = [("memory", k, human_bytes(v), human_bytes(got["memory"][k]), f"{err['memory'][k]:.1%}")
-                for k, v in pred["memory"].items()]
-    else:  # zero-bubble: torch's MemTracker cannot follow autograd.grad()
-        rows = [("memory", k, human_bytes(v), "(not traced)", "") for k, v in pred["memory"].items()]
+    rows = [("memory", k, human_bytes(v), human_bytes(got["memory"][k]), f"{err['memory'][k]:.1%}")
+            for k, v in pred["memory"].items()]
     traced_comm = {k: v["bytes"] for k, v in got["collectives"].items()}
     for k, v in pred["collectives"].items():
         rows.append(("collective", k, human_bytes(v), human_bytes(role["traced_equivalent"].get(k, 0.0)),
