@@ -163,8 +163,8 @@ class _Collectives(TorchDispatchMode):
 class _CategoryPeaks(MemTracker):
     """torch's MemTracker, also keeping each category's own maximum over the step (its "peak" snapshot holds the
     categories at the moment of the total's peak, when, say, gradients are not all allocated yet), and accepting
-    one forward per micro-batch. Hooks two of the tracker's methods (torch 2.13, ``_update_peak_stats`` and
-    ``_pre_fw_hook``)."""
+    one forward per micro-batch. Hooks two of the tracker's methods (torch 2.13, ``_update_peak_stats``, which no
+    longer keeps per-module peaks, and ``_pre_fw_hook``)."""
 
     def __init__(self):
         super().__init__()
@@ -178,11 +178,16 @@ class _CategoryPeaks(MemTracker):
         super()._pre_fw_hook(module, inputs)
 
     def _update_peak_stats(self, peak_state) -> None:
-        super()._update_peak_stats(peak_state)
-        for dev_snap in self._curr_mem_snap.values():
+        # called after every op: torch's version also walks every tracked module for per-module peaks (unused
+        # here), which made a trace quadratic in the model's size; only the totals and categories are kept
+        for dev, dev_snap in self._curr_mem_snap.items():
             for key, value in dev_snap.items():
                 name = str(getattr(key, "value", key))
-                self.category_max[name] = max(self.category_max[name], value)
+                if value > self.category_max[name]:
+                    self.category_max[name] = value
+            total = dev_snap.get("Total", 0)
+            if self._peak_mem.get(dev, 0) < total:
+                self._peak_mem[dev] = total
 
 
 def _mesh_groups(mesh) -> dict[tuple, str]:
