@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from costmodel.runnable import post_step_allreduce
 from planner.emit import runtime, train
 from planner.emit.config import runtime_config
 from planner.plan import Plan
@@ -200,14 +201,28 @@ def _mesh_groups(mesh) -> dict[tuple, str]:
 
 
 @contextlib.contextmanager
-def _shapes_only():
-    """Skip the model's weight initialisation inside `planner.emit.runtime.materialize` (shapes only)."""
-    saved = runtime.find_init
+def _shapes_only(fake: FakeTensorMode, config: dict):
+    """Inside `planner.emit.runtime.materialize`, skip the model's weight initialisation (shapes only) and allocate
+    the shards as fake tensors (no memory, no compute in the optimizer step: an in-place update of a real tensor
+    under FakeTensorMode runs the real kernel) where every parameter and buffer of the part is a DTensor (FSDP or
+    tensor parallel): ``to_empty`` swaps tensors, which torch refuses for a plain tensor that the fake mode's
+    converter has seen; and not where DDP wraps the part, whose reducer takes real tensors."""
+    saved_init, saved_materialize = runtime.find_init, runtime.materialize
+    ddp = (config["dp"] > 1 and config["zero"] <= 1 and not post_step_allreduce(
+        config["dp"], config["tp"], config["zero"], config["schedule"], config["pp"]))
+
+    def materialize(part, *args, **kwargs):
+        tensors = [*part.parameters(), *part.buffers()]
+        shards = not ddp and all(isinstance(t, DTensor) for t in tensors if t.is_meta)
+        with fake if shards else contextlib.nullcontext():
+            return saved_materialize(part, *args, **kwargs)
+
     runtime.find_init = lambda model: (lambda: None)
+    runtime.materialize = materialize
     try:
         yield
     finally:
-        runtime.find_init = saved
+        runtime.find_init, runtime.materialize = saved_init, saved_materialize
 
 
 #: torch.distributed._functional_collectives functions DTensor calls from inside its dispatch → (kind, argument
@@ -267,7 +282,8 @@ def trace_rank(plan: Plan, rank: int) -> Trace:
     try:
         mesh = init_device_mesh("cpu", (config["pp"], config["dp"], config["tp"]), mesh_dim_names=("pp", "dp", "tp"))
         coords = {name: mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
-        with _shapes_only(), contextlib.redirect_stdout(sys.stderr):  # the runtime's notes are not our output
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with _shapes_only(fake, config), contextlib.redirect_stdout(sys.stderr):  # (the runtime's notes)
             par = runtime.parallelize(build, config, mesh)
         if config["grad_compress"] == "none":
             _python_allreduce_hooks(par)
@@ -276,7 +292,6 @@ def trace_rank(plan: Plan, rank: int) -> Trace:
         optimizer = train.build_optimizer(par, config)
         vocab = source.vocab if getattr(source, "vocab", None) else _vocab(par)
         inputs, labels = train.synthetic_batch(0, batch=plan.global_batch, seq=plan.seq, vocab=vocab, seed=0)
-        fake = FakeTensorMode(allow_non_fake_inputs=True)
         counter = _Collectives(_mesh_groups(mesh))
         with fake:  # the optimizer state a steady-state step holds (AdamW creates it at its first step)
             _create_optimizer_state(par, optimizer)
