@@ -32,6 +32,7 @@ from costmodel.memory import (
     MemoryBreakdown,
     allowance,
     dp_reduction_temp_bytes,
+    fsdp_gathered_bytes,
     held_states,
     inflight_chunks,
     state_bytes_per_param,
@@ -351,11 +352,11 @@ class Evaluator:
                     block_peak = max(block_peak, costs[i].backward_peak_bytes)
                 else:
                     edge_peak = max(edge_peak, costs[i].backward_peak_bytes)
-        layer_params = [costs[i].param_numel for c, idx in enumerate(stages) if rank_of[c] == r for i in idx]
-        if cfg.zero == 3 and cfg.dp > 1:  # the current and the prefetched layer, gathered in 16 bits, while a
-            # block's backward runs; the loss's backward (the head's working set) runs before any gather
-            top2 = sorted(layer_params)[-2:]
-            block_peak += sum(top2) * (4 if cfg.precision == "fp32" else 2)
+        if cfg.zero == 3 and cfg.dp > 1:
+            in_block, in_loss = fsdp_gathered_bytes(cfg, [(self.lg.layers[i].kind, costs[i].param_numel)
+                                                          for idx in mine for i in idx])
+            block_peak += in_block
+            edge_peak += in_loss
         temp = max(block_peak, edge_peak)
         temp += dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params)
         if self.grad_kind == "powersgd" and cfg.dp > 1:

@@ -27,8 +27,8 @@ Activation checkpointing (Korthikanti et al. 2022 Table 2 and §5):
 - ``none`` keeps every saved activation;
 - ``selective`` recomputes the unfused attention core (ops producing or reading seq×seq scores) and drops its
   seq×seq saved tensors, keeping the rest; with a fused (flash) attention kernel there is nothing to drop;
-- ``full`` keeps only the layer's input and recomputes its whole forward (tensor-parallel all-reduces
-  included) just before its backward.
+- ``full`` keeps only the layer's input and recomputes its forward (tensor-parallel all-reduces included) just
+  before its backward, up to where torch's non-reentrant checkpoint stops early (`recompute_stop`).
 """
 
 from __future__ import annotations
@@ -188,6 +188,27 @@ def tp_comm_bytes(layer: Layer, ctx: CostContext) -> tuple[float, float]:
     return bf * ctx.scale * ctx.act_scale, bb * ctx.scale * ctx.act_scale
 
 
+def recompute_stop(layer: Layer) -> int:
+    """Index of the node where full recomputation stops: torch's non-reentrant checkpoint (``early_stop``, the
+    default) ends the recomputed forward as soon as every tensor the original forward saved has been saved again,
+    which happens as the last saving op packs its inputs, before it computes (measured by `autopar check`: a llama
+    block's recomputation skips its down projection and the row-parallel reduction after it)."""
+    savers = [j for j, n in enumerate(layer.nodes) if n.saved]
+    return savers[-1] if savers else len(layer.nodes)
+
+
+def recompute_comm_bytes(layer: Layer, ctx: CostContext) -> float:
+    """Tensor-parallel all-reduce payload (as `tp_comm_bytes`) that full recomputation repeats: the row-parallel
+    reductions before `recompute_stop`; under sequence parallelism also the all-gather half of each later one
+    (it runs at the start of the attention or MLP)."""
+    stop = recompute_stop(layer)
+    total = 0.0
+    for j, n in enumerate(layer.nodes):
+        if n.tp_role == "row":
+            total += n.output_bytes if j < stop else (n.output_bytes / 2 if ctx.sp else 0.0)
+    return total * ctx.scale * ctx.act_scale
+
+
 def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, ...], *,
                tp_layer: bool | None = None) -> LayerCost:
     """Cost of ``layer`` with checkpointing ``ac`` for one micro-batch on one rank (see the module docstring).
@@ -202,7 +223,9 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     fwd_flops = core_flops = 0.0
     widest = 0.0  # the largest output of any node: its gradient, and the gradient of its input, meet in backward
     weight_outputs = 0.0
-    for n in layer.nodes:
+    stop = recompute_stop(layer)
+    rec_fwd = rec_full_flops = 0.0  # the forward full recomputation repeats (up to `recompute_stop`)
+    for j, n in enumerate(layer.nodes):
         f = _shard(n, ctx.tp, ctx.sp, tp_layer)
         widest = max(widest, n.output_bytes * k * f * ctx.act_scale)
         if n.params:
@@ -212,6 +235,9 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         fwd += t_f
         bwd += _node_time(n.bwd_flops * k * f, n.bwd_bytes * k * f * ctx.act_scale, ctx, attention=attn)
         fwd_flops += n.fwd_flops * k
+        if j < stop:
+            rec_fwd += t_f
+            rec_full_flops += n.fwd_flops * k
         whole = n.tp_role == "column" and ctx.gathered_column_inputs  # its saved input is not split
         saved = n.saved_bytes * k * (1.0 if whole else f) * ctx.act_scale
         if n.tp_role in _SHARDED_ROLES and tp_layer and not whole:
@@ -230,7 +256,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         r = layer_cost(layer, AC.NONE, ref, owned, tp_layer=False)
         s_f = m_fwd / r.fwd_s if r.fwd_s > 0 else 1.0
         s_b = m_bwd / r.bwd_s if r.bwd_s > 0 else 1.0
-        fwd, bwd, core_fwd = fwd * s_f, bwd * s_b, core_fwd * s_f
+        fwd, bwd, core_fwd, rec_fwd = fwd * s_f, bwd * s_b, core_fwd * s_f, rec_fwd * s_f
 
     comm_f = comm_b = 0.0
     if tp > 1 and ctx.tp_span is not None:
@@ -242,9 +268,12 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         act, rec, rec_flops, rec_comm, rec_peak = act_none, 0.0, 0.0, 0.0, 0.0
     elif ac == AC.SELECTIVE:
         act, rec, rec_flops, rec_comm, rec_peak = act_none - core_act, core_fwd, core_flops, 0.0, core_act
-    else:  # FULL: keep the input (sharded along the sequence with SP), recompute everything
+    else:  # FULL: keep the input (sharded along the sequence with SP), recompute up to `recompute_stop`
         keep = layer.input_bytes * k * ctx.act_scale / (ctx.tp if (ctx.sp and tp_layer) else 1)
-        act, rec, rec_flops, rec_comm, rec_peak = keep, fwd, fwd_flops, comm_f, act_none
+        rec_comm = 0.0
+        if tp > 1 and ctx.tp_span is not None:
+            rec_comm = all_reduce_time(recompute_comm_bytes(layer, ctx), ctx.tp_span, ctx.cluster)
+        act, rec, rec_flops, rec_peak = keep, rec_fwd, rec_full_flops, act_none
 
     param_numel = 0.0
     matrices = []

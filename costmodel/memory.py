@@ -75,6 +75,19 @@ def state_bytes_per_param(precision: str, zero: int, dp: int, pp: int = 1) -> tu
     return p, g, k
 
 
+def fsdp_gathered_bytes(cfg, layers: list[tuple[str, float]]) -> tuple[float, float]:
+    """ZeRO-3 (FSDP2) memory beyond the shards on a rank holding ``layers`` ((kind, parameters) pairs), as (during a
+    block's backward, during the loss's backward). FSDP2 does not reshard the root module's parameters (embedding,
+    head, final norm) after the forward, so they stay unsharded until the end of the backward, and from the head's
+    backward on so do their gradients, which the root reduce-scatters last; a block's backward adds that block and
+    the prefetched next one, gathered in the training precision. Under pipelining nothing is resharded between
+    micro-batches (`state_bytes_per_param` holds it all): only the two blocks."""
+    pb = 4 if cfg.precision == "fp32" else 2
+    blocks = sorted(n for kind, n in layers if kind == "block")[-2:]
+    root = 0.0 if cfg.fsdp_in_pipeline else sum(n for kind, n in layers if kind != "block")
+    return pb * (sum(blocks) + 2 * root), pb * root
+
+
 def inflight_chunks(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> list[float]:
     """Micro-batches whose activations each of pipeline rank ``rank``'s ``vpp`` stages (its chunks, in order)
     holds at the rank's peak (see the module docstring). Interleaved: torch 2.13's ScheduleInterleaved1F1B

@@ -30,7 +30,7 @@ from dataclasses import replace
 from costmodel.cluster import load_cluster
 from costmodel.config import parse_grad_compress
 from costmodel.estimate import Evaluator
-from costmodel.layercost import is_tp_layer, tp_comm_bytes
+from costmodel.layercost import is_tp_layer, recompute_comm_bytes, tp_comm_bytes
 from costmodel.memory import FRAGMENTATION, RUNTIME_RESERVED_BYTES
 from costmodel.overlap import dp_step_bytes
 from planner.check.trace import trace_rank
@@ -104,7 +104,8 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
             for i in mine:
                 if is_tp_layer(lg.layers[i]):
                     bf, bb = tp_comm_bytes(lg.layers[i], ev.ctx)
-                    tp_bytes += bf + bb + (bf if acs[i].value == "full" else 0.0)
+                    full = acs[i].value == "full" and lg.layers[i].kind == "block"
+                    tp_bytes += bf + bb + (recompute_comm_bytes(lg.layers[i], ev.ctx) if full else 0.0)
             collectives["all_reduce_equivalent@tp"] = ev.m * tp_bytes
         if cfg.pp > 1:  # each boundary: the activation forward, its gradient back, every micro-batch
             n_stages = cfg.pp * cfg.vpp

@@ -67,6 +67,7 @@ from costmodel.memory import (
     FRAGMENTATION,
     RUNTIME_RESERVED_BYTES,
     dp_reduction_temp_bytes,
+    fsdp_gathered_bytes,
     held_states,
     inflight_chunks,
 )
@@ -400,12 +401,17 @@ class Model:
                 s.Add(act >= expr)
             # the recomputation peak is the largest over the rank's layers
             peak = self.rec_peak[r] = s.NumVar(0, self.inf, f"rec_peak[{r}]")
-            gathered = 0.0  # ZeRO-3: the current and the prefetched layer, gathered in 16 bits during a block's
-            # backward (the head's loss backward runs before any gather: costmodel.estimate._rank_memory)
+            gathered = held = 0.0  # ZeRO-3 (costmodel.memory.fsdp_gathered_bytes): what a block's backward adds
+            # (gathered blocks, the root's unsharded parameters and gradients) and what the loss's backward does
             if cfg.zero == 3 and cfg.dp > 1:
-                pb = 4 if cfg.precision == "fp32" else 2
-                gathered = self.tab(r, lambda n, r=r, pb=pb: self._b(pb * sum(sorted(
-                    x.param_numel for x in _rank_layer_costs(d, r, n))[-2:])))[0]
+
+                def fsdp(n, r=r):
+                    n_pre = len(d.pre) if r == 0 else 0
+                    return fsdp_gathered_bytes(cfg, [("block" if n_pre <= j < n_pre + n else "edge", c.param_numel)
+                                                     for j, c in enumerate(_rank_layer_costs(d, r, n))])
+
+                gathered = self.tab(r, lambda n: self._b(fsdp(n)[0]))[0]
+                held = self._b(fsdp(d.n_range[r][0])[1])
             if d.blocks:
                 for a in d.acs:
                     u = self.uses_ac[r, a] = s.BoolVar(f"uses_ac[{r},{a.value}]")
@@ -415,7 +421,7 @@ class Model:
             for i, rr in d.fixed_rank.items():
                 if rr == r:
                     s.Add(peak >= sum(self._b(ev.cost(i, a).backward_peak_bytes) * self.fixed_ac[i, a]
-                                      for a in d.fixed_acs[i]))
+                                      for a in d.fixed_acs[i]) + held)
             allocated = self._b(per_param) * params + act + peak
             for k in d.grad_opts:
                 kind = parse_grad_compress(k)[0]
