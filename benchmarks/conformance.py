@@ -26,7 +26,8 @@ HF_MED = ("hf:llama:num_hidden_layers=4,hidden_size=1024,intermediate_size=2816,
           "num_key_value_heads=8,vocab_size=32000,seq=2048")
 H8 = "dgx-h100:nodes=1"
 JOBS = [  # (model, cluster, global batch, --fix): DDP, ZeRO-1/2/3, TP+SP, every schedule, AC, compression, tied
-    # embeddings, MoE (ep = 1), a Hugging Face model, and llama3-8b on 8 H100
+    # embeddings, MoE (ep = 1), a Hugging Face model, llama3-8b on 8 H100, and the searched plans of llama3-70b on
+    # 64 H100 and llama3-405b on 512
     ("llama-tiny", "cpu-local", 8, "dp=2,zero=0"),
     ("llama-tiny", "cpu-local", 8, "dp=2,zero=1"),
     ("gpt-tiny", "cpu-local", 8, "dp=2,zero=1,grad_compress=bf16"),
@@ -41,13 +42,16 @@ JOBS = [  # (model, cluster, global batch, --fix): DDP, ZeRO-1/2/3, TP+SP, every
     (MOE_MED, H8, 32, "dp=8,zero=3"),
     (HF_MED, H8, 32, "dp=8,zero=3"),
     ("llama3-8b", H8, 8, "dp=8,zero=3,mbs=1"),
+    ("llama3-70b", "dgx-h100:nodes=8", 512, ""),  # the README's job, as the search picks it
+    ("llama3-405b", "dgx-h100:nodes=64", 512, ""),  # 512 GPUs, as the search picks it
 ]
 
 
 def run(model: str, cluster: str, gb: int, fix: str, work: Path) -> dict:
     plan = work / f"plan{abs(hash((model, cluster, gb, fix)))}.yaml"
     t0 = time.perf_counter()
-    made = subprocess.run(["autopar", "plan", model, "--cluster", cluster, "--global-batch", str(gb), "--fix", fix,
+    pins = ["--fix", fix] if fix else []
+    made = subprocess.run(["autopar", "plan", model, "--cluster", cluster, "--global-batch", str(gb), *pins,
                            "--check", "off", "--out", str(plan)], capture_output=True, text=True)
     if made.returncode:
         return {"error": made.stderr.strip().splitlines()[-1]}
@@ -75,6 +79,7 @@ def main() -> int:
         for model, cluster, gb, fix in jobs:
             r = run(model, cluster, gb, fix, Path(tmp))
             name = model if len(model) <= 22 else model[:19] + "..."
+            fix = fix or "(as searched)"
             if "error" in r:
                 print(f"{name:>22s} {cluster:>17s} {fix:>24s}  {r['error'][:80]}")
                 continue

@@ -406,9 +406,10 @@ class Model:
             if cfg.zero == 3 and cfg.dp > 1:
 
                 def fsdp(n, r=r):
-                    n_pre = len(d.pre) if r == 0 else 0
-                    return fsdp_gathered_bytes(cfg, [("block" if n_pre <= j < n_pre + n else "edge", c.param_numel)
-                                                     for j, c in enumerate(_rank_layer_costs(d, r, n))])
+                    kinds = [ev.lg.layers[i].kind for i in (d.pre if r == 0 else [])] + ["block"] * n + [
+                        ev.lg.layers[i].kind for i in (d.post if (d.S - 1) % d.pp == r else [])]
+                    return fsdp_gathered_bytes(cfg, [(kind, c.param_numel) for kind, c in
+                                                     zip(kinds, _rank_layer_costs(d, r, n), strict=True)])
 
                 gathered = self.tab(r, lambda n: self._b(fsdp(n)[0]))[0]
                 held = self._b(fsdp(d.n_range[r][0])[1])
