@@ -21,8 +21,8 @@ apply on GPUs only), so a bf16 plan is traced, and compared, at fp32. Two things
 supplied by the harness, each the same as what torch would have computed: pipeline stages get their boundary shapes
 from the model's own forward on the meta device instead of torch 2.13's vote and metadata exchange
 (`_static_stages`), and DDP's built-in all-reduce becomes the same reduction as a Python hook
-(`_python_allreduce_hooks`). A stage's received activations reach its module as views of the receive buffers
-(`_as_views`), so that torch's memory tracker can follow zero-bubble's ``autograd.grad`` input-gradient pass.
+(`_python_allreduce_hooks`). Under zero-bubble a stage's received activations reach its module as views of the
+receive buffers (`_as_views`), so that torch's memory tracker can follow its ``autograd.grad`` input-gradient pass.
 """
 
 from __future__ import annotations
@@ -363,13 +363,15 @@ def _static_stages(par, config: dict, build) -> None:
         # a tensor made inside FakeTensorMode from a literal keeps its value, so the schedule's .item() works
         stage._warmup_forward_vote = lambda has_backward, received_acc=None: torch.tensor([1], dtype=torch.int32)
         stage._warmup_backward_result = lambda received_result=None: torch.tensor([1], dtype=torch.int32)
-        stage._retrieve_recv_activations = _as_views(stage._retrieve_recv_activations)
+        if config["schedule"] == "zb":  # (the other schedules read the inputs' .grad, which a view lacks)
+            stage._retrieve_recv_activations = _as_views(stage._retrieve_recv_activations)
 
 
 def _as_views(retrieve):
     """A stage's received activations as views of the receive buffers (no copy): torch's MemTracker hooks the
     stage module's inputs with a multi-grad hook, which autograd.grad() (the zero-bubble schedule's input
-    gradients) refuses on a leaf tensor; a view is not a leaf, and its gradient is the buffer's."""
+    gradients, which it returns rather than reading ``.grad``) refuses on a leaf tensor; a view is not a leaf, and
+    its gradient is the buffer's."""
 
     def call(*args, **kwargs):
         received = retrieve(*args, **kwargs)
