@@ -60,11 +60,8 @@ def run(model: str, cluster: str, gb: int, fix: str, work: Path) -> dict:
     if out.returncode:
         return {"error": out.stderr.strip().splitlines()[-1], "plan_s": t1 - t0}
     res = json.loads(out.stdout)
-    traced = [r for r in res["roles"] if r["errors"]["memory"]]
-    part = "(not traced)"
-    if traced:
-        role = max(traced, key=lambda r: max(r["errors"]["memory"].values()))
-        part = max(role["errors"]["memory"], key=role["errors"]["memory"].get)
+    role = max(res["roles"], key=lambda r: max(r["errors"]["memory"].values()))
+    part = max(role["errors"]["memory"], key=role["errors"]["memory"].get)
     return res | {"plan_s": t1 - t0, "check_s": time.perf_counter() - t1, "worst_part": part}
 
 

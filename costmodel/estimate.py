@@ -27,7 +27,15 @@ from costmodel.cluster import Cluster, group_span
 from costmodel.collectives import all_gather_time, all_reduce_time, send_recv_time
 from costmodel.compression import pp_cast_time
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
-from costmodel.layercost import CostContext, LayerCost, dtype_bytes, is_tp_layer, layer_cost, owned_params
+from costmodel.layercost import (
+    CostContext,
+    LayerCost,
+    dtype_bytes,
+    is_tp_layer,
+    layer_cost,
+    owned_params,
+    vocab_output_bytes,
+)
 from costmodel.memory import (
     MemoryBreakdown,
     allowance,
@@ -199,9 +207,8 @@ class Evaluator:
 
     def head_output_bytes(self, layer) -> float:
         """Bytes of the head's output per micro-batch on one rank: its vocabulary projection's output."""
-        out = max((n.output_bytes for n in layer.nodes if n.tp_role == "vocab"), default=0)
         tp = self.cfg.tp if self.cfg.tp > 1 and is_tp_layer(layer) else 1
-        return out * self.ctx.scale * self.act_scale / tp
+        return vocab_output_bytes(layer) * self.ctx.scale * self.act_scale / tp
 
     def p2p_bytes(self, i: int) -> float:
         """Bytes one rank sends per micro-batch into a stage that starts at layer ``i`` (the gradient comes back

@@ -175,6 +175,12 @@ def _elt(dtype: str) -> int:
     return _BYTES.get(dtype, 4)
 
 
+def vocab_output_bytes(layer: Layer) -> float:
+    """Output bytes (at the captured batch) of the layer's vocabulary-parallel op: the token embedding's lookup,
+    or the head's logits; 0 when it has none."""
+    return float(max((n.output_bytes for n in layer.nodes if n.tp_role == "vocab"), default=0))
+
+
 def tp_comm_bytes(layer: Layer, ctx: CostContext) -> tuple[float, float]:
     """(forward, backward) tensor-parallel all-reduce payload bytes of one micro-batch at the configuration's
     micro-batch and precision (Megatron's f and g; with sequence parallelism the same bytes move as an all-gather
@@ -182,7 +188,7 @@ def tp_comm_bytes(layer: Layer, ctx: CostContext) -> tuple[float, float]:
     bf, bb = _tp_comm_bytes(layer)
     if ctx.sp and layer.kind == "embed":  # the first sequence-parallel block slices the replicated embedding:
         # its backward all-gathers a gradient of the embedding's size (half an all-reduce's payload)
-        bb += max((n.output_bytes for n in layer.nodes if n.tp_role == "vocab"), default=0) / 2
+        bb += vocab_output_bytes(layer) / 2
     elif ctx.sp and layer.kind == "head":  # the last one all-gathers its output for the head
         bf += layer.input_bytes / 2
     return bf * ctx.scale * ctx.act_scale, bb * ctx.scale * ctx.act_scale

@@ -41,7 +41,6 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from costmodel.runnable import post_step_allreduce
 from planner.emit import runtime, train
 from planner.emit.config import runtime_config
 from planner.plan import Plan
@@ -201,19 +200,17 @@ def _mesh_groups(mesh) -> dict[tuple, str]:
 
 
 @contextlib.contextmanager
-def _shapes_only(fake: FakeTensorMode, config: dict):
+def _shapes_only(fake: FakeTensorMode):
     """Inside `planner.emit.runtime.materialize`, skip the model's weight initialisation (shapes only) and allocate
     the shards as fake tensors (no memory, no compute in the optimizer step: an in-place update of a real tensor
     under FakeTensorMode runs the real kernel) where every parameter and buffer of the part is a DTensor (FSDP or
     tensor parallel): ``to_empty`` swaps tensors, which torch refuses for a plain tensor that the fake mode's
-    converter has seen; and not where DDP wraps the part, whose reducer takes real tensors."""
+    converter has seen. A part DDP wraps holds plain tensors (DDP runs with tp = 1 only), so it stays real, as its
+    reducer needs."""
     saved_init, saved_materialize = runtime.find_init, runtime.materialize
-    ddp = (config["dp"] > 1 and config["zero"] <= 1 and not post_step_allreduce(
-        config["dp"], config["tp"], config["zero"], config["schedule"], config["pp"]))
 
     def materialize(part, *args, **kwargs):
-        tensors = [*part.parameters(), *part.buffers()]
-        shards = not ddp and all(isinstance(t, DTensor) for t in tensors if t.is_meta)
+        shards = all(isinstance(t, DTensor) for t in [*part.parameters(), *part.buffers()] if t.is_meta)
         with fake if shards else contextlib.nullcontext():
             return saved_materialize(part, *args, **kwargs)
 
@@ -283,7 +280,7 @@ def trace_rank(plan: Plan, rank: int) -> Trace:
         mesh = init_device_mesh("cpu", (config["pp"], config["dp"], config["tp"]), mesh_dim_names=("pp", "dp", "tp"))
         coords = {name: mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        with _shapes_only(fake, config), contextlib.redirect_stdout(sys.stderr):  # (the runtime's notes)
+        with _shapes_only(fake), contextlib.redirect_stdout(sys.stderr):  # (the runtime's notes)
             par = runtime.parallelize(build, config, mesh)
         if config["grad_compress"] == "none":
             _python_allreduce_hooks(par)

@@ -387,11 +387,15 @@ class Model:
             # activations, and zero-bubble's pending a weight pass), blocks at the rank's average count (decoding
             # spreads them evenly over its chunks), the embedding and head at their own chunk's; the largest state
             act = s.NumVar(0, self.inf, f"act[{r}]")
+            full_sum = self.layer_sum(stages, lambda x: self._b(x.act_bytes))
+            pending_sum = None  # zero-bubble only
             for full, pend in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, d.m):
                 k, w = sum(full) / len(full), sum(pend) / len(pend)
-                expr = k * self.layer_sum(stages, lambda x: self._b(x.act_bytes))
+                expr = k * full_sum
                 if w:
-                    expr += w * self.layer_sum(stages, lambda x: self._b(x.pending_bytes))
+                    if pending_sum is None:
+                        pending_sum = self.layer_sum(stages, lambda x: self._b(x.pending_bytes))
+                    expr += w * pending_sum
                 for i, rr in d.fixed_rank.items():
                     if rr == r:
                         c = 0 if i in d.pre else -1  # the embedding's chunk, the head's
@@ -405,11 +409,12 @@ class Model:
             # (gathered blocks, the root's unsharded parameters and gradients) and what the loss's backward does
             if cfg.zero == 3 and cfg.dp > 1:
 
-                def fsdp(n, r=r):
-                    kinds = [ev.lg.layers[i].kind for i in (d.pre if r == 0 else [])] + ["block"] * n + [
-                        ev.lg.layers[i].kind for i in (d.post if (d.S - 1) % d.pp == r else [])]
-                    return fsdp_gathered_bytes(cfg, [(kind, c.param_numel) for kind, c in
-                                                     zip(kinds, _rank_layer_costs(d, r, n), strict=True)])
+                edges = [(ev.lg.layers[i].kind, ev.cost(i, AC.NONE).param_numel) for i in d.fixed_rank
+                         if d.fixed_rank[i] == r]
+                block = ev.cost(d.blocks[0], AC.NONE).param_numel if d.blocks else 0.0
+
+                def fsdp(n, edges=edges, block=block):
+                    return fsdp_gathered_bytes(cfg, [("block", block)] * n + edges)
 
                 gathered = self.tab(r, lambda n: self._b(fsdp(n)[0]))[0]
                 held = self._b(fsdp(d.n_range[r][0])[1])
