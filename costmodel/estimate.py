@@ -41,6 +41,8 @@ from costmodel.memory import (
     allowance,
     dp_reduction_temp_bytes,
     fsdp_gathered_bytes,
+    grads_held_at_peak,
+    head_grad_bytes,
     held_states,
     inflight_chunks,
     state_bytes_per_param,
@@ -267,8 +269,15 @@ class Evaluator:
         return 4.0 * self._tied_numel
 
     def static_bytes(self, params: float) -> tuple[float, float, float]:
+        """(parameter, gradient, optimizer) bytes of ``params`` parameters after the backward (ZeRO's model
+        states, `state_bytes_per_param`)."""
         p, g, k = state_bytes_per_param(self.cfg.precision, self.cfg.zero, self.cfg.dp, self.cfg.pp)
         return params * p, params * g, params * k
+
+    def peak_static_bytes(self, params: float) -> tuple[float, float, float]:
+        """`static_bytes` at the activation peak, where gradients may not exist yet (`grads_held_at_peak`)."""
+        p, g, k = self.static_bytes(params)
+        return p, (g if grads_held_at_peak(self.cfg, self.m) else 0.0), k
 
     # -- composition -----------------------------------------------------------------------------------------
     def evaluate(self, acs: list[AC] | None = None, stage_of: list[int] | None = None) -> Estimate:
@@ -346,7 +355,8 @@ class Evaluator:
 
     def _rank_memory(self, r, rank_of, stages, costs, params) -> MemoryBreakdown:
         cfg = self.cfg
-        p_b, g_b, o_b = self.static_bytes(params)
+        p_b, g_b, o_b = self.peak_static_bytes(params)
+        after_backward = sum(self.static_bytes(params))  # every gradient, no activation left
         mine = [idx for c, idx in enumerate(stages) if rank_of[c] == r]  # the rank's chunks, in order
         full = [sum(costs[i].act_bytes for i in idx) for idx in mine]
         pending = [sum(costs[i].pending_bytes for i in idx) for idx in mine]
@@ -359,15 +369,17 @@ class Evaluator:
                     block_peak = max(block_peak, costs[i].backward_peak_bytes)
                 else:
                     edge_peak = max(edge_peak, costs[i].backward_peak_bytes)
+        held = [(self.lg.layers[i].kind, costs[i].param_numel) for idx in mine for i in idx]
         if cfg.zero == 3 and cfg.dp > 1:
-            in_block, in_loss = fsdp_gathered_bytes(cfg, [(self.lg.layers[i].kind, costs[i].param_numel)
-                                                          for idx in mine for i in idx])
+            in_block, in_loss = fsdp_gathered_bytes(cfg, held)
             block_peak += in_block
             edge_peak += in_loss
+        block_peak += head_grad_bytes(cfg, held, self.m)
         temp = max(block_peak, edge_peak)
         temp += dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params)
         if self.grad_kind == "powersgd" and cfg.dp > 1:
             temp += 4 * params  # error feedback: one fp32 copy of the local gradients
+        temp += max(0.0, after_backward - (p_b + g_b + o_b + act + temp))  # a peak after the backward
         allocated = p_b + g_b + o_b + act + temp
         on_gpu = self.cluster.device.name != "cpu"
         return MemoryBreakdown(params=p_b, grads=g_b, optimizer=o_b, activations=act,

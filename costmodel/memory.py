@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass
 
 from costmodel.config import Schedule
-from costmodel.runnable import pipelined_fsdp
+from costmodel.runnable import pipelined_fsdp, post_step_allreduce
 
 GiB = 2**30
 RUNTIME_RESERVED_BYTES = 1 * GiB  #: CUDA context + library workspaces (GPU devices only); an assumption
@@ -73,6 +73,29 @@ def state_bytes_per_param(precision: str, zero: int, dp: int, pp: int = 1) -> tu
         if zero >= 3:
             p += unsharded_param
     return p, g, k
+
+
+def grads_held_at_peak(cfg, micro_batches: int) -> bool:
+    """Whether a rank's gradients exist at its activation peak (the start of a backward with the most micro-batches
+    in flight). The runtime zeroes gradients with ``set_to_none=True``, so a step starts without them and autograd
+    (or FSDP's post-backward) allocates each layer's in that layer's first backward; only DDP's buckets (ZeRO 0/1
+    under DDP, the runtime's ``gradient_as_bucket_view=True``) outlive the step. With one micro-batch and no
+    pipeline, and under GPipe (every forward before any backward), no backward has run at the peak (traced:
+    llama3-8b ZeRO-3 on 8 ranks, one micro-batch, peaks in the last block's backward holding the head's gradient
+    only). Elsewhere an earlier micro-batch's backward allocated them: held."""
+    ddp = cfg.dp > 1 and cfg.zero <= 1 and not post_step_allreduce(cfg.dp, cfg.tp, cfg.zero, cfg.schedule, cfg.pp)
+    if ddp:
+        return True
+    return not ((cfg.pp == 1 and micro_batches == 1) or (cfg.pp > 1 and cfg.schedule == Schedule.GPIPE))
+
+
+def head_grad_bytes(cfg, layers: list[tuple[str, float]], micro_batches: int) -> float:
+    """The head's gradient a rank holding ``layers`` ((kind, parameters) pairs) has at a block's backward when its
+    gradients are not otherwise held (`grads_held_at_peak`): the head's backward ran first. ZeRO 3 counts it with
+    the root's unsharded state (`fsdp_gathered_bytes`)."""
+    if grads_held_at_peak(cfg, micro_batches) or (cfg.zero == 3 and cfg.dp > 1):
+        return 0.0
+    return (4 if cfg.precision == "fp32" else 2) * sum(n for kind, n in layers if kind == "head")
 
 
 def fsdp_gathered_bytes(cfg, layers: list[tuple[str, float]]) -> tuple[float, float]:

@@ -203,7 +203,8 @@ def check_plan(plan: Plan, *, prepare=None) -> dict:
             "rank": pred["rank"], "stage": pred["pp_rank"],
             "predicted": {"memory": pred["memory"], "collectives": pred["collectives"], "flops": pred["flops"]},
             "traced": {"memory": tr.memory, "collectives": tr.collectives, "flops": tr.flops,
-                       "grad_elements": tr.grad_elements, "dp_reduced_elements": tr.dp_reduced_elements},
+                       "grad_elements": tr.grad_elements, "dp_reduced_elements": tr.dp_reduced_elements,
+                       "memory_at_peak": tr.memory_at_peak, "peak_at": tr.peak_at},
             "traced_equivalent": traced_comm,
             "errors": {"memory": mem_err, "collectives": comm_err, "flops": flops_err},
         })

@@ -73,6 +73,8 @@ class Trace:
     flops: float = 0.0  #: FLOPs this rank executed (forward, backward, recomputation)
     grad_elements: float = 0.0  #: gradient elements on this rank that its dp group must reduce
     dp_reduced_elements: float = 0.0  #: elements reduced over this rank's dp group (all-reduce / reduce-scatter)
+    memory_at_peak: dict = field(default_factory=dict)  #: torch's categories at the moment of the peak, bytes
+    peak_at: str = ""  #: where the peak happened: forward or backward, and the innermost modules running
 
 
 class _Collectives(TorchDispatchMode):
@@ -169,6 +171,8 @@ class _CategoryPeaks(MemTracker):
     def __init__(self):
         super().__init__()
         self.category_max: dict[str, int] = defaultdict(int)
+        self.at_peak: dict[str, int] = {}  #: the categories at the moment of the peak
+        self.peak_where = ""  #: the modules running then, and whether in backward
 
     def _pre_fw_hook(self, module, inputs) -> None:
         # a module runs once per micro-batch; torch's tracker refuses a second forward of a module in one session
@@ -188,6 +192,10 @@ class _CategoryPeaks(MemTracker):
             total = dev_snap.get("Total", 0)
             if self._peak_mem.get(dev, 0) < total:
                 self._peak_mem[dev] = total
+                self.at_peak = {str(getattr(k, "value", k)): v for k, v in dev_snap.items()}
+                inner = sorted((p for p in self._mod_tracker.parents if p != "Global"), key=len)[-1:]
+                self.peak_where = ("backward" if self._mod_tracker.is_bw else "forward") + (
+                    f" of {inner[0].replace('_checkpoint_wrapped_module.', '')}" if inner else "")
 
 
 def _mesh_groups(mesh) -> dict[tuple, str]:
@@ -311,7 +319,8 @@ def trace_rank(plan: Plan, rank: int) -> Trace:
         grad_elems = sum(_local(p).numel() for m in par.modules for p in m.parameters() if p.requires_grad)
         return Trace(rank=rank, coords=coords, memory=memory, collectives=dict(collectives),
                      flops=float(counter.flops),
-                     grad_elements=float(grad_elems) if config["dp"] > 1 else 0.0, dp_reduced_elements=reduced)
+                     grad_elements=float(grad_elems) if config["dp"] > 1 else 0.0, dp_reduced_elements=reduced,
+                     memory_at_peak=dict(tracker.at_peak), peak_at=tracker.peak_where)
     finally:
         dist.destroy_process_group()
 

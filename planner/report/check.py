@@ -39,6 +39,9 @@ def print_check(result: dict, file=None) -> None:
         render_table(f"role {role['ranks']}: traced as rank {role['rank']}",
                      ["what", "term", "predicted", "traced", "error"], _rows(role),
                      right=[False, False, True, True, True], file=file)
+        if role["traced"].get("peak_at"):
+            print(f"traced peak: in the {role['traced']['peak_at']} (memory terms: each one's own maximum)",
+                  file=file)
         print(file=file)
     for line in result["unreduced_params"]:
         print(f"NOT REDUCED: {line}", file=file)

@@ -58,6 +58,7 @@ from costmodel.memory import (
     RUNTIME_RESERVED_BYTES,
     dp_reduction_temp_bytes,
     edge_inflight,
+    grads_held_at_peak,
     inflight,
     state_bytes_per_param,
 )
@@ -160,12 +161,13 @@ class Bounds:
                     best = min(best, n_hi * hi[1] + (nb - n_hi) * lo[1])
         return best
 
-    def _budget(self, cfg: ParallelConfig, g: _Group, extra: float) -> tuple[float, float, float]:
-        """(allocatable bytes per GPU, model-state bytes per parameter, least temporaries of a rank)."""
+    def _budget(self, cfg: ParallelConfig, g: _Group, m: int, extra: float) -> tuple[float, float, float]:
+        """(allocatable bytes per GPU, model-state bytes per parameter at the activation peak, least temporaries
+        of a rank)."""
         dev = self.cluster.device
         on_gpu = dev.name != "cpu"
         cap = (dev.memory_bytes - (RUNTIME_RESERVED_BYTES if on_gpu else 0.0)) / (1 + FRAGMENTATION)
-        per = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp, cfg.pp)) + extra
+        per = _state_at_peak(cfg, m) + extra
         temp = dp_reduction_temp_bytes(cfg, "none", 0.0)  # a lower bound: the least over compressions and ranks
         if cfg.zero == 3 and cfg.dp > 1:  # at least the gathered block (every rank holds one)
             temp = g.block_params * (4 if cfg.precision == "fp32" else 2)
@@ -173,7 +175,7 @@ class Bounds:
 
     def _capacity(self, cfg: ParallelConfig, g: _Group, m: int, extra: float = 0.0) -> float:
         """The largest Σ of the blocks' activations the aggregated memory relaxation allows."""
-        cap, per, temp = self._budget(cfg, g, extra)
+        cap, per, temp = self._budget(cfg, g, m, extra)
         p, S = cfg.pp, cfg.pp * cfg.vpp
         last = (S - 1) % p
         total, inv_own, inv_least = 0.0, 0.0, INF
@@ -213,7 +215,7 @@ class Bounds:
         Σ_a (per·P_b + inflight_r·act_a)·n_a ≤ its budget (two constraints: a vertex uses ≤ 2 modes); bisection
         on X (cap_r is non-decreasing), the result rounded down."""
         p, v, S = cfg.pp, cfg.vpp, cfg.pp * cfg.vpp
-        cap, per, temp = self._budget(cfg, g, extra)
+        cap, per, temp = self._budget(cfg, g, m, extra)
         ranks = []
         for r in range(p):
             k = inflight(cfg.schedule, p, v, r, m)
@@ -314,7 +316,7 @@ class Bounds:
         layers it can hold."""
         g = self._group(cfg)
         m = self.gb // (cfg.dp * cfg.mbs)
-        per = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp, cfg.pp))
+        per = _state_at_peak(cfg, m)
         temp = dp_reduction_temp_bytes(cfg, "none", 0.0)
         block_act = g.block_opts_act_min
         k_pre, k_post = edge_inflight(cfg.schedule, cfg.pp, cfg.vpp, m)
@@ -326,9 +328,16 @@ class Bounds:
         if cfg.pp == 1:
             n = len(self.blocks)
             first = per * g.params + g.pre_act + g.post_act + n * block_act
-        allocated = max(first, last, per * g.params / cfg.pp) + temp
+        after = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp, cfg.pp))  # every gradient
+        allocated = max(first, last, after * g.params / cfg.pp) + temp
         on_gpu = self.cluster.device.name != "cpu"
         return (1 + FRAGMENTATION) * allocated + (RUNTIME_RESERVED_BYTES if on_gpu else 0.0)
+
+
+def _state_at_peak(cfg: ParallelConfig, m: int) -> float:
+    """Model-state bytes per parameter at the activation peak (`costmodel.memory.grads_held_at_peak`)."""
+    p, g, k = state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp, cfg.pp)
+    return p + k + (g if grads_held_at_peak(cfg, m) else 0.0)
 
 
 @dataclass

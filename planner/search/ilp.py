@@ -68,6 +68,7 @@ from costmodel.memory import (
     RUNTIME_RESERVED_BYTES,
     dp_reduction_temp_bytes,
     fsdp_gathered_bytes,
+    head_grad_bytes,
     held_states,
     inflight_chunks,
 )
@@ -377,7 +378,8 @@ class Model:
         on_gpu = ev.cluster.device.name != "cpu"
         cap = self._b(ev.cluster.device.memory_bytes) * (1 - 1e-9)
         reserve = self._b(RUNTIME_RESERVED_BYTES if on_gpu else 0.0)
-        per_param = sum(ev.static_bytes(1.0))
+        per_param = sum(ev.peak_static_bytes(1.0))  # at the activation peak (gradients may not exist yet)
+        after_backward = sum(ev.static_bytes(1.0))  # every gradient, no activation
         self.rec_peak, self.uses_ac = {}, {}
         nb = len(d.blocks)
         for r in range(d.pp):
@@ -418,6 +420,9 @@ class Model:
 
                 gathered = self.tab(r, lambda n: self._b(fsdp(n)[0]))[0]
                 held = self._b(fsdp(d.n_range[r][0])[1])
+            head = head_grad_bytes(cfg, [(ev.lg.layers[i].kind, ev.cost(i, AC.NONE).param_numel)
+                                         for i in d.fixed_rank if d.fixed_rank[i] == r], d.m)
+            gathered = gathered + self._b(head)  # the head's gradient, where no other gradient is held yet
             if d.blocks:
                 for a in d.acs:
                     u = self.uses_ac[r, a] = s.BoolVar(f"uses_ac[{r},{a.value}]")
@@ -429,6 +434,8 @@ class Model:
                     s.Add(peak >= sum(self._b(ev.cost(i, a).backward_peak_bytes) * self.fixed_ac[i, a]
                                       for a in d.fixed_acs[i]) + held)
             allocated = self._b(per_param) * params + act + peak
+            if after_backward > per_param:  # the step's other peak: every gradient, after the backward
+                s.Add((1 + FRAGMENTATION) * self._b(after_backward) * params + reserve <= cap)
             for k in d.grad_opts:
                 kind = parse_grad_compress(k)[0]
                 extra = self.tab(r, lambda n, r=r, kind=kind: self._b(dp_reduction_temp_bytes(  # a bucket's copy
