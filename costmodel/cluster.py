@@ -354,6 +354,36 @@ def load_cluster(spec: str) -> Cluster:
     return replace(cluster, **overrides) if overrides else cluster
 
 
+#: GPU model (a substring of torch.cuda.get_device_name, upper case) → its preset; A100s told apart by memory
+_GPU_PRESETS = (("H200", "dgx-h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100-80g"))
+
+
+def detect_cluster(environ: Mapping[str, str] | None = None, gpu: tuple[str, int] | None = None) -> str:
+    """The cluster this process runs in, as a spec for `load_cluster`: the GPU model (``gpu``: torch's device name and
+    memory in bytes, read from torch when None) as its preset, nodes and GPUs per node from torchrun's environment
+    (WORLD_SIZE, LOCAL_WORLD_SIZE); ``cpu-local`` with as many gloo ranks per node when there is no GPU."""
+    env = os.environ if environ is None else environ
+    world = int(env.get("WORLD_SIZE", "1"))
+    local = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+    if world % local:
+        raise ValueError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}; launch with torchrun")
+    nodes = world // local
+    if gpu is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return f"cpu-local:nodes={nodes}:gpus_per_node={local}"
+        gpu = (torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory)
+    name, memory = gpu
+    for key, preset in _GPU_PRESETS:
+        if key in name.upper():
+            if preset == "dgx-a100-80g" and memory < 60 * 2**30:
+                preset = "dgx-a100-40g"
+            return f"{preset}:nodes={nodes}:gpus_per_node={local}"
+    raise ValueError(f"no cluster preset for GPU {name!r} ({', '.join(CLUSTER_PRESETS)} known); describe it in a "
+                     "cluster YAML file and pass cluster='that.yaml'")
+
+
 def _parse_options(spec: str, opts: str) -> dict[str, int]:
     overrides: dict[str, int] = {}
     for item in filter(None, opts.replace(",", ":").split(":")):

@@ -46,14 +46,15 @@ def main() -> None:
     torch.manual_seed(0)
     model, example_inputs = source.build(batch=1, seq=plan.seq, device="cpu")
 
-    handle = auto_parallelize(model, example_inputs, plan=plan, lr=args.lr)  # model itself stays untouched
-    rank = dist.get_rank()
+    # the model itself stays untouched; AdamW, clipping at global norm 1, cosine decay over the run
+    handle = auto_parallelize(model, example_inputs, plan=plan, lr=args.lr, total_steps=args.steps)
     for step in range(args.steps):
         batch = synthetic_batch(step, batch=plan.global_batch, seq=plan.seq, vocab=source.vocab, seed=0)
         start = time.perf_counter()
         loss = handle.step(batch)
-        print(f"[rank {rank}] step {step} loss {loss:.5f} time {(time.perf_counter() - start) * 1e3:.1f} ms",
-              flush=True)
+        if dist.get_rank() == 0:
+            print(f"step {step} loss {loss:.5f} grad norm {handle.grad_norm:.4g} "
+                  f"time {(time.perf_counter() - start) * 1e3:.1f} ms", flush=True)
     del handle
     gc.collect()  # the parallel model's reference cycles go while the process groups are alive (see emitted scripts)
     dist.barrier()

@@ -31,22 +31,28 @@ def load_script(path: str | Path, name: str):
 
 
 def reference(script: str | Path, steps: int) -> dict:
-    """One process, no parallelism: the emitted script's model, data, seed and optimizer settings."""
+    """One process, no parallelism: the emitted script's model, data, seed and optimizer settings (SGD, the
+    script's learning-rate schedule over ``steps``), the gradient norm clipped by torch's ``clip_grad_norm_``."""
     mod = load_script(script, f"ref_{Path(script).stem}")
     plan = mod.PLAN
+    assert plan["optimizer"] == "sgd" or steps == 0, "the reference trains with SGD"
     torch.manual_seed(plan["seed"])
     model = mod.build_model()
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=plan["lr"])
-    losses = []
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: mod.lr_factor(step, plan, steps))
+    losses, norms = [], []
     for step in range(steps):
-        inputs, labels = mod.get_batch(step)
+        inputs, labels = mod.get_batch(step, slice(None))
         opt.zero_grad()
         loss = model(inputs, labels)
         loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), plan["clip_norm"] or float("inf")).item())
         opt.step()
+        schedule.step()
         losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}, "init": init}
+    return {"losses": losses, "norms": norms, "init": init,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 def launch(cases: list[dict], nproc: int, workdir: Path, timeout: float = 300) -> tuple[float, str]:
@@ -75,25 +81,31 @@ def launch(cases: list[dict], nproc: int, workdir: Path, timeout: float = 300) -
 def merged(out_dir: Path, name: str, nproc: int) -> dict:
     """Losses of rank 0 and the union of every rank's parameters; copies held by several ranks (replicas, tied
     weights on the first and last pipeline stage) must agree."""
-    params, losses = {}, None
+    params, losses, norms = {}, None, None
     for rank in range(nproc):
         got = torch.load(out_dir / f"{name}.rank{rank}.pt")
         losses = losses or got["losses"]
+        norms = norms or got["norms"]
         assert got["losses"] == losses, f"{name}: ranks disagree on the loss"
+        assert got["norms"] == norms, f"{name}: ranks disagree on the gradient norm"
         for key, value in got["params"].items():
             if key in params:
                 assert torch.allclose(value, params[key], rtol=1e-5, atol=1e-7), f"{name}: copies of {key} differ"
         params.update(got["params"])
-    return {"losses": losses, "params": params}
+    return {"losses": losses, "norms": norms, "params": params}
 
 
-def compare(got: dict, ref: dict, *, loss_rtol: float, delta_rtol: float) -> list[str]:
-    """Problems found: losses within ``loss_rtol``; per parameter, the update p_T − p_0 within ``delta_rtol`` of
-    the reference update (norm-wise, plus 1e-6 of the largest update for parameters that barely move)."""
+def compare(got: dict, ref: dict, *, loss_rtol: float, delta_rtol: float, norm_rtol: float) -> list[str]:
+    """Problems found: losses within ``loss_rtol``; global gradient norms (before clipping) within ``norm_rtol``;
+    per parameter, the update p_T − p_0 within ``delta_rtol`` of the reference update (norm-wise, plus 1e-6 of the
+    largest update for parameters that barely move)."""
     problems = []
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
         if abs(a - b) > loss_rtol * abs(b):
             problems.append(f"step {step}: loss {a:.7f} vs reference {b:.7f}")
+    for step, (a, b) in enumerate(zip(got["norms"], ref["norms"])):
+        if abs(a - b) > norm_rtol * abs(b):
+            problems.append(f"step {step}: gradient norm {a:.7g} vs reference {b:.7g}")
     if set(got["params"]) != set(ref["params"]):
         problems.append(f"parameter names differ: {sorted(set(got['params']) ^ set(ref['params']))[:4]}")
         return problems
@@ -124,29 +136,41 @@ def _main(manifest: str) -> None:
         if case.get("comm"):
             _comm_case(case, out)
             continue
-        # 1. The emitted script, imported as a module.
+        if case.get("resume"):
+            _resume_case(case, out)
+            continue
+        # 1. The emitted script, imported as a module (its clipping function watched for the norms it returns).
         mod = load_script(case["script"], f"emitted_{case['name']}")
+        norms = []
+        clip = mod.clip_grad_norm
+
+        def watched(par, max_norm, clip=clip, norms=norms):
+            norm = clip(par, max_norm)
+            norms.append(norm.item())
+            return norm
+
+        mod.clip_grad_norm = watched
         par, losses = mod.train(case["steps"])
         params = mod.full_parameters(par)
         rank = dist.get_rank()
-        torch.save({"losses": losses, "params": params}, out / f"{case['name']}.emit.rank{rank}.pt")
+        torch.save({"losses": losses, "norms": norms, "params": params}, out / f"{case['name']}.emit.rank{rank}.pt")
         dist.barrier()
         # 2. auto_parallelize on a model built the same way.
         plan = Plan.load(case["plan"])
         torch.manual_seed(mod.PLAN["seed"])
         model = mod.build_model()
         inputs = resolve_model(plan.model).build(batch=1, seq=plan.seq, device="meta")[1]
-        handle = auto_parallelize(model, inputs, plan=plan, optimizer="sgd", lr=mod.PLAN["lr"])
-        losses = [
-            handle.step(
-                train.synthetic_batch(
-                    step, batch=plan.global_batch, seq=plan.seq, vocab=mod.VOCAB, seed=mod.PLAN["seed"]
-                )
-            )
-            for step in range(case["steps"])
-        ]
+        handle = auto_parallelize(model, inputs, plan=plan, optimizer="sgd", lr=mod.PLAN["lr"],
+                                  total_steps=case["steps"])
+        losses, norms = [], []
+        for step in range(case["steps"]):
+            batch = train.synthetic_batch(step, batch=plan.global_batch, seq=plan.seq, vocab=mod.VOCAB,
+                                          seed=mod.PLAN["seed"])
+            losses.append(handle.step(batch))
+            norms.append(handle.grad_norm)
         params = handle.full_parameters()
-        torch.save({"losses": losses, "params": params}, out / f"{case['name']}.apply.rank{rank}.pt")
+        torch.save({"losses": losses, "norms": norms, "params": params},
+                   out / f"{case['name']}.apply.rank{rank}.pt")
         dist.barrier()
     dist.destroy_process_group()
 
@@ -188,7 +212,8 @@ def _meta_case(case: dict, out: Path) -> None:
     with torch.device("meta"):
         model = build()
     inputs = resolve_model(plan.model).build(batch=1, seq=plan.seq, device="meta")[1]
-    handle = auto_parallelize(model, inputs, plan=plan, optimizer=mod.PLAN["optimizer"], lr=mod.PLAN["lr"], init="meta")
+    handle = auto_parallelize(model, inputs, plan=plan, optimizer=mod.PLAN["optimizer"], lr=mod.PLAN["lr"], init="meta",
+                              total_steps=case["steps"])
     result["apply_losses"] = [
         handle.step(train.synthetic_batch(step, batch=plan.global_batch, seq=plan.seq, vocab=mod.VOCAB,
                                             seed=mod.PLAN["seed"]))
@@ -232,6 +257,23 @@ class CollectiveLog:
            "reduce_scatter": ("reduce_scatter_tensor", "reduce_scatter_", "_reduce_scatter_base_")}
 
 
+def _resume_case(case: dict, out: Path) -> None:
+    """The emitted script trained ``steps`` straight, then again as two launches: half the steps saving a
+    checkpoint (``stop_after``), a fresh `train` resuming from it for the rest. Saves both runs' losses and the
+    checkpoint's path."""
+    import torch.distributed as dist
+
+    mod = load_script(case["script"], f"resume_{case['name']}")
+    steps, ckpt = case["steps"], str(out / f"{case['name']}.ckpt")
+    _, straight = mod.train(steps)
+    _, first = mod.train(steps, checkpoint_dir=ckpt, stop_after=steps // 2)
+    dist.barrier()
+    _, rest = mod.train(steps, checkpoint_dir=ckpt, resume=True)
+    torch.save({"straight": straight, "resumed": first + rest, "checkpoint": mod.latest_checkpoint(ckpt),
+                "first_half": f"{ckpt}/step-{steps // 2:08d}"}, out / f"{case['name']}.resume.rank{dist.get_rank()}.pt")
+    dist.barrier()
+
+
 def _comm_case(case: dict, out: Path) -> None:
     """The collectives of one forward and one backward of each emitted script in ``case["comm"]`` (name → path)."""
     import torch.distributed as dist
@@ -241,7 +283,7 @@ def _comm_case(case: dict, out: Path) -> None:
         mod = load_script(script, f"comm_{name}")
         mesh = mod.init_distributed(mod.PLAN)
         par = mod.parallelize(mod.build_model, mod.PLAN, mesh)
-        inputs, labels = mod.get_batch(0)
+        inputs, labels = mod.get_batch(0, slice(None))
         mode = CollectiveLog(dist.get_world_size())
         with mode, mod.loss_context(mod.PLAN):
             loss = par.loss_fn(par.modules[0](inputs), labels)

@@ -266,3 +266,31 @@ def test_group_too_large_for_the_cluster():
 def test_group_span_validation():
     with pytest.raises(ValueError, match="impossible"):
         GroupSpan(size=4, nodes=1, per_node=2)
+
+
+@pytest.mark.parametrize("env, gpu, expected", [
+    ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, ("NVIDIA H100 80GB HBM3", 80 * 2**30),
+     "dgx-h100:nodes=2:gpus_per_node=8"),
+    ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}, ("NVIDIA A100-SXM4-40GB", 40 * 2**30),
+     "dgx-a100-40g:nodes=1:gpus_per_node=8"),
+    ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, ("NVIDIA H200", 141 * 2**30), "dgx-h200:nodes=1:gpus_per_node=4"),
+    ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, None, "cpu-local:nodes=1:gpus_per_node=2"),
+])
+def test_detect_cluster_from_device_and_torchrun_environment(env, gpu, expected):
+    """auto_parallelize without a cluster plans for the hardware it runs on (issue 13), not cpu-local."""
+    from costmodel.cluster import detect_cluster
+
+    if gpu is None:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is visible")
+    assert detect_cluster(env, gpu) == expected
+    assert load_cluster(expected).world_size == int(env["WORLD_SIZE"])
+
+
+def test_detect_cluster_refuses_an_unknown_gpu():
+    from costmodel.cluster import detect_cluster
+
+    with pytest.raises(ValueError, match="no cluster preset for GPU 'Tesla T4'"):
+        detect_cluster({"WORLD_SIZE": "1"}, ("Tesla T4", 16 * 2**30))

@@ -87,7 +87,7 @@ def test_wrong_world_size_stops_every_rank(tmp_path):
 
 
 def _losses(output: str) -> list[float]:
-    return [float(x) for x in re.findall(r"\[rank 0\] step \d+ loss ([0-9.]+)", output)]
+    return [float(x) for x in re.findall(r"^step \d+ loss ([0-9.]+)", output, re.M)]  # rank 0 alone prints
 
 
 @pytest.mark.dist
@@ -239,3 +239,67 @@ def test_meta_init_of_hf_model_recomputes_rotary_buffers():
     buffers = dict(full.named_buffers())
     for name, b in meta.named_buffers():
         assert torch.equal(b, buffers[name]), name  # inv_freq recomputed, not left as garbage
+
+
+def test_lr_schedule_warms_up_then_decays_to_its_floor():
+    """Linear warm-up from lr/warmup to lr, then half a cosine to min_lr_ratio·lr at the last step (closed forms)."""
+    import math
+
+    from planner.emit.train import lr_factor
+
+    plan = {"warmup_steps": 10, "min_lr_ratio": 0.1}
+    assert [lr_factor(s, plan, 110) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert lr_factor(10, plan, 110) == pytest.approx(1.0)
+    assert lr_factor(60, plan, 110) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)))
+    assert lr_factor(110, plan, 110) == pytest.approx(0.1) and lr_factor(500, plan, 110) == pytest.approx(0.1)
+    assert lr_factor(50, plan, None) == 1.0  # no decay without a run length
+    assert lr_factor(0, {"warmup_steps": 0, "min_lr_ratio": 0.0}, 4) == 1.0
+
+
+def test_weight_decay_on_matrices_only():
+    """AdamW's decoupled weight decay on the embedding and linear weights; none on norms' scales and biases."""
+    import torch
+
+    from planner.emit.runtime import Parallel
+    from planner.emit.train import build_optimizer
+
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
+    plan = {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1, "dp": 1, "zero": 0}
+    opt = build_optimizer(Parallel(plan=plan, mesh=None, parts=[model], modules=[model]), plan)
+    decay = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    assert isinstance(opt, torch.optim.AdamW)
+    assert decay == {id(model[0].weight): 0.1, id(model[1].weight): 0.0, id(model[1].bias): 0.0,
+                     id(model[2].weight): 0.1, id(model[2].bias): 0.0}
+
+
+@pytest.mark.parametrize("spec", ["dgx-h100:nodes=2", "cpu-local"])
+def test_header_gives_the_launch_for_the_plans_nodes(spec):
+    """Multi-node plans: --nnodes, GPUs per node and a rendezvous, not one standalone node of the whole world."""
+    from planner.emit.script import launch_line
+
+    plan = make_plan(GPT, 2, dp=16 if spec.startswith("dgx") else 2)
+    plan = Plan(**{**plan.__dict__, "cluster": spec})
+    line = launch_line(plan)
+    if spec.startswith("dgx"):
+        assert "--nnodes 2 --nproc-per-node 8 --rdzv-backend c10d" in line and "--standalone" not in line
+    else:
+        assert line == "torchrun --standalone --nproc-per-node 2 THIS_FILE.py"
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".bin"])
+def test_token_file_gives_each_rank_its_windows(tmp_path, suffix):
+    """--data: a memory-mapped token file (1-D .npy, or raw uint32 ids), read without numpy by the emitted script.
+    Row i of step s is window s·batch + i of seq + 1 tokens, labels the inputs shifted by one, wrapping at the end."""
+    import numpy as np
+    import torch
+
+    from planner.emit.train import token_file_batch
+
+    tokens = np.arange(1001, dtype=np.uint32)
+    path = tmp_path / f"tokens{suffix}"
+    np.save(path, tokens) if suffix == ".npy" else tokens.tofile(path)
+    x, y = token_file_batch(str(path), 1, slice(2, 4), batch=4, seq=10, dtype="uint32")
+    assert x.dtype == torch.int64 and x.shape == (2, 10)
+    assert torch.equal(x[:, 0], torch.tensor([60, 70])) and torch.equal(y, x + 1)
+    x, _ = token_file_batch(str(path), 25, slice(0, 1), batch=4, seq=10, dtype="uint32")  # window 100 wraps to 0
+    assert x[0, 0].item() == 0

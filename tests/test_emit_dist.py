@@ -110,6 +110,17 @@ META_CASES = {
 }
 META_STEPS = 8
 
+#: checkpoint and resume (issue 13): 6 steps straight equal 3, save, and 3 more in a new `train` that resumes; AdamW
+#: so that the optimizer state matters. name → (world, plan)
+RESUME_CASES = {
+    "resume_dp": (2, lambda: make_plan(GPT, 2, dp=2)),
+    "resume_zero1": (2, lambda: make_plan(GPT, 2, dp=2, zero=1)),
+    "resume_fsdp": (2, lambda: make_plan(GPT, 2, dp=2, zero=3)),
+    "resume_tp_sp": (2, lambda: make_plan(GPT, 2, tp=2, sp=True)),
+    "resume_pp": (2, lambda: make_plan(LLAMA4, 4, pp=2, mbs=2, schedule="1f1b")),
+}
+RESUME_STEPS = 6
+
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
@@ -134,6 +145,11 @@ def matrix(tmp_path_factory):
         by_world.setdefault(world, []).append({"name": name, "script": str(script), "plan": str(work / f"{name}.yaml"),
                                                "steps": META_STEPS, "out": str(out), "meta": True})
         refs[name] = dist_util.reference(write_script(plan, work / f"{name}_full.py", init="full"), 0)
+    for name, (world, make) in RESUME_CASES.items():
+        script = write_script(make(), work / f"{name}.py", steps=RESUME_STEPS, optimizer="adamw", lr=1e-2)
+        by_world.setdefault(world, []).append({"name": name, "script": str(script), "steps": RESUME_STEPS,
+                                               "out": str(out), "resume": True})
+        refs[name] = script
     by_world[2].append({"name": "sp_comm", "out": str(out),
                         "comm": {name: str(work / f"{name}.py") for name in ("tp", "tp_sp")}})
     timing = {"emit_and_reference_s": time.perf_counter() - start}
@@ -155,7 +171,9 @@ def test_matches_one_process(matrix, name, mode):
     if world in failures:
         pytest.fail(failures[world])
     got = dist_util.merged(out, f"{name}.{mode}", world)
-    problems = dist_util.compare(got, refs[name], loss_rtol=loss_rtol, delta_rtol=delta_rtol)
+    # the global gradient norm before clipping equals one process's (issue 13: ≤ 1e-5) where the gradients are exact
+    norm_rtol = 1e-5 if (loss_rtol, delta_rtol) == EXACT else delta_rtol
+    problems = dist_util.compare(got, refs[name], loss_rtol=loss_rtol, delta_rtol=delta_rtol, norm_rtol=norm_rtol)
     assert not problems, f"{name} via {mode}:\n" + "\n".join(problems[:10])
 
 
@@ -202,6 +220,35 @@ def test_meta_init(matrix, name):
         assert got["local_numel"] <= total / world + replicated, (r, got["local_numel"], total, replicated)
         if replicated < total:
             assert got["local_numel"] < total, f"rank {r} holds the whole model"
+
+
+@pytest.mark.parametrize("name", list(RESUME_CASES))
+def test_resume_continues_exactly(matrix, name):
+    """Checkpoint and resume with torch.distributed.checkpoint: 3 steps, save, a new `train` that resumes for 3
+    gives the losses of 6 straight steps (≤ 1e-6; model, AdamW state, learning-rate schedule, data position). The
+    pipeline plan's checkpoint, its stages' blocks under their original names, loads into one unparallelised
+    model, whose loss on the next batch is the resumed run's first."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    out, refs, failures = matrix
+    world, _ = RESUME_CASES[name]
+    if world in failures:
+        pytest.fail(failures[world])
+    got = torch.load(out / f"{name}.resume.rank0.pt")
+    assert len(got["resumed"]) == RESUME_STEPS
+    assert got["resumed"] == pytest.approx(got["straight"], rel=1e-6), (got["resumed"], got["straight"])
+    if name == "resume_pp":
+        mod = dist_util.load_script(refs[name], "resume_one_process")
+        torch.manual_seed(1)
+        model = mod.build_model()  # other weights: the checkpoint must overwrite every one
+        state = {f"model.{n}": p for n, p in model.named_parameters()}
+        dcp.load(state, checkpoint_id=got["first_half"], no_dist=True)
+        half = RESUME_STEPS // 2
+        inputs, labels = mod.get_batch(half, slice(None))
+        with torch.no_grad():
+            loss = model(inputs, labels).item()
+        assert loss == pytest.approx(got["resumed"][half], rel=1e-5)
 
 
 def test_sp_backward_reduce_scatters(matrix):

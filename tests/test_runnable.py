@@ -26,6 +26,8 @@ def test_each_rule_names_the_fix():
     assert problems(facts()) == []
     cases = {
         "precision=fp8": facts(precision="fp8"),
+        "precision=fp16 is not supported by the runtime yet (fp16 gradients need loss scaling": facts(
+            precision="fp16"),  # one rule for the search, the emitter and the runtime (issue 13)
         "zero=1 with tp>1": facts(tp=2, zero=1),
         "does not divide heads=6": facts(tp=4, heads=6),
         "sequence parallel needs seq=30": facts(tp=4, sp=True, seq=30),

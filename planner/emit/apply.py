@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy as _copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ class ParallelHandle:
     parallel: runtime.Parallel  #: everything `planner.emit.runtime.parallelize` built
     optimizer: torch.optim.Optimizer  #: over this rank's parameters
     plan: Plan  #: the plan applied
+    lr_schedule: object = field(default=None)  #: torch LambdaLR: warm-up, then cosine decay (`train.lr_factor`)
 
     @property
     def module(self) -> nn.Module:
@@ -45,14 +46,23 @@ class ParallelHandle:
         if inputs.shape[0] != self.plan.global_batch:
             raise ValueError(f"batch has {inputs.shape[0]} rows but the plan's global batch is "
                              f"{self.plan.global_batch}; pass the whole global batch on every rank")
-        return train.train_step(self.parallel, self.optimizer, inputs, labels)
+        loss = train.train_step(self.parallel, self.optimizer, inputs, labels)
+        if self.lr_schedule is not None:
+            self.lr_schedule.step()
+        return loss
+
+    @property
+    def grad_norm(self) -> float:
+        """The last step's global gradient norm, before clipping (NaN before the first step)."""
+        norm = self.parallel.grad_norm
+        return float("nan") if norm is None else norm.item()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, unsharded, under their original names (collective: call on every rank)."""
         return train.full_parameters(self.parallel)
 
 
-def _load_plan(plan: Plan | str | Path | None, model: nn.Module, example_inputs, cluster: str,
+def _load_plan(plan: Plan | str | Path | None, model: nn.Module, example_inputs, cluster: str | None,
                plan_kwargs: dict | None) -> Plan:
     if isinstance(plan, Plan):
         return plan
@@ -64,15 +74,22 @@ def _load_plan(plan: Plan | str | Path | None, model: nn.Module, example_inputs,
         raise ValueError("automatic planning (planner.search.outer.plan_for_module) is not available in this build; "
                          "pass plan=Plan(...) or plan='plan.yaml' written by `autopar plan`") from None
     world = dist.get_world_size() if dist.is_initialized() else int(__import__("os").environ.get("WORLD_SIZE", 1))
+    if cluster is None:
+        from costmodel.cluster import detect_cluster
+
+        cluster = detect_cluster()
     return plan_for_module(model, example_inputs, cluster=cluster, world_size=world, **(plan_kwargs or {}))
 
 
-def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str = "cpu-local",
+def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str | None = None,
                      plan: Plan | str | Path | None = None, plan_kwargs: dict | None = None, copy: bool = True,
                      optimizer: str = "adamw", lr: float = 1e-3, seed: int = 0,
-                     init: str | None = None) -> ParallelHandle:
+                     init: str | None = None, weight_decay: float | None = None, clip_norm: float = 1.0,
+                     warmup_steps: int = 0, total_steps: int | None = None) -> ParallelHandle:
     """Parallelise ``model`` by ``plan`` (a Plan, a plan file, or None to plan it for ``cluster`` now) in a torchrun
-    process, and return a handle that trains it.
+    process, and return a handle that trains it. ``cluster`` None: the hardware this runs on
+    (`costmodel.cluster.detect_cluster`: the GPU's preset, nodes and GPUs per node from torchrun's environment;
+    ``cpu-local`` without a GPU).
 
     Applies exactly what an emitted script applies (`planner.emit.runtime.parallelize`). The caller's ``model`` is left
     untouched: it is deep-copied first. With ``copy=False`` the model itself is modified in place (wrapped, sharded,
@@ -84,9 +101,14 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str = "cpu-lo
     forces the above): only the model's structure is used. A meta-device copy is sharded and each rank initialises
     its shards with the model's ``init_weights()`` (seeded by ``seed``), so the model's current weights are *not*
     kept; pass a model built under ``torch.device("meta")`` to never allocate it whole. Load a checkpoint after.
+
+    Optimisation as in emitted scripts: ``weight_decay`` on matrices only (None: 0.1 for AdamW, 0 for SGD), the global
+    gradient norm clipped to ``clip_norm`` (0: off), ``warmup_steps`` of linear warm-up then cosine decay to a tenth of
+    ``lr`` at ``total_steps`` (None: constant after the warm-up).
     """
     the_plan = _load_plan(plan, model, example_inputs, cluster, plan_kwargs)
-    config = runtime_config(the_plan, model, seed=seed, optimizer=optimizer, lr=lr, init=init)
+    config = runtime_config(the_plan, model, seed=seed, optimizer=optimizer, lr=lr, init=init,
+                            weight_decay=weight_decay, clip_norm=clip_norm, warmup_steps=warmup_steps)
     mesh = runtime.init_distributed(config)
     if config["init"] == "meta":
         source = meta_copy(model) if copy or any(not t.is_meta for t in [*model.parameters(), *model.buffers()]) \
@@ -97,7 +119,9 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str = "cpu-lo
             for tensor in [*source.parameters(), *source.buffers()]:
                 dist.broadcast(tensor.data, src=0)
     par = runtime.parallelize(lambda: source, config, mesh)
-    return ParallelHandle(parallel=par, optimizer=train.build_optimizer(par, config), plan=the_plan)
+    optim = train.build_optimizer(par, config)
+    return ParallelHandle(parallel=par, optimizer=optim, plan=the_plan,
+                          lr_schedule=train.build_lr_schedule(optim, config, total_steps))
 
 
 def meta_copy(model: nn.Module) -> nn.Module:

@@ -127,14 +127,24 @@ def choose_init(plan: Plan, model: nn.Module, init: str | None = None) -> tuple[
 
 
 def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: str = "adamw", lr: float = 1e-3,
-                   powersgd_start_iter: int = 2, init: str | None = None) -> dict:
+                   powersgd_start_iter: int = 2, init: str | None = None, weight_decay: float | None = None,
+                   clip_norm: float = 1.0, warmup_steps: int = 0, min_lr_ratio: float = 0.1) -> dict:
     """The ``PLAN`` dict of `planner.emit.runtime` for ``plan`` applied to ``model`` (any device, meta included).
 
     ``init``: ``"full"`` or ``"meta"`` (see `planner.emit.runtime`), or None to choose by size (`choose_init`).
+    ``weight_decay``: on matrices only (None: 0.1 for AdamW, as GPT-3 and Llama train; 0 for SGD). ``clip_norm``:
+    the global gradient norm clipped to (0: no clipping). ``warmup_steps``, ``min_lr_ratio``: the learning-rate
+    schedule (`planner.emit.train.lr_factor`).
     """
     c = plan.config
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    weight_decay = (0.1 if optimizer == "adamw" else 0.0) if weight_decay is None else weight_decay
+    for label, value in (("lr", lr), ("weight_decay", weight_decay), ("clip_norm", clip_norm),
+                         ("warmup_steps", warmup_steps), ("min_lr_ratio", min_lr_ratio)):
+        if not isinstance(value, (int, float)) or value < 0 or (label == "min_lr_ratio" and value > 1):
+            raise ValueError(f"{label}={value!r} must be a number ≥ 0" + (" and ≤ 1" if label == "min_lr_ratio"
+                                                                             else ""))
     init_mode, _ = choose_init(plan, model, init)
     if plan.global_batch % (c.dp * c.mbs):
         raise ValueError(f"global_batch {plan.global_batch} is not a multiple of dp·mbs = {c.dp}·{c.mbs}")
@@ -184,9 +194,18 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
         "block_container": container, "stage_of": {lay.name: lay.stage for lay in plan.layers},
         "stage_rank": stage_rank, "ac": ac, "tp_blocks": tp_blocks, "tp_layout": layout, "sp_norms": sp_norms,
         "sp_gather": sp_gather, "tied": tied_parameters(model, plan, container, stage_rank) if c.pp > 1 else [],
-        "optimizer": optimizer, "lr": lr, "seed": seed, "init": init_mode,
+        "optimizer": optimizer, "lr": lr, "weight_decay": weight_decay, "clip_norm": clip_norm,
+        "warmup_steps": int(warmup_steps), "min_lr_ratio": min_lr_ratio, "seed": seed, "init": init_mode,
+        "mfu_per_token_rate": _mfu_rate(plan),
         **vocab_modules(model, container),
     }
+
+
+def _mfu_rate(plan: Plan) -> float | None:
+    """Model FLOPs utilisation per token/s of the whole job on the plan's devices (the prediction's MFU over its
+    tokens/s: the same model-FLOPs count), so a run reports MFU from its measured tokens/s; None without one."""
+    mfu, tps = plan.predicted.get("mfu"), plan.predicted.get("tokens_per_s")
+    return mfu / tps if mfu and tps else None
 
 
 def _check_tp(plan: Plan, block: nn.Module, layout: dict[str, str]) -> None:

@@ -97,8 +97,9 @@ def check_world(plan: dict) -> None:
             f"tp={plan['tp']} needs that many processes per node, but LOCAL_WORLD_SIZE={local}; "
             f"re-plan with tp ≤ {local}"
         )
-    if torch.cuda.is_available() and plan["tp"] > torch.cuda.device_count():
-        errors.append(f"tp={plan['tp']} but this node has {torch.cuda.device_count()} GPUs; re-plan with fewer")
+    if torch.cuda.is_available() and local > torch.cuda.device_count():  # set_device(LOCAL_RANK) would fail
+        errors.append(f"LOCAL_WORLD_SIZE={local} processes on this node but it has {torch.cuda.device_count()} "
+                      f"visible GPUs; start --nproc-per-node {torch.cuda.device_count()} per node (and more nodes)")
     errors += plan_problems(plan)
     if errors:
         print(f"[rank {rank}] error: {'; '.join(errors)}", file=sys.stderr, flush=True)
@@ -145,6 +146,7 @@ class Parallel:
     device: torch.device | None = None  #: where this rank computes
     tied_groups: list = field(default_factory=list)  #: this rank's embedding group per ``plan["tied"]`` entry
     loss_fn: object = None  #: ``(logits, labels) → loss`` (`loss_function`)
+    grad_norm: object = None  #: the last step's global gradient norm before clipping (a 0-dim tensor)
 
 
 def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
@@ -245,19 +247,43 @@ def materialize(part: nn.Module, index: int, plan: dict, device: torch.device) -
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
     torch.manual_seed(plan["seed"] + index)
-    with ShardSeeds(plan["seed"] + index) if device.type == "cpu" else contextlib.nullcontext():
+    with ShardSeeds(plan["seed"] + index, device), _dtensor_rng_off(part, device):
         find_init(part)()
 
 
-class ShardSeeds(TorchDispatchMode):
-    """CPU only (DTensor's random ops have an RNG tracker on GPUs alone): a random fill of a sharded DTensor draws
-    from a generator seeded by the shard's mesh coordinates, so shards differ (one seed everywhere would repeat the
-    same block in every shard) while copies of a shard on other ranks agree; the main stream, which replicated
-    parameters draw from, is left where it was, the same on every rank."""
+@contextlib.contextmanager
+def _dtensor_rng_off(part: nn.Module, device: torch.device):
+    """GPUs: keep DTensor's RNG tracker out of initialisation, where `ShardSeeds` seeds each shard. Left alone it
+    would draw every shard from rank 0's state (broadcast over the world when it first runs) at an offset set by
+    the shard's place in its own mesh, the same on every pipeline stage: stages with as many layers would get
+    identical weights (torch 2.13, distributed/tensor/_random.py, _dispatch.py). Made here without that broadcast
+    (each rank's own state, seeded alike per stage), its region off until the weights are drawn."""
+    mesh = next((p.device_mesh for p in part.parameters() if isinstance(p, DTensor)), None)
+    if device.type != "cuda" or mesh is None:
+        yield
+        return
+    from torch.distributed.tensor import _random as dtensor_random
 
-    def __init__(self, seed: int):
+    if dtensor_random._rng_tracker is None:
+        dtensor_random._rng_tracker = dtensor_random.OffsetBasedRNGTracker(mesh, run_state_sync=False)
+    tracker = dtensor_random._rng_tracker
+    enabled, tracker.distribute_region_enabled = tracker.distribute_region_enabled, False
+    try:
+        yield
+    finally:
+        tracker.distribute_region_enabled = enabled
+
+
+class ShardSeeds(TorchDispatchMode):
+    """A random fill of a sharded DTensor draws from a generator seeded by the shard's mesh coordinates, so shards
+    differ (one seed everywhere would repeat the same block in every shard) while copies of a shard on other ranks
+    agree; the main stream, which replicated parameters draw from, is left where it was, the same on every rank of
+    a stage. On GPUs with DTensor's RNG tracker off (`_dtensor_rng_off`), so that these seeds apply there too."""
+
+    def __init__(self, seed: int, device: torch.device | None = None):
         super().__init__()
         self.seed, self.calls = seed, 0
+        self.devices = [device] if device is not None and device.type == "cuda" else []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -267,13 +293,13 @@ class ShardSeeds(TorchDispatchMode):
             key = tuple(c for c, placement in zip(coords, target.placements) if placement.is_shard())
             if key:
                 self.calls += 1
-                with torch.random.fork_rng(devices=[]):
+                with torch.random.fork_rng(devices=self.devices):
                     torch.manual_seed(hash((self.seed, self.calls, key)) % 2**63)
                     return func(*args, **kwargs)
         return func(*args, **kwargs)
 
 
-def _tied_copies(par: Parallel, tie: dict) -> list:
+def tied_copies(par: Parallel, tie: dict) -> list:
     """The distinct parameters on this rank that hold a copy of the tied weight ``tie`` (none on middle stages)."""
     copies = {}
     for part in par.parts:
@@ -289,7 +315,7 @@ def sync_tied_weights(par: Parallel) -> None:
     """After meta init, make every copy of a weight tied across pipeline stages equal to the first stage's: copy
     within this rank's parts, then broadcast over the embedding group from its first member."""
     for tie, group in zip(par.plan["tied"], par.tied_groups):
-        copies = [p.to_local() if isinstance(p, DTensor) else p for p in _tied_copies(par, tie)]
+        copies = [p.to_local() if isinstance(p, DTensor) else p for p in tied_copies(par, tie)]
         if not copies:
             continue
         first, *rest = copies
@@ -670,7 +696,7 @@ def sync_tied_grads(par: Parallel) -> None:
     both the same dp shard (same shape, same dp rank), so summing the local gradient shards is exact.
     """
     for tie, group in zip(par.plan["tied"], par.tied_groups):
-        copies = _tied_copies(par, tie)
+        copies = tied_copies(par, tie)
         if not copies:
             continue  # a middle pipeline rank: no copy here
         grads = []

@@ -278,37 +278,91 @@ def _vocab(source: ModelSource, model) -> int:
 
 
 _MAIN = '''
-def get_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """>>> YOUR DATA HERE <<< The global batch of ``step``: (input_ids, labels), each [GLOBAL_BATCH, SEQ] int64.
-
-    Return the same global batch on every rank; each data-parallel rank trains on its own rows of it.
-    """
-    return synthetic_batch(step, batch=PLAN["global_batch"], seq=PLAN["seq"], vocab=VOCAB, seed=PLAN["seed"])
+DATA = None  # a token file (--data): 1-D .npy, or raw token ids of DATA_DTYPE (nanoGPT's .bin); None: synthetic
+DATA_DTYPE = "uint16"
 
 
-def train(steps: int = STEPS) -> tuple[Parallel, list[float]]:
-    """Apply the plan and train ``steps`` optimizer steps; returns the parallel model and the losses."""
+def get_batch(step: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    \"\"\">>> YOUR DATA HERE <<< Rows ``rows`` of the global batch of ``step``: (input_ids, labels), each
+    [rows, SEQ] int64, with labels[:, t] the token after input_ids[:, t] (-100: ignored).
+
+    Each data-parallel rank asks for its own rows; every rank of one data-parallel replica for the same rows.
+    \"\"\"
+    if DATA is not None:
+        return token_file_batch(DATA, step, rows, batch=PLAN["global_batch"], seq=PLAN["seq"], dtype=DATA_DTYPE)
+    inputs, labels = synthetic_batch(step, batch=PLAN["global_batch"], seq=PLAN["seq"], vocab=VOCAB, seed=PLAN["seed"])
+    return inputs[rows], labels[rows]
+
+
+def train(steps: int = STEPS, *, checkpoint_dir: str | None = None, save_every: int = 0, resume: bool = False,
+          stop_after: int | None = None) -> tuple[Parallel, list[float]]:
+    \"\"\"Apply the plan and train up to optimizer step ``steps``; returns the parallel model and this launch's losses.
+
+    With ``checkpoint_dir``: save every ``save_every`` steps and at the end of the launch; ``resume`` continues from
+    its latest checkpoint (model, optimizer, learning-rate schedule, step and so the data position); ``stop_after``
+    ends this launch after that many steps (a job's time limit), to be resumed.
+    \"\"\"
     mesh = init_distributed(PLAN)  # checks the launch against the plan before any collective
     par = parallelize(build_model, PLAN, mesh)
     optimizer = build_optimizer(par, PLAN)
+    lr_schedule = build_lr_schedule(optimizer, PLAN, steps)  # warm-up, then cosine decay to the last step
     rank = dist.get_rank()
+    first = 0
+    if resume:
+        path = latest_checkpoint(checkpoint_dir) if checkpoint_dir else None
+        if path is None:
+            if rank == 0:
+                print(f"no checkpoint in {checkpoint_dir}: starting from step 0", flush=True)
+        else:
+            first = load_checkpoint(path, par, optimizer, lr_schedule)
+            if rank == 0:
+                print(f"resumed from {path} after step {first - 1}", flush=True)
+    last = steps if stop_after is None else min(steps, first + stop_after)
     losses = []
-    for step in range(steps):
-        inputs, labels = get_batch(step)
+    for step in range(first, last):
+        inputs, labels = get_batch(step, data_rows(par))
         start = time.perf_counter()
         loss = train_step(par, optimizer, inputs, labels)
         elapsed = time.perf_counter() - start
+        lr = lr_schedule.get_last_lr()[0]
+        lr_schedule.step()
         losses.append(loss)
-        peak = peak_memory_bytes(par.device) / 2**20
-        print(f"[rank {rank}] step {step} loss {loss:.5f} time {elapsed * 1e3:.1f} ms peak memory {peak:.0f} MiB",
-              flush=True)
+        if rank == 0:
+            print(step_report(par, step, loss, lr, elapsed), flush=True)
+        if checkpoint_dir and ((save_every and (step + 1) % save_every == 0) or step + 1 == last):
+            save_checkpoint(checkpoint_dir, par, optimizer, lr_schedule, step + 1)
     return par, losses
 
 
 def main() -> None:
+    global DATA, DATA_DTYPE
     parser = argparse.ArgumentParser(description="Train with the plan above (launch with torchrun).")
     parser.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps (default {STEPS})")
-    train(parser.parse_args().steps)
+    parser.add_argument("--lr", type=float, default=PLAN["lr"], help=f"peak learning rate (default {PLAN['lr']})")
+    parser.add_argument("--warmup-steps", type=int, default=None,
+                        help="linear learning-rate warm-up steps (default: a tenth of --steps), then cosine decay to "
+                        f"{PLAN['min_lr_ratio']} of --lr at the last step")
+    parser.add_argument("--clip-norm", type=float, default=PLAN["clip_norm"],
+                        help=f"clip the global gradient norm to this (0: off; default {PLAN['clip_norm']})")
+    parser.add_argument("--data", help="token file: .npy, or raw token ids (see --data-dtype); default synthetic")
+    parser.add_argument("--data-dtype", default=DATA_DTYPE, choices=["uint16", "uint32", "int32", "int64"],
+                        help=f"element type of a raw token file (default {DATA_DTYPE}, nanoGPT's .bin)")
+    parser.add_argument("--checkpoint-dir", help="save checkpoints here (torch.distributed.checkpoint, sharded)")
+    parser.add_argument("--save-every", type=int, default=0, help="save every K steps (and at the end)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    parser.add_argument("--stop-after", type=int, help="end this launch after N steps (resume later with --resume)")
+    args = parser.parse_args()
+    if args.steps < 1 or args.lr <= 0 or args.clip_norm < 0 or (args.warmup_steps or 0) < 0 or args.save_every < 0:
+        parser.error("--steps and --lr must be > 0; --warmup-steps, --clip-norm and --save-every ≥ 0")
+    if (args.resume or args.save_every) and not args.checkpoint_dir:
+        parser.error("--resume and --save-every need --checkpoint-dir")
+    if args.data is not None and not os.path.isfile(args.data):
+        parser.error(f"--data {args.data}: no such file")
+    DATA, DATA_DTYPE = args.data, args.data_dtype
+    warmup = args.steps // 10 if args.warmup_steps is None else args.warmup_steps
+    PLAN.update(lr=args.lr, warmup_steps=warmup, clip_norm=args.clip_norm)
+    train(args.steps, checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, resume=args.resume,
+          stop_after=args.stop_after)
     # The parallel model sits in reference cycles (module hooks) that hold its DTensors, their device mesh and so
     # the process groups. Collected here, while the groups are alive, not at interpreter exit: left to exit, one
     # rank in ~20 aborted there ("terminate called without an active exception", after destroy_process_group).
@@ -347,7 +401,8 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
     # full_parameters is not called by the loop: kept for saving an unsharded checkpoint (and for the tests).
     roots = _used_names(main) | _used_names(model_body) | {"full_parameters"}
     runtime_body = specialize_runtime(runtime_body, config, roots)
-    imports = ["import argparse", "import gc", "import time", "import torch", "import torch.distributed as dist",
+    imports = ["import argparse", "import gc", "import os", "import time", "import torch",
+               "import torch.distributed as dist",
                *model_imports, *runtime_imports]
     future, others = _merge_imports(imports, _used_names("\n\n".join([model_body, runtime_body, main])))
     precision_note = (
@@ -361,8 +416,10 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
         f"Model: {_doc_safe(plan.model)}\n"
         f"Plan: dp={c.dp} tp={c.tp} pp={c.pp} (vpp={c.vpp}, {c.schedule.value}) zero={c.zero} "
         f"sp={'on' if c.sp else 'off'} grad_compress={c.grad_compress} pp_compress={c.pp_compress}.\n\n"
-        f"Run: torchrun --standalone --nproc-per-node {c.world} THIS_FILE.py\n\n"
-        "Needs only torch (and transformers for hf: models). Edit get_batch() to train on your data.\n"
+        f"Run: {launch_line(plan)}\n\n"
+        "Needs only torch (and transformers for hf: models). Train on a token file with --data,\n"
+        "or edit get_batch(). Flags: --steps --lr --warmup-steps --clip-norm --data --checkpoint-dir --save-every\n"
+        "--resume --stop-after (see --help).\n"
         '"""\n'
     )
     parts = [
@@ -381,6 +438,26 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
         main,
     ]
     return format_source("\n\n\n".join(p for p in parts if p) + "\n")
+
+
+def launch_line(plan: Plan) -> str:
+    """The torchrun command for ``plan``: one node standalone, else the same line on each of the plan's nodes with a
+    c10d rendezvous on the first (as many processes per node as the cluster has GPUs per node, or the largest count
+    that divides the world: torchrun starts the same number on every node)."""
+    import math
+
+    from costmodel.cluster import load_cluster
+
+    world = plan.config.world
+    try:
+        per_node = math.gcd(load_cluster(plan.cluster).gpus_per_node, world)
+    except (ValueError, OSError):  # a cluster file no longer at hand: one process per device of one node
+        per_node = world
+    nodes = world // per_node
+    if nodes == 1:
+        return f"torchrun --standalone --nproc-per-node {world} THIS_FILE.py"
+    return (f"on each of the {nodes} nodes,\n  torchrun --nnodes {nodes} --nproc-per-node {per_node} "
+            "--rdzv-backend c10d \\\n    --rdzv-endpoint FIRST_NODE_HOST:29500 --rdzv-id JOB_ID THIS_FILE.py")
 
 
 def _doc_safe(text: str) -> str:

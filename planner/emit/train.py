@@ -1,21 +1,24 @@
-"""The training step of a parallelised model: optimizer (ZeRO-1 through ZeroRedundancyOptimizer), gradient
-accumulation over micro-batches (or the pipeline schedule), data-parallel and tied-weight gradient sync, synthetic
-data, and what the loop reports. Like `planner.emit.runtime` it imports only torch and the standard library (and
-`planner.emit.runtime` and `costmodel.runnable`, whose sources the emitter inlines alongside this one).
+"""The training step of a parallelised model: optimizer (AdamW with decoupled weight decay on matrices only; ZeRO-1
+through ZeroRedundancyOptimizer), learning-rate warm-up and cosine decay, gradient accumulation over micro-batches
+(or the pipeline schedule), data-parallel and tied-weight gradient sync, clipping by the global gradient norm,
+synthetic data, and what the loop reports. Like `planner.emit.runtime` it imports only torch and the standard
+library (and `planner.emit.runtime` and `costmodel.runnable`, whose sources the emitter inlines alongside this one).
 """
 
 import contextlib
+import functools
+import math
 import resource
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from costmodel.runnable import post_step_allreduce
-from planner.emit.runtime import DTYPES, Parallel, loss_context, sync_tied_grads
+from planner.emit.runtime import DTYPES, Parallel, loss_context, sync_tied_grads, tied_copies
 
 
 def autocast(plan: dict, device: torch.device):
@@ -26,20 +29,89 @@ def autocast(plan: dict, device: torch.device):
 
 
 def build_optimizer(par: Parallel, plan: dict) -> torch.optim.Optimizer:
-    """SGD or AdamW; under ZeRO-1 wrapped in `ZeroRedundancyOptimizer`, which keeps each dp rank's share of the
-    optimizer state and broadcasts the updated parameters after its step."""
-    params = [p for module in par.modules for p in module.parameters()]
+    """SGD or AdamW. Weight decay (``plan["weight_decay"]``, decoupled in AdamW) applies to matrices only:
+    embeddings and linear weights, not norms' scales or biases (GPT-3, Llama). Under ZeRO-1 wrapped in
+    `ZeroRedundancyOptimizer`, which keeps each dp rank's share of the optimizer state and broadcasts the updated
+    parameters after its step."""
+    seen = {id(p): p for module in par.modules for p in module.parameters()}
+    matrices = [p for p in seen.values() if p.ndim >= 2]
+    others = [p for p in seen.values() if p.ndim < 2]
+    groups = [{"params": ps, "weight_decay": wd}
+              for ps, wd in ((matrices, plan["weight_decay"]), (others, 0.0)) if ps]
     cls = torch.optim.SGD if plan["optimizer"] == "sgd" else torch.optim.AdamW
     if plan["dp"] > 1 and plan["zero"] == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=par.mesh["dp"].get_group(),
+        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=par.mesh["dp"].get_group(),
                                        lr=plan["lr"])
-    return cls(params, lr=plan["lr"])
+    return cls(groups, lr=plan["lr"])
+
+
+def lr_factor(step: int, plan: dict, total_steps: int | None) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) as a fraction of ``plan["lr"]``: linear warm-up over
+    ``plan["warmup_steps"]`` steps (the first at 1/warmup), then cosine decay to ``plan["min_lr_ratio"]`` at
+    ``total_steps`` (constant after the warm-up when ``total_steps`` is None)."""
+    warmup = plan["warmup_steps"]
+    if step < warmup:
+        return (step + 1) / warmup
+    if total_steps is None:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    floor = plan["min_lr_ratio"]
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_schedule(optimizer: torch.optim.Optimizer, plan: dict, total_steps: int | None):
+    """`lr_factor` as torch's LambdaLR: call its ``step()`` after each optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, plan, total_steps))
+
+
+def clip_grad_norm(par: Parallel, max_norm: float) -> torch.Tensor:
+    """The global L2 norm of this step's gradients over the whole model, and (``max_norm`` > 0) every gradient
+    scaled by ``min(1, max_norm / norm)``, as ``torch.nn.utils.clip_grad_norm_`` does in one process.
+
+    Each rank sums the squares of its local gradients (a DTensor's local shard), weighting each by how many ranks
+    of its pipeline stage hold the same values: the stage's dp·tp ranks over the product of the mesh sizes the
+    tensor is sharded along (a replica counts once, a shard once); a tied weight counts on its first stage only.
+    One all-reduce over every rank adds the stages. Call after the data-parallel and tied-weight reductions."""
+    plan = par.plan
+    stage_ranks = plan["dp"] * plan["tp"]
+    counted = {id(p) for tie in plan["tied"] for p in tied_copies(par, tie)[:1]} if 0 in par.stage_indices else set()
+    tied = {id(p) for tie in plan["tied"] for p in tied_copies(par, tie)} - counted
+    total = torch.zeros((), device=par.device, dtype=torch.float32)
+    grads = {}
+    for part in par.parts:
+        for p in part.parameters():
+            if p.grad is None or id(p) in grads:
+                continue
+            grad = p.grad
+            shards = 1
+            if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+                # sequence parallelism leaves the norms' gradients Partial (each tp rank has its sequence slice's
+                # sum): reduced here, as the optimizer's DTensor ops would otherwise do when they read them
+                grad = p.grad = grad.redistribute(grad.device_mesh, [Replicate() if pl.is_partial() else pl
+                                                                     for pl in grad.placements])
+            if isinstance(grad, DTensor):
+                # every placement left but Replicate splits the tensor (Shard, and FSDP's _StridedShard over TP,
+                # which torch 2.13 does not count as is_shard())
+                shards = math.prod(grad.device_mesh.size(i) for i, pl in enumerate(grad.placements)
+                                   if not pl.is_replicate())
+                grad = grad.to_local()
+            grads[id(p)] = grad
+            if id(p) not in tied:
+                total += grad.float().pow(2).sum() * (shards / stage_ranks)
+    dist.all_reduce(total)
+    norm = total.sqrt()
+    if max_norm > 0:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for grad in grads.values():
+            grad.mul_(scale.to(grad.dtype))
+    return norm
 
 
 def train_step(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor) -> float:
-    """One optimizer step on the global batch (the same on every rank; each dp rank takes its rows).
+    """One optimizer step on the global batch (the same on every rank; each dp rank takes its rows), or on this
+    rank's rows of it (`data_rows`).
 
     Returns the global mean loss, identical on every rank, as a Python float (`train_step_loss` has it as a tensor).
     """
@@ -51,10 +123,12 @@ def train_step_loss(par: Parallel, optimizer: torch.optim.Optimizer, inputs: tor
     """`train_step` up to its loss, a 0-dim tensor on the device (no host synchronisation: `autopar check` runs this
     on fake tensors)."""
     plan, device = par.plan, par.device
-    dp_rank = par.mesh["dp"].get_local_rank()
-    rows = plan["global_batch"] // plan["dp"]
-    x = inputs[dp_rank * rows : (dp_rank + 1) * rows].to(device)
-    y = labels[dp_rank * rows : (dp_rank + 1) * rows].to(device)
+    if inputs.shape[0] == plan["global_batch"]:  # the global batch: this rank's rows of it
+        inputs, labels = inputs[data_rows(par)], labels[data_rows(par)]
+    elif inputs.shape[0] != plan["global_batch"] // plan["dp"]:
+        raise ValueError(f"a batch of {inputs.shape[0]} rows: pass the global batch ({plan['global_batch']} rows) "
+                         f"or this data-parallel rank's rows of it ({plan['global_batch'] // plan['dp']})")
+    x, y = inputs.to(device), labels.to(device)
     optimizer.zero_grad(set_to_none=True)
     with autocast(plan, device), loss_context(plan):
         if plan["pp"] > 1:
@@ -77,6 +151,7 @@ def train_step_loss(par: Parallel, optimizer: torch.optim.Optimizer, inputs: tor
             allreduce_grads(part, plan["dp"])
     if plan["pp"] > 1 and plan["tied"]:
         sync_tied_grads(par)
+    par.grad_norm = clip_grad_norm(par, plan["clip_norm"])
     optimizer.step()
     total = local.reshape(1).clone()
     if plan["pp"] > 1:
@@ -138,11 +213,35 @@ def synthetic_batch(step: int, *, batch: int, seq: int, vocab: int, seed: int) -
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def step_report(par: Parallel, step: int, loss: float, lr: float, seconds: float) -> str:
+    """The line the loop prints on rank 0 after each step: loss, global gradient norm (before clipping), learning
+    rate, throughput, MFU on the plan's devices (from the prediction's FLOPs per token), time and peak memory."""
+    plan = par.plan
+    tokens_per_s = plan["global_batch"] * plan["seq"] / seconds
+    norm = par.grad_norm.item() if par.grad_norm is not None else float("nan")
+    mfu = f" MFU {plan['mfu_per_token_rate'] * tokens_per_s:.1%}" if plan.get("mfu_per_token_rate") else ""
+    peak = peak_memory_bytes(par.device) / 2**20
+    return (f"step {step} loss {loss:.5f} grad norm {norm:.4g} lr {lr:.3g} {tokens_per_s:,.0f} tokens/s{mfu} "
+            f"time {seconds * 1e3:.1f} ms peak memory {peak:.0f} MiB")
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated GPU memory, or the process's peak RSS on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def model_name(part: nn.Module, name: str, plan: dict) -> str:
+    """A parameter's name in the original model: activation-checkpoint wrappers dropped, and a pipeline stage's
+    blocks (renumbered from 0 in each stage) under their original indices, so names are the same on every stage and
+    in one process."""
+    name = name.replace("_checkpoint_wrapped_module.", "")
+    container = plan["block_container"]
+    if name.startswith(container + "."):
+        index, _, rest = name[len(container) + 1 :].partition(".")
+        name = f"{part._autopar_block_names[int(index)]}.{rest}"
+    return name
 
 
 def full_parameters(par: Parallel) -> dict:
@@ -151,13 +250,119 @@ def full_parameters(par: Parallel) -> dict:
     out = {}
     canonical = {alias: tie["names"][0] for tie in par.plan["tied"] for alias in tie["names"]}
     for part in par.parts:
-        names = part._autopar_block_names
-        container = par.plan["block_container"]
         for name, p in part.named_parameters():
-            name = name.replace("_checkpoint_wrapped_module.", "")
-            if name.startswith(container + "."):
-                index, _, rest = name[len(container) + 1 :].partition(".")
-                name = f"{names[int(index)]}.{rest}"
+            name = model_name(part, name, par.plan)
             value = p.full_tensor() if isinstance(p, DTensor) else p
             out[canonical.get(name, name)] = value.detach().cpu().clone()
     return out
+
+
+def checkpoint_state(par: Parallel, optimizer: torch.optim.Optimizer, lr_schedule=None, step: int = 0) -> dict:
+    """What a checkpoint holds, as `torch.distributed.checkpoint` saves it (each rank its own shards; replicas
+    once): ``model.NAME`` (the parameters under their original names, `model_name`), ``optim.NAME.KEY`` (this rank's
+    optimizer state: AdamW's moments, sharded like their parameters; under ZeRO-1 each dp rank's own share),
+    ``train`` (the steps done, which also fixes the data position, and the learning-rate schedule). Loading fills
+    these tensors in place, so the same call serves save and load (AdamW's state is created first if empty)."""
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's share
+    state: dict = {"train": {"step": step, "lr_schedule": lr_schedule.state_dict() if lr_schedule else {}}}
+    names = {}
+    for part in par.parts:
+        for name, p in part.named_parameters():
+            names.setdefault(id(p), model_name(part, name, par.plan))
+    for part in par.parts:
+        for name, p in part.named_parameters():
+            state[f"model.{model_name(part, name, par.plan)}"] = p
+    for group in local.param_groups:
+        for p in group["params"]:
+            if isinstance(local, torch.optim.AdamW) and not local.state[p]:
+                local.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
+            for key, value in local.state[p].items():
+                state[f"optim.{names[id(p)]}.{key}"] = value
+    return state
+
+
+def save_checkpoint(directory: str, par: Parallel, optimizer: torch.optim.Optimizer, lr_schedule, step: int) -> str:
+    """Save after ``step`` optimizer steps to ``directory/step-NNNNNNNN`` with `torch.distributed.checkpoint` (a
+    collective: every rank writes its shards, nothing is gathered) and return that path."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.join(directory, f"step-{step:08d}")
+    dcp.save(checkpoint_state(par, optimizer, lr_schedule, step), checkpoint_id=path)
+    return path
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """The newest complete checkpoint in ``directory`` (DCP writes its ``.metadata`` last), or None."""
+    import os
+
+    done = sorted(d for d in os.listdir(directory) if d.startswith("step-")
+                  and os.path.exists(os.path.join(directory, d, ".metadata"))) if os.path.isdir(directory) else []
+    return os.path.join(directory, done[-1]) if done else None
+
+
+def load_checkpoint(path: str, par: Parallel, optimizer: torch.optim.Optimizer, lr_schedule=None) -> int:
+    """Load a `save_checkpoint` directory into the parallel model, optimizer and schedule (a collective, resharding
+    as torch.distributed.checkpoint does); returns the steps it had done."""
+    import torch.distributed.checkpoint as dcp
+
+    state = checkpoint_state(par, optimizer, lr_schedule)
+    dcp.load(state, checkpoint_id=path)
+    if lr_schedule is not None:
+        lr_schedule.load_state_dict(state["train"]["lr_schedule"])
+        for group, lr in zip(optimizer.param_groups, lr_schedule.get_last_lr()):
+            group["lr"] = lr  # the schedule's state does not set it: the next step would run at the first step's
+    return int(state["train"]["step"])
+
+
+def data_rows(par: Parallel) -> slice:
+    """The rows of the global batch this rank trains on: its data-parallel rank's share."""
+    rows = par.plan["global_batch"] // par.plan["dp"]
+    first = par.mesh["dp"].get_local_rank() * rows
+    return slice(first, first + rows)
+
+
+@functools.lru_cache(maxsize=4)
+def token_file(path: str, dtype: str = "uint16") -> torch.Tensor:
+    """A token file as a 1-D tensor over its memory map (nothing read until indexed): a NumPy ``.npy`` file of one
+    dimension (its header gives the type), or raw values of ``dtype`` (nanoGPT's ``.bin``: uint16)."""
+    import ast
+    import mmap
+    import warnings
+
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    offset = 0
+    if path.endswith(".npy"):  # NumPy's format: magic, version, header length, then the header as a dict literal
+        if buf[:6] != b"\x93NUMPY":
+            raise ValueError(f"{path}: not a .npy file")
+        width = 2 if buf[6] == 1 else 4
+        size = int.from_bytes(buf[8 : 8 + width], "little")
+        header = ast.literal_eval(buf[8 + width : 8 + width + size].decode("latin1"))
+        types = {"<u2": "uint16", "<u4": "uint32", "<i4": "int32", "<i8": "int64"}
+        if header["descr"] not in types or header["fortran_order"] or len(header["shape"]) != 1:
+            raise ValueError(f"{path}: expected a 1-D array of token ids (uint16/uint32/int32/int64), got "
+                             f"{header['descr']} of shape {header['shape']}")
+        dtype, offset = types[header["descr"]], 8 + width + size
+    kind = getattr(torch, dtype)
+    with warnings.catch_warnings():  # read-only map: the tensor is never written
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(buf, dtype=kind, count=(len(buf) - offset) // kind.itemsize, offset=offset)
+
+
+def token_file_batch(path: str, step: int, rows: slice, *, batch: int, seq: int,
+                     dtype: str = "uint16") -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``rows`` of the global batch of ``step`` from a token file (`token_file`), only these rows read. Row i
+    of step s is the (s·batch + i)-th window of seq + 1 tokens (consecutive windows share one token), wrapping
+    around at the end of the file: a deterministic pass that a resumed run continues from its step."""
+    tokens = token_file(path, dtype)
+    windows = (len(tokens) - 1) // seq
+    if windows < 1:
+        raise ValueError(f"{path}: {len(tokens)} tokens, fewer than one sequence of {seq} + 1")
+    first = rows.start or 0
+    last = batch if rows.stop is None else rows.stop
+    starts = [((step * batch + i) % windows) * seq for i in range(first, last)]
+    window = torch.stack([tokens[s : s + seq + 1].to(torch.int64) for s in starts])
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()

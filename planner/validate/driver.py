@@ -176,7 +176,7 @@ def measure(mod, steps: int, warmup: int) -> dict:
     rows, losses = [], []
     try:
         for step in range(warmup + steps):
-            inputs, labels = mod.get_batch(step)
+            inputs, labels = mod.get_batch(step, mod.data_rows(par))
             dist.barrier()
             timer.reset()
             t0 = time.perf_counter()
@@ -189,7 +189,7 @@ def measure(mod, steps: int, warmup: int) -> dict:
             if step >= warmup:
                 rows.append({"step": elapsed, **timer.acc})
         # one profiled step for the communication share
-        inputs, labels = mod.get_batch(warmup + steps)
+        inputs, labels = mod.get_batch(warmup + steps, mod.data_rows(par))
         dist.barrier()
         timer.reset()
         timer.profiling = True

@@ -3,13 +3,18 @@
 Model: llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32
 Plan: dp=2 tp=2 pp=1 (vpp=1, 1f1b) zero=2 sp=on grad_compress=bf16 pp_compress=none.
 
-Run: torchrun --standalone --nproc-per-node 4 THIS_FILE.py
+Run: on each of the 2 nodes,
+  torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
+    --rdzv-endpoint FIRST_NODE_HOST:29500 --rdzv-id JOB_ID THIS_FILE.py
 
-Needs only torch (and transformers for hf: models). Edit get_batch() to train on your data.
+Needs only torch (and transformers for hf: models). Train on a token file with --data,
+or edit get_batch(). Flags: --steps --lr --warmup-steps --clip-norm --data --checkpoint-dir --save-every
+--resume --stop-after (see --help).
 """
 
 import argparse
 import contextlib
+import functools
 import gc
 import math
 import os
@@ -77,8 +82,13 @@ PLAN = {
     "tied": [],
     "optimizer": "adamw",
     "lr": 0.001,
+    "weight_decay": 0.1,
+    "clip_norm": 1.0,
+    "warmup_steps": 0,
+    "min_lr_ratio": 0.1,
     "seed": 0,
     "init": "full",
+    "mfu_per_token_rate": None,
     "vocab": 128,
     "vocab_embed": "tok_embeddings",
     "vocab_head": "output",
@@ -295,7 +305,7 @@ def build_model() -> nn.Module:
 # --- Parallelism: autopar's costmodel/runnable.py, planner/emit/runtime.py and train.py, as used here ---
 
 
-RUNNABLE_PRECISIONS = ("fp32", "bf16", "fp16")
+RUNNABLE_PRECISIONS = ("fp32", "bf16")
 
 
 def post_step_allreduce(dp: int, tp: int, zero: int, schedule: str, pp: int) -> bool:
@@ -323,7 +333,12 @@ def problems(facts: dict) -> list:
     dp, tp, pp, zero = f["dp"], f["tp"], f["pp"], f["zero"]
     schedule = f["schedule"] if pp > 1 else "1f1b"
     out = []
-    if f["precision"] not in RUNNABLE_PRECISIONS:
+    if f["precision"] == "fp16":
+        out.append(
+            "precision=fp16 is not supported by the runtime yet (fp16 gradients need loss scaling, which it "
+            "does not do; the cost model only predicts it); re-plan with --fix precision=bf16"
+        )
+    elif f["precision"] not in RUNNABLE_PRECISIONS:
         out.append(
             f"precision={f['precision']} is not supported by the runtime yet (float8 training needs torchao; "
             "the cost model only predicts it); re-plan with --fix precision=bf16"
@@ -392,8 +407,11 @@ def check_world(plan: dict) -> None:
             f"tp={plan['tp']} needs that many processes per node, but LOCAL_WORLD_SIZE={local}; "
             f"re-plan with tp ≤ {local}"
         )
-    if torch.cuda.is_available() and plan["tp"] > torch.cuda.device_count():
-        errors.append(f"tp={plan['tp']} but this node has {torch.cuda.device_count()} GPUs; re-plan with fewer")
+    if torch.cuda.is_available() and local > torch.cuda.device_count():  # set_device(LOCAL_RANK) would fail
+        errors.append(
+            f"LOCAL_WORLD_SIZE={local} processes on this node but it has {torch.cuda.device_count()} "
+            f"visible GPUs; start --nproc-per-node {torch.cuda.device_count()} per node (and more nodes)"
+        )
     errors += plan_problems(plan)
     if errors:
         print(f"[rank {rank}] error: {'; '.join(errors)}", file=sys.stderr, flush=True)
@@ -442,6 +460,7 @@ class Parallel:
     device: torch.device | None = None  #: where this rank computes
     tied_groups: list = field(default_factory=list)  #: this rank's embedding group per ``plan["tied"]`` entry
     loss_fn: object = None  #: ``(logits, labels) → loss`` (`loss_function`)
+    grad_norm: object = None  #: the last step's global gradient norm before clipping (a 0-dim tensor)
 
 
 def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
@@ -475,6 +494,17 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
         loss_fn=loss_function(plan, mesh),
     )
     return par
+
+
+def tied_copies(par: Parallel, tie: dict) -> list:
+    """The distinct parameters on this rank that hold a copy of the tied weight ``tie`` (none on middle stages)."""
+    copies = {}
+    for part in par.parts:
+        for name in tie["names"]:
+            p = _local_parameter(part, name)
+            if p is not None:
+                copies.setdefault(id(p), p)
+    return list(copies.values())
 
 
 def block_list(part: nn.Module, plan: dict) -> nn.ModuleList:
@@ -666,6 +696,17 @@ def apply_fsdp(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
     return part
 
 
+def _local_parameter(part: nn.Module, name: str):
+    """``part``'s parameter under its original name, or None where the module holding it was split off."""
+    module = part
+    *path, leaf = name.split(".")
+    for attr in path:
+        module = getattr(module, attr, None)
+        if module is None:
+            return None
+    return module._parameters.get(leaf)
+
+
 def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, tp_mesh: DeviceMesh, vocab: int) -> torch.Tensor:
     """`lm_loss` when ``logits`` is this rank's slice of a ``vocab``-wide vocabulary (`apply_vocab_parallel`): torch's
     ``loss_parallel`` cross-entropy over the slices, whose backward must run inside that context too (`loss_context`,
@@ -693,15 +734,85 @@ def autocast(plan: dict, device: torch.device):
 
 
 def build_optimizer(par: Parallel, plan: dict) -> torch.optim.Optimizer:
-    """SGD or AdamW; under ZeRO-1 wrapped in `ZeroRedundancyOptimizer`, which keeps each dp rank's share of the
-    optimizer state and broadcasts the updated parameters after its step."""
-    params = [p for module in par.modules for p in module.parameters()]
+    """SGD or AdamW. Weight decay (``plan["weight_decay"]``, decoupled in AdamW) applies to matrices only:
+    embeddings and linear weights, not norms' scales or biases (GPT-3, Llama). Under ZeRO-1 wrapped in
+    `ZeroRedundancyOptimizer`, which keeps each dp rank's share of the optimizer state and broadcasts the updated
+    parameters after its step."""
+    seen = {id(p): p for module in par.modules for p in module.parameters()}
+    matrices = [p for p in seen.values() if p.ndim >= 2]
+    others = [p for p in seen.values() if p.ndim < 2]
+    groups = [{"params": ps, "weight_decay": wd} for ps, wd in ((matrices, plan["weight_decay"]), (others, 0.0)) if ps]
     cls = torch.optim.SGD if plan["optimizer"] == "sgd" else torch.optim.AdamW
-    return cls(params, lr=plan["lr"])
+    return cls(groups, lr=plan["lr"])
+
+
+def lr_factor(step: int, plan: dict, total_steps: int | None) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) as a fraction of ``plan["lr"]``: linear warm-up over
+    ``plan["warmup_steps"]`` steps (the first at 1/warmup), then cosine decay to ``plan["min_lr_ratio"]`` at
+    ``total_steps`` (constant after the warm-up when ``total_steps`` is None)."""
+    warmup = plan["warmup_steps"]
+    if step < warmup:
+        return (step + 1) / warmup
+    if total_steps is None:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    floor = plan["min_lr_ratio"]
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_schedule(optimizer: torch.optim.Optimizer, plan: dict, total_steps: int | None):
+    """`lr_factor` as torch's LambdaLR: call its ``step()`` after each optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, plan, total_steps))
+
+
+def clip_grad_norm(par: Parallel, max_norm: float) -> torch.Tensor:
+    """The global L2 norm of this step's gradients over the whole model, and (``max_norm`` > 0) every gradient
+    scaled by ``min(1, max_norm / norm)``, as ``torch.nn.utils.clip_grad_norm_`` does in one process.
+
+    Each rank sums the squares of its local gradients (a DTensor's local shard), weighting each by how many ranks
+    of its pipeline stage hold the same values: the stage's dp·tp ranks over the product of the mesh sizes the
+    tensor is sharded along (a replica counts once, a shard once); a tied weight counts on its first stage only.
+    One all-reduce over every rank adds the stages. Call after the data-parallel and tied-weight reductions."""
+    plan = par.plan
+    stage_ranks = plan["dp"] * plan["tp"]
+    counted = {id(p) for tie in plan["tied"] for p in tied_copies(par, tie)[:1]} if 0 in par.stage_indices else set()
+    tied = {id(p) for tie in plan["tied"] for p in tied_copies(par, tie)} - counted
+    total = torch.zeros((), device=par.device, dtype=torch.float32)
+    grads = {}
+    for part in par.parts:
+        for p in part.parameters():
+            if p.grad is None or id(p) in grads:
+                continue
+            grad = p.grad
+            shards = 1
+            if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+                # sequence parallelism leaves the norms' gradients Partial (each tp rank has its sequence slice's
+                # sum): reduced here, as the optimizer's DTensor ops would otherwise do when they read them
+                grad = p.grad = grad.redistribute(
+                    grad.device_mesh, [Replicate() if pl.is_partial() else pl for pl in grad.placements]
+                )
+            if isinstance(grad, DTensor):
+                # every placement left but Replicate splits the tensor (Shard, and FSDP's _StridedShard over TP,
+                # which torch 2.13 does not count as is_shard())
+                shards = math.prod(
+                    grad.device_mesh.size(i) for i, pl in enumerate(grad.placements) if not pl.is_replicate()
+                )
+                grad = grad.to_local()
+            grads[id(p)] = grad
+            if id(p) not in tied:
+                total += grad.float().pow(2).sum() * (shards / stage_ranks)
+    dist.all_reduce(total)
+    norm = total.sqrt()
+    if max_norm > 0:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for grad in grads.values():
+            grad.mul_(scale.to(grad.dtype))
+    return norm
 
 
 def train_step(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor) -> float:
-    """One optimizer step on the global batch (the same on every rank; each dp rank takes its rows).
+    """One optimizer step on the global batch (the same on every rank; each dp rank takes its rows), or on this
+    rank's rows of it (`data_rows`).
 
     Returns the global mean loss, identical on every rank, as a Python float (`train_step_loss` has it as a tensor).
     """
@@ -714,10 +825,14 @@ def train_step_loss(
     """`train_step` up to its loss, a 0-dim tensor on the device (no host synchronisation: `autopar check` runs this
     on fake tensors)."""
     plan, device = par.plan, par.device
-    dp_rank = par.mesh["dp"].get_local_rank()
-    rows = plan["global_batch"] // plan["dp"]
-    x = inputs[dp_rank * rows : (dp_rank + 1) * rows].to(device)
-    y = labels[dp_rank * rows : (dp_rank + 1) * rows].to(device)
+    if inputs.shape[0] == plan["global_batch"]:  # the global batch: this rank's rows of it
+        inputs, labels = inputs[data_rows(par)], labels[data_rows(par)]
+    elif inputs.shape[0] != plan["global_batch"] // plan["dp"]:
+        raise ValueError(
+            f"a batch of {inputs.shape[0]} rows: pass the global batch ({plan['global_batch']} rows) "
+            f"or this data-parallel rank's rows of it ({plan['global_batch'] // plan['dp']})"
+        )
+    x, y = inputs.to(device), labels.to(device)
     optimizer.zero_grad(set_to_none=True)
     with autocast(plan, device), loss_context(plan):
         local = torch.zeros((), device=device)
@@ -726,6 +841,7 @@ def train_step_loss(
             last = k == n - 1
             loss = _accumulate(module, par.loss_fn, xm, ym, n, last, keep_gathered=plan["zero"] == 2)
             local += loss.detach().float()
+    par.grad_norm = clip_grad_norm(par, plan["clip_norm"])
     optimizer.step()
     total = local.reshape(1).clone()
     dist.all_reduce(total, group=par.mesh["dp"].get_group())
@@ -758,11 +874,37 @@ def synthetic_batch(step: int, *, batch: int, seq: int, vocab: int, seed: int) -
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def step_report(par: Parallel, step: int, loss: float, lr: float, seconds: float) -> str:
+    """The line the loop prints on rank 0 after each step: loss, global gradient norm (before clipping), learning
+    rate, throughput, MFU on the plan's devices (from the prediction's FLOPs per token), time and peak memory."""
+    plan = par.plan
+    tokens_per_s = plan["global_batch"] * plan["seq"] / seconds
+    norm = par.grad_norm.item() if par.grad_norm is not None else float("nan")
+    mfu = f" MFU {plan['mfu_per_token_rate'] * tokens_per_s:.1%}" if plan.get("mfu_per_token_rate") else ""
+    peak = peak_memory_bytes(par.device) / 2**20
+    return (
+        f"step {step} loss {loss:.5f} grad norm {norm:.4g} lr {lr:.3g} {tokens_per_s:,.0f} tokens/s{mfu} "
+        f"time {seconds * 1e3:.1f} ms peak memory {peak:.0f} MiB"
+    )
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated GPU memory, or the process's peak RSS on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def model_name(part: nn.Module, name: str, plan: dict) -> str:
+    """A parameter's name in the original model: activation-checkpoint wrappers dropped, and a pipeline stage's
+    blocks (renumbered from 0 in each stage) under their original indices, so names are the same on every stage and
+    in one process."""
+    name = name.replace("_checkpoint_wrapped_module.", "")
+    container = plan["block_container"]
+    if name.startswith(container + "."):
+        index, _, rest = name[len(container) + 1 :].partition(".")
+        name = f"{part._autopar_block_names[int(index)]}.{rest}"
+    return name
 
 
 def full_parameters(par: Parallel) -> dict:
@@ -771,54 +913,248 @@ def full_parameters(par: Parallel) -> dict:
     out = {}
     canonical = {alias: tie["names"][0] for tie in par.plan["tied"] for alias in tie["names"]}
     for part in par.parts:
-        names = part._autopar_block_names
-        container = par.plan["block_container"]
         for name, p in part.named_parameters():
-            name = name.replace("_checkpoint_wrapped_module.", "")
-            if name.startswith(container + "."):
-                index, _, rest = name[len(container) + 1 :].partition(".")
-                name = f"{names[int(index)]}.{rest}"
+            name = model_name(part, name, par.plan)
             value = p.full_tensor() if isinstance(p, DTensor) else p
             out[canonical.get(name, name)] = value.detach().cpu().clone()
     return out
 
 
+def checkpoint_state(par: Parallel, optimizer: torch.optim.Optimizer, lr_schedule=None, step: int = 0) -> dict:
+    """What a checkpoint holds, as `torch.distributed.checkpoint` saves it (each rank its own shards; replicas
+    once): ``model.NAME`` (the parameters under their original names, `model_name`), ``optim.NAME.KEY`` (this rank's
+    optimizer state: AdamW's moments, sharded like their parameters; under ZeRO-1 each dp rank's own share),
+    ``train`` (the steps done, which also fixes the data position, and the learning-rate schedule). Loading fills
+    these tensors in place, so the same call serves save and load (AdamW's state is created first if empty)."""
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's share
+    state: dict = {"train": {"step": step, "lr_schedule": lr_schedule.state_dict() if lr_schedule else {}}}
+    names = {}
+    for part in par.parts:
+        for name, p in part.named_parameters():
+            names.setdefault(id(p), model_name(part, name, par.plan))
+    for part in par.parts:
+        for name, p in part.named_parameters():
+            state[f"model.{model_name(part, name, par.plan)}"] = p
+    for group in local.param_groups:
+        for p in group["params"]:
+            if isinstance(local, torch.optim.AdamW) and not local.state[p]:
+                local.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
+            for key, value in local.state[p].items():
+                state[f"optim.{names[id(p)]}.{key}"] = value
+    return state
+
+
+def save_checkpoint(directory: str, par: Parallel, optimizer: torch.optim.Optimizer, lr_schedule, step: int) -> str:
+    """Save after ``step`` optimizer steps to ``directory/step-NNNNNNNN`` with `torch.distributed.checkpoint` (a
+    collective: every rank writes its shards, nothing is gathered) and return that path."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.join(directory, f"step-{step:08d}")
+    dcp.save(checkpoint_state(par, optimizer, lr_schedule, step), checkpoint_id=path)
+    return path
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """The newest complete checkpoint in ``directory`` (DCP writes its ``.metadata`` last), or None."""
+    import os
+
+    done = (
+        sorted(
+            d
+            for d in os.listdir(directory)
+            if d.startswith("step-") and os.path.exists(os.path.join(directory, d, ".metadata"))
+        )
+        if os.path.isdir(directory)
+        else []
+    )
+    return os.path.join(directory, done[-1]) if done else None
+
+
+def load_checkpoint(path: str, par: Parallel, optimizer: torch.optim.Optimizer, lr_schedule=None) -> int:
+    """Load a `save_checkpoint` directory into the parallel model, optimizer and schedule (a collective, resharding
+    as torch.distributed.checkpoint does); returns the steps it had done."""
+    import torch.distributed.checkpoint as dcp
+
+    state = checkpoint_state(par, optimizer, lr_schedule)
+    dcp.load(state, checkpoint_id=path)
+    if lr_schedule is not None:
+        lr_schedule.load_state_dict(state["train"]["lr_schedule"])
+        for group, lr in zip(optimizer.param_groups, lr_schedule.get_last_lr()):
+            group["lr"] = lr  # the schedule's state does not set it: the next step would run at the first step's
+    return int(state["train"]["step"])
+
+
+def data_rows(par: Parallel) -> slice:
+    """The rows of the global batch this rank trains on: its data-parallel rank's share."""
+    rows = par.plan["global_batch"] // par.plan["dp"]
+    first = par.mesh["dp"].get_local_rank() * rows
+    return slice(first, first + rows)
+
+
+@functools.lru_cache(maxsize=4)
+def token_file(path: str, dtype: str = "uint16") -> torch.Tensor:
+    """A token file as a 1-D tensor over its memory map (nothing read until indexed): a NumPy ``.npy`` file of one
+    dimension (its header gives the type), or raw values of ``dtype`` (nanoGPT's ``.bin``: uint16)."""
+    import ast
+    import mmap
+    import warnings
+
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    offset = 0
+    if path.endswith(".npy"):  # NumPy's format: magic, version, header length, then the header as a dict literal
+        if buf[:6] != b"\x93NUMPY":
+            raise ValueError(f"{path}: not a .npy file")
+        width = 2 if buf[6] == 1 else 4
+        size = int.from_bytes(buf[8 : 8 + width], "little")
+        header = ast.literal_eval(buf[8 + width : 8 + width + size].decode("latin1"))
+        types = {"<u2": "uint16", "<u4": "uint32", "<i4": "int32", "<i8": "int64"}
+        if header["descr"] not in types or header["fortran_order"] or len(header["shape"]) != 1:
+            raise ValueError(
+                f"{path}: expected a 1-D array of token ids (uint16/uint32/int32/int64), got "
+                f"{header['descr']} of shape {header['shape']}"
+            )
+        dtype, offset = types[header["descr"]], 8 + width + size
+    kind = getattr(torch, dtype)
+    with warnings.catch_warnings():  # read-only map: the tensor is never written
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(buf, dtype=kind, count=(len(buf) - offset) // kind.itemsize, offset=offset)
+
+
+def token_file_batch(
+    path: str, step: int, rows: slice, *, batch: int, seq: int, dtype: str = "uint16"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``rows`` of the global batch of ``step`` from a token file (`token_file`), only these rows read. Row i
+    of step s is the (s·batch + i)-th window of seq + 1 tokens (consecutive windows share one token), wrapping
+    around at the end of the file: a deterministic pass that a resumed run continues from its step."""
+    tokens = token_file(path, dtype)
+    windows = (len(tokens) - 1) // seq
+    if windows < 1:
+        raise ValueError(f"{path}: {len(tokens)} tokens, fewer than one sequence of {seq} + 1")
+    first = rows.start or 0
+    last = batch if rows.stop is None else rows.stop
+    starts = [((step * batch + i) % windows) * seq for i in range(first, last)]
+    window = torch.stack([tokens[s : s + seq + 1].to(torch.int64) for s in starts])
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
 # --- Data and training loop ---
 
 
-def get_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """>>> YOUR DATA HERE <<< The global batch of ``step``: (input_ids, labels), each [GLOBAL_BATCH, SEQ] int64.
+DATA = None  # a token file (--data): 1-D .npy, or raw token ids of DATA_DTYPE (nanoGPT's .bin); None: synthetic
+DATA_DTYPE = "uint16"
 
-    Return the same global batch on every rank; each data-parallel rank trains on its own rows of it.
+
+def get_batch(step: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """>>> YOUR DATA HERE <<< Rows ``rows`` of the global batch of ``step``: (input_ids, labels), each
+    [rows, SEQ] int64, with labels[:, t] the token after input_ids[:, t] (-100: ignored).
+
+    Each data-parallel rank asks for its own rows; every rank of one data-parallel replica for the same rows.
     """
-    return synthetic_batch(step, batch=PLAN["global_batch"], seq=PLAN["seq"], vocab=VOCAB, seed=PLAN["seed"])
+    if DATA is not None:
+        return token_file_batch(DATA, step, rows, batch=PLAN["global_batch"], seq=PLAN["seq"], dtype=DATA_DTYPE)
+    inputs, labels = synthetic_batch(step, batch=PLAN["global_batch"], seq=PLAN["seq"], vocab=VOCAB, seed=PLAN["seed"])
+    return inputs[rows], labels[rows]
 
 
-def train(steps: int = STEPS) -> tuple[Parallel, list[float]]:
-    """Apply the plan and train ``steps`` optimizer steps; returns the parallel model and the losses."""
+def train(
+    steps: int = STEPS,
+    *,
+    checkpoint_dir: str | None = None,
+    save_every: int = 0,
+    resume: bool = False,
+    stop_after: int | None = None,
+) -> tuple[Parallel, list[float]]:
+    """Apply the plan and train up to optimizer step ``steps``; returns the parallel model and this launch's losses.
+
+    With ``checkpoint_dir``: save every ``save_every`` steps and at the end of the launch; ``resume`` continues from
+    its latest checkpoint (model, optimizer, learning-rate schedule, step and so the data position); ``stop_after``
+    ends this launch after that many steps (a job's time limit), to be resumed.
+    """
     mesh = init_distributed(PLAN)  # checks the launch against the plan before any collective
     par = parallelize(build_model, PLAN, mesh)
     optimizer = build_optimizer(par, PLAN)
+    lr_schedule = build_lr_schedule(optimizer, PLAN, steps)  # warm-up, then cosine decay to the last step
     rank = dist.get_rank()
+    first = 0
+    if resume:
+        path = latest_checkpoint(checkpoint_dir) if checkpoint_dir else None
+        if path is None:
+            if rank == 0:
+                print(f"no checkpoint in {checkpoint_dir}: starting from step 0", flush=True)
+        else:
+            first = load_checkpoint(path, par, optimizer, lr_schedule)
+            if rank == 0:
+                print(f"resumed from {path} after step {first - 1}", flush=True)
+    last = steps if stop_after is None else min(steps, first + stop_after)
     losses = []
-    for step in range(steps):
-        inputs, labels = get_batch(step)
+    for step in range(first, last):
+        inputs, labels = get_batch(step, data_rows(par))
         start = time.perf_counter()
         loss = train_step(par, optimizer, inputs, labels)
         elapsed = time.perf_counter() - start
+        lr = lr_schedule.get_last_lr()[0]
+        lr_schedule.step()
         losses.append(loss)
-        peak = peak_memory_bytes(par.device) / 2**20
-        print(
-            f"[rank {rank}] step {step} loss {loss:.5f} time {elapsed * 1e3:.1f} ms peak memory {peak:.0f} MiB",
-            flush=True,
-        )
+        if rank == 0:
+            print(step_report(par, step, loss, lr, elapsed), flush=True)
+        if checkpoint_dir and ((save_every and (step + 1) % save_every == 0) or step + 1 == last):
+            save_checkpoint(checkpoint_dir, par, optimizer, lr_schedule, step + 1)
     return par, losses
 
 
 def main() -> None:
+    global DATA, DATA_DTYPE
     parser = argparse.ArgumentParser(description="Train with the plan above (launch with torchrun).")
     parser.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps (default {STEPS})")
-    train(parser.parse_args().steps)
+    parser.add_argument("--lr", type=float, default=PLAN["lr"], help=f"peak learning rate (default {PLAN['lr']})")
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="linear learning-rate warm-up steps (default: a tenth of --steps), then cosine decay to "
+        f"{PLAN['min_lr_ratio']} of --lr at the last step",
+    )
+    parser.add_argument(
+        "--clip-norm",
+        type=float,
+        default=PLAN["clip_norm"],
+        help=f"clip the global gradient norm to this (0: off; default {PLAN['clip_norm']})",
+    )
+    parser.add_argument("--data", help="token file: .npy, or raw token ids (see --data-dtype); default synthetic")
+    parser.add_argument(
+        "--data-dtype",
+        default=DATA_DTYPE,
+        choices=["uint16", "uint32", "int32", "int64"],
+        help=f"element type of a raw token file (default {DATA_DTYPE}, nanoGPT's .bin)",
+    )
+    parser.add_argument("--checkpoint-dir", help="save checkpoints here (torch.distributed.checkpoint, sharded)")
+    parser.add_argument("--save-every", type=int, default=0, help="save every K steps (and at the end)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    parser.add_argument("--stop-after", type=int, help="end this launch after N steps (resume later with --resume)")
+    args = parser.parse_args()
+    if args.steps < 1 or args.lr <= 0 or args.clip_norm < 0 or (args.warmup_steps or 0) < 0 or args.save_every < 0:
+        parser.error("--steps and --lr must be > 0; --warmup-steps, --clip-norm and --save-every ≥ 0")
+    if (args.resume or args.save_every) and not args.checkpoint_dir:
+        parser.error("--resume and --save-every need --checkpoint-dir")
+    if args.data is not None and not os.path.isfile(args.data):
+        parser.error(f"--data {args.data}: no such file")
+    DATA, DATA_DTYPE = args.data, args.data_dtype
+    warmup = args.steps // 10 if args.warmup_steps is None else args.warmup_steps
+    PLAN.update(lr=args.lr, warmup_steps=warmup, clip_norm=args.clip_norm)
+    train(
+        args.steps,
+        checkpoint_dir=args.checkpoint_dir,
+        save_every=args.save_every,
+        resume=args.resume,
+        stop_after=args.stop_after,
+    )
     # The parallel model sits in reference cycles (module hooks) that hold its DTensors, their device mesh and so
     # the process groups. Collected here, while the groups are alive, not at interpreter exit: left to exit, one
     # rank in ~20 aborted there ("terminate called without an active exception", after destroy_process_group).
