@@ -303,3 +303,50 @@ def test_token_file_gives_each_rank_its_windows(tmp_path, suffix):
     assert torch.equal(x[:, 0], torch.tensor([60, 70])) and torch.equal(y, x + 1)
     x, _ = token_file_batch(str(path), 25, slice(0, 1), batch=4, seq=10, dtype="uint32")  # window 100 wraps to 0
     assert x[0, 0].item() == 0
+
+
+HF_AS_RETURNED = '''
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from planner import auto_parallelize
+
+cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(cfg)  # as transformers returns it: cache on, no loss wrapper
+assert model.config.use_cache
+g = torch.Generator().manual_seed(1)
+inputs, labels = torch.randint(0, 128, (4, 32), generator=g), torch.randint(0, 128, (4, 32), generator=g)
+with torch.no_grad():  # one process, no autopar: the loss of the batch contract
+    logits = model(inputs).logits
+    expected = F.cross_entropy(logits.float().reshape(-1, 128), labels.reshape(-1)).item()
+handle = auto_parallelize(model, inputs[:2], plan_kwargs={"global_batch": 4})  # no cluster, no plan
+loss = handle.step((inputs, labels))
+names = set(handle.full_parameters())
+if dist.get_rank() == 0:
+    print(f"plan {handle.plan.cluster} dp={handle.plan.config.dp} loss {loss:.7f} expected {expected:.7f}")
+    assert abs(loss - expected) <= 1e-5 * abs(expected), (loss, expected)
+    assert names == {n for n, _ in model.named_parameters()}, sorted(names ^ {n for n, _ in model.named_parameters()})
+    print("OK")
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.dist
+def test_auto_parallelize_takes_an_hf_model_as_transformers_returns_it(tmp_path):
+    """`auto_parallelize` on `AutoModelForCausalLM.from_config(cfg)` (key/value cache on), no plan and no cluster
+    given: it plans for the hardware it runs on (cpu-local here) and its first loss equals one process's
+    F.cross_entropy(model(inputs).logits, labels) (≤ 1e-5), under the model's own parameter names."""
+    script = tmp_path / "hf_as_returned.py"
+    script.write_text(HF_AS_RETURNED)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path, check=False)
+    assert r.returncode == 0 and "OK" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    assert "plan cpu-local" in r.stdout

@@ -23,6 +23,8 @@ class ParallelHandle:
     optimizer: torch.optim.Optimizer  #: over this rank's parameters
     plan: Plan  #: the plan applied
     lr_schedule: object = field(default=None)  #: torch LambdaLR: warm-up, then cosine decay (`train.lr_factor`)
+    name_prefix: str = ""  #: what names in the trained module start with beyond the caller's model's
+    steps_done: int = 0  #: optimizer steps taken (or loaded from a checkpoint)
 
     @property
     def module(self) -> nn.Module:
@@ -49,7 +51,24 @@ class ParallelHandle:
         loss = train.train_step(self.parallel, self.optimizer, inputs, labels)
         if self.lr_schedule is not None:
             self.lr_schedule.step()
+        self.steps_done += 1
         return loss
+
+    def save(self, directory: str | Path) -> str:
+        """Save a sharded checkpoint (model, optimizer, schedule, steps) under ``directory`` with
+        torch.distributed.checkpoint, as emitted scripts do (`planner.emit.train.save_checkpoint`); a collective.
+        Returns the checkpoint's path."""
+        return train.save_checkpoint(str(directory), self.parallel, self.optimizer, self.lr_schedule,
+                                     self.steps_done)
+
+    def load(self, directory: str | Path) -> int:
+        """Load the latest checkpoint under ``directory`` (or ``directory`` itself when it is one) into the model,
+        optimizer and schedule; a collective. Returns the steps it had done, which `step` continues from."""
+        path = train.latest_checkpoint(str(directory)) or str(directory)
+        if not Path(path, ".metadata").exists():
+            raise ValueError(f"no checkpoint in {directory} (save one with handle.save(directory))")
+        self.steps_done = train.load_checkpoint(path, self.parallel, self.optimizer, self.lr_schedule)
+        return self.steps_done
 
     @property
     def grad_norm(self) -> float:
@@ -58,8 +77,10 @@ class ParallelHandle:
         return float("nan") if norm is None else norm.item()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters, unsharded, under their original names (collective: call on every rank)."""
-        return train.full_parameters(self.parallel)
+        """This rank's parameters, unsharded, under their names in the model passed in (collective: call on every
+        rank)."""
+        cut = len(self.name_prefix)
+        return {name[cut:]: value for name, value in train.full_parameters(self.parallel).items()}
 
 
 def _load_plan(plan: Plan | str | Path | None, model: nn.Module, example_inputs, cluster: str | None,
@@ -106,6 +127,13 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str | None = 
     gradient norm clipped to ``clip_norm`` (0: off), ``warmup_steps`` of linear warm-up then cosine decay to a tenth of
     ``lr`` at ``total_steps`` (None: constant after the warm-up).
     """
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    wrapped = _is_hf_lm(model)
+    if wrapped:  # as transformers returns it: the loss per autopar's batch contract, no key/value cache
+        from profiler.zoo.hf import HFCausalLMLoss
+
+        model = HFCausalLMLoss(model)
     the_plan = _load_plan(plan, model, example_inputs, cluster, plan_kwargs)
     config = runtime_config(the_plan, model, seed=seed, optimizer=optimizer, lr=lr, init=init,
                             weight_decay=weight_decay, clip_norm=clip_norm, warmup_steps=warmup_steps)
@@ -121,7 +149,18 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str | None = 
     par = runtime.parallelize(lambda: source, config, mesh)
     optim = train.build_optimizer(par, config)
     return ParallelHandle(parallel=par, optimizer=optim, plan=the_plan,
-                          lr_schedule=train.build_lr_schedule(optim, config, total_steps))
+                          lr_schedule=train.build_lr_schedule(optim, config, total_steps),
+                          name_prefix="model." if wrapped else "")
+
+
+def _is_hf_lm(model: nn.Module) -> bool:
+    """A Hugging Face language model as transformers builds it (``from_config``/``from_pretrained``), not yet in
+    the loss wrapper the planner captures and trains (`profiler.zoo.hf.HFCausalLMLoss`)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
 
 
 def meta_copy(model: nn.Module) -> nn.Module:

@@ -35,6 +35,7 @@ The training step, the optimizer and the synthetic data live in `planner.emit.tr
 
 import contextlib
 import copy
+import datetime
 import math
 import os
 import sys
@@ -114,14 +115,22 @@ def plan_problems(plan: dict) -> list:
     return problems({**facts, "micro_batches": plan["grad_accum"]})
 
 
+#: how long a collective may wait before the job fails (torch's NCCL default is 10 minutes; a large model's first
+#: step or a checkpoint save of hundreds of GB on a shared file system can take longer)
+PG_TIMEOUT_MIN = 30
+
+
 def init_distributed(plan: dict) -> DeviceMesh:
     """Check the launch, start the process group (NCCL with CUDA, else gloo) and build the (pp, dp, tp) mesh."""
     check_world(plan)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cuda":
+        # before the allocator starts: expandable segments keep fragmentation down as activations come and go
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        timeout = datetime.timedelta(minutes=PG_TIMEOUT_MIN)
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
     shape = (plan["pp"], plan["dp"], plan["tp"])
     return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "tp"))
 

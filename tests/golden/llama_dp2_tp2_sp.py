@@ -14,6 +14,7 @@ or edit get_batch(). Flags: --steps --lr --warmup-steps --clip-norm --data --che
 
 import argparse
 import contextlib
+import datetime
 import functools
 import gc
 import math
@@ -428,14 +429,20 @@ def plan_problems(plan: dict) -> list:
     return problems({**facts, "micro_batches": plan["grad_accum"]})
 
 
+PG_TIMEOUT_MIN = 30
+
+
 def init_distributed(plan: dict) -> DeviceMesh:
     """Check the launch, start the process group (NCCL with CUDA, else gloo) and build the (pp, dp, tp) mesh."""
     check_world(plan)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cuda":
+        # before the allocator starts: expandable segments keep fragmentation down as activations come and go
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        timeout = datetime.timedelta(minutes=PG_TIMEOUT_MIN)
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
     shape = (plan["pp"], plan["dp"], plan["tp"])
     return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "tp"))
 
