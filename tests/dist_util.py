@@ -269,8 +269,33 @@ def _resume_case(case: dict, out: Path) -> None:
     _, first = mod.train(steps, checkpoint_dir=ckpt, stop_after=steps // 2)
     dist.barrier()
     _, rest = mod.train(steps, checkpoint_dir=ckpt, resume=True)
+    # the same through auto_parallelize's handle: step, save, and a new handle that loads and continues
+    from planner.emit import train
+    from planner.emit.apply import auto_parallelize
+    from planner.plan import Plan
+    from profiler.zoo.registry import resolve_model
+
+    plan = Plan.load(case["plan"])
+    inputs = resolve_model(plan.model).build(batch=1, seq=plan.seq, device="meta")[1]
+
+    def handle():
+        torch.manual_seed(mod.PLAN["seed"])
+        return auto_parallelize(mod.build_model(), inputs, plan=plan, optimizer="adamw", lr=mod.PLAN["lr"],
+                                total_steps=steps)
+
+    def batch(step):
+        return train.synthetic_batch(step, batch=plan.global_batch, seq=plan.seq, vocab=mod.VOCAB,
+                                     seed=mod.PLAN["seed"])
+
+    a = handle()
+    handle_losses = [a.step(batch(step)) for step in range(steps // 2)]
+    a.save(str(out / f"{case['name']}.handle_ckpt"))
+    b = handle()
+    start = b.load(str(out / f"{case['name']}.handle_ckpt"))
+    handle_losses += [b.step(batch(step)) for step in range(start, steps)]
     torch.save({"straight": straight, "resumed": first + rest, "checkpoint": mod.latest_checkpoint(ckpt),
-                "first_half": f"{ckpt}/step-{steps // 2:08d}"}, out / f"{case['name']}.resume.rank{dist.get_rank()}.pt")
+                "first_half": f"{ckpt}/step-{steps // 2:08d}", "handle": handle_losses},
+               out / f"{case['name']}.resume.rank{dist.get_rank()}.pt")
     dist.barrier()
 
 

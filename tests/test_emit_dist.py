@@ -146,9 +146,11 @@ def matrix(tmp_path_factory):
                                                "steps": META_STEPS, "out": str(out), "meta": True})
         refs[name] = dist_util.reference(write_script(plan, work / f"{name}_full.py", init="full"), 0)
     for name, (world, make) in RESUME_CASES.items():
-        script = write_script(make(), work / f"{name}.py", steps=RESUME_STEPS, optimizer="adamw", lr=1e-2)
+        plan = make()
+        script = write_script(plan, work / f"{name}.py", steps=RESUME_STEPS, optimizer="adamw", lr=1e-2)
+        plan.save(work / f"{name}.yaml")
         by_world.setdefault(world, []).append({"name": name, "script": str(script), "steps": RESUME_STEPS,
-                                               "out": str(out), "resume": True})
+                                               "out": str(out), "resume": True, "plan": str(work / f"{name}.yaml")})
         refs[name] = script
     by_world[2].append({"name": "sp_comm", "out": str(out),
                         "comm": {name: str(work / f"{name}.py") for name in ("tp", "tp_sp")}})
@@ -225,7 +227,8 @@ def test_meta_init(matrix, name):
 @pytest.mark.parametrize("name", list(RESUME_CASES))
 def test_resume_continues_exactly(matrix, name):
     """Checkpoint and resume with torch.distributed.checkpoint: 3 steps, save, a new `train` that resumes for 3
-    gives the losses of 6 straight steps (≤ 1e-6; model, AdamW state, learning-rate schedule, data position). The
+    gives the losses of 6 straight steps (≤ 1e-6; model, AdamW state, learning-rate schedule, data position), and
+    so does `auto_parallelize`'s handle (`save`, a new handle's `load`). The
     pipeline plan's checkpoint, its stages' blocks under their original names, loads into one unparallelised
     model, whose loss on the next batch is the resumed run's first."""
     import torch
@@ -238,6 +241,8 @@ def test_resume_continues_exactly(matrix, name):
     got = torch.load(out / f"{name}.resume.rank0.pt")
     assert len(got["resumed"]) == RESUME_STEPS
     assert got["resumed"] == pytest.approx(got["straight"], rel=1e-6), (got["resumed"], got["straight"])
+    # auto_parallelize's handle: 3 steps, save, a new handle loads and trains 3 more: the same losses
+    assert got["handle"] == pytest.approx(got["straight"], rel=1e-6), (got["handle"], got["straight"])
     if name == "resume_pp":
         mod = dist_util.load_script(refs[name], "resume_one_process")
         torch.manual_seed(1)
