@@ -25,6 +25,27 @@ from costmodel.layercost import LayerCost
 
 FP32 = 4
 
+#: what each ``--compress`` policy lets the search choose, by kind (`costmodel.config.parse_grad_compress`); a
+#: compression pinned with ``--fix`` is always allowed. ``none`` (the default) keeps the numbers of the plan's
+#: training precision: fp32 gradient reduction, pipeline boundaries as computed. ``low-precision`` adds 16-bit
+#: gradient reduction and bf16 pipeline boundaries (rounding, no approximation). ``lossy`` adds PowerSGD, a low-rank
+#: approximation of the gradients that changes convergence (error feedback; the runtime starts it after
+#: ``powersgd_start_iter`` uncompressed steps, torch's default 1000).
+COMPRESSION_POLICIES = {
+    "none": ("none",),
+    "low-precision": ("none", "bf16", "fp16"),
+    "lossy": ("none", "bf16", "fp16", "powersgd"),
+}
+
+
+def compression_allowed(policy: str, option: str) -> bool:
+    """Whether ``--compress policy`` lets the search choose the compression ``option`` (``bf16``, ``powersgd-4``)."""
+    from costmodel.config import parse_grad_compress
+
+    if policy not in COMPRESSION_POLICIES:
+        raise ValueError(f"--compress {policy!r}: choose one of {', '.join(COMPRESSION_POLICIES)}")
+    return parse_grad_compress(option)[0] in COMPRESSION_POLICIES[policy]
+
 
 class SyncView(Protocol):
     """What the gradient-sync formulas (here and in `costmodel.overlap`) read of a configuration being costed.

@@ -161,7 +161,7 @@ def _main(manifest: str) -> None:
         model = mod.build_model()
         inputs = resolve_model(plan.model).build(batch=1, seq=plan.seq, device="meta")[1]
         handle = auto_parallelize(model, inputs, plan=plan, optimizer="sgd", lr=mod.PLAN["lr"],
-                                  total_steps=case["steps"])
+                                  total_steps=case["steps"], powersgd_start_iter=mod.PLAN["powersgd_start_iter"])
         losses, norms = [], []
         for step in range(case["steps"]):
             batch = train.synthetic_batch(step, batch=plan.global_batch, seq=plan.seq, vocab=mod.VOCAB,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from planner.cli.main import main
 from planner.plan import Plan
 
@@ -37,3 +39,37 @@ def test_no_fit_exits_2_with_one_line(capsys):
 def test_bad_fix_exits_2(capsys):
     assert main(["plan", MODEL, "--cluster", "dgx-a100-80g", "--fix", "foo=3"]) == 2
     assert "unknown key 'foo'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [
+    ["plan", "gpt-tiny", "--cluster", "cpu-local", "--global-batch", "0"],
+    ["plan", "gpt-tiny", "--cluster", "cpu-local", "--time-limit", "-5"],
+    ["plan", "gpt-tiny", "--cluster", "cpu-local", "--time-limit", "nan"],
+    ["plan", "gpt-tiny", "--cluster", "cpu-local", "--top-k", "-1"],
+    ["plan", "gpt-tiny", "--cluster", "cpu-local", "--seq-len", "x"],
+    ["plan", "gpt-tiny", "--cluster", "cpu-local", "--compress", "maybe"],
+    ["estimate", "gpt-tiny", "--cluster", "cpu-local", "--config", "dp=2", "--global-batch", "-8"],
+    ["profile", "gpt-tiny", "--batch", "0"],
+])
+def test_numeric_flags_out_of_range_are_one_line_errors(tmp_path, args):
+    """Every numeric flag is checked at the edge: exit 2, one line on stderr, no traceback, no file written."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "plan.yaml"
+    r = subprocess.run([sys.executable, "-m", "planner", *args, "--out", str(out)] if args[0] == "plan" else
+                       [sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) <= 3 and "Traceback" not in r.stderr and lines[-1].startswith("autopar"), r.stderr
+    assert not out.exists()
+
+
+def test_compression_policy_default_is_none_and_the_summary_names_a_lossy_choice():
+    """--compress: by default no compression that changes the numbers; a chosen one is named with what it changes."""
+    from planner.cli.plan import compression_note
+
+    assert compression_note("none", "none") == ""
+    assert "lossy" in compression_note("powersgd-4", "none") and "1000" in compression_note("powersgd-4", "none")
+    assert "bf16" in compression_note("bf16", "none") and "pipeline" in compression_note("none", "bf16")

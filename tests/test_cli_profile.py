@@ -145,3 +145,36 @@ def test_uncapturable_model_exits_2_naming_module_and_construct(tmp_path):
     assert "module 'layers.0' (Block.forward" in err and f"{path}:12" in err  # where
     assert "Python control flow or .item() on a tensor's value" in err  # what
     assert "torch.where" in err and "file.py:factory" in err  # the way out
+
+
+USER_CODE = '''import torch
+
+
+def raises(batch=1):
+    raise RuntimeError("boom in my factory")
+'''
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("{path}:raises", "user_model.py:5: factory 'raises' raised RuntimeError: boom in my factory"),
+    ("{broken}:anything", "broken.py:1: importing broken.py raised ZeroDivisionError: division by zero"),
+    ("hf:llama:num_hidden_layers=x", "hf:llama: Field 'num_hidden_layers' expected int, got str"),
+    ("hf:llama:hidden_size=1.5", "hf:llama: Field 'hidden_size' expected int, got float"),
+])
+def test_errors_in_user_code_and_config_values_are_one_line(tmp_path, spec, needle):
+    """A factory or module that raises, or an hf: override of the wrong type: one line naming the user's file and
+    line (or the key), exit 2, no traceback; --debug shows the traceback."""
+    import subprocess
+    import sys
+
+    (tmp_path / "user_model.py").write_text(USER_CODE)
+    (tmp_path / "broken.py").write_text("x = 1 / 0\n")
+    spec = spec.format(path=tmp_path / "user_model.py", broken=tmp_path / "broken.py")
+    r = subprocess.run([sys.executable, "-m", "planner", "profile", spec], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert needle in lines[0], lines[0]
+    debug = subprocess.run([sys.executable, "-m", "planner", "--debug", "profile", spec], capture_output=True,
+                           text=True, timeout=120, cwd=tmp_path)
+    assert "Traceback" in debug.stderr

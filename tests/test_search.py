@@ -68,13 +68,19 @@ def test_tensor_parallel_stays_inside_a_node():
 
 
 def test_slow_network_turns_gradient_compression_on_fast_network_off():
-    """Nothing pinned: over a slow network the exposed gradient reduction makes the planner compress; over a fast
-    one the reduction hides behind the backward and compression would only cost its encode time."""
+    """Nothing pinned, compression allowed (--compress lossy): over a slow network the exposed gradient reduction
+    makes the planner compress; over a fast one the reduction hides behind the backward and compression would only
+    cost its encode time. By default (no compression that changes the numbers) the slow network's plan has none."""
     lg = graph(SMALL)
-    slow = search(lg, node_cluster(80, inter_GBps=0.05, nodes=2, gpn=1), 16)
-    fast = search(lg, node_cluster(80, inter_GBps=400, nodes=2, gpn=1), 16)
+    slow = search(lg, node_cluster(80, inter_GBps=0.05, nodes=2, gpn=1), 16, compress="lossy")
+    fast = search(lg, node_cluster(80, inter_GBps=400, nodes=2, gpn=1), 16, compress="lossy")
     assert slow.best.config.grad_compress != "none"
     assert fast.best.config.grad_compress == "none"
+    default = search(lg, node_cluster(80, inter_GBps=0.05, nodes=2, gpn=1), 16)
+    assert default.best.config.grad_compress == "none" and default.best.config.pp_compress == "none"
+    assert default.best.estimate.step_time_s >= slow.best.estimate.step_time_s
+    low = search(lg, node_cluster(80, inter_GBps=0.05, nodes=2, gpn=1), 16, compress="low-precision")
+    assert "powersgd" not in low.best.config.grad_compress
 
 
 def test_deterministic_plan_files():

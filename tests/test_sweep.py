@@ -48,7 +48,7 @@ def test_sweep_html_plots_each_value_and_marks_changes(tmp_path):
     out = tmp_path / "sweep.html"
     rc = main(["plan", "gpt:layers=8,hidden=2048,heads=16,seq=1024,vocab=32000", "--cluster", CLUSTER,
                "--global-batch", "64", "--sweep", "inter_bw_GBps=0.2,5,100", "--html", str(out),
-               "--time-limit", "20"])
+               "--time-limit", "20", "--compress", "lossy"])
     assert rc == 0
     html = out.read_text()
     assert 'id="sweep-plot"' in html and "http" not in html.replace("http-equiv", "")

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from planner.cli.common import UsageError, print_json
+from planner.cli.common import UsageError, positive_int, print_json
 from planner.files import write_atomic
 
 
@@ -78,17 +78,25 @@ def cmd_clusters(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------ main
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors in one line (what, and where to read the usage), exit 2, as every other bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="autopar", description="Auto-parallelism planner for PyTorch training.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="autopar", description="Auto-parallelism planner for PyTorch training.")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error (before the command)")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     pr = sub.add_parser("profile", help="capture a model and print its per-layer costs")
     pr.add_argument("model", help="preset, gpt:…, llama:…, moe:…, hf:TYPE[:k=v,…] or file.py:factory")
     pr.add_argument("--device", choices=["cpu", "cuda"], help="also measure per-layer times on this device")
-    pr.add_argument("--batch", type=int, default=1, help="micro-batch to capture (default 1)")
-    pr.add_argument("--threads", type=int, default=1,
+    pr.add_argument("--batch", type=positive_int, default=1, help="micro-batch to capture (default 1)")
+    pr.add_argument("--threads", type=positive_int, default=1,
                     help="CPU threads when measuring on cpu (default 1, as each cpu-local rank runs)")
-    pr.add_argument("--seq", type=int, help="sequence length (default: the model's)")
+    pr.add_argument("--seq", type=positive_int, help="sequence length (default: the model's)")
     pr.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="activation dtype")
     pr.add_argument("--kernels", default="gpu", choices=["gpu", "native"],
                     help="model attention/dropout as GPU kernels (flash, fused dropout) or this machine's")
@@ -113,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:  # user input; anything else is a bug (exit 1, traceback)
+        if args.debug:
+            raise
         msg = str(exc)
         first = msg.strip().splitlines()[0] if msg.strip() else type(exc).__name__
         print(f"autopar {args.command}: error: {first}", file=sys.stderr)

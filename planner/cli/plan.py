@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from planner.cli.common import count, positive_float, positive_int
+
 
 def _add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="preset, gpt:…, llama:…, moe:…, hf:TYPE[:k=v,…] or file.py:factory")
     p.add_argument("--cluster", required=True, help="PRESET[:nodes=N] or a cluster YAML file")
-    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: 8 per data-parallel "
-                                                     "rank of the configuration, or the world size)")
-    p.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
+    p.add_argument("--global-batch", type=positive_int,
+                   help="sequences per optimizer step (default: 8 per data-parallel rank of the configuration, or the "
+                        "world size)")
+    p.add_argument("--seq-len", type=positive_int, help="sequence length (default: the model's)")
     p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
 
 
@@ -49,6 +52,22 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def compression_note(grad_compress: str, pp_compress: str) -> str:
+    """What a plan's compression changes in training, in one line (empty without compression)."""
+    from costmodel.config import parse_grad_compress
+
+    kind, rank = parse_grad_compress(grad_compress)
+    parts = []
+    if kind == "powersgd":
+        parts.append(f"PowerSGD rank {rank} on the data-parallel gradients (lossy: a low-rank approximation with "
+                     "error feedback; changes convergence; starts after 1000 uncompressed steps)")
+    elif kind in ("bf16", "fp16"):
+        parts.append(f"data-parallel gradients reduced in {kind} (rounded, not approximated)")
+    if pp_compress != "none":
+        parts.append(f"pipeline boundaries sent in {pp_compress}")
+    return "; ".join(parts)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
@@ -69,7 +88,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from costmodel.measured import load_measured
 
         measured = load_measured(args.profile, lg, cluster)
-    result = search(lg, cluster, gb, fix=fix, top_k=args.top_k, time_limit=args.time_limit, measured=measured)
+    result = search(lg, cluster, gb, fix=fix, top_k=args.top_k, time_limit=args.time_limit, measured=measured,
+                    compress=args.compress)
     plan = make_plan(lg, cluster, gb, result, model=args.model, cluster_spec=args.cluster)
     plan, check_note = _maybe_check(plan, args.check)
     script = None
@@ -100,11 +120,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sv = plan.solver
     print(f"  solver: {sv['status']} gap {sv['gap']:.2g}, {sv['candidates']} candidates, {sv['pruned']} pruned, "
           f"{sv['solved']} ILPs ({sv['backend']}), {sv['time_s']:.2f} s")
+    note = compression_note(c.grad_compress, c.pp_compress)
+    if note:
+        print(f"  compression: {note}")
     print(f"  check: {check_note}")
+    winner = c.to_dict()
     for a in plan.alternatives:
         ac = a["config"]
-        print(f"  alternative dp={ac['dp']} tp={ac['tp']} pp={ac['pp']} zero={ac['zero']} mbs={ac['mbs']}: "
-              f"{a['predicted']['step_time_s']:.4g} s (lost by {a['lost_by']} +{a['lost_by_s']:.3g} s)")
+        differs = " ".join(f"{k}={ac[k]}" for k in ac if ac[k] != winner.get(k)) or "same configuration"
+        print(f"  alternative {differs} (winner's otherwise): {a['predicted']['step_time_s']:.4g} s "
+              f"(lost by {a['lost_by']} +{a['lost_by_s']:.3g} s)")
     if args.out:
         print(f"wrote {args.out}")
     return 0
@@ -151,8 +176,12 @@ def register(sub) -> None:
         if action.dest == "global_batch":
             action.help = "sequences per optimizer step (default: 8 per GPU, i.e. 8 × the cluster's GPUs)"
     pl.add_argument("--fix", help="pin configuration keys, k=v,… e.g. tp=8,pp=4 (any --config key)")
-    pl.add_argument("--top-k", type=int, default=3, help="alternatives to keep (default 3)")
-    pl.add_argument("--time-limit", type=float, default=60.0,
+    pl.add_argument("--top-k", type=count, default=3, help="alternatives to keep (default 3)")
+    pl.add_argument("--compress", choices=["none", "low-precision", "lossy"], default="none",
+                    help="compressions the search may choose: none (default; nothing that changes the numbers), "
+                         "low-precision (16-bit gradient reduction, bf16 pipeline boundaries), lossy (also "
+                         "PowerSGD); a --fix grad_compress=… is used whatever this says")
+    pl.add_argument("--time-limit", type=positive_float, default=60.0,
                     help="seconds for the whole search; when exceeded the best plan so far is returned with its gap")
     pl.add_argument("--out", help="write the plan as YAML to this file")
     pl.add_argument("--emit", help="also write a torchrun training script for the plan")

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from planner.cli.common import count, positive_int
+
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from costmodel.cluster import load_cluster
@@ -60,9 +62,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     v = sub.add_parser("validate", help="run plans for a few steps and compare measured with predicted")
     v.add_argument("plans", nargs="+", metavar="PLAN.yaml", help="plan files written by `autopar plan --out`")
-    v.add_argument("--steps", type=int, default=5, help="timed steps after warm-up (default 5)")
-    v.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
-    v.add_argument("--nproc", type=int, help="processes per launch (default: each plan's world size)")
+    v.add_argument("--steps", type=positive_int, default=5, help="timed steps after warm-up (default 5)")
+    v.add_argument("--warmup", type=count, default=2, help="untimed warm-up steps (default 2)")
+    v.add_argument("--nproc", type=positive_int, help="processes per launch (default: each plan's world size)")
     v.add_argument("--recalibrate", metavar="OUT.yaml",
                    help="fit the cluster's device efficiency and link latency/bandwidth to the measurements and "
                         "write a cluster file for --cluster")

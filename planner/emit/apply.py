@@ -106,7 +106,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str | None = 
                      plan: Plan | str | Path | None = None, plan_kwargs: dict | None = None, copy: bool = True,
                      optimizer: str = "adamw", lr: float = 1e-3, seed: int = 0,
                      init: str | None = None, weight_decay: float | None = None, clip_norm: float = 1.0,
-                     warmup_steps: int = 0, total_steps: int | None = None) -> ParallelHandle:
+                     warmup_steps: int = 0, total_steps: int | None = None,
+                     powersgd_start_iter: int = 1000) -> ParallelHandle:
     """Parallelise ``model`` by ``plan`` (a Plan, a plan file, or None to plan it for ``cluster`` now) in a torchrun
     process, and return a handle that trains it. ``cluster`` None: the hardware this runs on
     (`costmodel.cluster.detect_cluster`: the GPU's preset, nodes and GPUs per node from torchrun's environment;
@@ -136,7 +137,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str | None = 
         model = HFCausalLMLoss(model)
     the_plan = _load_plan(plan, model, example_inputs, cluster, plan_kwargs)
     config = runtime_config(the_plan, model, seed=seed, optimizer=optimizer, lr=lr, init=init,
-                            weight_decay=weight_decay, clip_norm=clip_norm, warmup_steps=warmup_steps)
+                            weight_decay=weight_decay, clip_norm=clip_norm, warmup_steps=warmup_steps,
+                            powersgd_start_iter=powersgd_start_iter)
     mesh = runtime.init_distributed(config)
     if config["init"] == "meta":
         source = meta_copy(model) if copy or any(not t.is_meta for t in [*model.parameters(), *model.buffers()]) \

@@ -377,7 +377,7 @@ if __name__ == "__main__":
 
 
 def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str = "adamw", lr: float = 1e-3,
-         seed: int = 0, init: str | None = None) -> str:
+         seed: int = 0, init: str | None = None, powersgd_start_iter: int = 1000) -> str:
     """The training script for ``plan`` as formatted Python source (run it with ``torchrun --nproc-per-node``
     ``plan.config.world``). ``init``: ``"full"`` (every rank builds the seeded model, then shards it) or ``"meta"``
     (built on the meta device, each rank initialises only its shards); None chooses by model size."""
@@ -388,7 +388,8 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
     source = resolve_model(plan.model).with_seq(plan.seq)
     model, _ = source.build(batch=1, seq=plan.seq, device="meta")
     init_mode, init_why = choose_init(plan, model, init)
-    config = runtime_config(plan, model, seed=seed, optimizer=optimizer, lr=lr, init=init_mode)
+    config = runtime_config(plan, model, seed=seed, optimizer=optimizer, lr=lr, init=init_mode,
+                            powersgd_start_iter=powersgd_start_iter)
     vocab = _vocab(source, model)
     model_imports, model_body = _model_section(source)
     runtime_imports, runtime_body = [], []

@@ -549,12 +549,13 @@ def greedy(d: Data) -> tuple[list[AC], list[int]]:
 
 def solve(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *, time_limit: float = 10.0,
           acs=AC_ORDER, grad_opts=None, pp_opts=None, backend: str | None = None, cost_cache=None,
-          cutoff: float | None = None) -> Solution:
+          cutoff: float | None = None, policy: str = "none") -> Solution:
     """Solve the inner problem of ``cfg`` (its compression and ac fields are ignored: chosen here, within
-    ``acs``/``grad_opts``/``pp_opts``). Raise `Infeasible` when nothing fits."""
+    ``acs``/``grad_opts``/``pp_opts``, by default those the compression ``policy`` allows). Raise `Infeasible`
+    when nothing fits."""
     t0 = time.perf_counter()
     d = build_data(lg, cluster, cfg, global_batch, acs=acs, grad_opts=grad_opts, pp_opts=pp_opts,
-                   cost_cache=cost_cache)
+                   cost_cache=cost_cache, policy=policy)
     model = Model(d, backend)
     h_acs, h_stage = greedy(d)
     model.hint(h_acs, h_stage, "none" if "none" in d.grad_opts else d.grad_opts[0],

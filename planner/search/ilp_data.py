@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from costmodel.cluster import Cluster
+from costmodel.compression import compression_allowed
 from costmodel.config import AC, ParallelConfig, parse_grad_compress
 from costmodel.estimate import Evaluator, pipeline_factor
 from costmodel.runnable import grad_compress_options
@@ -57,7 +58,7 @@ def _evaluator(lg, cluster, cfg, global_batch, cache):
 
 
 def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
-               acs=AC_ORDER, grad_opts=None, pp_opts=None, cost_cache=None) -> Data:
+               acs=AC_ORDER, grad_opts=None, pp_opts=None, cost_cache=None, policy: str = "none") -> Data:
     base = replace(cfg, grad_compress="none", pp_compress="none")
     ev = _evaluator(lg, cluster, base, global_batch, cost_cache)
     S = cfg.pp * cfg.vpp
@@ -81,12 +82,14 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
     block_acs = _distinct_acs(ev, blocks[0], acs) if blocks else tuple(acs)
     fixed_acs = {i: _distinct_acs(ev, i, acs) for i in pre + post}
     # offer a compression option only when it can change some coefficient
-    if grad_opts is None:  # among those the runtime can apply to this sharding (costmodel.runnable)
+    if grad_opts is None:  # among those the runtime can apply to this sharding (costmodel.runnable) and the
+        # compression policy allows (costmodel.compression.COMPRESSION_POLICIES)
         runnable = grad_compress_options(cfg.dp, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp)
         grad_opts = ("none",) if cfg.zero >= 2 else tuple(k for k in GRAD_OPTIONS
-                                                          if parse_grad_compress(k)[0] in runnable)
+                                                          if parse_grad_compress(k)[0] in runnable
+                                                          and compression_allowed(policy, k))
     if pp_opts is None:
-        pp_opts = ("none",) if S == 1 else PP_OPTIONS
+        pp_opts = ("none",) if S == 1 else tuple(k for k in PP_OPTIONS if compression_allowed(policy, k))
     evs = {k: (ev if k == "none" else _evaluator(lg, cluster, replace(base, grad_compress=k), global_batch,
                                                    cost_cache)) for k in grad_opts}
     p2p = {}

@@ -51,6 +51,7 @@ import time
 from dataclasses import dataclass, replace
 
 from costmodel.cluster import Cluster
+from costmodel.compression import compression_allowed
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.estimate import ConfigError, Evaluator, even_stages
 from costmodel.layercost import is_tp_layer
@@ -224,8 +225,8 @@ class _Progress:
             sys.stderr.flush()
 
 
-def _ilp_options(fix: dict) -> dict:
-    out = {}
+def _ilp_options(fix: dict, compress: str) -> dict:
+    out: dict = {"policy": compress}
     if "ac" in fix:
         out["acs"] = (AC(fix["ac"]),)
     if "grad_compress" in fix:
@@ -243,8 +244,13 @@ def check_fix(fix: dict) -> None:
 
 
 def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | None = None, top_k: int = 3,
-           time_limit: float = 60.0, progress: bool | None = None, measured: tuple | None = None) -> SearchResult:
+           time_limit: float = 60.0, progress: bool | None = None, measured: tuple | None = None,
+           compress: str = "none") -> SearchResult:
     """The fastest configuration that fits (see the module docstring).
+
+    ``compress``: which gradient and pipeline-boundary compressions the search may choose
+    (`costmodel.compression.COMPRESSION_POLICIES`: by default none, nothing that changes the numbers); one pinned in
+    ``fix`` is used whatever the policy.
 
     ``measured``: per-layer times on the cluster's device (`costmodel.measured.load_measured`), used by every
     estimate of the search instead of the roofline's level.
@@ -256,8 +262,9 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
     check_fix(fix)
     t0 = time.perf_counter()
     cache: dict = {"measured": measured} if measured else {}
-    kw = _ilp_options(fix)
-    bounds = Bounds(lg, cluster, global_batch, cache, grad_opts=kw.get("grad_opts", ilp.GRAD_OPTIONS))
+    kw = _ilp_options(fix, compress)
+    allowed = tuple(k for k in ilp.GRAD_OPTIONS if compression_allowed(compress, k))
+    bounds = Bounds(lg, cluster, global_batch, cache, grad_opts=kw.get("grad_opts", allowed))
     stats = {"candidates": 0, "pruned": 0, "pruned_memory": 0, "solved": 0, "infeasible": 0, "incumbents": 0,
              "cut_off": 0, "alt_greedy": 0}
     alt_spent = 0.0  # seconds of runner-up-only ILPs

@@ -124,8 +124,10 @@ def _job(model: str, cluster: Cluster, key: str, value, *, global_batch: int | N
 
 
 def sweep(model: str, cluster: str | Cluster, key: str, values, *, global_batch: int | None = None,
-          seq_len: int | None = None, fix: dict | None = None, time_limit: float = 30.0, top_k: int = 1) -> SweepResult:
-    """The best plan (`planner.search.outer.search`) at each value of ``key`` (`SWEEP_KEYS`)."""
+          seq_len: int | None = None, fix: dict | None = None, time_limit: float = 30.0, top_k: int = 1,
+          compress: str = "none") -> SweepResult:
+    """The best plan (`planner.search.outer.search`, under the compression policy ``compress``) at each value of
+    ``key`` (`SWEEP_KEYS`)."""
     from planner.search.outer import NoPlanFits, search
 
     if key not in SWEEP_KEYS:
@@ -143,7 +145,7 @@ def sweep(model: str, cluster: str | Cluster, key: str, values, *, global_batch:
     for v in values:
         lg, cl, gb = _job(model, base, key, v, global_batch=global_batch, seq_len=seq_len, lgs=lgs)
         try:
-            res = search(lg, cl, gb, fix=fix, top_k=top_k, time_limit=time_limit, progress=False)
+            res = search(lg, cl, gb, fix=fix, top_k=top_k, time_limit=time_limit, progress=False, compress=compress)
         except NoPlanFits as exc:
             points.append(SweepPoint(value=v, config={}, label="(no plan fits)", step_time_s=float("nan"),
                                      mfu=0.0, breakdown_s={}, global_batch=gb, error=str(exc).splitlines()[0]))
@@ -153,7 +155,8 @@ def sweep(model: str, cluster: str | Cluster, key: str, values, *, global_batch:
         points.append(SweepPoint(value=v, config=cfg, label=label(cfg), step_time_s=est.step_time_s, mfu=est.mfu,
                                  breakdown_s=dict(est.breakdown_s), global_batch=gb))
     return SweepResult(model=model, cluster=spec, key=key, points=tuple(points),
-                       plan_kwargs={"global_batch": global_batch, "seq_len": seq_len, "fix": fix})
+                       plan_kwargs={"global_batch": global_batch, "seq_len": seq_len, "fix": fix,
+                                    "compress": compress})
 
 
 def check_optimal(result: SweepResult, base: str | Cluster, *, time_limit: float = 30.0, rel_tol: float = 1e-9
@@ -177,7 +180,8 @@ def check_optimal(result: SweepResult, base: str | Cluster, *, time_limit: float
             fix = dict(kw.get("fix") or {}) | {k: cfg[k] for k in PLAN_KEYS}
             fix["sp"] = cfg["sp"] in ("on", True)
             try:
-                res = search(lg, cl, gb, fix=fix, top_k=1, time_limit=time_limit, progress=False)
+                res = search(lg, cl, gb, fix=fix, top_k=1, time_limit=time_limit, progress=False,
+                             compress=kw.get("compress", "none"))
             except (NoPlanFits, ValueError):
                 continue  # the other winner does not fit (or is not valid) here: it cannot be better
             t = res.best.estimate.step_time_s

@@ -86,7 +86,13 @@ def hf_config(model_type: str, overrides: dict[str, object]):
                 token_ids[key] = vocab - 1
             elif isinstance(value, list):
                 token_ids[key] = [min(v, vocab - 1) for v in value]
-    return AutoConfig.for_model(model_type, **{**overrides, **token_ids, "use_cache": False})
+    try:
+        return AutoConfig.for_model(model_type, **{**overrides, **token_ids, "use_cache": False})
+    except Exception as exc:  # noqa: BLE001 - the config class's validation of the user's values (transformers',
+        # huggingface_hub's strict dataclasses: StrictDataclassFieldValidationError is neither TypeError nor ValueError)
+        detail = str(exc.__cause__ or exc).strip().splitlines()
+        raise ValueError(f"hf:{model_type}: {detail[-1].strip() if detail else type(exc).__name__}; fix that "
+                         "value in the spec") from exc
 
 
 def hf_task(config) -> str:

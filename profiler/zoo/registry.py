@@ -341,6 +341,23 @@ def _resolve_file(spec: str, file_part: str, factory: str) -> ModelSource:
     )
 
 
+class UserCodeError(ValueError):
+    """An exception raised by the user's own code (a factory, its module): reported in one line, exit 2."""
+
+
+def user_error(exc: BaseException, path: pathlib.Path, what: str) -> str:
+    """One line for an exception from the user's file ``path``: the deepest line of that file on the traceback,
+    what ran (``what``), and the exception (`autopar … --debug` shows the whole traceback)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if pathlib.Path(f.filename) == path.resolve()
+              or pathlib.Path(f.filename) == path]
+    where = f"{path.name}:{frames[-1].lineno}" if frames else path.name
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{where}: {what} raised {type(exc).__name__}" + (f": {message}" if message else "") + \
+        " (fix it there; --debug shows the traceback)"
+
+
 def _load_factory(path: pathlib.Path, factory: str):
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
     name = f"_autopar_user_{path.stem}_{digest}"
@@ -352,6 +369,9 @@ def _load_factory(path: pathlib.Path, factory: str):
         sys.modules[name] = module
         try:
             module_spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[name]
+            raise UserCodeError(user_error(exc, path, f"importing {path.name}")) from exc
         except BaseException:
             del sys.modules[name]
             raise
@@ -375,8 +395,11 @@ def _call_factory(
         kwargs["seq"] = seq
     elif seq_given:
         raise ValueError(f"factory {factory!r} in {path.name} does not take seq; add a seq keyword to it")
-    with torch.device(device):
-        result = fn(**kwargs)
+    try:
+        with torch.device(device):
+            result = fn(**kwargs)
+    except Exception as exc:
+        raise UserCodeError(user_error(exc, path, f"factory {factory!r}")) from exc
     if not (isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], nn.Module)):
         # A user error (exit code 2) like every other bad spec, hence ValueError.
         message = f"factory {factory!r} in {path.name} must return (model, example_inputs)"

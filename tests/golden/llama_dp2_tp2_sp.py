@@ -57,7 +57,7 @@ PLAN = {
     "sp": True,
     "grad_compress": "bf16",
     "powersgd_rank": 0,
-    "powersgd_start_iter": 2,
+    "powersgd_start_iter": 1000,
     "pp_compress": "none",
     "precision": "fp32",
     "mbs": 1,

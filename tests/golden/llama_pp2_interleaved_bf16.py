@@ -52,7 +52,7 @@ PLAN = {
     "sp": False,
     "grad_compress": "none",
     "powersgd_rank": 0,
-    "powersgd_start_iter": 2,
+    "powersgd_start_iter": 1000,
     "pp_compress": "bf16",
     "precision": "fp32",
     "mbs": 2,
