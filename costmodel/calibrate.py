@@ -102,7 +102,9 @@ def _graph(spec: str):
 
 @cache
 def _cluster(spec: str) -> Cluster:
-    return load_cluster(spec)
+    """A published run's cluster. Its memory check is against the whole device (``memory_fraction`` 1): the run
+    happened, so the question is whether it fits the card, not a plan's headroom."""
+    return dataclasses.replace(load_cluster(spec), memory_fraction=1.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -192,11 +192,26 @@ class Cluster:
     intra: Link
     #: link between nodes, per GPU (one NIC per GPU on DGX; a shared NIC is its bandwidth / gpus_per_node).
     inter: Link
+    #: the share of the device's memory a plan may fill (`plan --memory-fraction`), its predicted peak with the
+    #: allocator and runtime allowance (`costmodel.memory.allowance`) included. The rest is headroom for what the
+    #: memory model leaves out: NCCL's buffers (per communicator and peer, NCCL_BUFFSIZE 4 MiB per channel by
+    #: default; a rank of a 3-D mesh joins several communicators), cuBLAS/cuDNN workspaces beyond the allowance,
+    #: and allocator behaviour across steps. 0.90 is a margin, not a fit: NVIDIA's and PyTorch's documentation give
+    #: no single figure; frameworks that reserve memory up front use similar fractions (vLLM's default
+    #: gpu_memory_utilization is 0.9).
+    memory_fraction: float = 0.90
 
     def __post_init__(self) -> None:
         for label, value in (("gpus_per_node", self.gpus_per_node), ("nodes", self.nodes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"cluster {self.name!r}: {label} must be an integer >= 1, got {value!r}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"cluster {self.name!r}: memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+
+    @property
+    def memory_budget_bytes(self) -> float:
+        """What a plan's peak may reach on one device: ``memory_fraction`` of its memory."""
+        return self.memory_fraction * self.device.memory_bytes
 
     def without_curves(self) -> Cluster:
         """This cluster with both links' size curves at their fastest (:meth:`Link.without_curves`)."""

@@ -349,7 +349,8 @@ class Evaluator:
             step_time_s=step, tokens_per_s=tokens / step,
             tflops_per_gpu_model=model_flops / step / world / 1e12, tflops_per_gpu_hw=hw_flops / step / world / 1e12,
             mfu=model_flops / step / world / peak, hfu=hw_flops / step / world / peak,
-            fits=mems[worst].peak <= dev.memory_bytes, memory=mems[worst], capacity_bytes=dev.memory_bytes,
+            fits=mems[worst].peak <= self.cluster.memory_budget_bytes, memory=mems[worst],
+            capacity_bytes=self.cluster.memory_budget_bytes,
             breakdown_s=breakdown, stages=stage_est,
         )
 

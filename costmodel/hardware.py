@@ -299,13 +299,22 @@ def _measure_cpu_device() -> DeviceSpec:
     )
 
 
-#: The device catalog. GPU entries are constants; ``cpu`` is measured on first lookup.
+#: The device catalog. GPU entries are constants; ``cpu`` is measured on first lookup. Memory is what torch can
+#: allocate on the card (``torch.cuda.get_device_properties(d).total_memory``, printed as the "total capacity" of
+#: its out-of-memory errors), less than the marketed size: the driver keeps the rest. Read from public OOM reports:
+#: A100-SXM4-80GB 79.25 GiB (levihsu/OOTDiffusion#235, wbfwonderful/Vad-R1#11), A100 40GB 39.50 GiB
+#: (TianheWu/CoSeR#10), H100 80GB HBM3 79.11 GiB (a vLLM report on 8×H100 nodes), H200 139.80 GiB (reports on 8×H200
+#: nodes); nvidia-smi shows a little more (81559 MiB on the H100, modal-labs/modal-client#2797).
 DEVICES: Mapping[str, DeviceSpec] = LazyCatalog({
-    "a100-40g": lambda: _gpu("a100-40g", _A100_PEAKS, 40 * GiB, 1.555e12, "memory 40 GiB, HBM2 1555 GB/s"),
-    "a100-80g": lambda: _gpu("a100-80g", _A100_PEAKS, 80 * GiB, 2.039e12, "memory 80 GiB, HBM2e 2039 GB/s"),
-    "h100-sxm": lambda: _gpu("h100-sxm", _H100_PEAKS, 80 * GiB, 3.35e12, "memory 80 GiB, HBM3 3.35 TB/s"),
-    # H200: same GH100 compute as H100 SXM; 141 GB HBM3e is decimal (141e9 bytes), as NVIDIA states it.
-    "h200": lambda: _gpu("h200", _H100_PEAKS, 141e9, 4.8e12, "memory 141 GB (141e9 bytes) HBM3e, 4.8 TB/s"),
+    "a100-40g": lambda: _gpu("a100-40g", _A100_PEAKS, 39.50 * GiB, 1.555e12,
+                             "memory 40 GB card, 39.50 GiB to torch; HBM2 1555 GB/s"),
+    "a100-80g": lambda: _gpu("a100-80g", _A100_PEAKS, 79.25 * GiB, 2.039e12,
+                             "memory 80 GB card, 79.25 GiB to torch; HBM2e 2039 GB/s"),
+    "h100-sxm": lambda: _gpu("h100-sxm", _H100_PEAKS, 79.11 * GiB, 3.35e12,
+                             "memory 80 GB card, 79.11 GiB to torch; HBM3 3.35 TB/s"),
+    # H200: same GH100 compute as H100 SXM; the 141 GB card gives torch 139.80 GiB
+    "h200": lambda: _gpu("h200", _H100_PEAKS, 139.80 * GiB, 4.8e12,
+                         "memory 141 GB card, 139.80 GiB to torch; HBM3e 4.8 TB/s"),
     "cpu": measure_cpu_device,
 })
 

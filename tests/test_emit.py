@@ -201,7 +201,7 @@ def test_big_model_emits_meta_init_and_small_full():
 
     big = dataclasses.replace(make_plan("gpt3-175b", 96, dp=8, zero=3), cluster="dgx-h100")
     text = emit(big)
-    assert '"init": "meta"' in text and "# init=meta: 650.4 GiB of fp32 parameters > a quarter of the 80 GiB" in text
+    assert '"init": "meta"' in text and "# init=meta: 650.4 GiB of fp32 parameters > a quarter of the 79 GiB" in text
     assert "part.to_empty(" in text and "find_init(" in text
     small = emit(make_plan(GPT, 2, dp=2))
     assert '"init": "full"' in small and "# init=full:" in small and "part.to_empty(" not in small

@@ -43,7 +43,8 @@ intra: {{bw_GBps: {rng.choice([1, 10, 100])}, latency_us: {rng.choice([1, 10])}}
 inter: {{bw_GBps: {rng.choice([0.05, 0.5, 5])}, latency_us: {rng.choice([5, 50])}}}
 """
     cl = parse_cluster_yaml(text)  # the YAML has no overlap_slowdown key: set it on the device
-    return replace(cl, device=replace(cl.device, overlap_slowdown=rng.choice([0.0, 0.1, 0.3])))
+    # the whole memory (no headroom): the random problems sit near its limit on purpose
+    return replace(cl, device=replace(cl.device, overlap_slowdown=rng.choice([0.0, 0.1, 0.3])), memory_fraction=1.0)
 
 
 def splits(n_blocks: int, n_stages: int):

@@ -49,7 +49,8 @@ def test_memory_for_a_1_over_world_share_gives_zero3():
 
 
 def replace_memory(cl, gib):
-    return replace(cl, device=replace(cl.device, memory_bytes=gib * 2**30))
+    """``cl`` with ``gib`` of memory a plan may fill whole (no headroom: these tests pin the memory rule)."""
+    return replace(cl, device=replace(cl.device, memory_bytes=gib * 2**30), memory_fraction=1.0)
 
 
 def test_model_too_big_for_a_node_with_tp_alone_gets_pipeline_stages():

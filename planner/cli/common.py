@@ -38,3 +38,14 @@ def _number(kind, low: float, inclusive: bool, what: str):
 positive_int = _number(int, 1, True, "an integer ≥ 1")
 count = _number(int, 0, True, "an integer ≥ 0")
 positive_float = _number(float, 0.0, False, "a number > 0")
+
+
+
+def fraction(text: str) -> float:
+    """An argparse ``type``: a number in (0, 1]."""
+    import argparse
+
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not in (0, 1]")
+    return value

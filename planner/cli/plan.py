@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from planner.cli.common import count, positive_float, positive_int
+from planner.cli.common import count, fraction, positive_float, positive_int
 
 
 def _add_job_args(p: argparse.ArgumentParser) -> None:
@@ -16,14 +16,19 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
                         "world size)")
     p.add_argument("--seq-len", type=positive_int, help="sequence length (default: the model's)")
     p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
+    p.add_argument("--memory-fraction", type=fraction, default=0.90,
+                   help="share of each device's memory a plan may fill (default 0.90: the rest is headroom for what "
+                        "the memory model leaves out, e.g. NCCL buffers)")
 
 
 def load_job(args):
     """(layer graph, cluster) for the model and cluster arguments."""
+    from dataclasses import replace
+
     from costmodel.cluster import load_cluster
     from profiler.api import profile_model
 
-    cluster = load_cluster(args.cluster)
+    cluster = replace(load_cluster(args.cluster), memory_fraction=args.memory_fraction)
     lg = profile_model(args.model, seq=args.seq_len)
     return lg, cluster
 
@@ -116,7 +121,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for lay in plan.layers:
         acs[lay.ac.value] = acs.get(lay.ac.value, 0) + 1
     print(f"  step {p['step_time_s']:.4g} s, {p['tokens_per_s']:.4g} tokens/s, MFU {p['mfu']:.1%}, "
-          f"peak memory {p['memory_per_gpu_bytes']['peak'] / 2**30:.2f} GiB per GPU; AC per layer {json.dumps(acs)}")
+          f"peak memory {p['memory_per_gpu_bytes']['peak'] / 2**30:.2f} GiB per GPU of a "
+          f"{cluster.memory_budget_bytes / 2**30:.1f} GiB budget ({cluster.memory_fraction:.0%} of "
+          f"{cluster.device.memory_bytes / 2**30:.1f} GiB); AC per layer {json.dumps(acs)}")
     sv = plan.solver
     print(f"  solver: {sv['status']} gap {sv['gap']:.2g}, {sv['candidates']} candidates, {sv['pruned']} pruned, "
           f"{sv['solved']} ILPs ({sv['backend']}), {sv['time_s']:.2f} s")

@@ -166,7 +166,7 @@ class Bounds:
         of a rank)."""
         dev = self.cluster.device
         on_gpu = dev.name != "cpu"
-        cap = (dev.memory_bytes - (RUNTIME_RESERVED_BYTES if on_gpu else 0.0)) / (1 + FRAGMENTATION)
+        cap = (self.cluster.memory_budget_bytes - (RUNTIME_RESERVED_BYTES if on_gpu else 0.0)) / (1 + FRAGMENTATION)
         per = _state_at_peak(cfg, m) + extra
         temp = dp_reduction_temp_bytes(cfg, "none", 0.0)  # a lower bound: the least over compressions and ranks
         if cfg.zero == 3 and cfg.dp > 1:  # at least the gathered block (every rank holds one)

@@ -376,7 +376,7 @@ class Model:
     def add_memory(self) -> None:
         d, s, ev, cfg = self.d, self.solver, self.d.ev, self.d.cfg
         on_gpu = ev.cluster.device.name != "cpu"
-        cap = self._b(ev.cluster.device.memory_bytes) * (1 - 1e-9)
+        cap = self._b(ev.cluster.memory_budget_bytes) * (1 - 1e-9)
         reserve = self._b(RUNTIME_RESERVED_BYTES if on_gpu else 0.0)
         per_param = sum(ev.peak_static_bytes(1.0))  # at the activation peak (gradients may not exist yet)
         after_backward = sum(ev.static_bytes(1.0))  # every gradient, no activation

@@ -119,7 +119,7 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
                 fixed_acs=fixed_acs,
                 grad_opts=tuple(grad_opts), pp_opts=pp_opts, p2p=p2p, n_range=n_range, fixed_rank=fixed_rank,
                 units=units,
-                time_unit=max(t_ref, 1e-12) / 1000.0, mem_unit=cluster.device.memory_bytes / 1000.0, evs=evs)
+                time_unit=max(t_ref, 1e-12) / 1000.0, mem_unit=cluster.memory_budget_bytes / 1000.0, evs=evs)
 
 
 def _distinct_acs(ev: Evaluator, i: int, acs) -> tuple[AC, ...]:

@@ -282,7 +282,7 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
     for cross_node in (False, True):  # tensor parallel crosses nodes only when nothing inside a node fits
         cands = candidates(lg, cluster, global_batch, fix, cross_node_tp=cross_node, refused=refused)
         stats["candidates"] += len(cands)
-        capacity = cluster.device.memory_bytes
+        capacity = cluster.memory_budget_bytes
         live = []
         for cfg in cands:
             mem = bounds.memory(cfg)
@@ -445,7 +445,7 @@ def _why(best: ilp.Solution, alt: ilp.Solution) -> Alternative:
 
 
 def _no_fit(lg, cluster, global_batch, fix, smallest) -> NoPlanFits:
-    cap = cluster.device.memory_bytes
+    cap = cluster.memory_budget_bytes
     if not smallest:
         where = f" with --fix {','.join(f'{k}={v}' for k, v in fix.items())}" if fix else ""
         return NoPlanFits(f"no configuration of {lg.model.name} fits on {cluster.world_size} GPUs{where} "
