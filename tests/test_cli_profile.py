@@ -178,3 +178,30 @@ def test_errors_in_user_code_and_config_values_are_one_line(tmp_path, spec, need
     debug = subprocess.run([sys.executable, "-m", "planner", "--debug", "profile", spec], capture_output=True,
                            text=True, timeout=120, cwd=tmp_path)
     assert "Traceback" in debug.stderr
+
+
+def test_hf_published_config_json_plans_with_its_true_parameter_count(tmp_path, capsys):
+    """hf:path/config.json: a model described by its published config file (extra keys such as architectures and
+    torch_dtype ignored, nothing downloaded) profiles with the parameter count transformers builds."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256, tie_word_embeddings=False)
+    data = {**cfg.to_dict(), "architectures": ["Qwen2ForCausalLM"], "torch_dtype": "bfloat16",
+            "transformers_version": "4.99.0"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    with torch.device("meta"):
+        true = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    rc, out, _ = run(capsys, "profile", f"hf:{path}:seq=64", "--json")
+    assert rc == 0 and json.loads(out)["params"] == true
+
+
+def test_hf_keys_read_by_modeling_code_are_accepted_and_typos_get_the_closest_names(capsys):
+    """Qwen3-MoE's attention reads getattr(config, "head_dim", …): a key its config class may not declare."""
+    from profiler.zoo import hf
+
+    assert "head_dim" in hf.modeling_keys("qwen3_moe")
+    rc, _, err = run(capsys, "profile", "hf:llama:hidden_sise=64")
+    assert rc == 2 and "did you mean hidden_size" in err

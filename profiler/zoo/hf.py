@@ -61,8 +61,31 @@ def parse_value(text: str) -> bool | int | float | str | None:
     return text
 
 
-def hf_config(model_type: str, overrides: dict[str, object]):
-    """The transformers config for ``model_type`` with ``overrides``; ValueError for unknown types or keys."""
+def modeling_keys(model_type: str) -> set[str]:
+    """Config keys that ``model_type``'s modeling code reads (``config.KEY``, ``getattr(config, "KEY", …)``) though
+    its config class may not declare them: Qwen3-MoE's attention takes ``getattr(config, "head_dim", …)``."""
+    import importlib
+    import inspect
+    import re
+
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(model_type)
+    try:
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        source = inspect.getsource(module)
+    except (ImportError, OSError, TypeError):
+        return set()
+    return set(re.findall(r"\bconfig\.([A-Za-z_]\w*)", source)) | set(
+        re.findall(r"getattr\(\s*(?:self\.)?config\s*,\s*[\"'](\w+)[\"']", source))
+
+
+def hf_config(model_type: str, overrides: dict[str, object], published: dict | None = None):
+    """The transformers config for ``model_type`` with ``overrides`` on top of ``published`` (a model's
+    ``config.json``, taken as it is); ValueError for unknown types, or override keys that neither the config class
+    nor the modeling code reads."""
+    import difflib
+
     from transformers import CONFIG_MAPPING, AutoConfig
 
     if model_type not in CONFIG_MAPPING:
@@ -73,10 +96,17 @@ def hf_config(model_type: str, overrides: dict[str, object]):
     default = AutoConfig.for_model(model_type)
     unknown = [key for key in overrides if not hasattr(default, key)]
     if unknown:
+        known = set(default.to_dict()) | modeling_keys(model_type)
+        unknown = [key for key in unknown if key not in known]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(set(default.to_dict()) | modeling_keys(model_type)),
+                                          n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else "e.g. num_hidden_layers, hidden_size, vocab_size"
         raise ValueError(
-            f"hf:{model_type}: unknown config key {unknown[0]!r}; see {type(default).__name__} in transformers for "
-            f"its fields (e.g. num_hidden_layers, hidden_size, vocab_size)"
+            f"hf:{model_type}: unknown config key {unknown[0]!r}: neither {type(default).__name__} nor "
+            f"{model_type}'s modeling code reads it; {hint}"
         )
+    overrides = {**(published or {}), **overrides}
     vocab = overrides.get("vocab_size", default.vocab_size)
     token_ids = {}
     if isinstance(vocab, int):  # special-token ids past a small vocabulary are clamped to its last id

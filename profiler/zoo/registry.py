@@ -306,6 +306,10 @@ def _resolve_hf(spec: str, rest: str) -> ModelSource:
     model_type, _, text = rest.partition(":")
     if not model_type:
         raise ValueError(f"{spec!r}: missing model type; use hf:MODEL_TYPE[:key=value,…], e.g. hf:llama")
+    published = None
+    if model_type.endswith(".json"):  # a model's published config.json (nothing downloaded)
+        published = _published_config(model_type)
+        model_type = str(published.pop("model_type"))
     overrides: dict[str, object] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, eq, raw = item.partition("=")
@@ -315,7 +319,7 @@ def _resolve_hf(spec: str, rest: str) -> ModelSource:
     seq = overrides.pop("seq", None)
     if seq is not None and (not isinstance(seq, int) or seq < 1):
         raise ValueError(f"hf:{model_type}: seq={seq!r} must be a positive integer")
-    config = hf.hf_config(model_type, overrides)
+    config = hf.hf_config(model_type, overrides, published)
     hf.hf_task(config)  # fail now, not at build time, for types without an LM head
     return ModelSource(
         spec=spec,
@@ -324,6 +328,27 @@ def _resolve_hf(spec: str, rest: str) -> ModelSource:
         seq=seq if seq is not None else hf.hf_default_seq(config),
         vocab=config.vocab_size,
     )
+
+
+#: config.json entries that describe the checkpoint or the tooling, not the model
+_NOT_MODEL_KEYS = ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype", "auto_map",
+                   "quantization_config", "use_cache")
+
+
+def _published_config(path_text: str) -> dict:
+    """A Hugging Face ``config.json`` as config overrides (its ``model_type`` included)."""
+    import json
+
+    path = pathlib.Path(path_text).expanduser()
+    if not path.is_file():
+        raise ValueError(f"hf:{path_text}: no such file; give the path of a model's config.json")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"hf:{path_text}: not a JSON config ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise ValueError(f"hf:{path_text}: no model_type in it; a transformers config.json names its model_type")
+    return {k: v for k, v in data.items() if k not in _NOT_MODEL_KEYS}
 
 
 def _resolve_file(spec: str, file_part: str, factory: str) -> ModelSource:
