@@ -41,6 +41,7 @@ from costmodel.memory import (
     allowance,
     dp_reduction_temp_bytes,
     fsdp_gathered_bytes,
+    fsdp_reduce_bytes,
     grads_held_at_peak,
     head_grad_bytes,
     held_states,
@@ -375,8 +376,10 @@ class Evaluator:
             in_block, in_loss = fsdp_gathered_bytes(cfg, held)
             block_peak += in_block
             edge_peak += in_loss
-        block_peak += head_grad_bytes(cfg, held, self.m)
-        temp = max(block_peak, edge_peak)
+        block_peak += head_grad_bytes(cfg, held, self.m) + fsdp_reduce_bytes(cfg, held)
+        # a block's backward comes after the head's: that micro-batch's head activations (the logits) are gone
+        head_act = sum(costs[i].act_bytes for idx in mine for i in idx if self.lg.layers[i].kind == "head")
+        temp = max(block_peak - head_act if block_peak else 0.0, edge_peak)
         temp += dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params)
         if self.grad_kind == "powersgd" and cfg.dp > 1:
             temp += 4 * params  # error feedback: one fp32 copy of the local gradients

@@ -68,6 +68,7 @@ from costmodel.memory import (
     RUNTIME_RESERVED_BYTES,
     dp_reduction_temp_bytes,
     fsdp_gathered_bytes,
+    fsdp_reduce_bytes,
     head_grad_bytes,
     held_states,
     inflight_chunks,
@@ -420,15 +421,22 @@ class Model:
 
                 gathered = self.tab(r, lambda n: self._b(fsdp(n)[0]))[0]
                 held = self._b(fsdp(d.n_range[r][0])[1])
-            head = head_grad_bytes(cfg, [(ev.lg.layers[i].kind, ev.cost(i, AC.NONE).param_numel)
-                                         for i in d.fixed_rank if d.fixed_rank[i] == r], d.m)
-            gathered = gathered + self._b(head)  # the head's gradient, where no other gradient is held yet
+            edges_here = [(ev.lg.layers[i].kind, ev.cost(i, AC.NONE).param_numel) for i in d.fixed_rank
+                          if d.fixed_rank[i] == r]
+            head = head_grad_bytes(cfg, edges_here, d.m)
+            block_n = ev.cost(d.blocks[0], AC.NONE).param_numel if d.blocks else 0.0
+            reduce = fsdp_reduce_bytes(cfg, [("block", block_n)]) if d.blocks else 0.0
+            # the head's gradient, where no other gradient is held yet; FSDP's gradient buffers of the block
+            gathered = gathered + self._b(head + reduce)
+            # a block's backward comes after the head's: that micro-batch's head activations are gone
+            head_act = sum(self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a] for i, rr in d.fixed_rank.items()
+                           if rr == r and ev.lg.layers[i].kind == "head" for a in d.fixed_acs[i])
             if d.blocks:
                 for a in d.acs:
                     u = self.uses_ac[r, a] = s.BoolVar(f"uses_ac[{r},{a.value}]")
                     for c in stages:
                         s.Add(self.blocks[c, a] <= nb * u)
-                    s.Add(peak >= self._b(ev.cost(d.blocks[0], a).backward_peak_bytes) * u + gathered)
+                    s.Add(peak >= self._b(ev.cost(d.blocks[0], a).backward_peak_bytes) * u + gathered - head_act)
             for i, rr in d.fixed_rank.items():
                 if rr == r:
                     s.Add(peak >= sum(self._b(ev.cost(i, a).backward_peak_bytes) * self.fixed_ac[i, a]
