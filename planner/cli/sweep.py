@@ -48,7 +48,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     fix = parse_kv(fix_text, what="--fix") if isinstance(fix_text, str) else dict(fix_text or {})
     res = sweep(args.model, args.cluster, key, values, global_batch=getattr(args, "global_batch", None),
                 seq_len=getattr(args, "seq_len", None), fix=fix, time_limit=getattr(args, "time_limit", None) or 30.0,
-                compress=getattr(args, "compress", None) or "none")
+                compress=getattr(args, "compress", None) or "none",
+                memory_fraction=getattr(args, "memory_fraction", None))
     out = getattr(args, "out", None)
     if out:
         write_atomic(out, json.dumps(res.to_dict(), indent=2) + "\n")

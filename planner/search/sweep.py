@@ -125,7 +125,7 @@ def _job(model: str, cluster: Cluster, key: str, value, *, global_batch: int | N
 
 def sweep(model: str, cluster: str | Cluster, key: str, values, *, global_batch: int | None = None,
           seq_len: int | None = None, fix: dict | None = None, time_limit: float = 30.0, top_k: int = 1,
-          compress: str = "none") -> SweepResult:
+          compress: str = "none", memory_fraction: float | None = None) -> SweepResult:
     """The best plan (`planner.search.outer.search`, under the compression policy ``compress``) at each value of
     ``key`` (`SWEEP_KEYS`)."""
     from planner.search.outer import NoPlanFits, search
@@ -137,6 +137,8 @@ def sweep(model: str, cluster: str | Cluster, key: str, values, *, global_batch:
         raise ValueError(f"--sweep {key}=…: give at least one value")
     spec = cluster if isinstance(cluster, str) else cluster.name
     base = load_cluster(cluster) if isinstance(cluster, str) else cluster
+    if memory_fraction is not None:
+        base = replace(base, memory_fraction=memory_fraction)
     fix = dict(fix or {})
     if base.device.name.startswith("cpu"):
         fix.setdefault("precision", "fp32")
@@ -156,7 +158,7 @@ def sweep(model: str, cluster: str | Cluster, key: str, values, *, global_batch:
                                  breakdown_s=dict(est.breakdown_s), global_batch=gb))
     return SweepResult(model=model, cluster=spec, key=key, points=tuple(points),
                        plan_kwargs={"global_batch": global_batch, "seq_len": seq_len, "fix": fix,
-                                    "compress": compress})
+                                    "compress": compress, "memory_fraction": base.memory_fraction})
 
 
 def check_optimal(result: SweepResult, base: str | Cluster, *, time_limit: float = 30.0, rel_tol: float = 1e-9
@@ -166,6 +168,7 @@ def check_optimal(result: SweepResult, base: str | Cluster, *, time_limit: float
 
     cluster = load_cluster(base) if isinstance(base, str) else base
     kw = result.plan_kwargs
+    cluster = replace(cluster, memory_fraction=kw.get("memory_fraction", cluster.memory_fraction))
     winners = {p.label: p.config for p in result.points if p.config}
     lgs: dict = {}
     bad = []
