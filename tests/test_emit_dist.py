@@ -107,6 +107,8 @@ META_CASES = {
     "meta_tp_sp_tied": (2, lambda: make_plan(GPT, 2, tp=2, sp=True)),
     "meta_pp_1f1b_tied": (2, lambda: make_plan(GPT, 2, pp=2, mbs=2, schedule="1f1b")),
     "meta_pp2_fsdp2_tied": (4, lambda: make_plan(GPT, 2, pp=2, dp=2, zero=3, schedule="1f1b")),
+    # FSDP over TP: the dp shards of a TP shard are _StridedShard, which torch 2.13 does not call is_shard()
+    "meta_fsdp2_tp2": (4, lambda: make_plan(GPT, 2, dp=2, tp=2, zero=3)),
 }
 META_STEPS = 8
 
@@ -211,8 +213,11 @@ def test_meta_init(matrix, name):
         assert abs(init[key].mean().item() - ref.mean().item()) <= 0.1 * ref_std + 1e-7 + 0.1 * abs(ref.mean())
         value = init[key]
         for dim in range(value.dim() if ref_std > 0 else 0):  # shards drew different numbers (not one block repeated)
-            half = value.shape[dim] // 2
-            assert not torch.equal(value.narrow(dim, 0, half), value.narrow(dim, half, half)), f"{key}: repeated"
+            for parts in (2, 4):  # halves, and quarters (a dp shard inside a tp shard)
+                size = value.shape[dim] // parts
+                blocks = [value.narrow(dim, k * size, size) for k in range(parts)] if size else []
+                assert not any(torch.equal(a, b) for i, a in enumerate(blocks) for b in blocks[i + 1 :]), (
+                    f"{key}: a block repeated along dim {dim}")
     total = sum(p.numel() for p in full.values())
     c = plan.config
     if c.dp > 1 and c.zero == 0 and c.tp == 1:

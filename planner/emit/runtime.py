@@ -299,7 +299,9 @@ class ShardSeeds(TorchDispatchMode):
         target = args[0] if args else None
         if isinstance(target, DTensor) and torch.Tag.nondeterministic_seeded in func.tags:
             coords = target.device_mesh.get_coordinate() or []
-            key = tuple(c for c, placement in zip(coords, target.placements) if placement.is_shard())
+            # every placement but Replicate splits the tensor: Shard, and FSDP's _StridedShard over TP, which torch
+            # 2.13 does not count as is_shard() (its dp shards would all draw the same numbers)
+            key = tuple(c for c, placement in zip(coords, target.placements) if not placement.is_replicate())
             if key:
                 self.calls += 1
                 with torch.random.fork_rng(devices=self.devices):
