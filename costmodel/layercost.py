@@ -302,9 +302,10 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     if layer.kind == "head" and ctx.in_place_loss:
         grad_working_set = 0.0
     elif layer.kind == "head" and tp > 1:  # torch 2.13's loss_parallel backward (tensor/parallel/loss.py,
-        # _nll_loss_and_log_softmax_backward) holds zeros_like(x), exp(x), their sum and the product, each a slice
-        # of the logits, beside the incoming gradient: twice the fused kernel's working set (measured: 4.0 vs 2.0)
-        grad_working_set = 4 * widest
+        # _nll_loss_and_log_softmax_backward) holds twice the *whole* vocabulary's logits of the local batch, not a
+        # multiple of this rank's slice: traced (autopar check, llama, dp=2 sp zero3 at mbs 1 and 4) 4.0× the slice
+        # at tp = 2 and 8.0× at tp = 4, i.e. 2·tp× ("widest" is the slice)
+        grad_working_set = 2 * tp * widest
     return LayerCost(
         fwd_s=fwd, bwd_s=bwd, recompute_s=rec, tp_comm_fwd_s=comm_f, tp_comm_bwd_s=comm_b + rec_comm, act_bytes=act,
         backward_peak_bytes=rec_peak + grad_working_set, param_numel=param_numel, fwd_flops=fwd_flops,
