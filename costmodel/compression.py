@@ -38,6 +38,17 @@ COMPRESSION_POLICIES = {
 }
 
 
+#: uncompressed steps before PowerSGD starts: torch's ``PowerSGDState`` default (``start_powerSGD_iter``), its
+#: documentation's warm-up ("vanilla allreduce ... prior to step start_powerSGD_iter ... can effectively improve the
+#: accuracy")
+POWERSGD_START_ITER = 1000
+
+
+def allowed_options(policy: str, options) -> tuple[str, ...]:
+    """Those of ``options`` (``none``, ``bf16``, ``powersgd-4``, …) the policy lets the search choose."""
+    return tuple(k for k in options if compression_allowed(policy, k))
+
+
 def compression_allowed(policy: str, option: str) -> bool:
     """Whether ``--compress policy`` lets the search choose the compression ``option`` (``bf16``, ``powersgd-4``)."""
     from costmodel.config import parse_grad_compress

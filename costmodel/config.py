@@ -107,6 +107,11 @@ class ParallelConfig:
         return post_step_allreduce(self.dp, self.tp, self.zero, self.schedule.value, self.pp)
 
     @property
+    def param_bytes(self) -> int:
+        """Bytes of a parameter (and of its unsharded gradient) in the training precision: 4 in fp32, else 2."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
     def fsdp_in_pipeline(self) -> bool:
         """FSDP inside torch's pipeline stages (`costmodel.runnable.pipelined_fsdp`)."""
         return pipelined_fsdp(self.zero, self.dp, self.pp)

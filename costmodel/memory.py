@@ -34,8 +34,8 @@ import functools
 import math
 from dataclasses import dataclass
 
-from costmodel.config import Schedule
-from costmodel.runnable import pipelined_fsdp, post_step_allreduce
+from costmodel.config import Schedule, parse_grad_compress
+from costmodel.runnable import pipelined_fsdp
 
 GiB = 2**30
 RUNTIME_RESERVED_BYTES = 1 * GiB  #: CUDA context + library workspaces (GPU devices only); an assumption
@@ -83,8 +83,7 @@ def grads_held_at_peak(cfg, micro_batches: int) -> bool:
     pipeline, and under GPipe (every forward before any backward), no backward has run at the peak (traced:
     llama3-8b ZeRO-3 on 8 ranks, one micro-batch, peaks in the last block's backward holding the head's gradient
     only). Elsewhere an earlier micro-batch's backward allocated them: held."""
-    ddp = cfg.dp > 1 and cfg.zero <= 1 and not post_step_allreduce(cfg.dp, cfg.tp, cfg.zero, cfg.schedule, cfg.pp)
-    if ddp:
+    if cfg.dp > 1 and cfg.zero <= 1 and not cfg.reduces_after_step:  # DDP
         return True
     return not ((cfg.pp == 1 and micro_batches == 1) or (cfg.pp > 1 and cfg.schedule == Schedule.GPIPE))
 
@@ -95,7 +94,7 @@ def head_grad_bytes(cfg, layers: list[tuple[str, float]], micro_batches: int) ->
     the root's unsharded state (`fsdp_gathered_bytes`)."""
     if grads_held_at_peak(cfg, micro_batches) or (cfg.zero == 3 and cfg.dp > 1):
         return 0.0
-    return (4 if cfg.precision == "fp32" else 2) * sum(n for kind, n in layers if kind == "head")
+    return cfg.param_bytes * sum(n for kind, n in layers if kind == "head")
 
 
 def fsdp_gathered_bytes(cfg, layers: list[tuple[str, float]]) -> tuple[float, float]:
@@ -107,12 +106,11 @@ def fsdp_gathered_bytes(cfg, layers: list[tuple[str, float]]) -> tuple[float, fl
     precision (traced: llama3-8b on 8 ranks peaks in a block's backward with the root's 3.9 GiB of fp32
     parameters and the head's 2.0 GiB gradient unsharded). Under pipelining nothing is resharded between
     micro-batches (`state_bytes_per_param` holds it all): only the two blocks."""
-    pb = 4 if cfg.precision == "fp32" else 2
     blocks = sorted(n for kind, n in layers if kind == "block")[-2:]
     pipelined = cfg.fsdp_in_pipeline
     root = 0.0 if pipelined else sum(n for kind, n in layers if kind != "block")
     head = 0.0 if pipelined else sum(n for kind, n in layers if kind == "head")
-    return pb * (sum(blocks) + root + head), pb * root
+    return cfg.param_bytes * (sum(blocks) + root + head), cfg.param_bytes * root
 
 
 def fsdp_reduce_bytes(cfg, layers: list[tuple[str, float]]) -> float:
@@ -123,10 +121,9 @@ def fsdp_reduce_bytes(cfg, layers: list[tuple[str, float]]) -> float:
     0.81 GiB blocks and small activations, ZeRO-3 on 8 ranks, holds both at its peak."""
     if cfg.zero < 2 or cfg.dp == 1 or cfg.fsdp_in_pipeline:
         return 0.0
-    grad = 4 if cfg.precision == "fp32" else 2
-    reduce = 2 if str(cfg.grad_compress).startswith(("bf16", "fp16")) else 4
+    reduce = 2 if parse_grad_compress(cfg.grad_compress)[0] in ("bf16", "fp16") else 4
     blocks = [n for kind, n in layers if kind == "block"]
-    return (grad + reduce) * max(blocks, default=0.0)
+    return (cfg.param_bytes + reduce) * max(blocks, default=0.0)
 
 
 def inflight_chunks(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> list[float]:

@@ -28,13 +28,9 @@ from costmodel.layercost import LayerCost
 GRAD_REDUCE_BYTES = 4  #: gradients are reduced in fp32 (DDP's fp32 grads; FSDP2 reduce_dtype=float32)
 
 
-def _param_bytes(cfg) -> int:
-    return 4 if cfg.precision == "fp32" else 2
-
-
 def zero2_gather_time(params: float, ev: SyncView) -> float:
     """ZeRO-2 (FSDP2 without resharding): the once-per-step all-gather of a rank's parameters."""
-    return all_gather_time(params * _param_bytes(ev.cfg), ev.dp_span, ev.cluster)
+    return all_gather_time(params * ev.cfg.param_bytes, ev.dp_span, ev.cluster)
 
 
 def zero1_sync_time(rank_costs: list[LayerCost], ev: SyncView) -> float:
@@ -42,7 +38,7 @@ def zero1_sync_time(rank_costs: list[LayerCost], ev: SyncView) -> float:
     collective per tensor: an all-gather's volume with one latency per tensor."""
     params = sum(c.param_numel for c in rank_costs)
     n = max(1, sum(c.param_tensors for c in rank_costs))
-    return n * all_gather_time(params * _param_bytes(ev.cfg) / n, ev.dp_span, ev.cluster)
+    return n * all_gather_time(params * ev.cfg.param_bytes / n, ev.dp_span, ev.cluster)
 
 
 def _hidden(comm: float, window: float, slowdown: float) -> tuple[float, float]:
@@ -126,7 +122,7 @@ def dp_step_bytes(cfg, params: float, m: int) -> dict[str, float]:
     runtime. ``params``: the rank's parameters before ZeRO sharding; ``m``: micro-batches per step. PowerSGD's
     compressed rounds are not listed (their volume depends on the matrices: `costmodel.compression.powersgd_volume`).
     """
-    pbytes = _param_bytes(cfg)
+    pbytes = cfg.param_bytes
     kind = cfg.grad_compress.split("-")[0]
     if cfg.dp == 1:
         return {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -278,7 +279,7 @@ def test_header_gives_the_launch_for_the_plans_nodes(spec):
     from planner.emit.script import launch_line
 
     plan = make_plan(GPT, 2, dp=16 if spec.startswith("dgx") else 2)
-    plan = Plan(**{**plan.__dict__, "cluster": spec})
+    plan = dataclasses.replace(plan, cluster=spec)
     line = launch_line(plan)
     if spec.startswith("dgx"):
         assert "--nnodes 2 --nproc-per-node 8 --rdzv-backend c10d" in line and "--standalone" not in line

@@ -20,13 +20,14 @@ def _number(kind, low: float, inclusive: bool, what: str):
     """An argparse ``type`` that accepts a ``kind`` number above ``low`` (at or above when ``inclusive``): argparse
     turns its error into one usage line and exit 2."""
     import argparse
+    import math
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if value != value or value < low or (value == low and not inclusive) or value in (float("inf"),):
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
         return value
 
@@ -38,7 +39,6 @@ def _number(kind, low: float, inclusive: bool, what: str):
 positive_int = _number(int, 1, True, "an integer ≥ 1")
 count = _number(int, 0, True, "an integer ≥ 0")
 positive_float = _number(float, 0.0, False, "a number > 0")
-
 
 
 def fraction(text: str) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from costmodel.compression import COMPRESSION_POLICIES
 from planner.cli.common import count, fraction, positive_float, positive_int
 
 
@@ -59,13 +60,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def compression_note(grad_compress: str, pp_compress: str) -> str:
     """What a plan's compression changes in training, in one line (empty without compression)."""
+    from costmodel.compression import POWERSGD_START_ITER
     from costmodel.config import parse_grad_compress
 
     kind, rank = parse_grad_compress(grad_compress)
     parts = []
     if kind == "powersgd":
         parts.append(f"PowerSGD rank {rank} on the data-parallel gradients (lossy: a low-rank approximation with "
-                     "error feedback; changes convergence; starts after 1000 uncompressed steps)")
+                     f"error feedback; changes convergence; starts after {POWERSGD_START_ITER} uncompressed steps)")
     elif kind in ("bf16", "fp16"):
         parts.append(f"data-parallel gradients reduced in {kind} (rounded, not approximated)")
     if pp_compress != "none":
@@ -184,7 +186,7 @@ def register(sub) -> None:
             action.help = "sequences per optimizer step (default: 8 per GPU, i.e. 8 × the cluster's GPUs)"
     pl.add_argument("--fix", help="pin configuration keys, k=v,… e.g. tp=8,pp=4 (any --config key)")
     pl.add_argument("--top-k", type=count, default=3, help="alternatives to keep (default 3)")
-    pl.add_argument("--compress", choices=["none", "low-precision", "lossy"], default="none",
+    pl.add_argument("--compress", choices=list(COMPRESSION_POLICIES), default="none",
                     help="compressions the search may choose: none (default; nothing that changes the numbers), "
                          "low-precision (16-bit gradient reduction, bf16 pipeline boundaries), lossy (also "
                          "PowerSGD); a --fix grad_compress=… is used whatever this says")

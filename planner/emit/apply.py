@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from costmodel.compression import POWERSGD_START_ITER
 from planner.emit import runtime, train
 from planner.emit.config import runtime_config
 from planner.plan import Plan
@@ -107,7 +108,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str | None = 
                      optimizer: str = "adamw", lr: float = 1e-3, seed: int = 0,
                      init: str | None = None, weight_decay: float | None = None, clip_norm: float = 1.0,
                      warmup_steps: int = 0, total_steps: int | None = None,
-                     powersgd_start_iter: int = 1000) -> ParallelHandle:
+                     powersgd_start_iter: int = POWERSGD_START_ITER) -> ParallelHandle:
     """Parallelise ``model`` by ``plan`` (a Plan, a plan file, or None to plan it for ``cluster`` now) in a torchrun
     process, and return a handle that trains it. ``cluster`` None: the hardware this runs on
     (`costmodel.cluster.detect_cluster`: the GPU's preset, nodes and GPUs per node from torchrun's environment;

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from costmodel.compression import POWERSGD_START_ITER
 from costmodel.runnable import problems
 from planner.plan import AC, Plan, parse_grad_compress
 from profiler.layers import COLUMN_NAMES, ROW_NAMES
@@ -127,14 +128,14 @@ def choose_init(plan: Plan, model: nn.Module, init: str | None = None) -> tuple[
 
 
 def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: str = "adamw", lr: float = 1e-3,
-                   powersgd_start_iter: int = 1000, init: str | None = None, weight_decay: float | None = None,
-                   clip_norm: float = 1.0, warmup_steps: int = 0, min_lr_ratio: float = 0.1) -> dict:
+                   powersgd_start_iter: int = POWERSGD_START_ITER, init: str | None = None,
+                   weight_decay: float | None = None, clip_norm: float = 1.0, warmup_steps: int = 0,
+                   min_lr_ratio: float = 0.1) -> dict:
     """The ``PLAN`` dict of `planner.emit.runtime` for ``plan`` applied to ``model`` (any device, meta included).
 
     ``init``: ``"full"`` or ``"meta"`` (see `planner.emit.runtime`), or None to choose by size (`choose_init`).
-    ``powersgd_start_iter``: uncompressed steps before PowerSGD starts (torch's ``PowerSGDState`` default, 1000:
-    its documentation's warm-up, "vanilla allreduce ... prior to step start_powerSGD_iter ... can effectively
-    improve the accuracy"). ``weight_decay``: on matrices only (None: 0.1 for AdamW, as GPT-3 and Llama train; 0
+    ``powersgd_start_iter``: uncompressed steps before PowerSGD starts (`costmodel.compression.POWERSGD_START_ITER`).
+    ``weight_decay``: on matrices only (None: 0.1 for AdamW, as GPT-3 and Llama train; 0
     for SGD). ``clip_norm``: the global gradient norm clipped to (0: no clipping). ``warmup_steps``,
     ``min_lr_ratio``: the learning-rate schedule (`planner.emit.train.lr_factor`).
     """

@@ -20,6 +20,7 @@ import subprocess
 from pathlib import Path
 
 from costmodel import runnable
+from costmodel.compression import POWERSGD_START_ITER
 from planner.emit import runtime, train
 from planner.emit.config import choose_init, runtime_config
 from planner.plan import Plan
@@ -377,7 +378,8 @@ if __name__ == "__main__":
 
 
 def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str = "adamw", lr: float = 1e-3,
-         seed: int = 0, init: str | None = None, powersgd_start_iter: int = 1000) -> str:
+         seed: int = 0, init: str | None = None,
+         powersgd_start_iter: int = POWERSGD_START_ITER) -> str:
     """The training script for ``plan`` as formatted Python source (run it with ``torchrun --nproc-per-node``
     ``plan.config.world``). ``init``: ``"full"`` (every rank builds the seeded model, then shards it) or ``"meta"``
     (built on the meta device, each rank initialises only its shards); None chooses by model size."""

@@ -170,7 +170,7 @@ class Bounds:
         per = _state_at_peak(cfg, m) + extra
         temp = dp_reduction_temp_bytes(cfg, "none", 0.0)  # a lower bound: the least over compressions and ranks
         if cfg.zero == 3 and cfg.dp > 1:  # at least the gathered block (every rank holds one)
-            temp = g.block_params * (4 if cfg.precision == "fp32" else 2)
+            temp = g.block_params * cfg.param_bytes
         return cap, per, temp
 
     def _capacity(self, cfg: ParallelConfig, g: _Group, m: int, extra: float = 0.0) -> float:
@@ -276,7 +276,7 @@ class Bounds:
         if cfg.dp == 1 or cfg.zero == 3:
             return finish
         span, cl, sl = ev.dp_span, self.affine_cluster, self.cluster.device.overlap_slowdown
-        pbytes = 4 if cfg.precision == "fp32" else 2
+        pbytes = cfg.param_bytes
         fw, wb = g.fwd / p, (g.bwd + g.fwd) / p
         if cfg.zero == 2:
             rs = reduce_scatter_time(P * GRAD_REDUCE_BYTES, span, cl)

@@ -408,26 +408,21 @@ class Model:
                 s.Add(act >= expr)
             # the recomputation peak is the largest over the rank's layers
             peak = self.rec_peak[r] = s.NumVar(0, self.inf, f"rec_peak[{r}]")
+            edges = [(ev.lg.layers[i].kind, ev.cost(i, AC.NONE).param_numel) for i in d.fixed_rank
+                     if d.fixed_rank[i] == r]
+            block = ev.cost(d.blocks[0], AC.NONE).param_numel if d.blocks else 0.0
             gathered = held = 0.0  # ZeRO-3 (costmodel.memory.fsdp_gathered_bytes): what a block's backward adds
             # (gathered blocks, the root's unsharded parameters and gradients) and what the loss's backward does
             if cfg.zero == 3 and cfg.dp > 1:
-
-                edges = [(ev.lg.layers[i].kind, ev.cost(i, AC.NONE).param_numel) for i in d.fixed_rank
-                         if d.fixed_rank[i] == r]
-                block = ev.cost(d.blocks[0], AC.NONE).param_numel if d.blocks else 0.0
 
                 def fsdp(n, edges=edges, block=block):
                     return fsdp_gathered_bytes(cfg, [("block", block)] * n + edges)
 
                 gathered = self.tab(r, lambda n: self._b(fsdp(n)[0]))[0]
                 held = self._b(fsdp(d.n_range[r][0])[1])
-            edges_here = [(ev.lg.layers[i].kind, ev.cost(i, AC.NONE).param_numel) for i in d.fixed_rank
-                          if d.fixed_rank[i] == r]
-            head = head_grad_bytes(cfg, edges_here, d.m)
-            block_n = ev.cost(d.blocks[0], AC.NONE).param_numel if d.blocks else 0.0
-            reduce = fsdp_reduce_bytes(cfg, [("block", block_n)]) if d.blocks else 0.0
             # the head's gradient, where no other gradient is held yet; FSDP's gradient buffers of the block
-            gathered = gathered + self._b(head + reduce)
+            reduce = fsdp_reduce_bytes(cfg, [("block", block)]) if d.blocks else 0.0
+            gathered = gathered + self._b(head_grad_bytes(cfg, edges, d.m) + reduce)
             # a block's backward comes after the head's: that micro-batch's head activations are gone
             head_act = sum(self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a] for i, rr in d.fixed_rank.items()
                            if rr == r and ev.lg.layers[i].kind == "head" for a in d.fixed_acs[i])

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from costmodel.cluster import Cluster
-from costmodel.compression import compression_allowed
+from costmodel.compression import allowed_options
 from costmodel.config import AC, ParallelConfig, parse_grad_compress
 from costmodel.estimate import Evaluator, pipeline_factor
 from costmodel.runnable import grad_compress_options
@@ -85,11 +85,10 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
     if grad_opts is None:  # among those the runtime can apply to this sharding (costmodel.runnable) and the
         # compression policy allows (costmodel.compression.COMPRESSION_POLICIES)
         runnable = grad_compress_options(cfg.dp, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp)
-        grad_opts = ("none",) if cfg.zero >= 2 else tuple(k for k in GRAD_OPTIONS
-                                                          if parse_grad_compress(k)[0] in runnable
-                                                          and compression_allowed(policy, k))
+        grad_opts = ("none",) if cfg.zero >= 2 else tuple(k for k in allowed_options(policy, GRAD_OPTIONS)
+                                                          if parse_grad_compress(k)[0] in runnable)
     if pp_opts is None:
-        pp_opts = ("none",) if S == 1 else tuple(k for k in PP_OPTIONS if compression_allowed(policy, k))
+        pp_opts = ("none",) if S == 1 else allowed_options(policy, PP_OPTIONS)
     evs = {k: (ev if k == "none" else _evaluator(lg, cluster, replace(base, grad_compress=k), global_batch,
                                                    cost_cache)) for k in grad_opts}
     p2p = {}

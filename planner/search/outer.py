@@ -51,7 +51,7 @@ import time
 from dataclasses import dataclass, replace
 
 from costmodel.cluster import Cluster
-from costmodel.compression import compression_allowed
+from costmodel.compression import allowed_options
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.estimate import ConfigError, Evaluator, even_stages
 from costmodel.layercost import is_tp_layer
@@ -263,8 +263,8 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
     t0 = time.perf_counter()
     cache: dict = {"measured": measured} if measured else {}
     kw = _ilp_options(fix, compress)
-    allowed = tuple(k for k in ilp.GRAD_OPTIONS if compression_allowed(compress, k))
-    bounds = Bounds(lg, cluster, global_batch, cache, grad_opts=kw.get("grad_opts", allowed))
+    bounds = Bounds(lg, cluster, global_batch, cache,
+                    grad_opts=kw.get("grad_opts", allowed_options(compress, ilp.GRAD_OPTIONS)))
     stats = {"candidates": 0, "pruned": 0, "pruned_memory": 0, "solved": 0, "infeasible": 0, "incumbents": 0,
              "cut_off": 0, "alt_greedy": 0}
     alt_spent = 0.0  # seconds of runner-up-only ILPs

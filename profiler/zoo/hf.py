@@ -95,12 +95,10 @@ def hf_config(model_type: str, overrides: dict[str, object], published: dict | N
         )
     default = AutoConfig.for_model(model_type)
     unknown = [key for key in overrides if not hasattr(default, key)]
+    known = set(default.to_dict()) | modeling_keys(model_type) if unknown else set()
+    unknown = [key for key in unknown if key not in known]
     if unknown:
-        known = set(default.to_dict()) | modeling_keys(model_type)
-        unknown = [key for key in unknown if key not in known]
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], sorted(set(default.to_dict()) | modeling_keys(model_type)),
-                                          n=3)
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=3)
         hint = f"did you mean {', '.join(close)}?" if close else "e.g. num_hidden_layers, hidden_size, vocab_size"
         raise ValueError(
             f"hf:{model_type}: unknown config key {unknown[0]!r}: neither {type(default).__name__} nor "

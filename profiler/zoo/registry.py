@@ -375,8 +375,8 @@ def user_error(exc: BaseException, path: pathlib.Path, what: str) -> str:
     what ran (``what``), and the exception (`autopar … --debug` shows the whole traceback)."""
     import traceback
 
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if pathlib.Path(f.filename) == path.resolve()
-              or pathlib.Path(f.filename) == path]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if pathlib.Path(f.filename).resolve() == path.resolve()]
     where = f"{path.name}:{frames[-1].lineno}" if frames else path.name
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{where}: {what} raised {type(exc).__name__}" + (f": {message}" if message else "") + \
@@ -394,11 +394,10 @@ def _load_factory(path: pathlib.Path, factory: str):
         sys.modules[name] = module
         try:
             module_spec.loader.exec_module(module)
-        except Exception as exc:
+        except BaseException as exc:
             del sys.modules[name]
-            raise UserCodeError(user_error(exc, path, f"importing {path.name}")) from exc
-        except BaseException:
-            del sys.modules[name]
+            if isinstance(exc, Exception):  # the user's module failed; KeyboardInterrupt and exits pass through
+                raise UserCodeError(user_error(exc, path, f"importing {path.name}")) from exc
             raise
     fn = getattr(module, factory, None)
     if not callable(fn):

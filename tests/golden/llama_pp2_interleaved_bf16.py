@@ -783,13 +783,12 @@ def checkpoint_state(par: Parallel, optimizer: torch.optim.Optimizer, lr_schedul
     these tensors in place, so the same call serves save and load (AdamW's state is created first if empty)."""
     local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's share
     state: dict = {"train": {"step": step, "lr_schedule": lr_schedule.state_dict() if lr_schedule else {}}}
-    names = {}
+    names = {}  # a parameter → its first name (the optimizer state's key)
     for part in par.parts:
         for name, p in part.named_parameters():
-            names.setdefault(id(p), model_name(part, name, par.plan))
-    for part in par.parts:
-        for name, p in part.named_parameters():
-            state[f"model.{model_name(part, name, par.plan)}"] = p
+            name = model_name(part, name, par.plan)
+            names.setdefault(id(p), name)
+            state[f"model.{name}"] = p
     for group in local.param_groups:
         for p in group["params"]:
             if isinstance(local, torch.optim.AdamW) and not local.state[p]:
@@ -806,8 +805,6 @@ def checkpoint_state(par: Parallel, optimizer: torch.optim.Optimizer, lr_schedul
 def save_checkpoint(directory: str, par: Parallel, optimizer: torch.optim.Optimizer, lr_schedule, step: int) -> str:
     """Save after ``step`` optimizer steps to ``directory/step-NNNNNNNN`` with `torch.distributed.checkpoint` (a
     collective: every rank writes its shards, nothing is gathered) and return that path."""
-    import os
-
     import torch.distributed.checkpoint as dcp
 
     path = os.path.join(directory, f"step-{step:08d}")
@@ -817,8 +814,6 @@ def save_checkpoint(directory: str, par: Parallel, optimizer: torch.optim.Optimi
 
 def latest_checkpoint(directory: str) -> str | None:
     """The newest complete checkpoint in ``directory`` (DCP writes its ``.metadata`` last), or None."""
-    import os
-
     done = (
         sorted(
             d
