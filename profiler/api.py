@@ -37,21 +37,34 @@ def parse_dtype(name: str) -> torch.dtype:
 FOLD_BLOCKS = 3
 
 
-def _folded_source(source):
-    """The same model with FOLD_BLOCKS blocks, and its real depth; (source, None) when it cannot be folded."""
-    if source.family in ("gpt", "llama", "moe") and source.config.layers > FOLD_BLOCKS:
-        return dataclasses.replace(source, config=dataclasses.replace(source.config, layers=FOLD_BLOCKS)), \
-            source.config.layers
-    depth = getattr(source.config, "num_hidden_layers", None) if source.family == "hf" else None
-    if depth and depth > FOLD_BLOCKS:
+def with_blocks(source, n: int):
+    """The same model with ``n`` blocks, or None where its blocks cannot be counted or are not all alike (a user's
+    file; a Hugging Face model whose layers mix attention kinds)."""
+    if source.family in ("gpt", "llama", "moe"):
+        return dataclasses.replace(source, config=dataclasses.replace(source.config, layers=n))
+    if source.family == "hf" and getattr(source.config, "num_hidden_layers", None):
         cfg = copy.deepcopy(source.config)
-        cfg.num_hidden_layers = FOLD_BLOCKS
         if getattr(cfg, "layer_types", None):  # per-layer attention kinds must stay uniform to fold
             if len(set(cfg.layer_types)) > 1:
-                return source, None
-            cfg.layer_types = cfg.layer_types[:FOLD_BLOCKS]
-        return dataclasses.replace(source, config=cfg), depth
-    return source, None
+                return None
+            cfg.layer_types = cfg.layer_types[:1] * n
+        cfg.num_hidden_layers = n
+        return dataclasses.replace(source, config=cfg)
+    return None
+
+
+def block_count(source) -> int | None:
+    """The number of blocks of a zoo or Hugging Face model (None for a user's file)."""
+    if source.family in ("gpt", "llama", "moe"):
+        return source.config.layers
+    return getattr(source.config, "num_hidden_layers", None) if source.family == "hf" else None
+
+
+def _folded_source(source):
+    """The same model with FOLD_BLOCKS blocks, and its real depth; (source, None) when it cannot be folded."""
+    depth = block_count(source)
+    folded = with_blocks(source, FOLD_BLOCKS) if depth and depth > FOLD_BLOCKS else None
+    return (folded, depth) if folded is not None else (source, None)
 
 
 def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: str = "bf16",

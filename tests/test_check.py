@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from costmodel.config import AC
 from planner.check.conformance import check_plan
 from planner.cli.main import main
 from planner.emit import runtime
@@ -186,3 +187,52 @@ def test_loss_parallel_working_set_grows_with_tp():
     spec = "llama:layers=2,hidden=1024,heads=16,kv_heads=8,ffn=2816,vocab=32000,seq=2048"
     result = check_plan(plan_from_config(spec, "dgx-h100:nodes=1", 8, "dp=2,tp=4,zero=3,sp=on,mbs=4,ac=full"))
     assert result["memory_error_max"] <= 0.05, result["roles"][0]["errors"]["memory"]
+
+
+FOLD_MODEL = "llama:layers={},hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32"
+
+
+@pytest.mark.parametrize("layers, batch, config", [
+    (8, 64, "dp=4,tp=2,zero=3,sp=on,mbs=2,ac=full"),  # 4 and 3 of 8 blocks, 3 of 8 micro-batches
+    (12, 32, "pp=2,dp=4,zero=0,mbs=2,schedule=zb"),  # each stage 6 blocks; zero-bubble's W actions
+    (20, 32, "pp=2,vpp=2,dp=4,zero=0,mbs=2,schedule=interleaved"),  # two chunks of 5 blocks per rank
+])
+def test_a_folded_trace_equals_the_whole_trace(layers, batch, config):
+    """A deep plan is traced at 3 and 4 blocks per chunk and 3 micro-batches and extrapolated; every rank's peak,
+    memory categories, collectives and FLOPs equal those of tracing every block and micro-batch."""
+    plan = plan_from_config(FOLD_MODEL.format(layers), "dgx-h100:nodes=1", batch, config)
+    whole, folded = check_plan(plan, fold=False), check_plan(plan)
+    assert folded["traced_how"].startswith("traced at 3 and 4 blocks per chunk"), folded["traced_how"]
+    for w, f in zip(whole["roles"], folded["roles"]):
+        w, f = w["traced"], f["traced"]
+        for key, value in w["memory"].items():
+            assert f["memory"][key] == pytest.approx(value, rel=1e-9), (key, w["peak_at"], f["peak_at"])
+        flat = {(k, part): v[part] for k, v in w["collectives"].items() for part in ("count", "bytes")}
+        assert {(k, part): v[part] for k, v in f["collectives"].items() for part in ("count", "bytes")} == (
+            pytest.approx(flat, rel=1e-9))
+        assert f["flops"] == pytest.approx(w["flops"], rel=1e-9)
+        assert (f["grad_elements"], f["dp_reduced_elements"]) == pytest.approx(
+            (w["grad_elements"], w["dp_reduced_elements"]), rel=1e-9)
+
+
+def test_plans_folding_cannot_follow_are_traced_whole():
+    """A chunk mixing activation checkpointing, or a rank whose chunks differ in depth, is traced whole; so is a
+    plan that has nothing to fold."""
+    from dataclasses import replace
+
+    from planner.check.fold import fold_plan
+
+    plan = plan_from_config(FOLD_MODEL.format(8), "dgx-h100:nodes=1", 64, "dp=8,zero=3,mbs=2,ac=full")
+    assert fold_plan(plan) is not None
+    mixed = plan.with_(layers=tuple(replace(lay, ac=AC.NONE) if lay.name == "layers.3" else lay
+                                    for lay in plan.layers))
+    assert fold_plan(mixed) is None
+    interleaved = plan_from_config(FOLD_MODEL.format(20), "dgx-h100:nodes=1", 32,
+                                   "pp=2,vpp=2,dp=4,zero=0,mbs=2,schedule=interleaved")
+    assert fold_plan(interleaved) is not None
+    first = next(lay.name for lay in interleaved.layers if lay.stage == 1)  # chunk 1 takes chunk 0's last block
+    last_of_0 = [lay.name for lay in interleaved.layers if lay.stage == 0][-1]
+    uneven = interleaved.with_(layers=tuple(replace(lay, stage=1) if lay.name == last_of_0 else lay
+                                            for lay in interleaved.layers))
+    assert first != last_of_0 and fold_plan(uneven) is None
+    assert fold_plan(plan_from_config(FOLD_MODEL.format(3), "dgx-h100:nodes=1", 16, "dp=8,mbs=2")) is None

@@ -33,6 +33,8 @@ from costmodel.estimate import Evaluator
 from costmodel.layercost import is_tp_layer, recompute_comm_bytes, tp_comm_bytes
 from costmodel.memory import FRAGMENTATION, RUNTIME_RESERVED_BYTES
 from costmodel.overlap import dp_step_bytes
+from planner.check.fold import MICRO_BATCHES as MICRO_BATCHES_FOLDED
+from planner.check.fold import extrapolate, fold_plan
 from planner.check.trace import trace_rank
 from planner.plan import Plan
 from profiler.api import profile_model
@@ -131,11 +133,11 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
     return roles
 
 
-def _child(plan: Plan, rank: int, conn, prepare) -> None:
+def _child(plan: Plan, rank: int, kwargs: dict, conn, prepare) -> None:
     try:
         if prepare is not None:
             prepare()
-        conn.send(("ok", trace_rank(plan, rank)))
+        conn.send(("ok", trace_rank(plan, rank, **kwargs)))
     except ValueError as exc:  # the user's input: reported in one line by the CLI
         conn.send(("value", str(exc)))
     except BaseException as exc:  # noqa: BLE001 - a bug: carried to the parent with its traceback
@@ -146,30 +148,91 @@ def _child(plan: Plan, rank: int, conn, prepare) -> None:
         conn.close()
 
 
-def _trace_in_child(plan: Plan, rank: int, prepare=None):
-    """`trace_rank` in a child process: each role gets a fresh fake process group (torch keeps process-group
-    names and DTensor's mesh caches per process, so a second world in one process resolves stale groups). Children
-    come from a fork server that has imported the tracer once, so a role costs its trace, not another
-    ``import torch``; not forked from this process, whose threads (a test runner's, torch's) may hold locks."""
+def start_tracers() -> None:
+    """Start the fork server the traces come from (`_Tracers`), so that its ``import torch`` runs while the caller
+    does something else (`autopar plan` calls it before its search)."""
     import multiprocessing as mp
+    from multiprocessing import forkserver
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["planner.check.trace"])
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(plan, rank, child, prepare))
-    proc.start()
-    child.close()
-    try:
-        kind, value = parent.recv()
-    except EOFError:
-        proc.join()
-        raise RuntimeError(f"tracing rank {rank} died (exit code {proc.exitcode})") from None
-    proc.join()
-    if kind == "value":
-        raise ValueError(value)
-    if kind == "bug":
-        raise RuntimeError(f"tracing rank {rank} failed:\n{value}")
-    return value
+    mp.get_context("forkserver").set_forkserver_preload(["planner.check.trace"])
+    forkserver.ensure_running()
+
+
+def check_work(plan: Plan, fold: bool = True) -> int:
+    """What `check_plan` traces, in blocks × micro-batches summed over its traces (each rank role, and under folding
+    both depths): the unit its time is proportional to (each block runs the same operators once per micro-batch)."""
+    c = plan.config
+    folding = fold_plan(plan) if fold else None
+    if folding is None:
+        per_rank = [sum(1 for lay in plan.layers if lay.stage % c.pp == r) for r in range(c.pp)]
+        return sum(per_rank) * plan.grad_accum
+    depths = {0: 1, 1: 2} if folding.plans[0] is not folding.plans[1] else {0: 1}
+    micro = min(plan.grad_accum, MICRO_BATCHES_FOLDED) if folding.micro_batches else plan.grad_accum
+    chunks = c.vpp
+    return sum(folding.depth[r][which] * chunks * micro for r in folding.depth for which in depths.values())
+
+
+class _Tracers:
+    """`trace_rank` in child processes, as many at a time as this machine has cores: each trace gets a fresh fake
+    process group (torch keeps process-group names and DTensor's mesh caches per process, so a second world in one
+    process resolves stale groups). Children come from a fork server that has imported the tracer once, so a trace
+    costs itself, not another ``import torch``; not forked from this process, whose threads (a test runner's,
+    torch's) may hold locks. ``submit`` queues a trace, ``results`` waits for all of them (in the parent's time:
+    the prediction is computed meanwhile)."""
+
+    def __init__(self, prepare=None):
+        import multiprocessing as mp
+        import os
+
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["planner.check.trace"])
+        self.prepare = prepare
+        self.width = max(1, min(len(os.sched_getaffinity(0)), 8))
+        self.queue: list[tuple] = []
+        self.running: dict = {}  # connection → (key, process, rank)
+        self.done: dict = {}
+
+    def submit(self, key, plan: Plan, rank: int, **kwargs) -> None:
+        self.queue.append((key, plan, rank, kwargs))
+        self._fill()
+
+    def _fill(self) -> None:
+        while self.queue and len(self.running) < self.width:
+            key, plan, rank, kwargs = self.queue.pop(0)
+            parent, child = self.ctx.Pipe(duplex=False)
+            proc = self.ctx.Process(target=_child, args=(plan, rank, kwargs, child, self.prepare))
+            proc.start()
+            child.close()
+            self.running[parent] = (key, proc, rank)
+
+    def results(self) -> dict:
+        from multiprocessing.connection import wait
+
+        while self.running:
+            for conn in wait(list(self.running)):
+                key, proc, rank = self.running.pop(conn)
+                try:
+                    kind, value = conn.recv()
+                except EOFError:
+                    proc.join()
+                    self._stop()
+                    raise RuntimeError(f"tracing rank {rank} died (exit code {proc.exitcode})") from None
+                proc.join()
+                if kind != "ok":
+                    self._stop()
+                    if kind == "value":
+                        raise ValueError(value)
+                    raise RuntimeError(f"tracing rank {rank} failed:\n{value}")
+                self.done[key] = value
+                self._fill()
+        return self.done
+
+    def _stop(self) -> None:
+        self.queue.clear()
+        for _, proc, _ in self.running.values():
+            proc.kill()
+            proc.join()
+        self.running.clear()
 
 
 def _traced_collectives(trace) -> dict:
@@ -180,14 +243,41 @@ def _traced_collectives(trace) -> dict:
     return out
 
 
-def check_plan(plan: Plan, *, prepare=None) -> dict:
+def check_plan(plan: Plan, *, prepare=None, fold: bool = True) -> dict:
     """Trace every role of ``plan`` and compare (see the module docstring); the JSON of `autopar check`.
-    ``prepare``: a module-level function each tracing process calls first (tests inject runtime faults with it)."""
-    predicted = predicted_roles(plan)
+    ``prepare``: a module-level function each tracing process calls first (tests inject runtime faults with it).
+    ``fold``: trace deep plans folded (`planner.check.fold`); False traces every block and micro-batch."""
+    ranks = {r: r * plan.config.dp * plan.config.tp for r in range(plan.config.pp)}
+    folding = fold_plan(plan) if fold else None
+    tracers = _Tracers(prepare)
+    for r, rank in ranks.items():
+        if folding is None:
+            tracers.submit(r, plan, rank)
+            continue
+        kwargs = {"micro_batches": folding.micro_batches} if folding.micro_batches else {}
+        for which in sorted({0, 1} if folding.plans[0] is not folding.plans[1] else {0}):
+            tracers.submit((r, which), folding.plans[which], rank, source=folding.sources[which], **kwargs)
+    try:
+        predicted = predicted_roles(plan)  # while the traces run
+    except BaseException:
+        tracers._stop()
+        raise
+    done = tracers.results()
+    traces, refolded = {}, []
+    for r, rank in ranks.items():
+        if folding is None:
+            traces[r] = done[r]
+            continue
+        traces[r] = extrapolate(folding, r, done[(r, 0)], done.get((r, 1), done[(r, 0)]))
+        if traces[r] is None:  # the peak moved with the depth: this rank is traced whole
+            refolded.append(r)
+            tracers.submit(r, plan, rank)
+    if refolded:
+        traces |= {r: tracers.results()[r] for r in refolded}
     roles, unreduced = [], []
     worst = {"memory": 0.0, "comm": 0.0, "flops": 0.0}
     for pred in predicted:
-        tr = _trace_in_child(plan, pred["rank"], prepare)
+        tr = traces[pred["pp_rank"]]
         mem_err = {k: rel_error(tr.memory[k], pred["memory"][k]) for k in MEMORY_PARTS}
         traced_comm = _traced_collectives(tr)
         comm_err = {k: rel_error(traced_comm.get(k, 0.0), v) for k, v in pred["collectives"].items()}
@@ -210,6 +300,9 @@ def check_plan(plan: Plan, *, prepare=None) -> dict:
         })
     ok = (worst["memory"] <= MEMORY_TOL and worst["comm"] <= COMM_TOL and worst["flops"] <= FLOPS_TOL
           and not unreduced)
+    how = folding.describe() if folding else "traced at full depth, every micro-batch"
+    if refolded:
+        how += f" (pipeline rank(s) {', '.join(map(str, refolded))} traced whole: their peak moved with the depth)"
     return {"ok": ok, "memory_error_max": worst["memory"], "comm_error_max": worst["comm"],
-            "flops_error_max": worst["flops"], "unreduced_params": unreduced, "roles": roles,
+            "flops_error_max": worst["flops"], "unreduced_params": unreduced, "roles": roles, "traced_how": how,
             "precision_traced": "fp32", "tolerances": {"memory": MEMORY_TOL, "comm": COMM_TOL, "flops": FLOPS_TOL}}

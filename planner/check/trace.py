@@ -28,6 +28,7 @@ receive buffers (`_as_views`), so that torch's memory tracker can follow its ``a
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -75,6 +76,7 @@ class Trace:
     dp_reduced_elements: float = 0.0  #: elements reduced over this rank's dp group (all-reduce / reduce-scatter)
     memory_at_peak: dict = field(default_factory=dict)  #: torch's categories at the moment of the peak, bytes
     peak_at: str = ""  #: where the peak happened: forward or backward, and the innermost modules running
+    moments: dict = field(default_factory=dict)  #: each such place → (its highest total, the categories then)
 
 
 class _Collectives(TorchDispatchMode):
@@ -168,11 +170,20 @@ class _CategoryPeaks(MemTracker):
     one forward per micro-batch. Hooks two of the tracker's methods (torch 2.13, ``_update_peak_stats``, which no
     longer keeps per-module peaks, and ``_pre_fw_hook``)."""
 
-    def __init__(self):
+    def __init__(self, container: str):
         super().__init__()
+        self.container = container
+        self._block = re.compile(rf"^(.*?){re.escape(container)}\.(\d+)$")
         self.category_max: dict[str, int] = defaultdict(int)
         self.at_peak: dict[str, int] = {}  #: the categories at the moment of the peak
         self.peak_where = ""  #: the modules running then, and whether in backward
+        self.action = ""  #: what the step is doing: which micro-batch, or which schedule action of which stage
+        self.moments: dict[str, tuple[int, dict]] = {}  #: "action: place" (`place`) → (its highest total, the
+        #: categories then)
+        self._parents_seen: set = set()
+        self._bw_seen = False
+        self._action_seen = None
+        self._moment = ""
 
     def _pre_fw_hook(self, module, inputs) -> None:
         # a module runs once per micro-batch; torch's tracker refuses a second forward of a module in one session
@@ -183,19 +194,41 @@ class _CategoryPeaks(MemTracker):
 
     def _update_peak_stats(self, peak_state) -> None:
         # called after every op: torch's version also walks every tracked module for per-module peaks (unused
-        # here), which made a trace quadratic in the model's size; only the totals and categories are kept
+        # here), which made a trace quadratic in the model's size; only the totals and categories are kept, and
+        # each moment's own maximum (the phase and innermost module running: `planner.check.fold` extrapolates
+        # them one by one)
         for dev, dev_snap in self._curr_mem_snap.items():
             for key, value in dev_snap.items():
                 name = str(getattr(key, "value", key))
                 if value > self.category_max[name]:
                     self.category_max[name] = value
             total = dev_snap.get("Total", 0)
+            parents, bw = self._mod_tracker.parents, self._mod_tracker.is_bw
+            if parents != self._parents_seen or bw != self._bw_seen or self.action is not self._action_seen:
+                self._parents_seen, self._bw_seen, self._action_seen = set(parents), bw, self.action
+                place = self.place(parents, bw)
+                self._moment = f"{self.action}: {place}" if self.action else place
+            moment = self._moment
+            if total > self.moments.get(moment, (-1,))[0]:
+                self.moments[moment] = (total, {str(getattr(k, "value", k)): v for k, v in dev_snap.items()})
             if self._peak_mem.get(dev, 0) < total:
                 self._peak_mem[dev] = total
-                self.at_peak = {str(getattr(k, "value", k)): v for k, v in dev_snap.items()}
-                inner = sorted((p for p in self._mod_tracker.parents if p != "Global"), key=len)[-1:]
-                self.peak_where = ("backward" if self._mod_tracker.is_bw else "forward") + (
+                self.at_peak = self.moments[moment][1]
+                inner = sorted((p for p in parents if p != "Global"), key=len)[-1:]
+                self.peak_where = (f"{self.action}: " if self.action else "") + ("backward" if bw else "forward") + (
                     f" of {inner[0].replace('_checkpoint_wrapped_module.', '')}" if inner else "")
+
+    def place(self, parents: set, bw: bool) -> str:
+        """Where a step is, for `moments`: forward or backward, and the block running (the last one entered when
+        two overlap: the lower-numbered one in backward; a module list's ``N``-th block is ``…container.N``), or
+        the modules running outside the blocks."""
+        phase = "backward" if bw else "forward"
+        blocks = [(int(m.group(2)), m.group(1)) for p in parents if (m := self._block.search(p))]
+        if blocks:
+            i, prefix = min(blocks) if bw else max(blocks)
+            return f"{phase} of {prefix}{self.container}.{i}"
+        names = ", ".join(sorted(p for p in parents if p != "Global"))
+        return f"{phase} of {names}" if names else phase
 
 
 def _mesh_groups(mesh) -> dict[tuple, str]:
@@ -264,10 +297,21 @@ def _inner_collectives(counter: _Collectives):
             setattr(funcol, name, original)
 
 
-def trace_rank(plan: Plan, rank: int) -> Trace:
+def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None = None) -> Trace:
     """Run ``plan``'s runtime on a fake world as global rank ``rank`` and record its last step (see the module
-    docstring). Leaves no process group behind."""
-    source = resolve_model(plan.model).with_seq(plan.seq)
+    docstring). Leaves no process group behind.
+
+    ``source``: the model to build instead of ``plan.model``'s (`planner.check.fold` passes a shallower one).
+    ``micro_batches``: the step's real number of micro-batches when ``plan`` (pp = 1) runs fewer, at least three:
+    the first, one in the middle and the last. Every micro-batch in the middle of a step does the same thing (same
+    shapes, same collectives, no gradient synchronisation), so the middle one's collectives and FLOPs count
+    ``micro_batches − 2`` times; memory is the step's (the middle ones repeat the same states).
+    """
+    source = source or resolve_model(plan.model).with_seq(plan.seq)
+    if micro_batches is not None and micro_batches != plan.grad_accum and (
+            plan.config.pp > 1 or plan.grad_accum < 3 or micro_batches < plan.grad_accum):
+        raise ValueError(f"cannot count {micro_batches} micro-batches from a trace of {plan.grad_accum} "
+                         f"(pp={plan.config.pp}): trace pp = 1 plans with three or more")
 
     def build():  # what the emitted script's build_model() does; the runtime calls it under torch.device("meta")
         if source.family == "hf":  # (ModelSource.build(device="meta") would give fake tensors, for capture)
@@ -297,17 +341,36 @@ def trace_rank(plan: Plan, rank: int) -> Trace:
         optimizer = train.build_optimizer(par, config)
         vocab = source.vocab if getattr(source, "vocab", None) else _vocab(par)
         inputs, labels = train.synthetic_batch(0, batch=plan.global_batch, seq=plan.seq, vocab=vocab, seed=0)
+        # this rank's rows, as a script's data loader gives them (the global batch is never on a GPU)
+        inputs, labels = inputs[train.data_rows(par)].clone(), labels[train.data_rows(par)].clone()
         counter = _Collectives(_mesh_groups(mesh))
         with fake:  # the optimizer state a steady-state step holds (AdamW creates it at its first step)
             _create_optimizer_state(par, optimizer)
-        tracker = _CategoryPeaks()
+        tracker = _CategoryPeaks(config["block_container"])
         tracker.track_external(*par.modules, getattr(optimizer, "optim", optimizer))  # ZeRO-1: its local optim
-        with fake, tracker, counter, _inner_collectives(counter):
+        with (_no_cycle_collection(), fake, tracker, counter, _inner_collectives(counter),
+              _step_actions(par, tracker, counter) as marks):
             train.train_step_loss(par, optimizer, inputs, labels)
+        if micro_batches is not None and micro_batches > plan.grad_accum:
+            _repeat_middle(counter, marks, micro_batches - plan.grad_accum)
         by = tracker.category_max  # each category's maximum over the step; "Total" is the peak itself
         memory = {"params": by["Parameter"] + by["Buffer"], "grads": by["Gradient"],
                   "optimizer": by["Optstate"], "activations": by["Activation"],
                   "temporaries": by["Temp"] + by["Other"], "peak": by["Total"]}
+        moments, at_peak = dict(tracker.moments), dict(tracker.at_peak)
+        if micro_batches is not None and micro_batches > plan.grad_accum:
+            # the step's rows of the micro-batches not traced, held (as activations) through the whole step
+            rows = (inputs.nbytes + labels.nbytes) * (micro_batches - plan.grad_accum) // plan.grad_accum
+            memory["activations"] += rows
+            memory["peak"] += rows
+
+            def held(cats: dict) -> dict:
+                return cats | {"Activation": cats.get("Activation", 0) + rows, "Total": cats.get("Total", 0) + rows}
+
+            moments = {_real_micro_batch(k, plan.grad_accum, micro_batches): (total + rows, held(cats))
+                       for k, (total, cats) in moments.items()}
+            at_peak = held(at_peak)
+            tracker.peak_where = _real_micro_batch(tracker.peak_where, plan.grad_accum, micro_batches)
         collectives: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
         reduced = 0.0
         for kind, group, nbytes, elems in counter.log:
@@ -320,9 +383,92 @@ def trace_rank(plan: Plan, rank: int) -> Trace:
         return Trace(rank=rank, coords=coords, memory=memory, collectives=dict(collectives),
                      flops=float(counter.flops),
                      grad_elements=float(grad_elems) if config["dp"] > 1 else 0.0, dp_reduced_elements=reduced,
-                     memory_at_peak=dict(tracker.at_peak), peak_at=tracker.peak_where)
+                     memory_at_peak=at_peak, peak_at=tracker.peak_where,
+                     moments=moments)
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _no_cycle_collection():
+    """Python's cyclic garbage collector off during the traced step. Tensors that only a reference cycle keeps (torch
+    2.13's zero-bubble schedule leaves some) are freed when the collector next runs, which its allocation counts
+    decide: with it on, the same step traced twice, or at another depth, can differ by such tensors. Off, a trace is
+    deterministic and holds what a step holds when the collector does not run in it (the most it can hold)."""
+    import gc
+
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def _step_actions(par, tracker: _CategoryPeaks, counter: _Collectives):
+    """Name what the step is doing on ``tracker.action`` (`_CategoryPeaks.moments` keeps a maximum per action and
+    place): with pp = 1 the micro-batch (`planner.emit.train._accumulate` calls), with a pipeline the schedule's
+    actions (torch 2.13 ``PipelineStage.forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk``:
+    F, B and W, with the micro-batch and the stage). Yields where each micro-batch starts and ends in ``counter``'s
+    log and FLOPs: (log index, FLOPs) pairs, two per micro-batch (pp = 1)."""
+    marks: list[tuple[int, float]] = []
+    original = train._accumulate
+    patched: list[tuple[object, str]] = []
+
+    def accumulate(*args, **kwargs):
+        tracker.action = f"micro-batch {len(marks) // 2}"
+        marks.append((len(counter.log), counter.flops))
+        try:
+            return original(*args, **kwargs)
+        finally:
+            marks.append((len(counter.log), counter.flops))
+            tracker.action = f"after micro-batch {len(marks) // 2 - 1}"
+
+    def named(stage, method: str, letter: str):
+        call = getattr(stage, method)
+
+        def action(chunk, *args, **kwargs):
+            tracker.action = f"{letter}{chunk} of stage {stage.stage_index}"
+            try:
+                return call(chunk, *args, **kwargs)
+            finally:
+                tracker.action = f"after {letter}{chunk} of stage {stage.stage_index}"
+
+        return action
+
+    train._accumulate = accumulate
+    for stage in getattr(par, "stages", None) or []:
+        for method, letter in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
+                               ("backward_weight_one_chunk", "W")):
+            setattr(stage, method, named(stage, method, letter))
+            patched.append((stage, method))
+    try:
+        yield marks
+    finally:
+        train._accumulate = original
+        for stage, method in patched:
+            delattr(stage, method)  # the class's method again
+
+
+def _real_micro_batch(place: str, traced: int, real: int) -> str:
+    """A place in a step of ``traced`` micro-batches named in the step of ``real`` it stands for: the last is the
+    last, the middle one every one in the middle."""
+    def name(match):
+        i = int(match.group(1))
+        return f"micro-batch {real - 1}" if i == traced - 1 else f"micro-batch {i}" if i == 0 else (
+            f"micro-batches 1-{real - 2}")
+
+    return re.sub(r"micro-batch (\d+)", name, place)
+
+
+def _repeat_middle(counter: _Collectives, marks: list[tuple[int, float]], times: int) -> None:
+    """Count the second micro-batch's collectives and FLOPs ``times`` more times (see `trace_rank`)."""
+    (start, f0), (end, f1) = marks[2], marks[3]
+    counter.log.extend(counter.log[start:end] * times)
+    counter.flops += (f1 - f0) * times
 
 
 def _static_stages(par, config: dict, build) -> None:

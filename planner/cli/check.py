@@ -13,7 +13,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from planner.report.check import print_check, render_check_html
 
     plan = Plan.load(args.plan)  # ValueError with the reason ⇒ exit 2
-    result = check_plan(plan)
+    result = check_plan(plan, fold=not args.full)
     if args.html:
         write_atomic(args.html, render_check_html(result, f"autopar check {args.plan}"))
     if args.write:  # the plan file keeps what was traced beside what was predicted (`autopar inspect` shows both)
@@ -35,4 +35,7 @@ def register(sub) -> None:
     p.add_argument("--write", action="store_true",
                    help="record the traced figures in the plan file, beside the predicted ones (inspect shows both)")
     p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
+    p.add_argument("--full", action="store_true",
+                   help="trace every block and micro-batch (default: a deep plan is traced at two shallow depths and "
+                        "three micro-batches and extrapolated, exactly where its blocks are alike)")
     p.set_defaults(func=cmd_check)

@@ -88,6 +88,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         return run_sweep(args)
     fix = parse_kv(args.fix or "", what="--fix")
+    if args.check != "off":  # the tracer's start-up (import torch) runs beside the search
+        from planner.check.conformance import start_tracers
+
+        start_tracers()
     lg, cluster = load_job(args)
     gb = args.global_batch or default_global_batch(cluster)
     measured = None
@@ -144,22 +148,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-#: `--check auto` traces the winner when roles × layers per rank × micro-batches stays at or under this: about
-#: half a minute on 2 cores (an 8-layer model, 1 role and 1 micro-batch traced in 11 s, half of it start-up)
-CHECK_AUTO_WORK = 48
+#: `--check auto` traces the winner when what `planner.check.conformance.check_work` counts (blocks × micro-batches
+#: traced, over every role and depth) stays at or under this: about ten seconds on 2 cores (llama3-70b's ZeRO-3
+#: winner on 64 H100s counts 21 and traces in 3.6 s; an unfolded 8-block, 8-micro-batch ZeRO-3 model, 64 units,
+#: in 12 s with start-up)
+CHECK_AUTO_WORK = 64
 
 
 def _maybe_check(plan, mode: str):
     """(plan with what `autopar check` traced, one line saying what happened) under ``--check``."""
-    from planner.check.conformance import check_plan, traced_summary
+    from planner.check.conformance import check_plan, check_work, traced_summary
 
-    per_rank = max(sum(1 for lay in plan.layers if lay.stage % plan.config.pp == r) for r in range(plan.config.pp))
-    work = plan.config.pp * per_rank * plan.grad_accum
+    work = check_work(plan)
     how = "run `autopar check PLAN.yaml --write` to trace it and record the result in the plan"
     if mode == "off" or (mode == "auto" and work > CHECK_AUTO_WORK):
-        why = "--check off" if mode == "off" else (f"not traced automatically ({plan.config.pp} role(s) × "
-                                                  f"{per_rank} layers × {plan.grad_accum} micro-batches > "
-                                                  f"{CHECK_AUTO_WORK}; --check on forces it)")
+        why = "--check off" if mode == "off" else (f"not traced automatically ({work} blocks × micro-batches to "
+                                                  f"trace > {CHECK_AUTO_WORK}; --check on forces it)")
         return plan, f"{why}; {how}"
     try:
         result = check_plan(plan)

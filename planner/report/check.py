@@ -30,7 +30,8 @@ def _summary(result: dict) -> str:
     verdict = "conforms" if result["ok"] else "DIVERGES"
     return (f"{verdict}: worst memory error {result['memory_error_max']:.1%} (≤ {tol['memory']:.0%}), collectives "
             f"{result['comm_error_max']:.1%} (≤ {tol['comm']:.0%}), FLOPs {result['flops_error_max']:.1%} "
-            f"(≤ {tol['flops']:.0%}); traced at {result['precision_traced']} (the runtime's CPU path)")
+            f"(≤ {tol['flops']:.0%}); traced at {result['precision_traced']} (the runtime's CPU path)"
+            + (f"; {result['traced_how']}" if result.get("traced_how") else ""))
 
 
 def print_check(result: dict, file=None) -> None:
@@ -40,7 +41,7 @@ def print_check(result: dict, file=None) -> None:
                      ["what", "term", "predicted", "traced", "error"], _rows(role),
                      right=[False, False, True, True, True], file=file)
         if role["traced"].get("peak_at"):
-            print(f"traced peak: in the {role['traced']['peak_at']} (memory terms: each one's own maximum)",
+            print(f"traced peak: {role['traced']['peak_at']} (memory terms: each one's own maximum)",
                   file=file)
         print(file=file)
     for line in result["unreduced_params"]:
