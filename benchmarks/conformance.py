@@ -5,6 +5,7 @@ gradient was reduced.
 
     python benchmarks/conformance.py            # the table (minutes on 2 cores)
     python benchmarks/conformance.py --quick    # small models only
+    python benchmarks/conformance.py --full     # every block and micro-batch traced (no folding; much longer)
 
 Each role is traced in a fresh process (one fake process group per process), at fp32 (the runtime's CPU path).
 """
@@ -47,7 +48,7 @@ JOBS = [  # (model, cluster, global batch, --fix): DDP, ZeRO-1/2/3, TP+SP, every
 ]
 
 
-def run(model: str, cluster: str, gb: int, fix: str, work: Path) -> dict:
+def run(model: str, cluster: str, gb: int, fix: str, work: Path, full: bool = False) -> dict:
     plan = work / f"plan{abs(hash((model, cluster, gb, fix)))}.yaml"
     t0 = time.perf_counter()
     pins = ["--fix", fix] if fix else []
@@ -56,7 +57,8 @@ def run(model: str, cluster: str, gb: int, fix: str, work: Path) -> dict:
     if made.returncode:
         return {"error": made.stderr.strip().splitlines()[-1]}
     t1 = time.perf_counter()
-    out = subprocess.run(["autopar", "check", str(plan), "--json"], capture_output=True, text=True)
+    out = subprocess.run(["autopar", "check", str(plan), "--json", *(["--full"] if full else [])],
+                         capture_output=True, text=True)
     if out.returncode:
         return {"error": out.stderr.strip().splitlines()[-1], "plan_s": t1 - t0}
     res = json.loads(out.stdout)
@@ -68,13 +70,14 @@ def run(model: str, cluster: str, gb: int, fix: str, work: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small models only")
+    ap.add_argument("--full", action="store_true", help="trace every block and micro-batch (no folding)")
     args = ap.parse_args()
     jobs = [j for j in JOBS if not args.quick or j[1] == "cpu-local"]
     print(f"{'model':>22s} {'cluster':>17s} {'fix':>24s} {'peak':>7s} {'worst part':>12s} {'comm':>7s} "
           f"{'flops':>7s} {'reduced':>8s} {'check s':>8s}")
     with tempfile.TemporaryDirectory() as tmp:
         for model, cluster, gb, fix in jobs:
-            r = run(model, cluster, gb, fix, Path(tmp))
+            r = run(model, cluster, gb, fix, Path(tmp), args.full)
             name = model if len(model) <= 22 else model[:19] + "..."
             fix = fix or "(as searched)"
             if "error" in r:

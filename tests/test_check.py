@@ -9,6 +9,7 @@ the check reports (and that are not asserted away) are listed in the note of iss
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -192,17 +193,29 @@ def test_loss_parallel_working_set_grows_with_tp():
 FOLD_MODEL = "llama:layers={},hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32"
 
 
-@pytest.mark.parametrize("layers, batch, config", [
-    (8, 64, "dp=4,tp=2,zero=3,sp=on,mbs=2,ac=full"),  # 4 and 3 of 8 blocks, 3 of 8 micro-batches
-    (12, 32, "pp=2,dp=4,zero=0,mbs=2,schedule=zb"),  # each stage 6 blocks; zero-bubble's W actions
-    (20, 32, "pp=2,vpp=2,dp=4,zero=0,mbs=2,schedule=interleaved"),  # two chunks of 5 blocks per rank
+def _mixed(plan, plain: int):
+    """``plan`` with its first ``plain`` blocks not checkpointed and the others fully: two runs of like blocks."""
+    blocks = [lay.name for lay in plan.layers if lay.name not in ("embed", "head")]
+    return plan.with_(layers=tuple(lay if lay.name not in blocks else
+                                   replace(lay, ac=AC.NONE if blocks.index(lay.name) < plain else AC.FULL)
+                                   for lay in plan.layers))
+
+
+@pytest.mark.parametrize("layers, batch, config, plain", [
+    (8, 64, "dp=4,tp=2,zero=3,sp=on,mbs=2,ac=full", 0),  # 3 and 4 of 8 blocks, 3 of 8 micro-batches
+    (12, 32, "pp=2,dp=4,zero=0,mbs=2,schedule=zb", 0),  # each stage 6 blocks; zero-bubble's W actions
+    (20, 32, "pp=2,vpp=2,dp=4,zero=0,mbs=2,schedule=interleaved", 0),  # two chunks of 5 blocks per rank
+    (12, 16, "dp=8,zero=2,mbs=2", 5),  # runs of 5 plain and 7 checkpointed blocks: three traces
 ])
-def test_a_folded_trace_equals_the_whole_trace(layers, batch, config):
-    """A deep plan is traced at 3 and 4 blocks per chunk and 3 micro-batches and extrapolated; every rank's peak,
-    memory categories, collectives and FLOPs equal those of tracing every block and micro-batch."""
+def test_a_folded_trace_equals_the_whole_trace(layers, batch, config, plain):
+    """A deep plan is traced with each run of like blocks cut to 3 and 4 blocks (one run at a time) and 3
+    micro-batches, and extrapolated; every rank's peak, memory categories, collectives and FLOPs equal those of
+    tracing every block and micro-batch."""
     plan = plan_from_config(FOLD_MODEL.format(layers), "dgx-h100:nodes=1", batch, config)
+    if plain:
+        plan = _mixed(plan, plain)
     whole, folded = check_plan(plan, fold=False), check_plan(plan)
-    assert folded["traced_how"].startswith("traced at 3 and 4 blocks per chunk"), folded["traced_how"]
+    assert "runs of like blocks extrapolated" in folded["traced_how"], folded["traced_how"]
     for w, f in zip(whole["roles"], folded["roles"]):
         w, f = w["traced"], f["traced"]
         for key, value in w["memory"].items():
@@ -215,24 +228,17 @@ def test_a_folded_trace_equals_the_whole_trace(layers, batch, config):
             (w["grad_elements"], w["dp_reduced_elements"]), rel=1e-9)
 
 
-def test_plans_folding_cannot_follow_are_traced_whole():
-    """A chunk mixing activation checkpointing, or a rank whose chunks differ in depth, is traced whole; so is a
-    plan that has nothing to fold."""
-    from dataclasses import replace
+def test_folding_follows_runs_of_like_blocks():
+    """Each run of like blocks (same checkpointing and tensor-parallel choice, one chunk) is lengthened in a trace of
+    its own; runs of at most 4 blocks are traced whole; a plan with nothing to fold is traced whole."""
+    from planner.check.fold import fold_plan, traces_for
 
-    from planner.check.fold import fold_plan
-
-    plan = plan_from_config(FOLD_MODEL.format(8), "dgx-h100:nodes=1", 64, "dp=8,zero=3,mbs=2,ac=full")
-    assert fold_plan(plan) is not None
-    mixed = plan.with_(layers=tuple(replace(lay, ac=AC.NONE) if lay.name == "layers.3" else lay
-                                    for lay in plan.layers))
-    assert fold_plan(mixed) is None
+    plan = plan_from_config(FOLD_MODEL.format(12), "dgx-h100:nodes=1", 16, "dp=8,zero=2,mbs=2")
+    assert fold_plan(plan).traced == ({0: [3]}, {0: [4]})
+    assert fold_plan(_mixed(plan, 5)).traced == ({0: [3, 3]}, {0: [4, 3]}, {0: [3, 4]})
+    assert fold_plan(_mixed(plan, 4)).traced == ({0: [4, 3]}, {0: [4, 4]})
     interleaved = plan_from_config(FOLD_MODEL.format(20), "dgx-h100:nodes=1", 32,
                                    "pp=2,vpp=2,dp=4,zero=0,mbs=2,schedule=interleaved")
-    assert fold_plan(interleaved) is not None
-    first = next(lay.name for lay in interleaved.layers if lay.stage == 1)  # chunk 1 takes chunk 0's last block
-    last_of_0 = [lay.name for lay in interleaved.layers if lay.stage == 0][-1]
-    uneven = interleaved.with_(layers=tuple(replace(lay, stage=1) if lay.name == last_of_0 else lay
-                                            for lay in interleaved.layers))
-    assert first != last_of_0 and fold_plan(uneven) is None
+    folding = fold_plan(interleaved)
+    assert [traces_for(folding, r) for r in (0, 1)] == [[0, 1, 2], [0, 1, 2]]  # each rank: two chunks of 5
     assert fold_plan(plan_from_config(FOLD_MODEL.format(3), "dgx-h100:nodes=1", 16, "dp=8,mbs=2")) is None

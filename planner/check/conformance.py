@@ -34,7 +34,7 @@ from costmodel.layercost import is_tp_layer, recompute_comm_bytes, tp_comm_bytes
 from costmodel.memory import FRAGMENTATION, RUNTIME_RESERVED_BYTES
 from costmodel.overlap import dp_step_bytes
 from planner.check.fold import MICRO_BATCHES as MICRO_BATCHES_FOLDED
-from planner.check.fold import extrapolate, fold_plan
+from planner.check.fold import extrapolate, fold_plan, traces_for
 from planner.check.trace import trace_rank
 from planner.plan import Plan
 from profiler.api import profile_model
@@ -166,10 +166,8 @@ def check_work(plan: Plan, fold: bool = True) -> int:
     if folding is None:
         per_rank = [sum(1 for lay in plan.layers if lay.stage % c.pp == r) for r in range(c.pp)]
         return sum(per_rank) * plan.grad_accum
-    depths = {0: 1, 1: 2} if folding.plans[0] is not folding.plans[1] else {0: 1}
     micro = min(plan.grad_accum, MICRO_BATCHES_FOLDED) if folding.micro_batches else plan.grad_accum
-    chunks = c.vpp
-    return sum(folding.depth[r][which] * chunks * micro for r in folding.depth for which in depths.values())
+    return sum(folding.blocks_traced(r)[w] * micro for r in range(c.pp) for w in traces_for(folding, r))
 
 
 class _Tracers:
@@ -255,8 +253,8 @@ def check_plan(plan: Plan, *, prepare=None, fold: bool = True) -> dict:
             tracers.submit(r, plan, rank)
             continue
         kwargs = {"micro_batches": folding.micro_batches} if folding.micro_batches else {}
-        for which in sorted({0, 1} if folding.plans[0] is not folding.plans[1] else {0}):
-            tracers.submit((r, which), folding.plans[which], rank, source=folding.sources[which], **kwargs)
+        for w in traces_for(folding, r):
+            tracers.submit((r, w), folding.plans[w], rank, source=folding.sources[w], **kwargs)
     try:
         predicted = predicted_roles(plan)  # while the traces run
     except BaseException:
@@ -268,7 +266,7 @@ def check_plan(plan: Plan, *, prepare=None, fold: bool = True) -> dict:
         if folding is None:
             traces[r] = done[r]
             continue
-        traces[r] = extrapolate(folding, r, done[(r, 0)], done.get((r, 1), done[(r, 0)]))
+        traces[r] = extrapolate(folding, r, {w: done[(r, w)] for w in traces_for(folding, r)})
         if traces[r] is None:  # the peak moved with the depth: this rank is traced whole
             refolded.append(r)
             tracers.submit(r, plan, rank)

@@ -1,25 +1,29 @@
-"""Check deep plans fast: trace a plan with fewer blocks and micro-batches, twice, and extrapolate each rank's
-figures to the real depth, as `profiler.fold` does for a capture.
+"""Check deep plans fast: trace a plan with fewer blocks and micro-batches and extrapolate each rank's figures to
+the real depth, as `profiler.fold` does for a capture.
 
-A plan's blocks are alike (same shapes, same sharding, same collectives: `profiler.fold` requires it of every model
-it captures at depth), and every micro-batch in the middle of a step does the same thing. So each figure a rank
-traces (every memory category at its maximum, the peak, collective bytes and counts, FLOPs, gradient elements)
-grows by the same amount with each block its pipeline chunks hold, as long as the moment of the peak stays at the
-same place: the last block's backward, say, or the head's. Two traces tell the amount:
+A model's blocks are alike (same shapes: `profiler.fold` requires it of every model it captures at depth), and a
+plan treats consecutive blocks of a chunk (a pipeline stage, or a virtual stage when interleaved) alike unless it
+gives them different activation checkpointing or tensor-parallel choices: a chunk is a sequence of *runs* of like
+blocks. What a rank traces (each memory category at its maximum, collective bytes and counts, FLOPs, gradient
+elements) grows by the same amount with each block a run holds. So does the memory at each *place* of the step
+(`planner.check.trace._CategoryPeaks.moments`: a schedule action or micro-batch, and the block or module running):
 
-- trace A gives every chunk (pipeline stage, or virtual stage when interleaved) ``min(n, FOLD_BLOCKS)`` of its
-  ``n`` blocks, trace B one more (``min(n, FOLD_BLOCKS + 1)``), each block with the plan's activation
-  checkpointing and tensor-parallel choice for that chunk;
-- a rank whose chunks hold ``n`` blocks each is credited ``A + (n − FOLD_BLOCKS) · (B − A)``;
-- with pp = 1 and more than `MICRO_BATCHES` micro-batches, both trace three (the first, one in the middle and the
-  last) and count the middle one as many times as the step has (`planner.check.trace.trace_rank`). A pipeline runs
-  all of its micro-batches (the schedule's in-flight counts depend on them).
+- trace A gives each run ``min(L, FOLD_BLOCKS)`` of its ``L`` blocks (all of them when ``L ≤ FOLD_BLOCKS + 1``);
+  trace ``B_j`` gives the ``j``-th run of each rank that is longer one block more; each block keeps its run's
+  choices;
+- a figure ``f`` at the real depth is ``A + Σ_j (L_j − FOLD_BLOCKS) · (B_j − A)``;
+- the peak is the highest place, each place on its own line: where a rank peaks can move with the depth (at three
+  blocks the head's backward, with a big vocabulary, at eighty the first block's, with every gradient). A place in
+  a block is named by the block's run and its position from the run's nearer end (`_places`);
+- with pp = 1 and more than `MICRO_BATCHES` micro-batches, each trace runs three (the first, one in the middle and
+  the last) and counts the middle one as many times as the step has (`planner.check.trace.trace_rank`). A pipeline
+  runs all of its micro-batches (the schedule's in-flight counts depend on them).
 
-Folding is exact where its assumptions hold, and it checks the one that could fail: if the peak of A and of B fall
-at different places (the first block in one and the last in the other, or a block in the middle), the rank is
-traced again at its full depth. A plan is not folded when a chunk mixes activation checkpointing or tensor-parallel
-choices, when a rank's chunks hold different numbers of blocks (interleaving), or when the model's depth cannot be
-changed (a user's file): it is traced whole. ``tests/test_check.py`` checks folded against whole traces.
+Where a place that sets the peak in a folded trace has no counterpart in another (it cannot be followed), the rank is
+traced whole. So is a model whose depth cannot be changed (a user's file). ``tests/test_check.py`` checks folded
+against whole traces; ZeRO-1's optimizer shards are the one figure that is not exact (torch's
+ZeroRedundancyOptimizer gives whole parameters to ranks greedily, not a fixed share per block: 0.2 % of the peak on
+an 8-block model).
 """
 
 from __future__ import annotations
@@ -32,29 +36,36 @@ from planner.plan import LayerStrategy, Plan, StageInfo
 from profiler.api import block_count, with_blocks
 from profiler.zoo.registry import resolve_model
 
-FOLD_BLOCKS = 3  #: blocks per chunk in the first trace: the second block is then a block in the middle (`_EDGE`)
+FOLD_BLOCKS = 3  #: blocks of a run in trace A: its second block is then one in the middle (`_EDGE`)
 MICRO_BATCHES = 3  #: the first, one in the middle, the last
 
 
 @dataclass(frozen=True)
 class Folding:
-    """How a plan is traced folded: the two shallower plans and models, and what each rank extrapolates."""
+    """How a plan is traced folded: the shallower plans and models, and what each run of like blocks holds."""
 
-    plans: tuple[Plan, Plan]  #: A and B (the same plan twice when only micro-batches are folded)
+    plans: tuple[Plan, ...]  #: A, then B_1, B_2, …
     sources: tuple  #: their models (`profiler.zoo.registry.ModelSource`)
     micro_batches: int | None  #: the real count where fewer are traced (pp = 1), else None
-    depth: dict[int, tuple[int, int, int]]  #: pipeline rank → (blocks per chunk: real, in A, in B)
+    runs: dict[int, list[int]]  #: chunk (stage index) → its runs' real lengths, in order
+    traced: tuple[dict[int, list[int]], ...]  #: per trace, chunk → its runs' traced lengths
+    varied: tuple[dict[int, tuple[int, int]], ...]  #: per trace B_j, pipeline rank → (chunk, run) it lengthens
+    rank_of: dict[int, int]  #: chunk → the pipeline rank that runs it
     container: str  #: the block list's name (``layers``)
 
     def describe(self) -> str:
-        real = sorted({d[0] for d in self.depth.values()})
-        a = sorted({d[1] for d in self.depth.values()})
-        b = sorted({d[2] for d in self.depth.values()})
-        text = (f"traced at {'/'.join(map(str, a))} and {'/'.join(map(str, b))} blocks per chunk, extrapolated to "
-                f"{'/'.join(map(str, real))}") if a != real else "traced at full depth"
+        real = sum(sum(r) for r in self.runs.values())
+        shallow = [sum(sum(r) for r in t.values()) for t in self.traced]
+        text = (f"traced at {' and '.join(map(str, shallow))} of {real} blocks (runs of like blocks extrapolated)"
+                if shallow[0] != real else "traced at full depth")
         if self.micro_batches:
             text += f"; {MICRO_BATCHES} of {self.micro_batches} micro-batches traced, the middle one repeated"
         return text
+
+    def blocks_traced(self, pp_rank: int) -> list[int]:
+        """Blocks of ``pp_rank``'s chunks in each trace."""
+        mine = [c for c, r in self.rank_of.items() if r == pp_rank]
+        return [sum(sum(t[c]) for c in mine) for t in self.traced]
 
 
 def fold_plan(plan: Plan) -> Folding | None:
@@ -65,47 +76,59 @@ def fold_plan(plan: Plan) -> Folding | None:
     if not blocks or block_count(source) != len(blocks):
         return None
     container = blocks[0].name.rpartition(".")[0]
-    chunks: dict[int, list[LayerStrategy]] = {}
+    chunks: dict[int, list[list[LayerStrategy]]] = {}  # chunk → runs of like blocks
     for lay in blocks:
-        chunks.setdefault(lay.stage, []).append(lay)
-    if any(len({(lay.ac, lay.tp) for lay in chunk}) > 1 for chunk in chunks.values()):
-        return None  # a chunk mixing choices: where its blocks of each kind sit decides the peak
+        runs = chunks.setdefault(lay.stage, [])
+        if runs and (runs[-1][0].ac, runs[-1][0].tp) == (lay.ac, lay.tp):
+            runs[-1].append(lay)
+        else:
+            runs.append([lay])
     if plan.stages and c.pp > 1:
         rank_of = {s.index: s.rank for s in plan.stages}
     else:
         rank_of = {s: s % c.pp for s in range(c.pp * c.vpp)}
-    depth: dict[int, tuple[int, int, int]] = {}
-    for stage, chunk in chunks.items():
-        n = len(chunk)
-        entry = (n, min(n, FOLD_BLOCKS), min(n, FOLD_BLOCKS + 1))
-        if depth.setdefault(rank_of[stage], entry) != entry:
-            return None  # a rank whose chunks differ in depth: each would need its own trace
-    folds_blocks = any(n > b for n, _, b in depth.values())
+    lengths = {stage: [len(run) for run in runs] for stage, runs in chunks.items()}
+    base = {stage: [n if n <= FOLD_BLOCKS + 1 else FOLD_BLOCKS for n in ns] for stage, ns in lengths.items()}
+    long_runs: dict[int, list[tuple[int, int]]] = {}  # pipeline rank → its (chunk, run) longer than the base
+    for stage in sorted(lengths):
+        for k, n in enumerate(lengths[stage]):
+            if n > base[stage][k]:
+                long_runs.setdefault(rank_of[stage], []).append((stage, k))
     micro = plan.grad_accum if c.pp == 1 and plan.grad_accum > MICRO_BATCHES else None
-    if not folds_blocks and not micro:
+    if not long_runs and not micro:
         return None
     batch = c.dp * c.mbs * MICRO_BATCHES if micro else plan.global_batch
-    if not folds_blocks:
-        return Folding((plan.with_(global_batch=batch),) * 2, (source, source), micro, depth, container)
+    traced, varied = [base], []
+    for j in range(max((len(v) for v in long_runs.values()), default=0)):
+        counts = {stage: list(ns) for stage, ns in base.items()}
+        chosen = {}
+        for rank, runs in long_runs.items():
+            if j < len(runs):
+                stage, k = runs[j]
+                counts[stage][k] = FOLD_BLOCKS + 1
+                chosen[rank] = (stage, k)
+        traced.append(counts)
+        varied.append(chosen)
     plans, sources = [], []
-    for which in (1, 2):
-        counts = {stage: depth[rank_of[stage]][which] for stage in chunks}
-        shallow = with_blocks(source, sum(counts.values()))
+    for counts in traced:
+        shallow = with_blocks(source, sum(sum(ns) for ns in counts.values()))
         if shallow is None:
             return None
         plans.append(_shallow_plan(plan, chunks, counts, container, batch))
         sources.append(shallow)
-    return Folding(tuple(plans), tuple(sources), micro, depth, container)
+    return Folding(tuple(plans), tuple(sources), micro, lengths, tuple(traced), tuple(varied), rank_of, container)
 
 
-def _shallow_plan(plan: Plan, chunks: dict[int, list[LayerStrategy]], counts: dict[int, int], container: str,
-                  batch: int) -> Plan:
-    """``plan`` with ``counts[stage]`` blocks in each chunk (renumbered from 0), each as the chunk's blocks are."""
+def _shallow_plan(plan: Plan, chunks: dict[int, list[list[LayerStrategy]]], counts: dict[int, list[int]],
+                  container: str, batch: int) -> Plan:
+    """``plan`` with ``counts[stage][k]`` blocks in run ``k`` of each chunk (renumbered from 0), each as the run's
+    blocks are."""
     by_name = {lay.name: lay for lay in plan.layers}
     layers = [by_name["embed"]]
     for stage in sorted(chunks):
-        for _ in range(counts[stage]):
-            layers.append(replace(chunks[stage][0], name=f"{container}.{len(layers) - 1}"))
+        for run, n in zip(chunks[stage], counts[stage]):
+            for _ in range(n):
+                layers.append(replace(run[0], name=f"{container}.{len(layers) - 1}"))
     layers.append(by_name["head"])
     stages = []
     for s in plan.stages:
@@ -114,73 +137,95 @@ def _shallow_plan(plan: Plan, chunks: dict[int, list[LayerStrategy]], counts: di
     return plan.with_(layers=tuple(layers), stages=tuple(stages), global_batch=batch)
 
 
-def extrapolate(folding: Folding, pp_rank: int, a: Trace, b: Trace) -> Trace | None:
-    """The rank's figures at the real depth from its traces A and B, or None when a place where B peaks has no
-    counterpart in A (the rank must be traced whole).
+def traces_for(folding: Folding, pp_rank: int) -> list[int]:
+    """The traces ``pp_rank`` needs: A, and each B_j that lengthens one of its runs."""
+    return [0] + [1 + j for j, chosen in enumerate(folding.varied) if pp_rank in chosen]
 
-    Collectives, FLOPs, gradient elements and each category's maximum grow on a line through A and B. The peak is
-    the highest of every place's own maximum, each on its line (`_places`): where a rank peaks can move with the
-    depth (a big head's backward at two blocks, the first block's backward, with every gradient, at eighty)."""
-    n, ka, kb = folding.depth[pp_rank]
-    if kb == ka:
-        return b
-    t = (n - ka) / (kb - ka)
 
-    def line(x: float, y: float) -> float:
-        return x + t * (y - x)
+def extrapolate(folding: Folding, pp_rank: int, traces: dict[int, Trace]) -> Trace | None:
+    """The rank's figures at the real depth from its traces (``traces_for``: index → trace), or None when a place
+    where one of them peaks has no counterpart in the others (the rank must then be traced whole)."""
+    which = traces_for(folding, pp_rank)
+    used = [traces[w] for w in which]
+    if len(used) == 1:
+        return used[0]
+    lengthened = [folding.varied[w - 1][pp_rank] for w in which[1:]]
+    ts = [folding.runs[stage][k] - FOLD_BLOCKS for stage, k in lengthened]
 
-    def mapping(x: dict, y: dict) -> dict:
-        return {k: line(x.get(k, 0), y.get(k, 0)) for k in {*x, *y}}
+    def line(values: list[float]) -> float:
+        return values[0] + sum(t * (v - values[0]) for t, v in zip(ts, values[1:]))
 
-    places_a, places_b = _places(a.moments, ka, folding.container), _places(b.moments, kb, folding.container)
-    if not places_b or any(total >= b.memory["peak"] and place not in places_a
-                           for place, (total, _) in places_b.items()):
-        return None
-    peak, place = max((line(places_a[p][0], places_b[p][0]), p) for p in places_b if p in places_a)
-    at_peak = mapping(places_a[place][1], places_b[place][1])
+    places = [_places(traces[w].moments, folding.traced[w], folding) for w in which]
+    common = [key for key in places[0] if all(key in pl for pl in places[1:])]
+    for tr, pl in zip(used, places):
+        if any(value[0] >= tr.memory["peak"] and key not in common for key, value in pl.items()):
+            return None
+    peak, place = max((line([pl[key][0] for pl in places]), key) for key in common)
+    names = {name for pl in places for name in pl[place][1]}
+    at_peak = {name: line([pl[place][1].get(name, 0) for pl in places]) for name in names}
+
+    def most(name: str) -> float:  # a category's maximum: the highest place, each on its line
+        return max(line([pl[key][2].get(name, 0) for pl in places]) for key in common)
+
+    memory = {"params": most("Parameter") + most("Buffer"), "grads": most("Gradient"),
+              "optimizer": most("Optstate"), "activations": most("Activation"),
+              "temporaries": most("Temp") + most("Other"), "peak": peak}
     collectives = {}
-    for key in {*a.collectives, *b.collectives}:
-        ca, cb = a.collectives.get(key, {}), b.collectives.get(key, {})
-        collectives[key] = {"count": round(line(ca.get("count", 0), cb.get("count", 0))),
-                            "bytes": line(ca.get("bytes", 0), cb.get("bytes", 0))}
-    memory = mapping(a.memory, b.memory) | {"peak": peak}
-    return replace(b, memory=memory, collectives=collectives, flops=line(a.flops, b.flops),
-                   grad_elements=line(a.grad_elements, b.grad_elements),
-                   dp_reduced_elements=line(a.dp_reduced_elements, b.dp_reduced_elements),
-                   memory_at_peak=at_peak, peak_at=_real_place(place, n, folding.container), moments={})
+    for key in {k for tr in used for k in tr.collectives}:
+        got = [tr.collectives.get(key, {}) for tr in used]
+        collectives[key] = {"count": round(line([g.get("count", 0) for g in got])),
+                            "bytes": line([g.get("bytes", 0) for g in got])}
+    return replace(used[0], memory=memory, collectives=collectives, flops=line([tr.flops for tr in used]),
+                   grad_elements=line([tr.grad_elements for tr in used]),
+                   dp_reduced_elements=line([tr.dp_reduced_elements for tr in used]), memory_at_peak=at_peak,
+                   peak_at=_real_place(place, folding), moments={})
 
 
-#: how far from either end of a chunk a block's places are followed. What is held while a block runs depends on
-#: its neighbours (FSDP2 prefetches the next block's parameters and keeps the previous one's reduce-scatter input,
-#: torch 2.13), so the first and the last block are each unlike the others, and every block in between is alike
+#: how far from either end of a run a block's places are followed. What is held while a block runs depends on its
+#: neighbours (FSDP2 prefetches the next block's parameters and keeps the previous one's reduce-scatter input,
+#: torch 2.13), so a run's first and last blocks are each unlike the others, and every block in between is alike
 #: except for where it stands: its memory grows or falls by the same amount from one block to the next, so over
-#: the middle it is highest next to an end. The second and the one before the last block are followed: in a
-#: chunk of FOLD_BLOCKS = 3 they are the same block
+#: the middle it is highest next to an end. The second and the one before the last block are followed: in a run
+#: of FOLD_BLOCKS = 3 they are the same block
 _EDGE = 2
+_STAGE = re.compile(r"\bof stage (\d+)\b")
 
 
-def _places(moments: dict, k: int, container: str) -> dict:
-    """A trace's places keyed by where they are in a chunk of ``k`` blocks: ``layers.+0`` the first block,
-    ``layers.-0`` the last, ``layers.+1`` the second, ``layers.-1`` the one before the last (a block can be both);
-    blocks further than `_EDGE` from both ends are not kept. Each place keeps its highest total and categories."""
-    pattern = re.compile(rf"\b{re.escape(container)}\.(\d+)\b")
+def _places(moments: dict, counts: dict[int, list[int]], folding: Folding) -> dict:
+    """A trace's places keyed by where they are in their chunk's runs (``counts``: chunk → traced run lengths):
+    ``layers.r0+0`` the first block of run 0, ``layers.r0-0`` its last, ``+1`` the second, ``-1`` the one before the
+    last (a block can be both); blocks further than `_EDGE` from both ends of their run are not kept. The chunk is
+    the stage of the place's schedule action (one chunk without a pipeline). Each place keeps its highest total and
+    the categories then."""
+    pattern = re.compile(rf"\b{re.escape(folding.container)}\.(\d+)\b")
     out: dict = {}
     for where, value in moments.items():
         match = pattern.search(where)
-        if not match:
+        stage = _STAGE.search(where)
+        chunk = int(stage.group(1)) if stage else (0 if len(counts) == 1 else None)
+        if not match or chunk not in counts:
             out[where] = value
             continue
-        i = int(match.group(1))
+        i, run, runs = int(match.group(1)), 0, counts[chunk]
+        while run < len(runs) and i >= runs[run]:  # the run holding the block, and the block's index in it
+            i -= runs[run]
+            run += 1
+        if run == len(runs):
+            out[where] = value
+            continue
+        k = runs[run]
         for key, near in ((f"+{i}", i < _EDGE), (f"-{k - 1 - i}", k - 1 - i < _EDGE)):
             if near:
-                out[pattern.sub(f"{container}.{key}", where, count=1)] = value
+                out[pattern.sub(f"{folding.container}.c{chunk}r{run}{key}", where, count=1)] = value
     return out
 
 
-def _real_place(place: str, n: int, container: str) -> str:
-    """A place in a chunk of ``n`` blocks (``layers.-1`` of 80 → ``layers.78``)."""
+def _real_place(place: str, folding: Folding) -> str:
+    """A place named by `_places` in the real plan (run 1's ``-1`` of a chunk whose runs hold 4 and 122 blocks →
+    block 124 of the chunk)."""
     def index(match):
-        sign, d = match.group(1), int(match.group(2))
-        return f"{container}.{d if sign == '+' else n - 1 - d}"
+        chunk, run, sign, d = int(match.group(1)), int(match.group(2)), match.group(3), int(match.group(4))
+        start = sum(folding.runs[chunk][:run])
+        return f"{folding.container}.{start + d if sign == '+' else start + folding.runs[chunk][run] - 1 - d}"
 
-    return re.sub(rf"\b{re.escape(container)}\.([+-])(\d+)\b", index, place)
+    return re.sub(rf"\b{re.escape(folding.container)}\.c(\d+)r(\d+)([+-])(\d+)\b", index, place)

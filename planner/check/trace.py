@@ -76,7 +76,8 @@ class Trace:
     dp_reduced_elements: float = 0.0  #: elements reduced over this rank's dp group (all-reduce / reduce-scatter)
     memory_at_peak: dict = field(default_factory=dict)  #: torch's categories at the moment of the peak, bytes
     peak_at: str = ""  #: where the peak happened: forward or backward, and the innermost modules running
-    moments: dict = field(default_factory=dict)  #: each such place → (its highest total, the categories then)
+    moments: dict = field(default_factory=dict)  #: each such place → (its highest total, the categories then, each
+    #: category's own maximum there)
 
 
 class _Collectives(TorchDispatchMode):
@@ -178,7 +179,8 @@ class _CategoryPeaks(MemTracker):
         self.at_peak: dict[str, int] = {}  #: the categories at the moment of the peak
         self.peak_where = ""  #: the modules running then, and whether in backward
         self.action = ""  #: what the step is doing: which micro-batch, or which schedule action of which stage
-        self.moments: dict[str, tuple[int, dict]] = {}  #: "action: place" (`place`) → (its highest total, the
+        self.moments: dict[str, tuple[int, dict, dict]] = {}  #: "action: place" (`place`) → (its highest total,
+        #: the categories then, each category's own maximum there)
         #: categories then)
         self._parents_seen: set = set()
         self._bw_seen = False
@@ -197,20 +199,26 @@ class _CategoryPeaks(MemTracker):
         # here), which made a trace quadratic in the model's size; only the totals and categories are kept, and
         # each moment's own maximum (the phase and innermost module running: `planner.check.fold` extrapolates
         # them one by one)
+        parents, bw = self._mod_tracker.parents, self._mod_tracker.is_bw
+        if parents != self._parents_seen or bw != self._bw_seen or self.action is not self._action_seen:
+            self._parents_seen, self._bw_seen, self._action_seen = set(parents), bw, self.action
+            place = self.place(parents, bw)
+            self._moment = f"{self.action}: {place}" if self.action else place
+        moment = self._moment
         for dev, dev_snap in self._curr_mem_snap.items():
+            if moment not in self.moments:
+                self.moments[moment] = (-1, {}, defaultdict(int))
+            total_max, _, place_max = self.moments[moment]
             for key, value in dev_snap.items():
                 name = str(getattr(key, "value", key))
                 if value > self.category_max[name]:
                     self.category_max[name] = value
+                if value > place_max[name]:
+                    place_max[name] = value
             total = dev_snap.get("Total", 0)
-            parents, bw = self._mod_tracker.parents, self._mod_tracker.is_bw
-            if parents != self._parents_seen or bw != self._bw_seen or self.action is not self._action_seen:
-                self._parents_seen, self._bw_seen, self._action_seen = set(parents), bw, self.action
-                place = self.place(parents, bw)
-                self._moment = f"{self.action}: {place}" if self.action else place
-            moment = self._moment
-            if total > self.moments.get(moment, (-1,))[0]:
-                self.moments[moment] = (total, {str(getattr(k, "value", k)): v for k, v in dev_snap.items()})
+            if total > total_max:
+                self.moments[moment] = (total, {str(getattr(k, "value", k)): v for k, v in dev_snap.items()},
+                                        place_max)
             if self._peak_mem.get(dev, 0) < total:
                 self._peak_mem[dev] = total
                 self.at_peak = self.moments[moment][1]
@@ -357,7 +365,8 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         memory = {"params": by["Parameter"] + by["Buffer"], "grads": by["Gradient"],
                   "optimizer": by["Optstate"], "activations": by["Activation"],
                   "temporaries": by["Temp"] + by["Other"], "peak": by["Total"]}
-        moments, at_peak = dict(tracker.moments), dict(tracker.at_peak)
+        moments = {k: (total, cats, dict(most)) for k, (total, cats, most) in tracker.moments.items()}
+        at_peak = dict(tracker.at_peak)
         if micro_batches is not None and micro_batches > plan.grad_accum:
             # the step's rows of the micro-batches not traced, held (as activations) through the whole step
             rows = (inputs.nbytes + labels.nbytes) * (micro_batches - plan.grad_accum) // plan.grad_accum
@@ -367,8 +376,8 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
             def held(cats: dict) -> dict:
                 return cats | {"Activation": cats.get("Activation", 0) + rows, "Total": cats.get("Total", 0) + rows}
 
-            moments = {_real_micro_batch(k, plan.grad_accum, micro_batches): (total + rows, held(cats))
-                       for k, (total, cats) in moments.items()}
+            moments = {_real_micro_batch(k, plan.grad_accum, micro_batches): (total + rows, held(cats), held(most))
+                       for k, (total, cats, most) in moments.items()}
             at_peak = held(at_peak)
             tracker.peak_where = _real_micro_batch(tracker.peak_where, plan.grad_accum, micro_batches)
         collectives: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
