@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -176,6 +177,7 @@ class _CategoryPeaks(MemTracker):
         self.container = container
         self._block = re.compile(rf"^(.*?){re.escape(container)}\.(\d+)$")
         self.category_max: dict[str, int] = defaultdict(int)
+        self.mirrors: set[int] = set()  #: the fake mode's storages standing for real parameters and buffers
         self.at_peak: dict[str, int] = {}  #: the categories at the moment of the peak
         self.peak_where = ""  #: the modules running then, and whether in backward
         self.action = ""  #: what the step is doing: which micro-batch, or which schedule action of which stage
@@ -186,6 +188,13 @@ class _CategoryPeaks(MemTracker):
         self._bw_seen = False
         self._action_seen = None
         self._moment = ""
+
+    def _track(self, reftype, t: torch.Tensor) -> None:
+        # a real parameter (a part DDP wraps holds real tensors) enters fake ops as the fake mode's copy of it: the
+        # same memory, tracked once, as the parameter
+        if self.mirrors and any(id(st) in self.mirrors for st in get_untyped_storages(t)):
+            return
+        super()._track(reftype, t)
 
     def _pre_fw_hook(self, module, inputs) -> None:
         # a module runs once per micro-batch; torch's tracker refuses a second forward of a module in one session
@@ -355,6 +364,10 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         with fake:  # the optimizer state a steady-state step holds (AdamW creates it at its first step)
             _create_optimizer_state(par, optimizer)
         tracker = _CategoryPeaks(config["block_container"])
+        real = [t for m in par.modules for t in [*m.parameters(), *m.buffers()]
+                if not isinstance(t, (DTensor, FakeTensor)) and not t.is_meta]
+        mirrors = [fake.from_tensor(t) for t in real]  # (the converter keeps them: ops get these same copies)
+        tracker.mirrors = {id(st) for t in mirrors for st in get_untyped_storages(t)}
         tracker.track_external(*par.modules, getattr(optimizer, "optim", optimizer))  # ZeRO-1: its local optim
         with (_no_cycle_collection(), fake, tracker, counter, _inner_collectives(counter),
               _step_actions(par, tracker, counter) as marks):
