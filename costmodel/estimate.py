@@ -359,11 +359,22 @@ class Evaluator:
         cfg = self.cfg
         p_b, g_b, o_b = self.peak_static_bytes(params)
         after_backward = sum(self.static_bytes(params))  # every gradient, no activation left
-        mine = [idx for c, idx in enumerate(stages) if rank_of[c] == r]  # the rank's chunks, in order
+        chunks = [c for c in range(len(stages)) if rank_of[c] == r]  # the rank's chunks, in order
+        mine = [stages[c] for c in chunks]
         full = [sum(costs[i].act_bytes for i in idx) for idx in mine]
-        pending = [sum(costs[i].pending_bytes for i in idx) for idx in mine]
-        act = max(sum(f * a + p * b for f, p, a, b in zip(fs, ps, full, pending))
-                  for fs, ps in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, self.m))
+        # zero-bubble (`zero_bubble_states`): the first stage's input pass has no input gradient to compute (the
+        # tokens need none) and does nothing, so its micro-batches stay as the forward left them until the weight
+        # pass; elsewhere the input pass builds the weight ops' output gradients on top of the full activations
+        pending = [full[k] if c == 0 else sum(costs[i].pending_bytes for i in idx)
+                   for k, (c, idx) in enumerate(zip(chunks, mine))]
+        building = [0.0 if c == 0 else sum(costs[i].weight_output_bytes for i in idx) for c, idx in zip(chunks, mine)]
+        zero_bubble = cfg.schedule == Schedule.ZERO_BUBBLE and cfg.pp > 1
+        states = held_states(cfg.schedule, cfg.pp, cfg.vpp, r, self.m)
+        held_by = [sum(f * a + p * b for f, p, a, b in zip(fs, ps, full, pending)) for fs, ps in states]
+        act = max(held_by)
+        # ...and while a block's input pass runs, those gradients built so far on top (all of them at the last)
+        building_peak = max(h + max((g for f, g in zip(fs, building) if f >= 1), default=0.0)
+                            for h, (fs, _) in zip(held_by, states)) - act if zero_bubble else 0.0
         block_peak = edge_peak = 0.0  # the largest backward working set of a block, and of the embedding/head
         for idx in mine:
             for i in idx:
@@ -379,7 +390,10 @@ class Evaluator:
         block_peak += head_grad_bytes(cfg, held, self.m) + fsdp_reduce_bytes(cfg, held)
         # a block's backward comes after the head's: that micro-batch's head activations (the logits) are gone
         head_act = sum(costs[i].act_bytes for idx in mine for i in idx if self.lg.layers[i].kind == "head")
-        temp = max(block_peak - head_act if block_peak else 0.0, edge_peak)
+        if zero_bubble:  # the input pass keeps the head's activations (retain_graph) until it ends
+            temp = max(block_peak + building_peak, edge_peak)
+        else:
+            temp = max(block_peak - head_act if block_peak else 0.0, edge_peak)
         temp += dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params)
         if self.grad_kind == "powersgd" and cfg.dp > 1:
             temp += 4 * params  # error feedback: one fp32 copy of the local gradients

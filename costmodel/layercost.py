@@ -67,10 +67,13 @@ class LayerCost:
     grad_matrices: tuple[tuple[int, int], ...]  #: local 2-D gradient shapes (for PowerSGD), others count as vectors
     param_tensors: int = 0  #: parameter tensors the layer owns (collectives issued per tensor)
     #: what torch's zero-bubble schedule keeps of a micro-batch from its input-gradient pass to its weight pass
-    #: (pipelining/_backward.py, ``stage_backward_input``, which runs ``autograd.grad(retain_graph=True)``): the
-    #: retained graph's saved activations (all of them: `autopar check` traces no less) and the gradients at the
-    #: outputs of the ops reading a parameter, kept for the weight pass
+    #: (pipelining/_backward.py, ``stage_backward_input``, which runs ``autograd.grad(retain_graph=True)``, then
+    #: detaches the stage's output): the retained graph's saved activations, less those of the nodes after the last
+    #: op reading a parameter in the head (the loss: nothing the weight pass needs reaches them), and the gradients
+    #: at the outputs of the ops reading a parameter, kept for the weight pass. Traced (llama, pp = 2): the last
+    #: stage's input pass frees the loss's 1000 MiB and adds 1268 MiB of such gradients per micro-batch
     pending_bytes: float = 0.0
+    weight_output_bytes: float = 0.0  #: the outputs of the ops reading a parameter (their gradients: above)
 
     @property
     def tp_comm_s(self) -> float:
@@ -229,6 +232,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     fwd_flops = core_flops = 0.0
     widest = 0.0  # the largest output of any node: its gradient, and the gradient of its input, meet in backward
     weight_outputs = 0.0
+    tail = 0.0  # saved by the nodes after the last one reading a parameter (a head's loss)
     stop = recompute_stop(layer)
     rec_fwd = rec_full_flops = 0.0  # the forward full recomputation repeats (up to `recompute_stop`)
     for j, n in enumerate(layer.nodes):
@@ -250,6 +254,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
             act_sharded += saved
         else:
             act_repl += saved
+        tail = 0.0 if n.params else tail + saved
         if n.is_attention_core:
             core_fwd += t_f
             core_flops += n.fwd_flops * k
@@ -310,7 +315,8 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         fwd_s=fwd, bwd_s=bwd, recompute_s=rec, tp_comm_fwd_s=comm_f, tp_comm_bwd_s=comm_b + rec_comm, act_bytes=act,
         backward_peak_bytes=rec_peak + grad_working_set, param_numel=param_numel, fwd_flops=fwd_flops,
         recompute_flops=rec_flops, grad_matrices=tuple(matrices), param_tensors=len(counted),
-        pending_bytes=act + weight_outputs,
+        pending_bytes=act + weight_outputs - (tail if layer.kind == "head" and ac == AC.NONE else 0.0),
+        weight_output_bytes=weight_outputs,
     )
 
 

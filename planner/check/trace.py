@@ -369,7 +369,7 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         mirrors = [fake.from_tensor(t) for t in real]  # (the converter keeps them: ops get these same copies)
         tracker.mirrors = {id(st) for t in mirrors for st in get_untyped_storages(t)}
         tracker.track_external(*par.modules, getattr(optimizer, "optim", optimizer))  # ZeRO-1: its local optim
-        with (_no_cycle_collection(), fake, tracker, counter, _inner_collectives(counter),
+        with (_no_cycle_collection(), _module_hooks_any(), fake, tracker, counter, _inner_collectives(counter),
               _step_actions(par, tracker, counter) as marks):
             train.train_step_loss(par, optimizer, inputs, labels)
         if micro_batches is not None and micro_batches > plan.grad_accum:
@@ -409,6 +409,28 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
                      moments=moments)
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _module_hooks_any():
+    """The memory tracker's module tracker (torch 2.13 ``ModTracker._fw_pre_hook``) learns that a module's backward
+    is over from a multi-grad hook on its inputs in "all" mode, whose closure holds the inputs' autograd nodes while
+    the nodes hold the hook: a cycle through C++ that Python's collector cannot see. A full backward frees each
+    node's saved tensors as it runs; zero-bubble's input pass (``autograd.grad(..., retain_graph=True)``) and weight
+    pass leave nodes that neither traverses, whose saved tensors the cycle then keeps for ever: traced, every
+    micro-batch's activations outlived the step (untraced, with real tensors, none do). In "any" mode the hook holds
+    no nodes; it fires at the first of the inputs' gradients instead of the last, which only matters for a module
+    with several inputs that need gradients (none here: a block's rotary tables do not)."""
+    import functools
+
+    from torch.distributed._tools import mod_tracker
+
+    saved = mod_tracker.register_multi_grad_hook
+    mod_tracker.register_multi_grad_hook = functools.partial(saved, mode="any")
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = saved
 
 
 @contextlib.contextmanager

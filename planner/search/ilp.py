@@ -61,7 +61,7 @@ from ortools.linear_solver import pywraplp
 from costmodel.cluster import Cluster
 from costmodel.collectives import all_gather_time, reduce_scatter_time
 from costmodel.compression import compressed_grad_comm
-from costmodel.config import AC, ParallelConfig, parse_grad_compress
+from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.estimate import Estimate, Evaluator
 from costmodel.memory import (
     FRAGMENTATION,
@@ -389,23 +389,44 @@ class Model:
             # per state of the rank's chunks (costmodel.memory.held_states: micro-batches holding all their
             # activations, and zero-bubble's pending a weight pass), blocks at the rank's average count (decoding
             # spreads them evenly over its chunks), the embedding and head at their own chunk's; the largest state
+            # zero-bubble (`costmodel.estimate.Evaluator._rank_memory`): rank 0's first chunk is the first stage,
+            # whose pending micro-batches hold their full activations; the input pass of a micro-batch in another
+            # chunk builds its weight ops' output gradients on top of its full activations
             act = s.NumVar(0, self.inf, f"act[{r}]")
+            act_building = s.NumVar(0, self.inf, f"act_building[{r}]")  # zero-bubble: with the building gradients
             full_sum = self.layer_sum(stages, lambda x: self._b(x.act_bytes))
-            pending_sum = None  # zero-bubble only
+            pending_sum = building_sum = None  # zero-bubble only
+            zero_bubble = cfg.schedule == Schedule.ZERO_BUBBLE and d.pp > 1
+            v = cfg.vpp
             for full, pend in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, d.m):
                 k, w = sum(full) / len(full), sum(pend) / len(pend)
-                expr = k * full_sum
-                if w:
+                first = pend[0] / v if r == 0 else 0.0  # the first stage's share, held as full activations
+                expr = (k + first) * full_sum
+                if w - first:
                     if pending_sum is None:
                         pending_sum = self.layer_sum(stages, lambda x: self._b(x.pending_bytes))
-                    expr += w * pending_sum
+                    expr += (w - first) * pending_sum
+                eligible = [f >= 1 and not (r == 0 and c == 0) for c, f in enumerate(full)]
+                builds = zero_bubble and any(eligible)
+                building = 0.0
+                if builds:
+                    if building_sum is None:
+                        building_sum = self.layer_sum(stages, lambda x: self._b(x.weight_output_bytes))
+                    building = building_sum / v
                 for i, rr in d.fixed_rank.items():
                     if rr == r:
-                        c = 0 if i in d.pre else -1  # the embedding's chunk, the head's
-                        expr += sum(((full[c] - k) * self._b(ev.cost(i, a).act_bytes)
-                                     + (pend[c] - w) * self._b(ev.cost(i, a).pending_bytes))
+                        c = 0 if i in d.pre else len(full) - 1  # the embedding's chunk, the head's
+                        own = r == 0 and c == 0  # in the first stage: pending as full
+                        as_full = full[c] - k - first + (pend[c] if own else 0.0)
+                        as_pending = (0.0 if own else pend[c]) - (w - first)
+                        expr += sum((as_full * self._b(ev.cost(i, a).act_bytes)
+                                     + as_pending * self._b(ev.cost(i, a).pending_bytes))
                                     * self.fixed_ac[i, a] for a in d.fixed_acs[i])
+                        if builds:
+                            building += sum((float(eligible[c]) - 1 / v) * self._b(ev.cost(i, a).weight_output_bytes)
+                                            * self.fixed_ac[i, a] for a in d.fixed_acs[i])
                 s.Add(act >= expr)
+                s.Add(act_building >= expr + building)
             # the recomputation peak is the largest over the rank's layers
             peak = self.rec_peak[r] = s.NumVar(0, self.inf, f"rec_peak[{r}]")
             edges = [(ev.lg.layers[i].kind, ev.cost(i, AC.NONE).param_numel) for i in d.fixed_rank
@@ -426,16 +447,22 @@ class Model:
             # a block's backward comes after the head's: that micro-batch's head activations are gone
             head_act = sum(self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a] for i, rr in d.fixed_rank.items()
                            if rr == r and ev.lg.layers[i].kind == "head" for a in d.fixed_acs[i])
+            # zero-bubble: a block's input pass runs with the head's activations still held and the weight ops'
+            # gradients built on top (`act_building`); the head's own backward before them (`act`)
+            block_peak = s.NumVar(0, self.inf, f"block_peak[{r}]") if zero_bubble else peak
             if d.blocks:
                 for a in d.acs:
                     u = self.uses_ac[r, a] = s.BoolVar(f"uses_ac[{r},{a.value}]")
                     for c in stages:
                         s.Add(self.blocks[c, a] <= nb * u)
-                    s.Add(peak >= self._b(ev.cost(d.blocks[0], a).backward_peak_bytes) * u + gathered - head_act)
+                    s.Add(block_peak >= self._b(ev.cost(d.blocks[0], a).backward_peak_bytes) * u + gathered
+                          - (0.0 if zero_bubble else head_act))
             for i, rr in d.fixed_rank.items():
                 if rr == r:
                     s.Add(peak >= sum(self._b(ev.cost(i, a).backward_peak_bytes) * self.fixed_ac[i, a]
                                       for a in d.fixed_acs[i]) + held)
+            if zero_bubble:  # the larger of the two moments, as one bound on `peak`
+                s.Add(peak >= act_building - act + block_peak)
             allocated = self._b(per_param) * params + act + peak
             if after_backward > per_param:  # the step's other peak: every gradient, after the backward
                 s.Add((1 + FRAGMENTATION) * self._b(after_backward) * params + reserve <= cap)
