@@ -2,7 +2,9 @@
 lines it up with what the cost model charges for the same rank, term by term.
 
 Roles: every data- and tensor-parallel rank of one pipeline rank holds the same shapes, so a plan has one role per
-pipeline rank (traced at dp = tp = 0).
+pipeline rank (traced at dp = tp = 0). A deep plan's roles are traced folded (`planner.check.fold`: fewer blocks and
+micro-batches, extrapolated; equal to the whole trace), each trace in its own process, as many at once as there
+are cores.
 
 Predicted (all from `costmodel`, at the precision the traced runtime runs: fp32 on CPU, see `planner.check.trace`):
 
@@ -160,7 +162,7 @@ def start_tracers() -> None:
 
 def check_work(plan: Plan, fold: bool = True) -> int:
     """What `check_plan` traces, in blocks × micro-batches summed over its traces (each rank role, and under folding
-    both depths): the unit its time is proportional to (each block runs the same operators once per micro-batch)."""
+    every depth): the unit its time is proportional to (each block runs the same operators once per micro-batch)."""
     c = plan.config
     folding = fold_plan(plan) if fold else None
     if folding is None:
@@ -185,7 +187,8 @@ class _Tracers:
         self.ctx = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(["planner.check.trace"])
         self.prepare = prepare
-        self.width = max(1, min(len(os.sched_getaffinity(0)), 8))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.width = max(1, min(cores, 8))
         self.queue: list[tuple] = []
         self.running: dict = {}  # connection → (key, process, rank)
         self.done: dict = {}
@@ -267,7 +270,7 @@ def check_plan(plan: Plan, *, prepare=None, fold: bool = True) -> dict:
             traces[r] = done[r]
             continue
         traces[r] = extrapolate(folding, r, {w: done[(r, w)] for w in traces_for(folding, r)})
-        if traces[r] is None:  # the peak moved with the depth: this rank is traced whole
+        if traces[r] is None:  # a place where a folded trace peaks could not be followed: traced whole
             refolded.append(r)
             tracers.submit(r, plan, rank)
     if refolded:
@@ -300,7 +303,7 @@ def check_plan(plan: Plan, *, prepare=None, fold: bool = True) -> dict:
           and not unreduced)
     how = folding.describe() if folding else "traced at full depth, every micro-batch"
     if refolded:
-        how += f" (pipeline rank(s) {', '.join(map(str, refolded))} traced whole: their peak moved with the depth)"
+        how += f" (pipeline rank(s) {', '.join(map(str, refolded))} traced whole: their peak could not be followed)"
     return {"ok": ok, "memory_error_max": worst["memory"], "comm_error_max": worst["comm"],
             "flops_error_max": worst["flops"], "unreduced_params": unreduced, "roles": roles, "traced_how": how,
             "precision_traced": "fp32", "tolerances": {"memory": MEMORY_TOL, "comm": COMM_TOL, "flops": FLOPS_TOL}}

@@ -23,6 +23,11 @@ from the model's own forward on the meta device instead of torch 2.13's vote and
 (`_static_stages`), and DDP's built-in all-reduce becomes the same reduction as a Python hook
 (`_python_allreduce_hooks`). Under zero-bubble a stage's received activations reach its module as views of the
 receive buffers (`_as_views`), so that torch's memory tracker can follow its ``autograd.grad`` input-gradient pass.
+
+Three things of the tracker's own are set right: a real parameter's fake copy counts as the parameter
+(`_CategoryPeaks._track`), the tracker's module hooks hold no autograd nodes (`_module_hooks_any`), and Python's
+cycle collector does not run during the step (`_no_cycle_collection`). The tracker also keeps the highest memory of
+every place of the step (micro-batch or schedule action, and block), which `planner.check.fold` extrapolates.
 """
 
 from __future__ import annotations
@@ -183,7 +188,6 @@ class _CategoryPeaks(MemTracker):
         self.action = ""  #: what the step is doing: which micro-batch, or which schedule action of which stage
         self.moments: dict[str, tuple[int, dict, dict]] = {}  #: "action: place" (`place`) → (its highest total,
         #: the categories then, each category's own maximum there)
-        #: categories then)
         self._parents_seen: set = set()
         self._bw_seen = False
         self._action_seen = None
@@ -435,10 +439,10 @@ def _module_hooks_any():
 
 @contextlib.contextmanager
 def _no_cycle_collection():
-    """Python's cyclic garbage collector off during the traced step. Tensors that only a reference cycle keeps (torch
-    2.13's zero-bubble schedule leaves some) are freed when the collector next runs, which its allocation counts
-    decide: with it on, the same step traced twice, or at another depth, can differ by such tensors. Off, a trace is
-    deterministic and holds what a step holds when the collector does not run in it (the most it can hold)."""
+    """Python's cyclic garbage collector off during the traced step. Tensors that only a reference cycle keeps are
+    freed when the collector next runs, which its allocation counts decide: with it on, the same step traced at two
+    depths differed by such tensors (zero-bubble, before `_module_hooks_any`). Off, a trace is deterministic and holds
+    what a step holds when the collector does not run in it (the most it can hold)."""
     import gc
 
     gc.collect()
