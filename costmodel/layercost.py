@@ -237,7 +237,8 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     rec_fwd = rec_full_flops = 0.0  # the forward full recomputation repeats (up to `recompute_stop`)
     for j, n in enumerate(layer.nodes):
         f = _shard(n, ctx.tp, ctx.sp, tp_layer)
-        widest = max(widest, n.output_bytes * k * f * ctx.act_scale)
+        if n.kind != "view":  # a view allocates nothing, nor does its gradient (a view of the output's gradient)
+            widest = max(widest, n.output_bytes * k * f * ctx.act_scale)
         if n.params:
             weight_outputs += n.output_bytes * k * f * ctx.act_scale
         attn = n.kind == "attention"

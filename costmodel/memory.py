@@ -99,18 +99,21 @@ def head_grad_bytes(cfg, layers: list[tuple[str, float]], micro_batches: int) ->
 
 def fsdp_gathered_bytes(cfg, layers: list[tuple[str, float]]) -> tuple[float, float]:
     """ZeRO-3 (FSDP2) memory beyond the shards on a rank holding ``layers`` ((kind, parameters) pairs), as (during a
-    block's backward, during the loss's backward). FSDP2 does not reshard the root module's parameters (embedding,
-    head, final norm) after the forward, so they stay unsharded until the end of the backward, and so does the
+    block's backward, during the loss's backward). The root module's parameters (embedding, head, final norm),
+    gathered again by the root's pre-backward hook, stay unsharded until the end of the backward, and so does the
     head's gradient from the head's backward on (the root reduce-scatters last; the embedding's gradient comes
     after the blocks'); a block's backward adds that block and the prefetched next one, gathered in the training
     precision (traced: llama3-8b on 8 ranks peaks in a block's backward with the root's 3.9 GiB of fp32
-    parameters and the head's 2.0 GiB gradient unsharded). Under pipelining nothing is resharded between
-    micro-batches (`state_bytes_per_param` holds it all): only the two blocks."""
+    parameters and the head's 2.0 GiB gradient unsharded). The loss's own backward adds nothing: the runtime
+    computes the loss outside the model, so it runs before the root's hook gathers (traced: a 4-block MoE on 8
+    ranks holds only the shards then, and gathers the root's 250 MiB at the head's backward, after the loss's
+    working set). Under pipelining nothing is resharded between micro-batches (`state_bytes_per_param` holds it
+    all): only the two blocks."""
     blocks = sorted(n for kind, n in layers if kind == "block")[-2:]
     pipelined = cfg.fsdp_in_pipeline
     root = 0.0 if pipelined else sum(n for kind, n in layers if kind != "block")
     head = 0.0 if pipelined else sum(n for kind, n in layers if kind == "head")
-    return cfg.param_bytes * (sum(blocks) + root + head), cfg.param_bytes * root
+    return cfg.param_bytes * (sum(blocks) + root + head), 0.0
 
 
 def fsdp_reduce_bytes(cfg, layers: list[tuple[str, float]]) -> float:
