@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -183,6 +183,7 @@ class _CategoryPeaks(MemTracker):
         self._block = re.compile(rf"^(.*?){re.escape(container)}\.(\d+)$")
         self.category_max: dict[str, int] = defaultdict(int)
         self.mirrors: set[int] = set()  #: the fake mode's storages standing for real parameters and buffers
+        self.buckets: dict[int, list[torch.Tensor]] = {}  #: DDP bucket placeholders by size (`hold_buckets`)
         self.at_peak: dict[str, int] = {}  #: the categories at the moment of the peak
         self.peak_where = ""  #: the modules running then, and whether in backward
         self.action = ""  #: what the step is doing: which micro-batch, or which schedule action of which stage
@@ -196,9 +197,24 @@ class _CategoryPeaks(MemTracker):
     def _track(self, reftype, t: torch.Tensor) -> None:
         # a real parameter (a part DDP wraps holds real tensors) enters fake ops as the fake mode's copy of it: the
         # same memory, tracked once, as the parameter
-        if self.mirrors and any(id(st) in self.mirrors for st in get_untyped_storages(t)):
+        sts = get_untyped_storages(t)
+        if self.mirrors and any(id(st) in self.mirrors for st in sts):
             return
+        if self.buckets and self._mod_tracker.is_bw:  # a DDP bucket's fake copy stands in for its placeholder
+            for st in sts:
+                if self._WINFO.get(st) is None and self.buckets.get(st.nbytes()):
+                    self.buckets[st.nbytes()].pop()
         super()._track(reftype, t)
+
+    def hold_buckets(self, sizes: list[int]) -> None:
+        """DDP's gradient buckets (its reducer allocates them, real, when it is built: a GPU holds them through every
+        step) as fake placeholders of their sizes, counted as gradients from the step's start; the tracker sees the
+        real buckets only as the fake copies the backward makes when it fills them, and each replaces a placeholder
+        of its size then."""
+        for size in sizes:
+            t = torch.empty(size, dtype=torch.uint8)
+            self._update_and_maybe_create_winfos(t, _MemRefType.GRAD)
+            self.buckets.setdefault(size, []).append(t)
 
     def _pre_fw_hook(self, module, inputs) -> None:
         # a module runs once per micro-batch; torch's tracker refuses a second forward of a module in one session
@@ -375,6 +391,7 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         tracker.track_external(*par.modules, getattr(optimizer, "optim", optimizer))  # ZeRO-1: its local optim
         with (_no_cycle_collection(), _module_hooks_any(), fake, tracker, counter, _inner_collectives(counter),
               _step_actions(par, tracker, counter) as marks):
+            tracker.hold_buckets(_ddp_bucket_sizes(par))
             train.train_step_loss(par, optimizer, inputs, labels)
         if micro_batches is not None and micro_batches > plan.grad_accum:
             _repeat_middle(counter, marks, micro_batches - plan.grad_accum)
@@ -595,6 +612,16 @@ def _python_allreduce_hooks(par) -> None:
     for module in par.modules:
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
             module.register_comm_hook(module.process_group, hook)  # the hook's state: DDP's own group
+
+
+def _ddp_bucket_sizes(par) -> list[int]:
+    """The bytes of each gradient bucket of every DDP module of ``par``, as DDP's own logging data gives them."""
+    sizes = []
+    for module in par.modules:
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            text = module._get_ddp_logging_data().get("bucket_sizes", "")
+            sizes += [int(x) for x in str(text).split(",") if x.strip()]
+    return sizes
 
 
 def _create_optimizer_state(par, optimizer) -> None:
