@@ -150,13 +150,21 @@ def _child(plan: Plan, rank: int, kwargs: dict, conn, prepare) -> None:
         conn.close()
 
 
+def _tracer_context():
+    """The multiprocessing context traces run in: a fork server that imports the tracer once (`_Tracers`)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["planner.check.trace"])
+    return ctx
+
+
 def start_tracers() -> None:
     """Start the fork server the traces come from (`_Tracers`), so that its ``import torch`` runs while the caller
     does something else (`autopar plan` calls it before its search)."""
-    import multiprocessing as mp
     from multiprocessing import forkserver
 
-    mp.get_context("forkserver").set_forkserver_preload(["planner.check.trace"])
+    _tracer_context()
     forkserver.ensure_running()
 
 
@@ -181,11 +189,9 @@ class _Tracers:
     the prediction is computed meanwhile)."""
 
     def __init__(self, prepare=None):
-        import multiprocessing as mp
         import os
 
-        self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["planner.check.trace"])
+        self.ctx = _tracer_context()
         self.prepare = prepare
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.width = max(1, min(cores, 8))

@@ -31,7 +31,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from planner.check.trace import Trace
+from planner.check.trace import Trace, memory_parts
 from planner.plan import LayerStrategy, Plan, StageInfo
 from profiler.api import block_count, with_blocks
 from profiler.zoo.registry import resolve_model
@@ -167,9 +167,7 @@ def extrapolate(folding: Folding, pp_rank: int, traces: dict[int, Trace]) -> Tra
     def most(name: str) -> float:  # a category's maximum: the highest place, each on its line
         return max(line([pl[key][2].get(name, 0) for pl in places]) for key in common)
 
-    memory = {"params": most("Parameter") + most("Buffer"), "grads": most("Gradient"),
-              "optimizer": most("Optstate"), "activations": most("Activation"),
-              "temporaries": most("Temp") + most("Other"), "peak": peak}
+    memory = memory_parts(most) | {"peak": peak}
     collectives = {}
     for key in {k for tr in used for k in tr.collectives}:
         got = [tr.collectives.get(key, {}) for tr in used]

@@ -181,7 +181,6 @@ class _CategoryPeaks(MemTracker):
         super().__init__()
         self.container = container
         self._block = re.compile(rf"^(.*?){re.escape(container)}\.(\d+)$")
-        self.category_max: dict[str, int] = defaultdict(int)
         self.mirrors: set[int] = set()  #: the fake mode's storages standing for real parameters and buffers
         self.buckets: dict[int, list[torch.Tensor]] = {}  #: DDP bucket placeholders by size (`hold_buckets`)
         self.at_peak: dict[str, int] = {}  #: the categories at the moment of the peak
@@ -240,8 +239,6 @@ class _CategoryPeaks(MemTracker):
             total_max, _, place_max = self.moments[moment]
             for key, value in dev_snap.items():
                 name = str(getattr(key, "value", key))
-                if value > self.category_max[name]:
-                    self.category_max[name] = value
                 if value > place_max[name]:
                     place_max[name] = value
             total = dev_snap.get("Total", 0)
@@ -255,6 +252,15 @@ class _CategoryPeaks(MemTracker):
                 self.peak_where = (f"{self.action}: " if self.action else "") + ("backward" if bw else "forward") + (
                     f" of {inner[0].replace('_checkpoint_wrapped_module.', '')}" if inner else "")
 
+    @property
+    def category_max(self) -> dict[str, int]:
+        """Each category's maximum over the step (``Total``: the peak): the highest of every place's own."""
+        out: dict[str, int] = defaultdict(int)
+        for _, _, most in self.moments.values():
+            for name, value in most.items():
+                out[name] = max(out[name], value)
+        return out
+
     def place(self, parents: set, bw: bool) -> str:
         """Where a step is, for `moments`: forward or backward, and the block running (the last one entered when
         two overlap: the lower-numbered one in backward; a module list's ``N``-th block is ``…container.N``), or
@@ -266,6 +272,13 @@ class _CategoryPeaks(MemTracker):
             return f"{phase} of {prefix}{self.container}.{i}"
         names = ", ".join(sorted(p for p in parents if p != "Global"))
         return f"{phase} of {names}" if names else phase
+
+
+def memory_parts(most) -> dict:
+    """The memory parts a check compares, from ``most(category)``, a torch tracker category's maximum in bytes
+    (``Total``: the peak)."""
+    return {"params": most("Parameter") + most("Buffer"), "grads": most("Gradient"), "optimizer": most("Optstate"),
+            "activations": most("Activation"), "temporaries": most("Temp") + most("Other"), "peak": most("Total")}
 
 
 def _mesh_groups(mesh) -> dict[tuple, str]:
@@ -395,10 +408,7 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
             train.train_step_loss(par, optimizer, inputs, labels)
         if micro_batches is not None and micro_batches > plan.grad_accum:
             _repeat_middle(counter, marks, micro_batches - plan.grad_accum)
-        by = tracker.category_max  # each category's maximum over the step; "Total" is the peak itself
-        memory = {"params": by["Parameter"] + by["Buffer"], "grads": by["Gradient"],
-                  "optimizer": by["Optstate"], "activations": by["Activation"],
-                  "temporaries": by["Temp"] + by["Other"], "peak": by["Total"]}
+        memory = memory_parts(tracker.category_max.__getitem__)
         moments = {k: (total, cats, dict(most)) for k, (total, cats, most) in tracker.moments.items()}
         at_peak = dict(tracker.at_peak)
         if micro_batches is not None and micro_batches > plan.grad_accum:
