@@ -135,20 +135,26 @@ def inflight_chunks(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batc
     (schedules.py, _get_warmup_ops) runs (v − 1)·q + 2(p − 1 − r) forward chunks before its first backward and
     one more in steady state, assigning forwards to the rank's chunks in rounds of q = m // max(1, m // p)
     micro-batches; so the last rank's last chunk (the head's) holds one, its earlier chunks q each."""
+    return list(_inflight_chunks(schedule, pp, vpp, rank, micro_batches))
+
+
+@functools.lru_cache(maxsize=4096)
+def _inflight_chunks(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> tuple[float, ...]:
+    # the search asks for the same few ranks tens of thousands of times; interleaved counts walk every warm-up op
     if pp == 1:
-        return [1.0] * vpp
+        return (1.0,) * vpp
     if schedule == Schedule.INTERLEAVED:
         q = micro_batches // max(1, micro_batches // pp)
         ops = min((vpp - 1) * q + 2 * (pp - 1 - rank) + 1, micro_batches * vpp)
         counts = [0] * vpp
         for k in range(ops):
             counts[(k // q) % vpp] += 1
-        return [float(min(c, micro_batches)) for c in counts]
+        return tuple(float(min(c, micro_batches)) for c in counts)
     if schedule == Schedule.ZERO_BUBBLE:  # those holding all their activations (`zero_bubble_states`; the memory
         # model adds those pending a weight pass: `held_states`)
-        return [max(full[c] for full, _ in zero_bubble_states(pp, vpp, rank, micro_batches)) for c in range(vpp)]
+        return tuple(max(full[c] for full, _ in zero_bubble_states(pp, vpp, rank, micro_batches)) for c in range(vpp))
     n = micro_batches if schedule == Schedule.GPIPE else pp - rank  # 1F1B: p − r
-    return [float(min(n, micro_batches))] * vpp
+    return (float(min(n, micro_batches)),) * vpp
 
 
 def held_states(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> list[tuple[tuple, tuple]]:

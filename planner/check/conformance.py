@@ -37,17 +37,13 @@ from costmodel.memory import FRAGMENTATION, RUNTIME_RESERVED_BYTES
 from costmodel.overlap import dp_step_bytes
 from planner.check.fold import MICRO_BATCHES as MICRO_BATCHES_FOLDED
 from planner.check.fold import extrapolate, fold_plan, traces_for
-from planner.check.trace import trace_rank
+from planner.check.tracers import Tracers, check_capture, trace_job
 from planner.plan import Plan
-from profiler.api import profile_model
 
 MEMORY_TOL = 0.05  #: on each role's peak memory (issue 12's acceptance)
 COMM_TOL = 0.02  #: per collective kind
 FLOPS_TOL = 0.02
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "temporaries", "peak")
-#: the trace runs this machine's CPU kernels (attention, dropout), so the prediction is made from a capture of the
-#: same kernels (``native``), at the traced precision: what each saves for backward differs from the GPU kernels'
-KERNELS = "native"
 
 
 def traced_summary(result: dict) -> dict:
@@ -75,7 +71,7 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
     """What the cost model charges each pipeline rank of ``plan`` (traced precision: fp32 on CPU)."""
     cluster = load_cluster(plan.cluster) if isinstance(plan.cluster, str) else plan.cluster
     cfg = replace(plan.config, precision="fp32")
-    lg = lg or profile_model(plan.model, seq=plan.seq, dtype="fp32", kernels=KERNELS)
+    lg = lg or check_capture(plan.model, plan.seq)
     names = [layer.name for layer in lg.layers]
     by_name = {lay.name: lay for lay in plan.layers}
     if set(names) != set(by_name):
@@ -135,39 +131,6 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
     return roles
 
 
-def _child(plan: Plan, rank: int, kwargs: dict, conn, prepare) -> None:
-    try:
-        if prepare is not None:
-            prepare()
-        conn.send(("ok", trace_rank(plan, rank, **kwargs)))
-    except ValueError as exc:  # the user's input: reported in one line by the CLI
-        conn.send(("value", str(exc)))
-    except BaseException as exc:  # noqa: BLE001 - a bug: carried to the parent with its traceback
-        import traceback
-
-        conn.send(("bug", "".join(traceback.format_exception(exc))))
-    finally:
-        conn.close()
-
-
-def _tracer_context():
-    """The multiprocessing context traces run in: a fork server that imports the tracer once (`_Tracers`)."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["planner.check.trace"])
-    return ctx
-
-
-def start_tracers() -> None:
-    """Start the fork server the traces come from (`_Tracers`), so that its ``import torch`` runs while the caller
-    does something else (`autopar plan` calls it before its search)."""
-    from multiprocessing import forkserver
-
-    _tracer_context()
-    forkserver.ensure_running()
-
-
 def check_work(plan: Plan, fold: bool = True) -> int:
     """What `check_plan` traces, in blocks × micro-batches summed over its traces (each rank role, and under folding
     every depth): the unit its time is proportional to (each block runs the same operators once per micro-batch)."""
@@ -180,68 +143,6 @@ def check_work(plan: Plan, fold: bool = True) -> int:
     return sum(folding.blocks_traced(r)[w] * micro for r in range(c.pp) for w in traces_for(folding, r))
 
 
-class _Tracers:
-    """`trace_rank` in child processes, as many at a time as this machine has cores: each trace gets a fresh fake
-    process group (torch keeps process-group names and DTensor's mesh caches per process, so a second world in one
-    process resolves stale groups). Children come from a fork server that has imported the tracer once, so a trace
-    costs itself, not another ``import torch``; not forked from this process, whose threads (a test runner's,
-    torch's) may hold locks. ``submit`` queues a trace, ``results`` waits for all of them (in the parent's time:
-    the prediction is computed meanwhile)."""
-
-    def __init__(self, prepare=None):
-        import os
-
-        self.ctx = _tracer_context()
-        self.prepare = prepare
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self.width = max(1, min(cores, 8))
-        self.queue: list[tuple] = []
-        self.running: dict = {}  # connection → (key, process, rank)
-        self.done: dict = {}
-
-    def submit(self, key, plan: Plan, rank: int, **kwargs) -> None:
-        self.queue.append((key, plan, rank, kwargs))
-        self._fill()
-
-    def _fill(self) -> None:
-        while self.queue and len(self.running) < self.width:
-            key, plan, rank, kwargs = self.queue.pop(0)
-            parent, child = self.ctx.Pipe(duplex=False)
-            proc = self.ctx.Process(target=_child, args=(plan, rank, kwargs, child, self.prepare))
-            proc.start()
-            child.close()
-            self.running[parent] = (key, proc, rank)
-
-    def results(self) -> dict:
-        from multiprocessing.connection import wait
-
-        while self.running:
-            for conn in wait(list(self.running)):
-                key, proc, rank = self.running.pop(conn)
-                try:
-                    kind, value = conn.recv()
-                except EOFError:
-                    proc.join()
-                    self._stop()
-                    raise RuntimeError(f"tracing rank {rank} died (exit code {proc.exitcode})") from None
-                proc.join()
-                if kind != "ok":
-                    self._stop()
-                    if kind == "value":
-                        raise ValueError(value)
-                    raise RuntimeError(f"tracing rank {rank} failed:\n{value}")
-                self.done[key] = value
-                self._fill()
-        return self.done
-
-    def _stop(self) -> None:
-        self.queue.clear()
-        for _, proc, _ in self.running.values():
-            proc.kill()
-            proc.join()
-        self.running.clear()
-
-
 def _traced_collectives(trace) -> dict:
     out = {k: float(v["bytes"]) for k, v in trace.collectives.items()}
     ar = out.get("all_reduce@tp", 0.0) + (out.get("all_gather@tp", 0.0) + out.get("reduce_scatter@tp", 0.0)) / 2
@@ -250,26 +151,33 @@ def _traced_collectives(trace) -> dict:
     return out
 
 
-def check_plan(plan: Plan, *, prepare=None, fold: bool = True) -> dict:
+def check_plan(plan: Plan, *, prepare=None, fold: bool = True, tracers: Tracers | None = None) -> dict:
     """Trace every role of ``plan`` and compare (see the module docstring); the JSON of `autopar check`.
     ``prepare``: a module-level function each tracing process calls first (tests inject runtime faults with it).
-    ``fold``: trace deep plans folded (`planner.check.fold`); False traces every block and micro-batch."""
+    ``fold``: trace deep plans folded (`planner.check.fold`); False traces every block and micro-batch.
+    ``tracers``: what `start_tracers` returned (its capture of ``plan.model`` is used when it has one)."""
     ranks = {r: r * plan.config.dp * plan.config.tp for r in range(plan.config.pp)}
     folding = fold_plan(plan) if fold else None
-    tracers = _Tracers(prepare)
+    tracers = tracers or Tracers()
+    tracers.prepare = prepare
     for r, rank in ranks.items():
+        what = f"tracing pipeline rank {r} (rank {rank})"
         if folding is None:
-            tracers.submit(r, plan, rank)
+            tracers.submit(r, trace_job, plan, rank, what=what)
             continue
         kwargs = {"micro_batches": folding.micro_batches} if folding.micro_batches else {}
         for w in traces_for(folding, r):
-            tracers.submit((r, w), folding.plans[w], rank, source=folding.sources[w], **kwargs)
-    try:
-        predicted = predicted_roles(plan)  # while the traces run
+            tracers.submit((r, w), trace_job, folding.plans[w], rank, source=folding.sources[w], what=what, **kwargs)
+    try:  # while the traces run
+        lg = None
+        if tracers.captures(plan.model):
+            lg = tracers.results("capture")["capture"]
+            lg = lg if lg.model.seq == plan.seq else None
+        predicted = predicted_roles(plan, lg)
+        done = tracers.results()
     except BaseException:
-        tracers._stop()
+        tracers.close()
         raise
-    done = tracers.results()
     traces, refolded = {}, []
     for r, rank in ranks.items():
         if folding is None:
@@ -278,7 +186,7 @@ def check_plan(plan: Plan, *, prepare=None, fold: bool = True) -> dict:
         traces[r] = extrapolate(folding, r, {w: done[(r, w)] for w in traces_for(folding, r)})
         if traces[r] is None:  # a place where a folded trace peaks could not be followed: traced whole
             refolded.append(r)
-            tracers.submit(r, plan, rank)
+            tracers.submit(r, trace_job, plan, rank, what=f"tracing pipeline rank {r} (rank {rank}) whole")
     if refolded:
         traces |= {r: tracers.results()[r] for r in refolded}
     roles, unreduced = [], []

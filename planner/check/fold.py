@@ -31,7 +31,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from planner.check.trace import Trace, memory_parts
+from planner.check.record import Trace, memory_parts
 from planner.plan import LayerStrategy, Plan, StageInfo
 from profiler.api import block_count, with_blocks
 from profiler.zoo.registry import resolve_model

@@ -36,7 +36,6 @@ import contextlib
 import re
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -48,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from planner.check.record import Trace, memory_parts
 from planner.emit import runtime, train
 from planner.emit.config import runtime_config
 from planner.plan import Plan
@@ -66,24 +66,6 @@ _KINDS = {
     "recv_": "recv", "recv_any_source_": "recv", "alltoall_": "all_to_all", "alltoall_base_": "all_to_all",
     "all_to_all_single": "all_to_all",
 }
-
-
-@dataclass
-class Trace:
-    """What one rank did in one (steady-state) training step."""
-
-    rank: int  #: global rank traced
-    coords: dict  #: its (pp, dp, tp) coordinates
-    memory: dict  #: bytes, each category's maximum over the step: params, grads, optimizer, activations,
-    #: temporaries, and the peak of their sum
-    collectives: dict = field(default_factory=dict)  #: "kind@group" → {"count", "bytes"} per step
-    flops: float = 0.0  #: FLOPs this rank executed (forward, backward, recomputation)
-    grad_elements: float = 0.0  #: gradient elements on this rank that its dp group must reduce
-    dp_reduced_elements: float = 0.0  #: elements reduced over this rank's dp group (all-reduce / reduce-scatter)
-    memory_at_peak: dict = field(default_factory=dict)  #: torch's categories at the moment of the peak, bytes
-    peak_at: str = ""  #: where the peak happened: forward or backward, and the innermost modules running
-    moments: dict = field(default_factory=dict)  #: each such place → (its highest total, the categories then, each
-    #: category's own maximum there)
 
 
 class _Collectives(TorchDispatchMode):
@@ -272,13 +254,6 @@ class _CategoryPeaks(MemTracker):
             return f"{phase} of {prefix}{self.container}.{i}"
         names = ", ".join(sorted(p for p in parents if p != "Global"))
         return f"{phase} of {names}" if names else phase
-
-
-def memory_parts(most) -> dict:
-    """The memory parts a check compares, from ``most(category)``, a torch tracker category's maximum in bytes
-    (``Total``: the peak)."""
-    return {"params": most("Parameter") + most("Buffer"), "grads": most("Gradient"), "optimizer": most("Optstate"),
-            "activations": most("Activation"), "temporaries": most("Temp") + most("Other"), "peak": most("Total")}
 
 
 def _mesh_groups(mesh) -> dict[tuple, str]:

@@ -88,11 +88,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         return run_sweep(args)
     fix = parse_kv(args.fix or "", what="--fix")
-    if args.check != "off":  # the tracer's start-up (import torch) runs beside the search
-        from planner.check.conformance import start_tracers
+    tracers = None
+    if args.check != "off":  # the tracer's start-up (import torch) runs beside the capture
+        from planner.check.tracers import start_tracers
 
-        start_tracers()
+        tracers = start_tracers()
     lg, cluster = load_job(args)
+    if tracers is not None:  # the check's own capture (fp32, CPU kernels) runs beside the search
+        tracers.prefetch_capture(args.model, args.seq_len)
     gb = args.global_batch or default_global_batch(cluster)
     measured = None
     if args.profile:
@@ -102,7 +105,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = search(lg, cluster, gb, fix=fix, top_k=args.top_k, time_limit=args.time_limit, measured=measured,
                     compress=args.compress)
     plan = make_plan(lg, cluster, gb, result, model=args.model, cluster_spec=args.cluster)
-    plan, check_note = _maybe_check(plan, args.check)
+    plan, check_note = _maybe_check(plan, args.check, tracers)
     script = None
     if args.emit:  # emit first: a plan the emitter refuses leaves no file behind
         from planner.emit.script import emit
@@ -155,18 +158,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
 CHECK_AUTO_WORK = 64
 
 
-def _maybe_check(plan, mode: str):
-    """(plan with what `autopar check` traced, one line saying what happened) under ``--check``."""
+def _maybe_check(plan, mode: str, tracers=None):
+    """(plan with what `autopar check` traced, one line saying what happened) under ``--check``; ``tracers``: what
+    `planner.check.conformance.start_tracers` returned, if the caller started them."""
     from planner.check.conformance import check_plan, check_work, traced_summary
 
     work = check_work(plan)
     how = "run `autopar check PLAN.yaml --write` to trace it and record the result in the plan"
     if mode == "off" or (mode == "auto" and work > CHECK_AUTO_WORK):
+        if tracers is not None:
+            tracers.close()
         why = "--check off" if mode == "off" else (f"not traced automatically ({work} blocks × micro-batches to "
                                                   f"trace > {CHECK_AUTO_WORK}; --check on forces it)")
         return plan, f"{why}; {how}"
     try:
-        result = check_plan(plan)
+        result = check_plan(plan, tracers=tracers)
     except (RuntimeError, ValueError) as exc:
         if mode == "on":
             raise

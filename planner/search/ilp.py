@@ -305,7 +305,10 @@ class Model:
                         s.Add(self.finish >= opt + expr - (opt_hi + hi) * (1 - self.compress["dp", k]))
 
     def _params(self, r: int, n: int) -> float:
-        return sum(x.param_numel for x in _rank_layer_costs(self.d, r, n))
+        memo = self.__dict__.setdefault("_params_memo", {})
+        if (r, n) not in memo:
+            memo[r, n] = sum(x.param_numel for x in _rank_layer_costs(self.d, r, n))
+        return memo[r, n]
 
     def _window(self, r, attr):
         return self.layer_sum(_units_of(self.d, r), attr)
