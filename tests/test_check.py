@@ -244,10 +244,18 @@ def test_folding_follows_runs_of_like_blocks():
     assert fold_plan(plan_from_config(FOLD_MODEL.format(3), "dgx-h100:nodes=1", 16, "dp=8,mbs=2")) is None
 
 
-def test_ddp_buckets_are_held_from_the_step_start():
+@pytest.mark.parametrize("mbs", [4, 1])
+def test_ddp_buckets_are_held_from_the_step_start(mbs):
     """DDP's reducer allocates its gradient buckets, real, when it is built; the trace saw them only as the fake
     copies the backward makes, after the loss's backward had peaked without them (6.5 % under the cost model, which
-    holds them throughout, as a GPU does). Placeholders of DDP's own bucket sizes stand in until then. One
-    micro-batch: with several, the accumulated gradients are held beside the buckets (see the note of issue 12)."""
-    result = check_plan(_plan("dp=2,zero=0,mbs=4"))
+    holds them throughout, as a GPU does). Placeholders of DDP's own bucket sizes stand in until then.
+    With four micro-batches (mbs=1) the runtime set gradients to None each step, so the three unsynchronised
+    micro-batches built a second copy of every gradient beside the buckets (16.8 % over); it now zeroes them in
+    place, where they stay views into the buckets (`planner.emit.train.train_step_loss`)."""
+    result = check_plan(_plan(f"dp=2,zero=0,mbs={mbs}"))
     assert result["memory_error_max"] <= 0.05, result["roles"][0]["errors"]["memory"]
+    (role,) = result["roles"]
+    # the one bucket, the loss and the gradient norm: a steady-state step synchronises its gradients once (the first
+    # step of a run, which starts without gradients, also synchronises its first micro-batch)
+    assert role["traced"]["collectives"]["all_reduce@dp"]["count"] == 3
+

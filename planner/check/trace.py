@@ -177,15 +177,21 @@ class _CategoryPeaks(MemTracker):
 
     def _track(self, reftype, t: torch.Tensor) -> None:
         # a real parameter (a part DDP wraps holds real tensors) enters fake ops as the fake mode's copy of it: the
-        # same memory, tracked once, as the parameter
+        # same memory, tracked once, as the parameter; DDP's gradients are views into its buckets (`hold_buckets`),
+        # whether an op touches them (the step's zeroing, here) or a hook (`_update_and_maybe_create_winfos`)
         sts = get_untyped_storages(t)
-        if self.mirrors and any(id(st) in self.mirrors for st in sts):
+        if (self.mirrors and any(id(st) in self.mirrors for st in sts)) or getattr(t, "_autopar_bucket_view", False):
             return
         if self.buckets and self._mod_tracker.is_bw:  # a DDP bucket's fake copy stands in for its placeholder
             for st in sts:
                 if self._WINFO.get(st) is None and self.buckets.get(st.nbytes()):
                     self.buckets[st.nbytes()].pop()
         super()._track(reftype, t)
+
+    def _update_and_maybe_create_winfos(self, t: torch.Tensor, reftype, update_existing: bool = False) -> set:
+        if getattr(t, "_autopar_bucket_view", False):  # DDP's gradients: views into its buckets (`hold_buckets`)
+            return set()
+        return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
     def hold_buckets(self, sizes: list[int]) -> None:
         """DDP's gradient buckets (its reducer allocates them, real, when it is built: a GPU holds them through every
@@ -610,13 +616,22 @@ def _ddp_bucket_sizes(par) -> list[int]:
 
 
 def _create_optimizer_state(par, optimizer) -> None:
-    """One optimizer step on zero gradients, then none: the state (AdamW's moments, ZeRO-1's shard of them) exists
-    as it does from the second training step on."""
+    """One optimizer step on zero gradients: the state (AdamW's moments, ZeRO-1's shard of them) exists as it does
+    from the second training step on. The gradients are dropped, but DDP's: from the second step on they are views
+    into its buckets (the runtime zeroes them in place, `planner.emit.train.train_step_loss`), so micro-batches
+    accumulate into them and the step does not synchronise its first one to attach them; marked, as memory that
+    `_CategoryPeaks.hold_buckets` already holds."""
     params = [p for m in par.modules for p in m.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    ddp = {id(p) for m in par.modules if isinstance(m, torch.nn.parallel.DistributedDataParallel)
+           for p in m.parameters()}
+    for p in params:
+        if id(p) not in ddp:
+            p.grad = None
+        else:  # marked, not listed: a second reference would make autograd accumulate out of place
+            p.grad._autopar_bucket_view = True
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

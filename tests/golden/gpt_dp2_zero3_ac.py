@@ -679,13 +679,19 @@ def train_step_loss(
             f"or this data-parallel rank's rows of it ({plan['global_batch'] // plan['dp']})"
         )
     x, y = inputs.to(device), labels.to(device)
-    optimizer.zero_grad(set_to_none=True)
+    # DDP's gradients are views into its reduction buckets (gradient_as_bucket_view): zeroed in place they stay views;
+    # set to None, the next no_sync micro-batches would build a second copy of every gradient beside the buckets
+    optimizer.zero_grad(set_to_none=not any(isinstance(m, DDP) for m in par.modules))
     with autocast(plan, device), loss_context(plan):
         local = torch.zeros((), device=device)
         module, n = par.modules[0], plan["grad_accum"]
+        # DDP makes a gradient a view of its bucket in a synchronised backward only, so a step that starts
+        # without gradients (the first) synchronises its first micro-batch too: the later ones then accumulate
+        # into the buckets. Exact (the average over the group of an average is itself), once per run.
+        attach = isinstance(module, DDP) and n > 1 and any(p.grad is None for p in module.parameters())
         for k, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
-            last = k == n - 1
-            loss = _accumulate(module, par.loss_fn, xm, ym, n, last, keep_gathered=plan["zero"] == 2)
+            sync = k == n - 1 or (attach and k == 0)
+            loss = _accumulate(module, par.loss_fn, xm, ym, n, sync, keep_gathered=plan["zero"] == 2)
             local += loss.detach().float()
     par.grad_norm = clip_grad_norm(par, plan["clip_norm"])
     optimizer.step()
@@ -697,10 +703,11 @@ def train_step_loss(
 def _accumulate(
     module: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, n: int, last: bool, keep_gathered: bool = False
 ) -> torch.Tensor:
-    """Forward and backward of one micro-batch. DDP syncs gradients on the last one only; FSDP2 reduce-scatters
-    every micro-batch, so that gradients stay sharded through accumulation (as the cost model assumes). With
-    ``keep_gathered`` (ZeRO-2) FSDP2 keeps the parameters gathered after every backward but the last, so they are
-    all-gathered once per step, not once per micro-batch (the cost model's ZeRO-2: replicated parameters)."""
+    """Forward and backward of one micro-batch. DDP syncs gradients when ``last`` (the last micro-batch; see
+    `train_step_loss` for the first step's first one); FSDP2 reduce-scatters every micro-batch, so that gradients
+    stay sharded through accumulation (as the cost model assumes). With ``keep_gathered`` (ZeRO-2) FSDP2 keeps the
+    parameters gathered after every backward but the last, so they are all-gathered once per step, not once per
+    micro-batch (the cost model's ZeRO-2: replicated parameters)."""
     if keep_gathered and isinstance(module, FSDPModule):
         module.set_reshard_after_backward(last)
     ctx = module.no_sync() if isinstance(module, DDP) and not last else contextlib.nullcontext()

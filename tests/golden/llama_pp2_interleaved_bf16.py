@@ -36,6 +36,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 from torch.distributed.tensor import DTensor, Replicate
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 # --- The plan (module names are plain strings) ---
 
@@ -703,7 +704,9 @@ def train_step_loss(
             f"or this data-parallel rank's rows of it ({plan['global_batch'] // plan['dp']})"
         )
     x, y = inputs.to(device), labels.to(device)
-    optimizer.zero_grad(set_to_none=True)
+    # DDP's gradients are views into its reduction buckets (gradient_as_bucket_view): zeroed in place they stay views;
+    # set to None, the next no_sync micro-batches would build a second copy of every gradient beside the buckets
+    optimizer.zero_grad(set_to_none=not any(isinstance(m, DDP) for m in par.modules))
     with autocast(plan, device), loss_context(plan):
         n_stages = plan["pp"] * plan["vpp"]
         args = (x,) if 0 in par.stage_indices else ()
