@@ -394,10 +394,11 @@ class Evaluator:
             temp = max(block_peak + building_peak, edge_peak)
         else:
             temp = max(block_peak - head_act if block_peak else 0.0, edge_peak)
-        temp += dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params)
         if self.grad_kind == "powersgd" and cfg.dp > 1:
             temp += 4 * params  # error feedback: one fp32 copy of the local gradients
-        temp += max(0.0, after_backward - (p_b + g_b + o_b + act + temp))  # a peak after the backward
+        # a peak after the backward: every gradient, and the reduction's copy of the last bucket
+        after_backward += dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params)
+        temp += max(0.0, after_backward - (p_b + g_b + o_b + act + temp))
         allocated = p_b + g_b + o_b + act + temp
         on_gpu = self.cluster.device.name != "cpu"
         return MemoryBreakdown(params=p_b, grads=g_b, optimizer=o_b, activations=act,

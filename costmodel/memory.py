@@ -22,7 +22,8 @@ than m per chunk.
 
 Temporaries: the recomputed layer's activations and the gradient working set while a layer's backward runs
 (`costmodel.layercost`), FSDP's all-gathered parameters of the current and the prefetched layer, the data-parallel
-reduction's copy of a bucket where there is one (`dp_reduction_temp_bytes`), PowerSGD's error-feedback buffers.
+reduction's copy of a bucket where there is one (`dp_reduction_temp_bytes`, after the backward), PowerSGD's
+error-feedback buffers.
 
 Allowance (stated, not fitted): on GPUs, 1 GiB for the CUDA context, cuBLAS and NCCL workspaces, plus 5 % of the
 allocated peak for caching-allocator fragmentation.
@@ -44,11 +45,17 @@ DDP_BUCKET_BYTES = 25 * 2**20  #: torch DDP default bucket_cap_mb = 25
 
 
 def dp_reduction_temp_bytes(cfg, grad_kind: str, grad_bytes: float = math.inf) -> float:
-    """Memory the data-parallel gradient reduction adds beyond the gradients (ZeRO 0/1): DDP's buckets are the
+    """Memory the data-parallel gradient reduction adds beyond the gradients (ZeRO 0/1), at the end of the backward
+    (`costmodel.estimate.Evaluator`: the moment every gradient exists and no activation does): DDP's buckets are the
     gradients themselves (the runtime's ``gradient_as_bucket_view=True``), so nothing, except a cast hook's 16-bit
     copy of the bucket in flight (bf16/fp16 compression); the explicit post-step all-reduce
-    (`costmodel.runnable.post_step_allreduce`) flattens one bucket at a time. A bucket holds at most the rank's
-    ``grad_bytes`` (fp32 gradients). FSDP (ZeRO 2/3) is costed apart."""
+    (`costmodel.runnable.post_step_allreduce`) flattens one bucket at a time, after the backward. A bucket holds at
+    most the rank's ``grad_bytes`` (fp32 gradients). Not at the activation peak: torch 2.13's DDP puts every
+    gradient in one bucket until its first step is over (``compute_bucket_size_limits``: no unused parameters), so
+    the copy is made when the backward ends; from then on a bucket holds 25 MiB and its copy (12.5 MiB) can be in
+    flight during the backward, within the allocator's allowance at the sizes where it could. Traced (gpt-tiny,
+    dp = 2, ZeRO-1, bf16 reduction): the copy after the backward, not at the peak (charged there: 6.4 % over).
+    FSDP (ZeRO 2/3) is costed apart."""
     if cfg.dp == 1 or cfg.zero >= 2:
         return 0.0
     bucket = min(float(DDP_BUCKET_BYTES), grad_bytes)
@@ -79,7 +86,7 @@ def grads_held_at_peak(cfg, micro_batches: int) -> bool:
     """Whether a rank's gradients exist at its activation peak (the start of a backward with the most micro-batches
     in flight). The runtime zeroes gradients with ``set_to_none=True``, so a step starts without them and autograd
     (or FSDP's post-backward) allocates each layer's in that layer's first backward; only DDP's buckets (ZeRO 0/1
-    under DDP, the runtime's ``gradient_as_bucket_view=True``) outlive the step. With one micro-batch and no
+    under DDP, the runtime's ``gradient_as_bucket_view=True``, zeroed in place) outlive the step. With one micro-batch and no
     pipeline, and under GPipe (every forward before any backward), no backward has run at the peak (traced:
     llama3-8b ZeRO-3 on 8 ranks, one micro-batch, peaks in the last block's backward holding the head's gradient
     only). Elsewhere an earlier micro-batch's backward allocated them: held."""

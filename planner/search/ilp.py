@@ -467,20 +467,21 @@ class Model:
             if zero_bubble:  # the larger of the two moments, as one bound on `peak`
                 s.Add(peak >= act_building - act + block_peak)
             allocated = self._b(per_param) * params + act + peak
-            if after_backward > per_param:  # the step's other peak: every gradient, after the backward
-                s.Add((1 + FRAGMENTATION) * self._b(after_backward) * params + reserve <= cap)
             for k in d.grad_opts:
                 kind = parse_grad_compress(k)[0]
-                extra = self.tab(r, lambda n, r=r, kind=kind: self._b(dp_reduction_temp_bytes(  # a bucket's copy
-                    cfg, kind, 4.0 * self._params(r, n))))[0]
-                if kind == "powersgd" and cfg.dp > 1:
-                    extra = extra + self._b(4.0) * params  # error feedback buffer
-                lhs = (1 + FRAGMENTATION) * (allocated + extra) + reserve
-                if len(d.grad_opts) == 1:
-                    s.Add(lhs <= cap)
-                else:
-                    big = 1e6  # memory in thousandths of the capacity: 1e6 is far above any rank's total
-                    s.Add(lhs <= cap + big * (1 - self.compress["dp", k]))
+                extra = self._b(4.0) * params if kind == "powersgd" and cfg.dp > 1 else 0.0  # error feedback
+                # the step's other peak, after the backward: every gradient and the reduction's copy of a bucket
+                copy, _, copy_hi = self.tab(r, lambda n, r=r, kind=kind: self._b(dp_reduction_temp_bytes(
+                    cfg, kind, 4.0 * self._params(r, n))))
+                moments = [(1 + FRAGMENTATION) * (allocated + extra) + reserve]
+                if after_backward > per_param or copy_hi > 0:
+                    moments.append((1 + FRAGMENTATION) * (self._b(after_backward) * params + copy) + reserve)
+                for lhs in moments:
+                    if len(d.grad_opts) == 1:
+                        s.Add(lhs <= cap)
+                    else:
+                        big = 1e6  # memory in thousandths of the capacity: 1e6 is far above any rank's total
+                        s.Add(lhs <= cap + big * (1 - self.compress["dp", k]))
 
     # -- objective -------------------------------------------------------------------------------------------
     def add_objective(self) -> None:
