@@ -86,10 +86,10 @@ def grads_held_at_peak(cfg, micro_batches: int) -> bool:
     """Whether a rank's gradients exist at its activation peak (the start of a backward with the most micro-batches
     in flight). The runtime zeroes gradients with ``set_to_none=True``, so a step starts without them and autograd
     (or FSDP's post-backward) allocates each layer's in that layer's first backward; only DDP's buckets (ZeRO 0/1
-    under DDP, the runtime's ``gradient_as_bucket_view=True``, zeroed in place) outlive the step. With one micro-batch and no
-    pipeline, and under GPipe (every forward before any backward), no backward has run at the peak (traced:
-    llama3-8b ZeRO-3 on 8 ranks, one micro-batch, peaks in the last block's backward holding the head's gradient
-    only). Elsewhere an earlier micro-batch's backward allocated them: held."""
+    under DDP, the runtime's ``gradient_as_bucket_view=True``, zeroed in place) outlive the step. With one
+    micro-batch and no pipeline, and under GPipe (every forward before any backward), no backward has run at the
+    peak (traced: llama3-8b ZeRO-3 on 8 ranks, one micro-batch, peaks in the last block's backward holding the
+    head's gradient only). Elsewhere an earlier micro-batch's backward allocated them: held."""
     if cfg.dp > 1 and cfg.zero <= 1 and not cfg.reduces_after_step:  # DDP
         return True
     return not ((cfg.pp == 1 and micro_batches == 1) or (cfg.pp > 1 and cfg.schedule == Schedule.GPIPE))

@@ -37,17 +37,53 @@ def parse_dtype(name: str) -> torch.dtype:
 FOLD_BLOCKS = 3
 
 
+#: Hugging Face config fields that make layers differ by their index (transformers' modeling code: Qwen2/3-MoE
+#: ``decoder_sparse_step``, ``mlp_only_layers``; DeepSeek-V2/V3 ``first_k_dense_replace``, ``moe_layer_freq``; Llama 4
+#: ``interleave_moe_layer_step``, ``no_rope_layers``; Qwen2 ``max_window_layers`` with ``use_sliding_window``; Gemma 3
+#: ``sliding_window_pattern``; ModernBERT ``global_attn_every_n_layers``; Jamba ``attn_layer_period``,
+#: ``expert_layer_period``; Qwen3-Next ``full_attention_interval``), with the value at which every layer is alike
+_HF_UNIFORM_WHEN = {
+    "decoder_sparse_step": lambda v, n: v in (None, 0, 1),
+    "mlp_only_layers": lambda v, n: not v or sorted(set(v)) == list(range(n)),
+    "first_k_dense_replace": lambda v, n: not v,
+    "moe_layer_freq": lambda v, n: v in (None, 0, 1),
+    "interleave_moe_layer_step": lambda v, n: v in (None, 0, 1),
+    "sliding_window_pattern": lambda v, n: v in (None, 0, 1),
+    "global_attn_every_n_layers": lambda v, n: v in (None, 0, 1),
+    "attn_layer_period": lambda v, n: v in (None, 0, 1),
+    "expert_layer_period": lambda v, n: v in (None, 0, 1),
+    "full_attention_interval": lambda v, n: v in (None, 0, 1),
+}
+
+
+def _hf_layers_alike(cfg) -> bool:
+    """Whether a Hugging Face config describes ``num_hidden_layers`` alike layers: no per-layer list or string
+    (``layer_types``, ``no_rope_layers``, ``hybrid_override_pattern``, …) with two different entries, no field of
+    `_HF_UNIFORM_WHEN` away from its uniform value, no sliding window on only some layers."""
+    n = cfg.num_hidden_layers
+    for key, value in vars(cfg).items():
+        if isinstance(value, (list, tuple, str)) and len(value) == n and n > 1 and not key.startswith("_"):
+            if len({repr(v) for v in value}) > 1:
+                return False
+        if key in _HF_UNIFORM_WHEN and not _HF_UNIFORM_WHEN[key](value, n):
+            return False
+    window = getattr(cfg, "max_window_layers", None)
+    return not (getattr(cfg, "use_sliding_window", False) and window is not None and 0 < window < n)
+
+
 def with_blocks(source, n: int):
     """The same model with ``n`` blocks, or None where its blocks cannot be counted or are not all alike (a user's
-    file; a Hugging Face model whose layers mix attention kinds)."""
+    file; a Hugging Face model whose layers differ by index, `_hf_layers_alike`)."""
     if source.family in ("gpt", "llama", "moe"):
         return dataclasses.replace(source, config=dataclasses.replace(source.config, layers=n))
     if source.family == "hf" and getattr(source.config, "num_hidden_layers", None):
+        if not _hf_layers_alike(source.config):
+            return None
         cfg = copy.deepcopy(source.config)
-        if getattr(cfg, "layer_types", None):  # per-layer attention kinds must stay uniform to fold
-            if len(set(cfg.layer_types)) > 1:
-                return None
-            cfg.layer_types = cfg.layer_types[:1] * n
+        depth = cfg.num_hidden_layers
+        for key, value in vars(source.config).items():  # per-layer lists (all entries alike) follow the depth
+            if isinstance(value, (list, tuple)) and len(value) == depth and depth > 1 and not key.startswith("_"):
+                setattr(cfg, key, type(value)(value[:1]) * n)
         cfg.num_hidden_layers = n
         return dataclasses.replace(source, config=cfg)
     return None

@@ -179,3 +179,37 @@ def test_hf_models_group_into_embed_blocks_head(name):
     assert all(b.fwd_flops > 0 and b.bwd_flops > b.fwd_flops and b.saved_bytes > 0 for b in lg.blocks)
     roles = {n.tp_role for b in lg.blocks for n in b.nodes}
     assert {"column", "row", "sharded", "replicated"} <= roles
+
+
+_HF_SMALL = ("num_hidden_layers=8,hidden_size=64,intermediate_size=128,num_attention_heads=4,num_key_value_heads=2,"
+             "vocab_size=128")
+
+
+@pytest.mark.parametrize("spec, folds", [
+    (f"hf:llama:{_HF_SMALL}", True),
+    (f"hf:qwen3_moe:{_HF_SMALL},moe_intermediate_size=32", True),  # every layer a MoE layer
+    (f"hf:qwen3_moe:{_HF_SMALL},moe_intermediate_size=32,decoder_sparse_step=2", False),  # every other layer
+    (f"hf:qwen3_moe:{_HF_SMALL},moe_intermediate_size=32", {"mlp_only_layers": [0]}),  # the first one dense
+    (f"hf:qwen2:{_HF_SMALL},use_sliding_window=true,max_window_layers=4", False),  # half the layers windowed
+    (f"hf:gemma2:{_HF_SMALL},head_dim=16", False),  # alternating local and global attention
+])
+def test_hugging_face_layers_that_differ_by_index_are_not_folded(spec, folds):
+    """Capture (and `autopar check`) fold a model to a few blocks only when its blocks are alike; a config whose
+    layers differ by their index (a per-layer list, or a period such as Qwen's ``decoder_sparse_step``) is taken
+    whole, where folding would repeat the wrong block."""
+    import copy
+
+    from profiler.api import with_blocks
+    from profiler.zoo.registry import resolve_model
+
+    source = resolve_model(spec)
+    if isinstance(folds, dict):  # a field the hf: form cannot spell (a list), set on the config
+        config = copy.deepcopy(source.config)
+        for key, value in folds.items():
+            setattr(config, key, value)
+        source, folds = dataclasses.replace(source, config=config), False
+    folded = with_blocks(source, 3)
+    assert (folded is not None) == folds
+    if folded is not None:
+        assert folded.config.num_hidden_layers == 3
+        assert len(getattr(folded.config, "layer_types", None) or [0] * 3) == 3
