@@ -6,6 +6,10 @@ gradient was reduced.
     python benchmarks/conformance.py            # the table (minutes on 2 cores)
     python benchmarks/conformance.py --quick    # small models only
     python benchmarks/conformance.py --full     # every block and micro-batch traced (no folding; much longer)
+    python benchmarks/conformance.py --no-script  # emitted scripts compiled, not run (running one traces it whole)
+
+Each plan is also emitted (`autopar plan --emit`), compiled, and its script's own code run for a step on the fake
+world (`autopar check --script`): "runs as runtime" when it issues the same collectives and FLOPs as autopar's.
 
 Each role is traced in a fresh process (one fake process group per process), at fp32 (the runtime's CPU path).
 """
@@ -30,6 +34,7 @@ JOBS = [  # (model, cluster, global batch, --fix): DDP, ZeRO-1/2/3, TP+SP, every
     # embeddings, MoE (ep = 1), a Hugging Face model, llama3-8b on 8 H100, and the searched plans of llama3-70b on
     # 64 H100 and llama3-405b on 512
     ("llama-tiny", "cpu-local", 8, "dp=2,zero=0"),
+    ("llama-tiny", "cpu-local", 8, "dp=2,zero=0,mbs=1"),  # DDP with gradient accumulation (4 micro-batches)
     ("llama-tiny", "cpu-local", 8, "dp=2,zero=1"),
     ("gpt-tiny", "cpu-local", 8, "dp=2,zero=1,grad_compress=bf16"),
     (MED, H8, 32, "dp=8,zero=3"),
@@ -48,12 +53,13 @@ JOBS = [  # (model, cluster, global batch, --fix): DDP, ZeRO-1/2/3, TP+SP, every
 ]
 
 
-def run(model: str, cluster: str, gb: int, fix: str, work: Path, full: bool = False) -> dict:
-    plan = work / f"plan{abs(hash((model, cluster, gb, fix)))}.yaml"
+def run(model: str, cluster: str, gb: int, fix: str, work: Path, full: bool = False, script: bool = True) -> dict:
+    name = f"plan{abs(hash((model, cluster, gb, fix)))}"
+    plan, train = work / f"{name}.yaml", work / f"{name}.py"
     t0 = time.perf_counter()
     pins = ["--fix", fix] if fix else []
     made = subprocess.run(["autopar", "plan", model, "--cluster", cluster, "--global-batch", str(gb), *pins,
-                           "--check", "off", "--out", str(plan)], capture_output=True, text=True)
+                           "--check", "off", "--out", str(plan), "--emit", str(train)], capture_output=True, text=True)
     if made.returncode:
         return {"error": made.stderr.strip().splitlines()[-1]}
     t1 = time.perf_counter()
@@ -64,20 +70,38 @@ def run(model: str, cluster: str, gb: int, fix: str, work: Path, full: bool = Fa
     res = json.loads(out.stdout)
     role = max(res["roles"], key=lambda r: max(r["errors"]["memory"].values()))
     part = max(role["errors"]["memory"], key=role["errors"]["memory"].get)
-    return res | {"plan_s": t1 - t0, "check_s": time.perf_counter() - t1, "worst_part": part}
+    res |= {"plan_s": t1 - t0, "check_s": time.perf_counter() - t1, "worst_part": part}
+    # the emitted script: compiles, and its own code starts and runs a step on the fake world, communicating and
+    # computing what autopar's runtime does
+    compiled = subprocess.run([sys.executable, "-m", "py_compile", str(train)], capture_output=True, text=True)
+    res["script"] = "compiles" if compiled.returncode == 0 else "DOES NOT COMPILE"
+    if script and compiled.returncode == 0:
+        ran = subprocess.run(["autopar", "check", str(plan), "--json", "--script", str(train)],
+                             capture_output=True, text=True)
+        if ran.returncode:
+            res["script"] = "FAILS: " + ran.stderr.strip().splitlines()[-1][:60]
+        else:
+            got = json.loads(ran.stdout)
+            same = all(a["traced"]["collectives"] == b["traced"]["collectives"]
+                       and abs(a["traced"]["flops"] - b["traced"]["flops"]) <= 1e-6 * max(1.0, b["traced"]["flops"])
+                       for a, b in zip(got["roles"], res["roles"]))
+            res["script"] = "runs" + (" as runtime" if same else ", DIFFERS")
+    return res
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small models only")
     ap.add_argument("--full", action="store_true", help="trace every block and micro-batch (no folding)")
+    ap.add_argument("--no-script", action="store_true",
+                    help="only compile the emitted scripts (running each one's own code traces it whole: minutes)")
     args = ap.parse_args()
     jobs = [j for j in JOBS if not args.quick or j[1] == "cpu-local"]
     print(f"{'model':>22s} {'cluster':>17s} {'fix':>24s} {'peak':>7s} {'worst part':>12s} {'comm':>7s} "
-          f"{'flops':>7s} {'reduced':>8s} {'check s':>8s}")
+          f"{'flops':>7s} {'reduced':>8s} {'check s':>8s}  emitted script")
     with tempfile.TemporaryDirectory() as tmp:
         for model, cluster, gb, fix in jobs:
-            r = run(model, cluster, gb, fix, Path(tmp), args.full)
+            r = run(model, cluster, gb, fix, Path(tmp), args.full, script=not args.no_script)
             name = model if len(model) <= 22 else model[:19] + "..."
             fix = fix or "(as searched)"
             if "error" in r:
@@ -85,7 +109,8 @@ def main() -> int:
                 continue
             reduced = "yes" if not r["unreduced_params"] else "NO"
             print(f"{name:>22s} {cluster:>17s} {fix:>24s} {r['memory_error_max']:7.1%} {r['worst_part']:>12s} "
-                  f"{r['comm_error_max']:7.1%} {r['flops_error_max']:7.1%} {reduced:>8s} {r['check_s']:8.1f}")
+                  f"{r['comm_error_max']:7.1%} {r['flops_error_max']:7.1%} {reduced:>8s} {r['check_s']:8.1f}  "
+                  f"{r['script']}")
             sys.stdout.flush()
     return 0
 

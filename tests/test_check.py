@@ -267,3 +267,27 @@ def test_a_cast_hooks_copy_is_charged_after_the_backward():
     the cost model was 6.4 % over the trace (gpt-tiny, ZeRO-1, one micro-batch)."""
     result = check_plan(plan_from_config("gpt-tiny", "cpu-local", 8, "dp=2,zero=1,grad_compress=bf16"))
     assert result["memory_error_max"] <= 0.05, result["roles"][0]["errors"]["memory"]
+
+
+@pytest.mark.parametrize("config, init", [("dp=2,zero=3", "meta"), ("dp=2,zero=0", "meta"),
+                                          ("pp=2,mbs=2,schedule=1f1b", "full")])
+def test_an_emitted_script_runs_as_the_runtime(tmp_path, config, init):
+    """`autopar check --script`: the emitted script's own code (its PLAN, model and inlined, specialised runtime),
+    not autopar's, runs a step on the fake world, and does what autopar's runtime does: the same collectives and
+    FLOPs, and (initialised on the meta device, as the tracer initialises autopar's) the same memory. Initialised
+    whole, a script's model is real on this machine, so its memory is not judged."""
+    from planner.emit.script import emit
+
+    plan = _plan(config)
+    script = tmp_path / "train.py"
+    script.write_text(emit(plan, init=init))
+    ran, runtime_ran = check_plan(plan, script=str(script)), check_plan(plan)
+    assert str(script) in ran["traced_how"]
+    assert ("memory not judged" in ran["traced_how"]) == (init == "full")
+    for got, want in zip(ran["roles"], runtime_ran["roles"]):
+        assert got["traced"]["collectives"] == want["traced"]["collectives"]
+        assert got["traced"]["flops"] == want["traced"]["flops"]
+        assert got["traced"]["dp_reduced_elements"] == want["traced"]["dp_reduced_elements"]
+        if init == "meta":  # (a DDP part is real after materialising: the script's rotary tables are its own)
+            for part, nbytes in want["traced"]["memory"].items():
+                assert got["traced"]["memory"][part] == pytest.approx(nbytes, rel=0.01, abs=1024), part

@@ -272,26 +272,29 @@ def _mesh_groups(mesh) -> dict[tuple, str]:
 
 
 @contextlib.contextmanager
-def _shapes_only(fake: FakeTensorMode):
+def _shapes_only(fake: FakeTensorMode, rt=runtime):
     """Inside `planner.emit.runtime.materialize`, skip the model's weight initialisation (shapes only) and allocate
     the shards as fake tensors (no memory, no compute in the optimizer step: an in-place update of a real tensor
     under FakeTensorMode runs the real kernel) where every parameter and buffer of the part is a DTensor (FSDP or
     tensor parallel): ``to_empty`` swaps tensors, which torch refuses for a plain tensor that the fake mode's
     converter has seen. A part DDP wraps holds plain tensors (DDP runs with tp = 1 only), so it stays real, as its
     reducer needs."""
-    saved_init, saved_materialize = runtime.find_init, runtime.materialize
+    if not hasattr(rt, "materialize"):  # a script specialised to a whole-model init has no meta path
+        yield
+        return
+    saved_init, saved_materialize = rt.find_init, rt.materialize
 
     def materialize(part, *args, **kwargs):
         shards = all(isinstance(t, DTensor) for t in [*part.parameters(), *part.buffers()] if t.is_meta)
         with fake if shards else contextlib.nullcontext():
             return saved_materialize(part, *args, **kwargs)
 
-    runtime.find_init = lambda model: (lambda: None)
-    runtime.materialize = materialize
+    rt.find_init = lambda model: (lambda: None)
+    rt.materialize = materialize
     try:
         yield
     finally:
-        runtime.find_init, runtime.materialize = saved_init, saved_materialize
+        rt.find_init, rt.materialize = saved_init, saved_materialize
 
 
 #: torch.distributed._functional_collectives functions DTensor calls from inside its dispatch → (kind, argument
@@ -328,7 +331,7 @@ def _inner_collectives(counter: _Collectives):
             setattr(funcol, name, original)
 
 
-def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None = None) -> Trace:
+def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None = None, code=None) -> Trace:
     """Run ``plan``'s runtime on a fake world as global rank ``rank`` and record its last step (see the module
     docstring). Leaves no process group behind.
 
@@ -337,7 +340,12 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
     the first, one in the middle and the last. Every micro-batch in the middle of a step does the same thing (same
     shapes, same collectives, no gradient synchronisation), so the middle one's collectives and FLOPs count
     ``micro_batches − 2`` times; memory is the step's (the middle ones repeat the same states).
+    ``code``: an emitted script, loaded as a module (`planner.check.tracers.load_script`): its own ``PLAN``,
+    ``build_model`` and runtime run instead of autopar's (as emitted, or as its user edited it). Its ``PLAN`` keeps
+    its init: a model initialised whole is real on this machine (memory figures then count it twice: the check of
+    a script says whether it starts and what it communicates).
     """
+    rt, tr = (code, code) if code is not None else (runtime, train)
     source = source or resolve_model(plan.model).with_seq(plan.seq)
     if micro_batches is not None and micro_batches != plan.grad_accum and (
             plan.config.pp > 1 or plan.grad_accum < 3 or micro_batches < plan.grad_accum):
@@ -352,8 +360,11 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         model, _ = source.build(batch=plan.config.mbs, seq=plan.seq, device="meta")
         return model
 
-    with torch.device("meta"):
-        config = runtime_config(plan, build(), init="meta", optimizer="adamw")
+    if code is not None:
+        build, config = code.build_model, dict(code.PLAN)
+    else:
+        with torch.device("meta"):
+            config = runtime_config(plan, build(), init="meta", optimizer="adamw")
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised in this process; trace in a fresh one")
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -363,17 +374,17 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         mesh = init_device_mesh("cpu", (config["pp"], config["dp"], config["tp"]), mesh_dim_names=("pp", "dp", "tp"))
         coords = {name: mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        with _shapes_only(fake), contextlib.redirect_stdout(sys.stderr):  # (the runtime's notes)
-            par = runtime.parallelize(build, config, mesh)
+        with _shapes_only(fake, rt), contextlib.redirect_stdout(sys.stderr):  # (the runtime's notes)
+            par = rt.parallelize(build, config, mesh)
         if config["grad_compress"] == "none":
             _python_allreduce_hooks(par)
         if config["pp"] > 1:
             _static_stages(par, config, build)
-        optimizer = train.build_optimizer(par, config)
+        optimizer = tr.build_optimizer(par, config)
         vocab = source.vocab if getattr(source, "vocab", None) else _vocab(par)
-        inputs, labels = train.synthetic_batch(0, batch=plan.global_batch, seq=plan.seq, vocab=vocab, seed=0)
+        inputs, labels = tr.synthetic_batch(0, batch=plan.global_batch, seq=plan.seq, vocab=vocab, seed=0)
         # this rank's rows, as a script's data loader gives them (the global batch is never on a GPU)
-        inputs, labels = inputs[train.data_rows(par)].clone(), labels[train.data_rows(par)].clone()
+        inputs, labels = inputs[tr.data_rows(par)].clone(), labels[tr.data_rows(par)].clone()
         counter = _Collectives(_mesh_groups(mesh))
         with fake:  # the optimizer state a steady-state step holds (AdamW creates it at its first step)
             _create_optimizer_state(par, optimizer)
@@ -384,9 +395,9 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         tracker.mirrors = {id(st) for t in mirrors for st in get_untyped_storages(t)}
         tracker.track_external(*par.modules, getattr(optimizer, "optim", optimizer))  # ZeRO-1: its local optim
         with (_no_cycle_collection(), _module_hooks_any(), fake, tracker, counter, _inner_collectives(counter),
-              _step_actions(par, tracker, counter) as marks):
+              _step_actions(par, tracker, counter, tr) as marks):
             tracker.hold_buckets(_ddp_bucket_sizes(par))
-            train.train_step_loss(par, optimizer, inputs, labels)
+            tr.train_step_loss(par, optimizer, inputs, labels)
         if micro_batches is not None and micro_batches > plan.grad_accum:
             _repeat_middle(counter, marks, micro_batches - plan.grad_accum)
         memory = memory_parts(tracker.category_max.__getitem__)
@@ -464,14 +475,14 @@ def _no_cycle_collection():
 
 
 @contextlib.contextmanager
-def _step_actions(par, tracker: _CategoryPeaks, counter: _Collectives):
+def _step_actions(par, tracker: _CategoryPeaks, counter: _Collectives, tr=train):
     """Name what the step is doing on ``tracker.action`` (`_CategoryPeaks.moments` keeps a maximum per action and
     place): with pp = 1 the micro-batch (`planner.emit.train._accumulate` calls), with a pipeline the schedule's
     actions (torch 2.13 ``PipelineStage.forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk``:
     F, B and W, with the micro-batch and the stage). Yields where each micro-batch starts and ends in ``counter``'s
     log and FLOPs: (log index, FLOPs) pairs, two per micro-batch (pp = 1)."""
     marks: list[tuple[int, float]] = []
-    original = train._accumulate
+    original = getattr(tr, "_accumulate", None)  # (a script with a pipeline has none)
     patched: list[tuple[object, str]] = []
 
     def accumulate(*args, **kwargs):
@@ -495,7 +506,8 @@ def _step_actions(par, tracker: _CategoryPeaks, counter: _Collectives):
 
         return action
 
-    train._accumulate = accumulate
+    if original is not None:
+        tr._accumulate = accumulate
     for stage in getattr(par, "stages", None) or []:
         for method, letter in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
                                ("backward_weight_one_chunk", "W")):
@@ -504,7 +516,8 @@ def _step_actions(par, tracker: _CategoryPeaks, counter: _Collectives):
     try:
         yield marks
     finally:
-        train._accumulate = original
+        if original is not None:
+            tr._accumulate = original
         for stage, method in patched:
             delattr(stage, method)  # the class's method again
 

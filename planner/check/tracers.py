@@ -10,10 +10,32 @@ from __future__ import annotations
 KERNELS = "native"
 
 
-def trace_job(plan, rank: int, **kwargs):
+def trace_job(plan, rank: int, script: str | None = None, **kwargs):
+    """`planner.check.trace.trace_rank`, of the runtime in ``script`` (an emitted training script) if given."""
     from planner.check.trace import trace_rank  # preloaded by the fork server; the comparing side never needs it
 
-    return trace_rank(plan, rank, **kwargs)
+    return trace_rank(plan, rank, code=load_script(script) if script else None, **kwargs)
+
+
+def load_script(path: str):
+    """An emitted training script as a module (its ``main()`` does not run: it is guarded by ``__main__``)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("autopar_script", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"--script {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses and pickling look the module up by name)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - the user's file: one line, not a traceback
+        raise ValueError(f"--script {path}: importing it failed: {type(exc).__name__}: {exc}") from None
+    missing = [n for n in ("PLAN", "build_model", "parallelize", "build_optimizer", "train_step_loss",
+                           "synthetic_batch", "data_rows") if not hasattr(module, n)]
+    if missing:
+        raise ValueError(f"--script {path}: no {', '.join(missing)}; pass a script written by `autopar plan --emit`")
+    return module
 
 
 def check_capture(model: str, seq: int | None):

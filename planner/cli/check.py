@@ -13,7 +13,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from planner.report.check import print_check, render_check_html
 
     plan = Plan.load(args.plan)  # ValueError with the reason ⇒ exit 2
-    result = check_plan(plan, fold=not args.full)
+    result = check_plan(plan, fold=not args.full, script=args.script)
     if args.html:
         write_atomic(args.html, render_check_html(result, f"autopar check {args.plan}"))
     if args.write:  # the plan file keeps what was traced beside what was predicted (`autopar inspect` shows both)
@@ -38,4 +38,7 @@ def register(sub) -> None:
     p.add_argument("--full", action="store_true",
                    help="trace every block and micro-batch (default: a deep plan is traced at two shallow depths and "
                         "three micro-batches and extrapolated, exactly where its blocks are alike)")
+    p.add_argument("--script", metavar="TRAIN.py",
+                   help="trace this training script's own code (written by `autopar plan --emit`, edited or not) "
+                        "instead of autopar's runtime; every block and micro-batch")
     p.set_defaults(func=cmd_check)
