@@ -169,6 +169,8 @@ def check_plan(plan: Plan, *, prepare=None, fold: bool = True, tracers: Tracers 
     folding = fold_plan(plan) if fold else None
     tracers = tracers or Tracers()
     tracers.prepare = prepare
+    if script is not None and whole_init:  # a real model per trace, and under a pipeline real activations too
+        tracers.width = 1  # (a 170M-parameter model: 14 GB a trace)
     for r, rank in ranks.items():
         what = f"tracing pipeline rank {r} (rank {rank})"
         if folding is None:

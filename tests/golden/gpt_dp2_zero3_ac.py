@@ -687,7 +687,8 @@ def train_step_loss(
         module, n = par.modules[0], plan["grad_accum"]
         # DDP makes a gradient a view of its bucket in a synchronised backward only, so a step that starts
         # without gradients (the first) synchronises its first micro-batch too: the later ones then accumulate
-        # into the buckets. Exact (the average over the group of an average is itself), once per run.
+        # into the buckets. Exact (the average over the group of an average is itself; a compressed reduction
+        # rounds that micro-batch's share once more), and once per launch.
         attach = isinstance(module, DDP) and n > 1 and any(p.grad is None for p in module.parameters())
         for k, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
             sync = k == n - 1 or (attach and k == 0)
