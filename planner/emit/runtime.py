@@ -645,7 +645,7 @@ def apply_ddp(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
     elif plan["grad_compress"] == "powersgd":
         # PowerSGD counts synchronised backwards, and the first step of a run with micro-batches has two
         # (`planner.emit.train.train_step_loss`): one more keeps compression starting at the plan's step
-        extra = 1 if plan["grad_accum"] > 1 and plan["pp"] == 1 else 0
+        extra = 1 if plan["grad_accum"] > 1 else 0
         state = powerSGD_hook.PowerSGDState(
             process_group=group, matrix_approximation_rank=plan["powersgd_rank"],
             start_powerSGD_iter=plan["powersgd_start_iter"] + extra, random_seed=plan["seed"],

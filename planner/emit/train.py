@@ -140,7 +140,8 @@ def train_step_loss(par: Parallel, optimizer: torch.optim.Optimizer, inputs: tor
             losses: list = []
             kwargs = {"target": y, "losses": losses} if n_stages - 1 in par.stage_indices else {}
             # return_outputs=False: the last stage would otherwise keep every micro-batch's output (the logits)
-            par.schedule.step(*args, **kwargs, return_outputs=False)
+            with _first_backward_synced(par.stages, plan["grad_accum"]):
+                par.schedule.step(*args, **kwargs, return_outputs=False)
             local = torch.stack(losses).mean().detach().float() if losses else torch.zeros((), device=device)
         else:
             local = torch.zeros((), device=device)
@@ -194,6 +195,28 @@ def allreduce_grads(part: nn.Module, dp: int) -> None:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
             bucket, size = [], 0
+
+
+@contextlib.contextmanager
+def _first_backward_synced(stages: list, micro_batches: int):
+    """The pipeline's version of the first step's extra synchronisation (`train_step_loss`): torch 2.13's
+    ``PipelineStage.backward_maybe_with_nosync`` synchronises a DDP stage's last micro-batch only, so a stage whose
+    step starts without gradients has its first backward synchronised too (it then holds them as bucket views)."""
+    patched = [s for s in stages if isinstance(s.submod, DDP) and micro_batches > 1
+               and any(p.grad is None for p in s.submod.parameters())]
+    for stage in patched:
+        original = stage.backward_maybe_with_nosync
+
+        def first(*args, original=original, stage=stage, **kwargs):
+            del stage.backward_maybe_with_nosync  # the class's method from now on
+            return original(*args, **{**kwargs, "last_backward": True})
+
+        stage.backward_maybe_with_nosync = first
+    try:
+        yield
+    finally:
+        for stage in patched:
+            stage.__dict__.pop("backward_maybe_with_nosync", None)
 
 
 def _accumulate(module: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, n: int, last: bool,
