@@ -115,6 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def entry() -> int:
+    """The ``autopar`` command (the console script): `main`, then every object left is moved out of the cyclic
+    collector's reach (``gc.freeze``) before the interpreter exits: the collections its teardown ran over what a
+    command that imported torch and captured a model leaves took about a second (the README's plan: 11 s → 10 s
+    on 2 cores), and nothing after the command needs them."""
+    import gc
+
+    code = main()
+    gc.freeze()
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
