@@ -1,5 +1,6 @@
-"""Search wall time of `autopar plan` on the issue's three jobs (capture time printed separately), then the
-Korthikanti et al. 2022 Table 3 comparison (searched plan vs the published configuration, both predicted).
+"""Search wall time of `autopar plan` on the issue's three jobs (capture time printed separately), the README's job
+end to end as a user runs it (the `autopar` command, its check of the winner included), then the Korthikanti et al.
+2022 Table 3 comparison (searched plan vs the published configuration, both predicted).
 
     python benchmarks/search_time.py [--time-limit S]
 """
@@ -7,6 +8,7 @@ Korthikanti et al. 2022 Table 3 comparison (searched plan vs the published confi
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +38,13 @@ def main() -> None:
               f"{r.candidates} candidates, {r.pruned} pruned, {r.solved} ILPs, status {r.status}, gap {r.gap:.3g}; "
               f"dp={c.dp} tp={c.tp} pp={c.pp} vpp={c.vpp} {c.schedule.value} mbs={c.mbs} zero={c.zero} "
               f"grad={c.grad_compress}: step {r.best.objective:.3f} s, MFU {r.best.estimate.mfu:.1%}", flush=True)
+
+    readme = ["autopar", "plan", "llama3-70b", "--cluster", "dgx-h100:nodes=8", "--global-batch", "512"]
+    for _ in range(3):
+        t0 = time.perf_counter()
+        out = subprocess.run(readme, capture_output=True, text=True, check=True).stdout
+        solver = next(line.strip() for line in out.splitlines() if line.strip().startswith("solver:"))
+        print(f"{' '.join(readme)}: {time.perf_counter() - t0:.1f} s wall, check included ({solver})", flush=True)
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_table3 import TABLE3, published
