@@ -148,17 +148,23 @@ def test_preset_exports_on_meta(name):
 # --- MoE dispatch --------------------------------------------------------------------------------------------------
 
 
-def naive_moe(ffn: moe.MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
-    """Per-token loop: y[t] = Σ_j w[t, j] · expert_{e(t, j)}(x[t]), no capacity limit."""
+def naive_moe(ffn: moe.MoEFeedForward, x: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
+    """Per-token loop: y[t] = Σ_j w[t, j] · expert_{e(t, j)}(x[t]). With ``capacity``, GShard's priority as moe.py's
+    docstring states it: every token's first choice, in token order, then every second choice; a pair whose expert
+    already has ``capacity`` tokens is dropped and contributes nothing."""
     tokens = x.reshape(-1, x.shape[-1])
     probs = torch.softmax(ffn.gate(tokens).float(), dim=-1)
     weights, chosen = torch.topk(probs, ffn.top_k, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
     w1, w2, w3 = ffn.experts.w1, ffn.experts.w2, ffn.experts.w3
     out = torch.zeros_like(tokens)
-    for t in range(tokens.shape[0]):
-        for j in range(ffn.top_k):
+    taken = [0] * ffn.num_experts
+    for j in range(ffn.top_k):
+        for t in range(tokens.shape[0]):
             e = int(chosen[t, j])
+            if capacity is not None and taken[e] == capacity:
+                continue
+            taken[e] += 1
             h = torch.nn.functional.silu(w1[e] @ tokens[t]) * (w3[e] @ tokens[t])
             out[t] += weights[t, j].to(x.dtype) * (w2[e] @ h)
     return out.view_as(x)
@@ -199,6 +205,8 @@ def test_moe_drops_tokens_when_capacity_is_tight():
     assert int(kept.sum()) <= experts * capacity < 2 * tokens  # some pairs had to be dropped
     assert len(set(slots[kept].tolist())) == int(kept.sum())  # kept pairs have distinct slots
     assert not torch.allclose(layer(x), naive_moe(layer, x))
+    # dropped pairs contribute nothing, kept ones their weighted expert output (first choices have priority)
+    torch.testing.assert_close(layer(x), naive_moe(layer, x, capacity=capacity), rtol=1e-5, atol=1e-6)
 
 
 def test_moe_flops_are_router_plus_capacity_matmuls():
