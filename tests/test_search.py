@@ -101,3 +101,6 @@ def test_alternatives_say_why_they_lost():
     assert len(r.alternatives) == 2
     for a in r.alternatives:
         assert a.solution.objective >= r.best.objective and a.lost_by in r.best.estimate.breakdown_s
+        # the term named is the one that grew most against the winner, by the seconds given (> 0: it lost)
+        grew = {k: v - r.best.estimate.breakdown_s[k] for k, v in a.solution.estimate.breakdown_s.items()}
+        assert a.lost_by_s == pytest.approx(grew[a.lost_by]) and a.lost_by_s == max(grew.values()) > 0
