@@ -84,8 +84,8 @@ def merged(out_dir: Path, name: str, nproc: int) -> dict:
     params, losses, norms = {}, None, None
     for rank in range(nproc):
         got = torch.load(out_dir / f"{name}.rank{rank}.pt")
-        losses = losses or got["losses"]
-        norms = norms or got["norms"]
+        losses = got["losses"] if losses is None else losses  # (rank 0's, even when empty: then every rank's is)
+        norms = got["norms"] if norms is None else norms
         assert got["losses"] == losses, f"{name}: ranks disagree on the loss"
         assert got["norms"] == norms, f"{name}: ranks disagree on the gradient norm"
         for key, value in got["params"].items():
@@ -100,6 +100,9 @@ def compare(got: dict, ref: dict, *, loss_rtol: float, delta_rtol: float, norm_r
     per parameter, the update p_T − p_0 within ``delta_rtol`` of the reference update (norm-wise, plus 1e-6 of the
     largest update for parameters that barely move)."""
     problems = []
+    for key in ("losses", "norms"):  # one per step on both sides: a short or empty list is a failure, not a pass
+        if len(got[key]) != len(ref[key]) or not ref[key]:
+            problems.append(f"{key}: {len(got[key])} steps vs {len(ref[key])} in the reference")
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
         if abs(a - b) > loss_rtol * abs(b):
             problems.append(f"step {step}: loss {a:.7f} vs reference {b:.7f}")

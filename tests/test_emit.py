@@ -351,3 +351,23 @@ def test_auto_parallelize_takes_an_hf_model_as_transformers_returns_it(tmp_path)
                         str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path, check=False)
     assert r.returncode == 0 and "OK" in r.stdout, (r.stdout + r.stderr)[-3000:]
     assert "plan cpu-local" in r.stdout
+
+
+def test_the_distributed_comparison_fails_on_missing_steps(tmp_path):
+    """`tests/dist_util.py`, which every gloo run answers to: a run that logged fewer steps (or none) than the
+    one-process reference fails, and ranks that disagree on how many steps they logged fail."""
+    import torch
+
+    from tests import dist_util
+
+    ref = {"losses": [2.0, 1.5, 1.2], "norms": [1.0, 0.9, 0.8], "params": {"w": torch.ones(2)},
+           "init": {"w": torch.zeros(2)}}
+    same = {"losses": list(ref["losses"]), "norms": list(ref["norms"]), "params": {"w": torch.ones(2)}}
+    assert dist_util.compare(same, ref, loss_rtol=1e-6, delta_rtol=1e-6, norm_rtol=1e-6) == []
+    for short in ([], [2.0, 1.5]):
+        got = same | {"losses": short}
+        assert dist_util.compare(got, ref, loss_rtol=1e-6, delta_rtol=1e-6, norm_rtol=1e-6), short
+    for rank, losses in enumerate([[], [2.0]]):  # rank 0 logged nothing, rank 1 one step
+        torch.save({"losses": losses, "norms": [], "params": {}}, tmp_path / f"case.rank{rank}.pt")
+    with pytest.raises(AssertionError, match="disagree"):
+        dist_util.merged(tmp_path, "case", 2)
