@@ -60,8 +60,20 @@ def _hf_plan(**cfg) -> Plan:
                 config=config, layers=layers)
 
 
+#: the plans whose emitted scripts are pinned as golden files (`test_emit.test_golden`), trained below too
+GOLDEN_PLANS = {
+    "gpt_dp2_zero3_ac": lambda: make_plan(GPT, 2, dp=2, zero=3, ac={"layers.1": "full"}),
+    "llama_pp2_interleaved_bf16": lambda: make_plan(
+        LLAMA4, 4, pp=2, vpp=2, mbs=2, schedule="interleaved", pp_compress="bf16"
+    ),
+    "llama_dp2_tp2_sp": lambda: make_plan(LLAMA4, 4, dp=2, tp=2, zero=2, sp=True, grad_compress="bf16"),
+}
+
 # name: (world, plan, (loss_rtol, delta_rtol))
 CASES = {
+    "golden_gpt_dp2_zero3_ac": (2, GOLDEN_PLANS["gpt_dp2_zero3_ac"], EXACT),
+    "golden_llama_pp2_interleaved_bf16": (2, GOLDEN_PLANS["llama_pp2_interleaved_bf16"], CAST),
+    "golden_llama_dp2_tp2_sp": (4, GOLDEN_PLANS["llama_dp2_tp2_sp"], CAST),
     "dp": (2, lambda: make_plan(GPT, 2, dp=2), EXACT),
     "fsdp_zero3": (2, lambda: make_plan(GPT, 2, dp=2, zero=3), EXACT),
     "zero2_like": (2, lambda: make_plan(GPT, 2, dp=2, zero=2), EXACT),

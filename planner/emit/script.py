@@ -468,9 +468,20 @@ def _doc_safe(text: str) -> str:
     return " ".join(text.replace("\\", "/").replace('"', "'").split())
 
 
+def _ruff() -> str | None:
+    """The ruff installed with this Python (its package knows where its binary is, whatever PATH says), or else
+    one on PATH; None without either."""
+    try:
+        from ruff.__main__ import find_ruff_bin
+
+        return str(find_ruff_bin())
+    except (ImportError, FileNotFoundError):
+        return shutil.which("ruff")
+
+
 def format_source(text: str) -> str:
     """``ruff format`` the text when ruff is installed; otherwise return it unchanged (it is already valid)."""
-    ruff = shutil.which("ruff")
+    ruff = _ruff()
     if ruff is None:
         return text
     for args in (["check", "--select", "I", "--fix", "--exit-zero"], ["format"]):  # sort imports, then format
