@@ -75,11 +75,11 @@ def test_gpt_saved_activations_match_korthikanti(spec, h, a, s, V, b):
     """
     lg = profile_model(spec, batch=b)
     for block in lg.blocks:
-        assert block.saved_bytes == pytest.approx(korthikanti(s, b, h, a), rel=0.05)
+        assert block.saved_bytes == pytest.approx(korthikanti(s, b, h, a), rel=0.01)  # measured: 0.07-0.7 %
         replicated, sharded = tp_saved_bytes(block)
-        assert replicated == pytest.approx(10 * s * b * h, rel=0.05)
-        assert sharded == pytest.approx(24 * s * b * h + 5 * a * s * s * b, rel=0.05)
-        assert replicated + sharded / 8 == pytest.approx(korthikanti(s, b, h, a, t=8), rel=0.05)
+        assert replicated == pytest.approx(10 * s * b * h, rel=0.01)
+        assert sharded == pytest.approx(24 * s * b * h + 5 * a * s * s * b, rel=0.01)
+        assert replicated + sharded / 8 == pytest.approx(korthikanti(s, b, h, a, t=8), rel=0.01)
 
 
 def test_tied_embedding_is_owned_by_embed():

@@ -38,6 +38,9 @@ def test_bandwidth_sweep_winners_are_optimal_and_change():
     times = [p.step_time_s for p in res.points]
     assert times == sorted(times, reverse=True)  # more bandwidth never hurts the best plan
     assert check_optimal(res, CLUSTER, time_limit=10) == []
+    # and the winner changes: 0.5 GB/s between nodes keeps data parallelism inside them, 50 GB/s does not
+    assert res.points[0].config != res.points[-1].config and res.changes
+    assert res.points[0].config["dp"] < res.points[-1].config["dp"]
 
 
 def test_sweep_html_plots_each_value_and_marks_changes(tmp_path):
