@@ -87,6 +87,21 @@ def test_tiny_models_train_on_cpu(spec):
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
     logits = model(input_ids)
     assert logits.shape == (*input_ids.shape, resolve_model(spec).vocab)
+    _trains(model, input_ids, labels)
+
+
+def _trains(model, input_ids, labels, steps: int = 8) -> None:
+    """A few AdamW steps on one batch lower its loss (the model learns: every parameter's gradient is real)."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = model(input_ids, labels)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
 
 
 def test_gpt_math_and_sdpa_attention_agree():
@@ -360,6 +375,7 @@ def test_hf_models_build_and_train_on_cpu(name):
     loss = model(input_ids, labels)
     assert loss.shape == () and torch.isfinite(loss)
     loss.backward()
+    _trains(model, input_ids, labels)
     if name == "mixtral":
         assert source.seq == 32 and source.arch()["experts"] == 4
         assert model.model.config._experts_implementation == "batched_mm"
