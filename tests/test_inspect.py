@@ -215,3 +215,19 @@ def test_memory_bars_are_exact_per_rank_when_the_plan_has_them():
     for r, s in zip(rows, est.stages):
         assert sum(r["parts"].values()) == pytest.approx(s.memory_bytes)
     assert len({round(r["parts"]["activations"]) for r in rows}) > 1  # 1F1B: earlier ranks hold more
+
+
+def test_inspect_names_what_made_each_alternative_lose(plans):
+    """Stored or derived (a plan file without the key), the term `inspect` names is the breakdown term that grew
+    most against the winner, by the seconds it shows: computed here from the two predicted breakdowns."""
+    from planner.report.facts import build_report
+
+    for name in ("3d", "compressed"):  # "compressed" stores no "why it lost": the report derives it
+        _, plan = plans[name]
+        rep = build_report(plan)
+        assert len(rep["alternatives"]) == len(plan.alternatives) > 0
+        for shown, alt in zip(rep["alternatives"], plan.alternatives):
+            grew = {k: v - plan.predicted["breakdown_s"].get(k, 0.0)
+                    for k, v in alt["predicted"]["breakdown_s"].items()}
+            assert shown["lost_by"] == max(grew, key=lambda k: (grew[k], k)), (name, grew)
+            assert shown["lost_by_s"] == pytest.approx(max(grew.values()))
