@@ -49,26 +49,58 @@ def _fake_measurement(name: str, parts: dict) -> Measurement:
     )
 
 
-def test_recalibration_rediscovers_a_slower_machine():
-    """Measurements made by a cluster with half the FLOP/s and 4× the collective latency are fitted back."""
+#: a model whose matmuls reach the efficiency curve's plateau and whose collectives are bandwidth-bound, beside the
+#: tiny one (latency-bound, small matmuls): together they separate flops from f_half, latency from bandwidth
+BIG = "llama:layers=2,hidden=512,heads=8,kv_heads=4,ffn=1408,vocab=8192,seq=256"
+#: ZeRO stages and micro-batch counts that weigh all-gather against reduce-scatter differently
+SEPARATE = ["dp=2,zero=1", "dp=2,zero=2", "dp=2,zero=3,mbs=4"]
+TRUTH = Scales(flops=0.5, memory=0.5,
+               latency=(("all_reduce", 4.0), ("all_gather", 4.0), ("reduce_scatter", 4.0), ("send_recv", 4.0)))
+
+
+def _measured_by(truth, held_out: str | None = None):
+    """Plans of both models under every configuration, with the parts ``truth`` makes them take; the one named
+    ``held_out`` ("model/config") apart."""
     base = load_cluster("cpu-local")
-    truth = apply_scales(
-        base,
-        Scales(
-            flops=0.5,
-            memory=0.5,
-            latency=(("all_reduce", 4.0), ("all_gather", 4.0), ("reduce_scatter", 4.0), ("send_recv", 4.0)),
-        ),
-    )
-    lg = profile_for(MODEL, base)
-    plans = [plan_from_config(MODEL, "cpu-local", 8, cfg, lg=lg) for cfg in CONFIGS]
-    meas = [_fake_measurement(f"p{i}", predicted_parts(repredict(p, truth, lg))) for i, p in enumerate(plans)]
-    res = fit(base, plans, meas, [lg] * len(plans))
+    fitted, kept = ([], [], []), None
+    for spec in (MODEL, BIG):
+        lg = profile_for(spec, base)
+        for cfg in CONFIGS + SEPARATE:
+            plan = plan_from_config(spec, "cpu-local", 8, cfg, lg=lg)
+            m = _fake_measurement(f"{spec}/{cfg}", predicted_parts(repredict(plan, truth, lg)))
+            if f"{spec}/{cfg}" == held_out:
+                kept = (plan, m, lg)
+                continue
+            for seq, x in zip(fitted, (plan, m, lg)):
+                seq.append(x)
+    return base, fitted, kept
+
+
+def test_recalibration_rediscovers_a_slower_machine():
+    """Measurements made by a cluster with half the FLOP/s and memory throughput and 4× every collective latency
+    are fitted back to those scales (the weak prior towards 1 moves them by ≤ 3 %), the scales it did not change
+    stay at 1, and every plan's step and compute time are reproduced."""
+    base, (plans, meas, lgs) = _measured_by(apply_scales(load_cluster("cpu-local"), TRUTH))[:2]
+    res = fit(base, plans, meas, lgs)
+    got = res.scales.to_dict()
+    assert got["flops"] == pytest.approx(0.5, rel=0.03) and got["memory"] == pytest.approx(0.5, rel=0.03)
+    assert got["f_half"] == pytest.approx(1.0, rel=0.03)
+    assert got["latency"] == pytest.approx(dict.fromkeys(got["latency"], 4.0), rel=0.03)
+    assert got["bandwidth"] == pytest.approx(dict.fromkeys(got["bandwidth"], 1.0), rel=0.03)
     assert res.cost_after < 0.05 * res.cost_before
-    for p, m in zip(plans, meas):
-        got = repredict(p, res.cluster, lg)["step_time_s"]
-        assert got == pytest.approx(m.step_s, rel=0.05)
-        assert predicted_parts(repredict(p, res.cluster, lg))["compute"] == pytest.approx(m.compute_s, rel=0.05)
+    for p, m, lg in zip(plans, meas, lgs):
+        assert repredict(p, res.cluster, lg)["step_time_s"] == pytest.approx(m.step_s, rel=0.02)
+        assert predicted_parts(repredict(p, res.cluster, lg))["compute"] == pytest.approx(m.compute_s, rel=0.02)
+
+
+def test_recalibration_predicts_a_plan_it_did_not_see():
+    """Out of sample: fitted without the larger model's 1F1B pipeline, the recalibrated cluster predicts that
+    plan's step as the slower machine ran it (before recalibration: 2× off)."""
+    truth = apply_scales(load_cluster("cpu-local"), TRUTH)
+    base, (plans, meas, lgs), (plan, m, lg) = _measured_by(truth, held_out=f"{BIG}/pp=2,schedule=1f1b")
+    res = fit(base, plans, meas, lgs)
+    assert repredict(plan, base, lg)["step_time_s"] < 0.7 * m.step_s
+    assert repredict(plan, res.cluster, lg)["step_time_s"] == pytest.approx(m.step_s, rel=0.02)
 
 
 def test_compare_reports_relative_error():
