@@ -4,6 +4,7 @@ tests that should catch it. A mutant is killed when at least one of them fails; 
 
     python benchmarks/mutations.py            # every mutant (minutes on 2 cores)
     python benchmarks/mutations.py --list     # the mutants only
+    python benchmarks/mutations.py --only norm  # the mutants whose name contains "norm"
 
 Each mutant runs in its own copy of the repository (the working tree as it is, without .git), so the checkout is
 never modified. A mutant whose text is not found fails the run: the list must follow the code.
@@ -31,6 +32,7 @@ class Mutant:
     find: str  #: exact text, present once
     replace: str
     tests: tuple[str, ...]  #: pytest node ids or files expected to catch it
+    dist: bool = False  #: run the tests marked dist too (gloo runs against one process: minutes)
 
 
 MUTANTS = (
@@ -67,6 +69,15 @@ MUTANTS = (
            '    if post_step_allreduce(plan["dp"], plan["tp"], plan["zero"], plan["schedule"], plan["pp"]):',
            '    if False and post_step_allreduce(plan["dp"], plan["tp"], plan["zero"], plan["schedule"], plan["pp"]):',
            ("tests/test_check.py",)),
+    Mutant("gradient norm counts every replica", "planner/emit/train.py",
+           "total += grad.float().pow(2).sum() * (shards / stage_ranks)", "total += grad.float().pow(2).sum() * shards",
+           ("tests/test_emit_dist.py::test_matches_one_process",), dist=True),
+    Mutant("gradient norm counts a tied weight on both stages", "planner/emit/train.py",
+           "            if id(p) not in tied:\n", "            if True:\n",
+           ("tests/test_emit_dist.py::test_matches_one_process",), dist=True),
+    Mutant("resume restarts the learning rate", "planner/emit/train.py",
+           '            group["lr"] = lr  # the schedule', '            group["lr"] = group["lr"]  # the schedule',
+           ("tests/test_emit_dist.py::test_resume_continues_exactly",), dist=True),
     Mutant("MoE dropped pairs contribute", "profiler/zoo/moe.py",
            "out.new_zeros(1, hidden)])  # overflow row = 0", "out.new_full((1, hidden), 7.0)])  # overflow row = 0",
            ("tests/test_zoo.py",)),
@@ -95,8 +106,9 @@ def run(mutant: Mutant, work: Path) -> tuple[list[str], float]:
     t0 = time.perf_counter()
     # the copy's own code first on the path (the installed package points at the checkout)
     env = {"PYTHONPATH": str(where), "PATH": "/usr/bin:/bin:" + str(Path(sys.executable).parent)}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not dist",
-                          "-rf", *mutant.tests], cwd=where, capture_output=True, text=True, env=env)
+    marks = [] if mutant.dist else ["-m", "not dist"]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *marks, "-rf",
+                          *mutant.tests], cwd=where, capture_output=True, text=True, env=env)
     failed = [line.split(" ", 2)[1] for line in out.stdout.splitlines() if line.startswith("FAILED ")]
     if out.returncode not in (0, 1):  # 2-5: the run itself broke (import error, nothing collected)
         failed = failed or [f"(pytest exit {out.returncode}: {out.stdout.strip().splitlines()[-1:]})"]
@@ -106,22 +118,24 @@ def run(mutant: Mutant, work: Path) -> tuple[list[str], float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--list", action="store_true", help="print the mutants and stop")
+    ap.add_argument("--only", help="run the mutants whose name contains this text")
     args = ap.parse_args()
+    mutants = [m for m in MUTANTS if not args.only or args.only in m.name]
     if args.list:
-        for m in MUTANTS:
+        for m in mutants:
             print(f"{m.name}: {m.path}")
         return 0
     survivors = 0
     print(f"{'mutant':<58s} {'killed by':<70s} {'s':>5s}")
     with tempfile.TemporaryDirectory() as tmp:
-        for m in MUTANTS:
+        for m in mutants:
             failed, seconds = run(m, Path(tmp))
             survivors += not failed
             killers = ", ".join(sorted({f.split("[")[0] for f in failed})[:3]) + (
                 f" (+{len(failed) - 3} more)" if len(failed) > 3 else "")
             print(f"{m.name:<58s} {killers or 'SURVIVED':<70s} {seconds:5.0f}", flush=True)
             shutil.rmtree(Path(tmp) / re.sub(r"\W+", "_", m.name), ignore_errors=True)
-    print(f"{len(MUTANTS) - survivors} of {len(MUTANTS)} mutants killed")
+    print(f"{len(mutants) - survivors} of {len(mutants)} mutants killed")
     return 1 if survivors else 0
 
 

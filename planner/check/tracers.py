@@ -82,12 +82,12 @@ def start_tracers() -> Tracers:
 
 
 class Tracers:
-    """`trace_rank` in child processes, as many at a time as this machine has cores: each trace gets a fresh fake
-    process group (torch keeps process-group names and DTensor's mesh caches per process, so a second world in one
-    process resolves stale groups). Children come from a fork server that has imported the tracer once, so a trace
-    costs itself, not another ``import torch``; not forked from this process, whose threads (a test runner's,
-    torch's) may hold locks. ``submit`` queues a trace, ``results`` waits for all of them (in the parent's time:
-    the prediction is computed meanwhile)."""
+    """Jobs in child processes (`trace_job`: `trace_rank`; `check_capture`), as many at a time as this machine has
+    cores (``width``): each trace gets a fresh fake process group (torch keeps process-group names and DTensor's
+    mesh caches per process, so a second world in one process resolves stale groups). Children come from a fork
+    server that has imported the tracer once, so a trace costs itself, not another ``import torch``; not forked from
+    this process, whose threads (a test runner's, torch's) may hold locks. ``submit`` queues a job, ``results``
+    waits for them (in the parent's time: the prediction is computed meanwhile)."""
 
     def __init__(self, prepare=None):
         import os
@@ -97,9 +97,9 @@ class Tracers:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.width = max(1, min(cores, 8))
         self.queue: list[tuple] = []
-        self.running: dict = {}  # connection → (key, process, rank)
+        self.running: dict = {}  # connection → (key, process, what it is, for errors)
         self.done: dict = {}
-        self.model = None  #: the model whose capture runs under the key "capture" (`start_tracers`)
+        self.model = None  #: the model whose capture runs under the key "capture" (`prefetch_capture`)
 
     def prefetch_capture(self, model: str, seq: int | None) -> None:
         """Capture ``model`` as the check will predict from it (fp32, this machine's kernels: not the plan's) in a
@@ -108,6 +108,7 @@ class Tracers:
         self.model = model
 
     def captures(self, model: str) -> bool:
+        """Whether the capture of ``model`` is done or under way here."""
         return self.model == model and ("capture" in self.done or any(
             k == "capture" for k, _, _ in self.running.values()) or any(q[0] == "capture" for q in self.queue))
 
