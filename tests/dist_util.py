@@ -153,10 +153,19 @@ def _main(manifest: str) -> None:
             return norm
 
         mod.clip_grad_norm = watched
+        batches = []  # the steps whose batch this rank read
+        get_batch = mod.get_batch
+
+        def read(step, rows, get_batch=get_batch, batches=batches):
+            batches.append(step)
+            return get_batch(step, rows)
+
+        mod.get_batch = read
         par, losses = mod.train(case["steps"])
         params = mod.full_parameters(par)
         rank = dist.get_rank()
-        torch.save({"losses": losses, "norms": norms, "params": params}, out / f"{case['name']}.emit.rank{rank}.pt")
+        torch.save({"losses": losses, "norms": norms, "params": params, "batches": batches,
+                    "stages": sorted(par.stage_indices)}, out / f"{case['name']}.emit.rank{rank}.pt")
         dist.barrier()
         # 2. auto_parallelize on a model built the same way.
         plan = Plan.load(case["plan"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -262,3 +263,50 @@ def test_gloo_refine_localises_a_sharp_step(monkeypatch):
     for n in (16 * MiB, 20 * MiB, 28 * MiB, 48 * MiB):  # away from the step, the curve follows it
         assert gb.predict(gb.Collective.ALL_GATHER, n, 2, link) == pytest.approx(times["all_gather"].get(
             n, per_mib("all_gather", n) * n / MiB), rel=0.05)
+
+
+def test_gloo_check_grades_the_saved_fit_against_a_new_measurement(monkeypatch, tmp_path, capsys):
+    """``python -m costmodel.gloo_bench --check`` on a synthetic machine (α = 50 µs per step, 3 GB/s bus bandwidth
+    that halves above 20 MiB for every kind, between sizes the check measures): the fit the benchmark writes,
+    checked against the same machine at sizes it never saw, passes within 2 %; the same file checked against a
+    machine whose all_gather is 30 % slower from 1 MiB fails (exit 1) and reports that kind's error as
+    1 − 1/1.3 = 23.1 %; a missing or foreign fit file is a one-line error (exit 2)."""
+    from costmodel import gloo_bench as gb
+
+    MiB = 2**20
+    slower = {"all_gather": 1.0}
+
+    def truth(kind, n):
+        beta, alpha = gb._features(kind, n, 2)
+        bandwidth = 3e9 if n < 20 * MiB else 1.5e9
+        return (alpha * 50e-6 + beta / bandwidth) * (slower.get(kind.value, 1.0) if n >= MiB else 1.0)
+
+    def fake_samples(points, ranks=2, rounds=2, launches=1, timeout_s=300.0, pin=None):
+        out = {}
+        for kind, n in points:
+            out.setdefault(gb.Collective(kind).value, {})[n] = [[truth(gb.Collective(kind), n)]] * launches
+        return out
+
+    monkeypatch.setattr(gb, "measure_samples", fake_samples)
+    fit = tmp_path / "fit.yaml"
+    assert gb.main(["--out", str(fit), "--launches", "1"]) == 0
+    capsys.readouterr()
+
+    assert gb.main(["--check", "--out", str(fit), "--launches", "1"]) == 0
+    out = capsys.readouterr().out
+    worst = dict(re.findall(r"(\w+) (\d+\.\d)%", out.split("worst error at 1-64 MiB:")[1].splitlines()[0]))
+    assert set(worst) == {k.value for k in gb.KINDS} and max(float(v) for v in worst.values()) < 2.0, worst
+    assert "PASS" in out
+
+    slower["all_gather"] = 1.3
+    assert gb.main(["--check", "--out", str(fit), "--launches", "1"]) == 1
+    out = capsys.readouterr().out
+    worst = dict(re.findall(r"(\w+) (\d+\.\d)%", out.split("worst error at 1-64 MiB:")[1].splitlines()[0]))
+    assert float(worst["all_gather"]) == pytest.approx(100 * (1 - 1 / 1.3), abs=2.0), worst
+    assert float(worst["all_reduce"]) < 2.0 and "FAIL" in out
+
+    assert gb.main(["--check", "--out", str(tmp_path / "none.yaml")]) == 2
+    (tmp_path / "foreign.yaml").write_text("name: my-cluster\n")
+    assert gb.main(["--check", "--out", str(tmp_path / "foreign.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "none.yaml: no fit file" in err and "foreign.yaml: not a gloo_bench fit file" in err

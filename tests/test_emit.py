@@ -308,6 +308,22 @@ def test_token_file_gives_each_rank_its_windows(tmp_path, suffix):
     assert x[0, 0].item() == 0
 
 
+def test_synthetic_rows_are_the_global_batchs_rows():
+    """A data-parallel rank's synthetic rows are those rows of the step's global batch (built alone, not sliced from
+    it), so every plan trains on the same data as one process."""
+    import torch
+
+    from planner.emit.train import synthetic_batch
+
+    whole = synthetic_batch(3, batch=8, seq=16, vocab=50, seed=1)
+    for rows in (slice(0, 2), slice(2, 4), slice(6, 8), slice(None)):
+        part = synthetic_batch(3, batch=8, seq=16, vocab=50, seed=1, rows=rows)
+        assert part[0].shape[0] == whole[0][rows].shape[0]
+        assert torch.equal(part[0], whole[0][rows]) and torch.equal(part[1], whole[1][rows])
+    assert torch.equal(whole[1][:, :-1], whole[0][:, 1:])  # labels: the next tokens
+    assert not torch.equal(whole[0], synthetic_batch(4, batch=8, seq=16, vocab=50, seed=1)[0])
+
+
 HF_AS_RETURNED = '''
 import sys
 

@@ -88,6 +88,7 @@ CASES = {
     "pp_interleaved": (2, lambda: make_plan(LLAMA4, 4, pp=2, vpp=2, mbs=2, schedule="interleaved"), EXACT),
     "pp_zero_bubble": (2, lambda: make_plan(LLAMA4, 4, pp=2, vpp=2, mbs=2, schedule="zb"), EXACT),
     "pp_uneven": (2, lambda: make_plan(LLAMA4, 4, pp=2, mbs=2, stages=[0, 1, 1, 1]), EXACT),
+    "pp4_1f1b": (4, lambda: make_plan(LLAMA4, 4, pp=4, schedule="1f1b"), EXACT),  # two middle stages
     "ac_some_layers": (2, lambda: make_plan(LLAMA4, 4, dp=2, ac={"layers.0": "full", "layers.2": "selective"}),
                        EXACT),
     "bf16_reduce": (2, lambda: make_plan(GPT, 2, dp=2, grad_compress="bf16"), CAST),
@@ -192,6 +193,26 @@ def test_matches_one_process(matrix, name, mode):
     norm_rtol = 1e-5 if (loss_rtol, delta_rtol) == EXACT else delta_rtol
     problems = dist_util.compare(got, refs[name], loss_rtol=loss_rtol, delta_rtol=delta_rtol, norm_rtol=norm_rtol)
     assert not problems, f"{name} via {mode}:\n" + "\n".join(problems[:10])
+
+
+def test_only_first_and_last_stages_read_batches(matrix):
+    """With pipelining the ranks holding the first stage (inputs) or the last (labels) read each step's batch, once;
+    the middle stages read none (issue 13: only the ranks that need it); without it every rank reads."""
+    import torch
+
+    out, _, failures = matrix
+    for name in ("pp4_1f1b", "pp_interleaved", "dp"):
+        world, make, _ = CASES[name]
+        if world in failures:
+            pytest.fail(failures[world])
+        n_stages = make().config.pp * make().config.vpp
+        for r in range(world):
+            got = torch.load(out / f"{name}.emit.rank{r}.pt")
+            feeds = make().config.pp == 1 or bool({0, n_stages - 1} & set(got["stages"]))
+            assert got["batches"] == (list(range(STEPS)) if feeds else []), (name, r, got["stages"], got["batches"])
+        if name == "pp4_1f1b":
+            assert [torch.load(out / f"{name}.emit.rank{r}.pt")["batches"] == [] for r in range(world)] == [
+                False, True, True, False]
 
 
 @pytest.mark.parametrize("name", list(META_CASES))

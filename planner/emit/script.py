@@ -287,12 +287,12 @@ def get_batch(step: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
     \"\"\">>> YOUR DATA HERE <<< Rows ``rows`` of the global batch of ``step``: (input_ids, labels), each
     [rows, SEQ] int64, with labels[:, t] the token after input_ids[:, t] (-100: ignored).
 
-    Each data-parallel rank asks for its own rows; every rank of one data-parallel replica for the same rows.
+    Each data-parallel rank asks for its own rows; every rank of one data-parallel replica for the same rows,
+    except middle pipeline stages, which read no batch (`feeds_data`).
     \"\"\"
     if DATA is not None:
         return token_file_batch(DATA, step, rows, batch=PLAN["global_batch"], seq=PLAN["seq"], dtype=DATA_DTYPE)
-    inputs, labels = synthetic_batch(step, batch=PLAN["global_batch"], seq=PLAN["seq"], vocab=VOCAB, seed=PLAN["seed"])
-    return inputs[rows], labels[rows]
+    return synthetic_batch(step, batch=PLAN["global_batch"], seq=PLAN["seq"], vocab=VOCAB, seed=PLAN["seed"], rows=rows)
 
 
 def train(steps: int = STEPS, *, checkpoint_dir: str | None = None, save_every: int = 0, resume: bool = False,
@@ -321,7 +321,7 @@ def train(steps: int = STEPS, *, checkpoint_dir: str | None = None, save_every: 
     last = steps if stop_after is None else min(steps, first + stop_after)
     losses = []
     for step in range(first, last):
-        inputs, labels = get_batch(step, data_rows(par))
+        inputs, labels = get_batch(step, data_rows(par)) if feeds_data(par) else (None, None)
         start = time.perf_counter()
         loss = train_step(par, optimizer, inputs, labels)
         elapsed = time.perf_counter() - start

@@ -173,10 +173,17 @@ def measure(mod, steps: int, warmup: int) -> dict:
     handles.append(opt.register_step_pre_hook(lambda o, a, kw: timer.start("optimizer")))
     handles.append(opt.register_step_post_hook(lambda o, a, kw: timer.stop("optimizer")))
     TIMER = timer
+    # as the script's own loop reads batches: middle pipeline stages read none (scripts emitted before feeds_data
+    # existed: every rank)
+    rows_of = mod.data_rows(par) if getattr(mod, "feeds_data", lambda _: True)(par) else None
+
+    def batch(step: int):
+        return mod.get_batch(step, rows_of) if rows_of is not None else (None, None)
+
     rows, losses = [], []
     try:
         for step in range(warmup + steps):
-            inputs, labels = mod.get_batch(step, mod.data_rows(par))
+            inputs, labels = batch(step)
             dist.barrier()
             timer.reset()
             t0 = time.perf_counter()
@@ -189,7 +196,7 @@ def measure(mod, steps: int, warmup: int) -> dict:
             if step >= warmup:
                 rows.append({"step": elapsed, **timer.acc})
         # one profiled step for the communication share
-        inputs, labels = mod.get_batch(warmup + steps, mod.data_rows(par))
+        inputs, labels = batch(warmup + steps)
         dist.barrier()
         timer.reset()
         timer.profiling = True

@@ -817,9 +817,11 @@ def clip_grad_norm(par: Parallel, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def train_step(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor) -> float:
+def train_step(
+    par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor | None, labels: torch.Tensor | None
+) -> float:
     """One optimizer step on the global batch (the same on every rank; each dp rank takes its rows), or on this
-    rank's rows of it (`data_rows`).
+    rank's rows of it (`data_rows`); None on the ranks that read no batch (`feeds_data`: middle pipeline stages).
 
     Returns the global mean loss, identical on every rank, as a Python float (`train_step_loss` has it as a tensor).
     """
@@ -827,19 +829,24 @@ def train_step(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Te
 
 
 def train_step_loss(
-    par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor
+    par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor | None, labels: torch.Tensor | None
 ) -> torch.Tensor:
     """`train_step` up to its loss, a 0-dim tensor on the device (no host synchronisation: `autopar check` runs this
     on fake tensors)."""
     plan, device = par.plan, par.device
-    if inputs.shape[0] == plan["global_batch"]:  # the global batch: this rank's rows of it
-        inputs, labels = inputs[data_rows(par)], labels[data_rows(par)]
-    elif inputs.shape[0] != plan["global_batch"] // plan["dp"]:
-        raise ValueError(
-            f"a batch of {inputs.shape[0]} rows: pass the global batch ({plan['global_batch']} rows) "
-            f"or this data-parallel rank's rows of it ({plan['global_batch'] // plan['dp']})"
-        )
-    x, y = inputs.to(device), labels.to(device)
+    if inputs is None or labels is None:  # a middle pipeline stage reads no batch (`feeds_data`)
+        if feeds_data(par):
+            raise ValueError("no batch given: this rank holds the first or the last pipeline stage, which reads it")
+        x = y = None
+    else:
+        if inputs.shape[0] == plan["global_batch"]:  # the global batch: this rank's rows of it
+            inputs, labels = inputs[data_rows(par)], labels[data_rows(par)]
+        elif inputs.shape[0] != plan["global_batch"] // plan["dp"]:
+            raise ValueError(
+                f"a batch of {inputs.shape[0]} rows: pass the global batch ({plan['global_batch']} "
+                f"rows) or this data-parallel rank's rows of it ({plan['global_batch'] // plan['dp']})"
+            )
+        x, y = inputs.to(device), labels.to(device)
     # DDP's gradients are views into its reduction buckets (gradient_as_bucket_view): zeroed in place they stay views;
     # set to None, the next no_sync micro-batches would build a second copy of every gradient beside the buckets
     optimizer.zero_grad(set_to_none=not any(isinstance(m, DDP) for m in par.modules))
@@ -879,14 +886,25 @@ def _accumulate(
     return loss / n
 
 
-def synthetic_batch(step: int, *, batch: int, seq: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Learnable synthetic tokens: each row counts from a random start with a random stride 1-3, modulo vocab;
-    labels are the next tokens."""
+def synthetic_batch(
+    step: int, *, batch: int, seq: int, vocab: int, seed: int, rows: slice = slice(None)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``rows`` of step ``step``'s global batch of learnable synthetic tokens: each row counts from a random
+    start with a random stride 1-3, modulo vocab; labels are the next tokens. Only these rows' tokens are built
+    (the draws are two numbers per row of the global batch), and they are the same whichever rows are asked for."""
     g = torch.Generator().manual_seed(seed * 100003 + step)
-    start = torch.randint(0, vocab, (batch, 1), generator=g)
-    stride = torch.randint(1, 4, (batch, 1), generator=g)
+    start = torch.randint(0, vocab, (batch, 1), generator=g)[rows]
+    stride = torch.randint(1, 4, (batch, 1), generator=g)[rows]
     tokens = (start + stride * torch.arange(seq + 1)) % vocab
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def feeds_data(par: Parallel) -> bool:
+    """Whether this rank reads batches: with pipelining only the ranks holding the first stage (the inputs) or the
+    last (the labels); a middle stage gets its activations from its neighbours."""
+    if par.plan["pp"] == 1:
+        return True
+    return 0 in par.stage_indices or par.plan["pp"] * par.plan["vpp"] - 1 in par.stage_indices
 
 
 def step_report(par: Parallel, step: int, loss: float, lr: float, seconds: float) -> str:
@@ -1065,12 +1083,12 @@ def get_batch(step: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
     """>>> YOUR DATA HERE <<< Rows ``rows`` of the global batch of ``step``: (input_ids, labels), each
     [rows, SEQ] int64, with labels[:, t] the token after input_ids[:, t] (-100: ignored).
 
-    Each data-parallel rank asks for its own rows; every rank of one data-parallel replica for the same rows.
+    Each data-parallel rank asks for its own rows; every rank of one data-parallel replica for the same rows,
+    except middle pipeline stages, which read no batch (`feeds_data`).
     """
     if DATA is not None:
         return token_file_batch(DATA, step, rows, batch=PLAN["global_batch"], seq=PLAN["seq"], dtype=DATA_DTYPE)
-    inputs, labels = synthetic_batch(step, batch=PLAN["global_batch"], seq=PLAN["seq"], vocab=VOCAB, seed=PLAN["seed"])
-    return inputs[rows], labels[rows]
+    return synthetic_batch(step, batch=PLAN["global_batch"], seq=PLAN["seq"], vocab=VOCAB, seed=PLAN["seed"], rows=rows)
 
 
 def train(
@@ -1105,7 +1123,7 @@ def train(
     last = steps if stop_after is None else min(steps, first + stop_after)
     losses = []
     for step in range(first, last):
-        inputs, labels = get_batch(step, data_rows(par))
+        inputs, labels = get_batch(step, data_rows(par)) if feeds_data(par) else (None, None)
         start = time.perf_counter()
         loss = train_step(par, optimizer, inputs, labels)
         elapsed = time.perf_counter() - start
