@@ -22,7 +22,7 @@ This module imports nothing but the standard library: the emitter copies it into
 ``facts`` keys (missing optional ones are not checked): ``dp``, ``tp``, ``pp``, ``vpp``, ``schedule`` (``gpipe``,
 ``1f1b``, ``interleaved``, ``zb``), ``zero``, ``sp`` (bool), ``grad_compress`` (``none``, ``bf16``, ``fp16``,
 ``powersgd``), ``precision``, ``micro_batches`` (per pipeline per step), and optionally ``seq``, ``heads``,
-``kv_heads``.
+``kv_heads``, ``compile`` (the launch's torch.compile backend or None) and ``checkpointed`` (any block under AC).
 """
 
 #: fp16 is not: its gradients underflow without loss scaling, which the runtime does not do yet (a GradScaler across
@@ -90,6 +90,10 @@ def problems(facts: dict) -> list:
         out.append(f"schedule={schedule} runs the {m} micro-batches per step in {rounds} equal rounds (torch's "
                    f"ScheduleInterleaved*: m divisible by max(1, m // pp)), which {m} is not; change --global-batch "
                    "or mbs")
+    if f.get("compile") and tp > 1 and f.get("checkpointed"):
+        out.append("torch.compile with tensor parallelism and activation checkpointing is not supported yet (torch "
+                   "2.13's AOTAutograd fails on a checkpointed block's DTensor inputs: it saves their DeviceMesh for "
+                   "backward); drop --compile, or re-plan with --fix ac=none or tp=1")
     kind = f.get("grad_compress", "none")
     allowed = grad_compress_options(dp, tp, zero, schedule, pp)
     if kind not in allowed:

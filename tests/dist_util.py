@@ -26,6 +26,7 @@ def load_script(path: str | Path, name: str):
     """Import an emitted script as a module (its ``main()`` does not run)."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import does (torch.compile looks the module up by name)
     spec.loader.exec_module(module)
     return module
 
@@ -161,11 +162,13 @@ def _main(manifest: str) -> None:
             return get_batch(step, rows)
 
         mod.get_batch = read
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         par, losses = mod.train(case["steps"])
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
         params = mod.full_parameters(par)
         rank = dist.get_rank()
         torch.save({"losses": losses, "norms": norms, "params": params, "batches": batches,
-                    "stages": sorted(par.stage_indices)}, out / f"{case['name']}.emit.rank{rank}.pt")
+                    "stages": sorted(par.stage_indices), "graphs": graphs}, out / f"{case['name']}.emit.rank{rank}.pt")
         dist.barrier()
         # 2. auto_parallelize on a model built the same way.
         plan = Plan.load(case["plan"])
@@ -173,7 +176,8 @@ def _main(manifest: str) -> None:
         model = mod.build_model()
         inputs = resolve_model(plan.model).build(batch=1, seq=plan.seq, device="meta")[1]
         handle = auto_parallelize(model, inputs, plan=plan, optimizer="sgd", lr=mod.PLAN["lr"],
-                                  total_steps=case["steps"], powersgd_start_iter=mod.PLAN["powersgd_start_iter"])
+                                  total_steps=case["steps"], powersgd_start_iter=mod.PLAN["powersgd_start_iter"],
+                                  compile=mod.PLAN["compile"])
         losses, norms = [], []
         for step in range(case["steps"]):
             batch = train.synthetic_batch(step, batch=plan.global_batch, seq=plan.seq, vocab=mod.VOCAB,

@@ -308,6 +308,24 @@ def test_token_file_gives_each_rank_its_windows(tmp_path, suffix):
     assert x[0, 0].item() == 0
 
 
+def test_compile_is_a_launch_flag_refused_where_torch_cannot_run_it(tmp_path):
+    """--compile BACKEND (default off) compiles each block; the emitted script keeps the branch for the flag, and
+    the one rule set refuses tensor parallelism with AC under compile, in emission and in auto_parallelize's config."""
+    text = emit(make_plan(GPT, 2, dp=2))
+    assert "PLAN = {" in text and '"compile": None' in text and 'if plan["compile"]:' in text
+    assert "--compile" in text and "block.compile(backend=plan[\"compile\"])" in text
+    assert '"compile": "aot_eager"' in emit(make_plan(LLAMA4, 4, tp=2), compile="aot_eager")
+    with pytest.raises(ValueError, match="torch.compile with tensor parallelism and activation checkpointing"):
+        emit(make_plan(LLAMA4, 4, tp=2, ac={"layers.1": "full"}), compile="aot_eager")
+    with pytest.raises(ValueError, match="'nope': not a torch.compile backend"):
+        emit(make_plan(GPT, 2, dp=2), compile="nope")
+    script = tmp_path / "train.py"
+    script.write_text(text)
+    proc = subprocess.run([sys.executable, str(script), "--compile", "nope"], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 2 and "--compile nope: not a torch.compile backend" in proc.stderr, proc.stderr[-500:]
+
+
 def test_synthetic_rows_are_the_global_batchs_rows():
     """A data-parallel rank's synthetic rows are those rows of the step's global batch (built alone, not sliced from
     it), so every plan trains on the same data as one process."""

@@ -34,12 +34,15 @@ def test_each_rule_names_the_fix():
         "needs at least 4 micro-batches": facts(pp=4, micro_batches=2),
         "5 micro-batches per step in 2 equal rounds": facts(pp=2, vpp=2, schedule="interleaved", micro_batches=5),
         "grad_compress=powersgd cannot run": facts(zero=2, grad_compress="powersgd"),
+        "torch.compile with tensor parallelism and activation checkpointing": facts(
+            tp=2, compile="inductor", checkpointed=True),  # measured on gloo: AOTAutograd saves a DeviceMesh
     }
     for needle, f in cases.items():
         found = problems(f)
         assert len(found) == 1 and needle in found[0], (needle, found)
         assert "\n" not in found[0] and ("re-plan" in found[0] or "choose" in found[0] or "change" in found[0]
                                          or "raise" in found[0])
+    assert problems(facts(tp=2, compile="inductor")) == problems(facts(compile="inductor", checkpointed=True)) == []
     # torch 2.13's rounds rule, not "a multiple of pp": m = 3 < 2·2 runs in one round, m = 6 in three rounds of 2
     assert problems(facts(pp=2, vpp=2, schedule="interleaved", micro_batches=3)) == []
     assert problems(facts(pp=2, schedule="zb", micro_batches=6)) == []
@@ -59,9 +62,12 @@ def test_gradient_reduction_mechanism():
 
 
 def test_runtime_applies_the_same_rules():
-    plan = {**BASE, "grad_accum": 1, "pp": 2, "schedule": "1f1b"}
+    plan = {**BASE, "grad_accum": 1, "pp": 2, "schedule": "1f1b", "compile": None, "ac": {}}
     plan.pop("micro_batches")
     assert plan_problems(plan) and "needs at least 2 micro-batches" in plan_problems(plan)[0]
+    # the launch's --compile against the plan's checkpointed blocks (an emitted script with tp and AC)
+    plan = {**plan, "grad_accum": 2, "tp": 2, "compile": "inductor", "ac": {"layers.0": "full"}}
+    assert len(plan_problems(plan)) == 1 and "torch.compile with tensor parallelism" in plan_problems(plan)[0]
 
 
 SMALL_SEQ_JOB = "llama:layers=4,hidden=128,heads=8,kv_heads=8,ffn=256,vocab=256,seq=36"  # seq % 8 ≠ 0

@@ -108,7 +108,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str | None = 
                      optimizer: str = "adamw", lr: float = 1e-3, seed: int = 0,
                      init: str | None = None, weight_decay: float | None = None, clip_norm: float = 1.0,
                      warmup_steps: int = 0, total_steps: int | None = None,
-                     powersgd_start_iter: int = POWERSGD_START_ITER) -> ParallelHandle:
+                     powersgd_start_iter: int = POWERSGD_START_ITER, compile: str | None = None) -> ParallelHandle:
     """Parallelise ``model`` by ``plan`` (a Plan, a plan file, or None to plan it for ``cluster`` now) in a torchrun
     process, and return a handle that trains it. ``cluster`` None: the hardware this runs on
     (`costmodel.cluster.detect_cluster`: the GPU's preset, nodes and GPUs per node from torchrun's environment;
@@ -127,7 +127,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str | None = 
 
     Optimisation as in emitted scripts: ``weight_decay`` on matrices only (None: 0.1 for AdamW, 0 for SGD), the global
     gradient norm clipped to ``clip_norm`` (0: off), ``warmup_steps`` of linear warm-up then cosine decay to a tenth of
-    ``lr`` at ``total_steps`` (None: constant after the warm-up).
+    ``lr`` at ``total_steps`` (None: constant after the warm-up). ``compile``: a ``torch.compile`` backend
+    (``"inductor"``) to compile each block with, as the script's ``--compile`` (None: off).
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
@@ -139,7 +140,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str | None = 
     the_plan = _load_plan(plan, model, example_inputs, cluster, plan_kwargs)
     config = runtime_config(the_plan, model, seed=seed, optimizer=optimizer, lr=lr, init=init,
                             weight_decay=weight_decay, clip_norm=clip_norm, warmup_steps=warmup_steps,
-                            powersgd_start_iter=powersgd_start_iter)
+                            powersgd_start_iter=powersgd_start_iter, compile=compile)
     mesh = runtime.init_distributed(config)
     if config["init"] == "meta":
         source = meta_copy(model) if copy or any(not t.is_meta for t in [*model.parameters(), *model.buffers()]) \

@@ -7,6 +7,7 @@ the same decisions. The tensor-parallel layout comes from the module names in `p
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from costmodel.compression import POWERSGD_START_ITER
@@ -130,16 +131,21 @@ def choose_init(plan: Plan, model: nn.Module, init: str | None = None) -> tuple[
 def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: str = "adamw", lr: float = 1e-3,
                    powersgd_start_iter: int = POWERSGD_START_ITER, init: str | None = None,
                    weight_decay: float | None = None, clip_norm: float = 1.0, warmup_steps: int = 0,
-                   min_lr_ratio: float = 0.1) -> dict:
+                   min_lr_ratio: float = 0.1, compile: str | None = None) -> dict:
     """The ``PLAN`` dict of `planner.emit.runtime` for ``plan`` applied to ``model`` (any device, meta included).
 
     ``init``: ``"full"`` or ``"meta"`` (see `planner.emit.runtime`), or None to choose by size (`choose_init`).
     ``powersgd_start_iter``: uncompressed steps before PowerSGD starts (`costmodel.compression.POWERSGD_START_ITER`).
     ``weight_decay``: on matrices only (None: 0.1 for AdamW, as GPT-3 and Llama train; 0
     for SGD). ``clip_norm``: the global gradient norm clipped to (0: no clipping). ``warmup_steps``,
-    ``min_lr_ratio``: the learning-rate schedule (`planner.emit.train.lr_factor`).
+    ``min_lr_ratio``: the learning-rate schedule (`planner.emit.train.lr_factor`). ``compile``: a
+    ``torch.compile`` backend to compile each block with (None: off; the cost model does not price compilation, so
+    no plan assumes it).
     """
     c = plan.config
+    if compile is not None and compile not in torch.compiler.list_backends(exclude_tags=()):
+        raise ValueError(f"compile={compile!r}: not a torch.compile backend; choose one of "
+                         f"{', '.join(torch.compiler.list_backends(exclude_tags=()))}, or None")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
     weight_decay = (0.1 if optimizer == "adamw" else 0.0) if weight_decay is None else weight_decay
@@ -183,7 +189,8 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
     else:
         stage_rank = [s % c.pp for s in range(n_stages)]
     kind, rank = parse_grad_compress(c.grad_compress)
-    why = problems(c.runnable_facts(plan.global_batch, seq=plan.seq))  # the rules the search and runtime apply
+    # the rules the search and runtime apply
+    why = problems({**c.runnable_facts(plan.global_batch, seq=plan.seq), "compile": compile, "checkpointed": bool(ac)})
     if why:
         raise ValueError(f"this plan cannot run: {why[0]}")
     block0 = blocks[0] if len(blocks) else nn.Module()
@@ -199,6 +206,7 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
         "sp_gather": sp_gather, "tied": tied_parameters(model, plan, container, stage_rank) if c.pp > 1 else [],
         "optimizer": optimizer, "lr": lr, "weight_decay": weight_decay, "clip_norm": clip_norm,
         "warmup_steps": int(warmup_steps), "min_lr_ratio": min_lr_ratio, "seed": seed, "init": init_mode,
+        "compile": compile,
         "mfu_per_token_rate": _mfu_rate(plan),
         **vocab_modules(model, container),
     }

@@ -112,7 +112,8 @@ def plan_problems(plan: dict) -> list:
     search and emitter apply too): a hand-edited ``PLAN`` fails here, before any collective."""
     facts = {key: plan[key] for key in ("dp", "tp", "pp", "vpp", "schedule", "zero", "sp", "grad_compress",
                                         "precision", "seq")}
-    return problems({**facts, "micro_batches": plan["grad_accum"]})
+    return problems({**facts, "micro_batches": plan["grad_accum"], "compile": plan["compile"],
+                     "checkpointed": bool(plan["ac"])})
 
 
 #: how long a collective may wait before the job fails (torch's NCCL default is 10 minutes; a large model's first
@@ -189,6 +190,11 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
         # 3. Activation checkpointing, per block as the plan says.
         if plan["ac"]:
             apply_ac(part, plan)
+        # 3b. torch.compile per block (the script's --compile), after AC and before data parallelism, as torchtitan
+        #     does; in place, so parameter and checkpoint names do not change.
+        if plan["compile"]:
+            for block in block_list(part, plan):
+                block.compile(backend=plan["compile"])
         # 4a. Pipeline boundaries: each tensor-parallel rank sends its 1/tp slice (Megatron's scatter/gather).
         if plan["pp"] > 1 and plan["tp"] > 1:
             apply_pp_scatter(part, index, plan, mesh["tp"])

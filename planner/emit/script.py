@@ -31,6 +31,8 @@ DATA_SOURCES = ("synthetic",)
 #: rule functions of `costmodel.runnable` (pure, standard library only) that a runtime ``if`` may call on ``plan[...]``
 #: values: the emitter decides such a test for the plan as it decides ``plan[...]`` comparisons
 PURE_RULES = {"post_step_allreduce": runnable.post_step_allreduce}
+#: PLAN keys the script's flags set at launch (``--compile``): emission never decides their branches
+LAUNCH_KEYS = frozenset({"compile"})
 
 
 def _split_source(text: str) -> tuple[list[str], str]:
@@ -83,6 +85,8 @@ def _static_test(test: ast.expr, plan: dict) -> bool | None:
     for node in ast.walk(test):
         if not isinstance(node, allowed) or (isinstance(node, ast.Name) and node.id != "plan"
                                              and node.id not in PURE_RULES):
+            return None
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value in LAUNCH_KEYS:
             return None
         if isinstance(node, ast.Call) and (not isinstance(node.func, ast.Name) or node.keywords):
             return None
@@ -352,7 +356,12 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=0, help="save every K steps (and at the end)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     parser.add_argument("--stop-after", type=int, help="end this launch after N steps (resume later with --resume)")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=PLAN["compile"], metavar="BACKEND",
+                        help="torch.compile each block (default backend inductor; not priced by the plan's cost model)")
     args = parser.parse_args()
+    if args.compile and args.compile not in torch.compiler.list_backends(exclude_tags=()):
+        parser.error(f"--compile {args.compile}: not a torch.compile backend; choose one of "
+                     f"{', '.join(torch.compiler.list_backends(exclude_tags=()))}")
     if args.steps < 1 or args.lr <= 0 or args.clip_norm < 0 or (args.warmup_steps or 0) < 0 or args.save_every < 0:
         parser.error("--steps and --lr must be > 0; --warmup-steps, --clip-norm and --save-every ≥ 0")
     if (args.resume or args.save_every) and not args.checkpoint_dir:
@@ -361,7 +370,7 @@ def main() -> None:
         parser.error(f"--data {args.data}: no such file")
     DATA, DATA_DTYPE = args.data, args.data_dtype
     warmup = args.steps // 10 if args.warmup_steps is None else args.warmup_steps
-    PLAN.update(lr=args.lr, warmup_steps=warmup, clip_norm=args.clip_norm)
+    PLAN.update(lr=args.lr, warmup_steps=warmup, clip_norm=args.clip_norm, compile=args.compile)
     train(args.steps, checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, resume=args.resume,
           stop_after=args.stop_after)
     # The parallel model sits in reference cycles (module hooks) that hold its DTensors, their device mesh and so
@@ -378,11 +387,12 @@ if __name__ == "__main__":
 
 
 def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str = "adamw", lr: float = 1e-3,
-         seed: int = 0, init: str | None = None,
-         powersgd_start_iter: int = POWERSGD_START_ITER) -> str:
+         seed: int = 0, init: str | None = None, powersgd_start_iter: int = POWERSGD_START_ITER,
+         compile: str | None = None) -> str:
     """The training script for ``plan`` as formatted Python source (run it with ``torchrun --nproc-per-node``
     ``plan.config.world``). ``init``: ``"full"`` (every rank builds the seeded model, then shards it) or ``"meta"``
-    (built on the meta device, each rank initialises only its shards); None chooses by model size."""
+    (built on the meta device, each rank initialises only its shards); None chooses by model size. ``compile``:
+    the script's default ``--compile`` backend (None: off)."""
     if data not in DATA_SOURCES:
         raise ValueError(f"data={data!r}: choose one of {', '.join(DATA_SOURCES)}; edit get_batch for your data")
     if steps < 1:
@@ -391,7 +401,7 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
     model, _ = source.build(batch=1, seq=plan.seq, device="meta")
     init_mode, init_why = choose_init(plan, model, init)
     config = runtime_config(plan, model, seed=seed, optimizer=optimizer, lr=lr, init=init_mode,
-                            powersgd_start_iter=powersgd_start_iter)
+                            powersgd_start_iter=powersgd_start_iter, compile=compile)
     vocab = _vocab(source, model)
     model_imports, model_body = _model_section(source)
     runtime_imports, runtime_body = [], []
@@ -422,7 +432,7 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
         f"Run: {launch_line(plan)}\n\n"
         "Needs only torch (and transformers for hf: models). Train on a token file with --data,\n"
         "or edit get_batch(). Flags: --steps --lr --warmup-steps --clip-norm --data --checkpoint-dir --save-every\n"
-        "--resume --stop-after (see --help).\n"
+        "--resume --stop-after --compile (see --help).\n"
         '"""\n'
     )
     parts = [

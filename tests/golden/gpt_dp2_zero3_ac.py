@@ -7,7 +7,7 @@ Run: torchrun --standalone --nproc-per-node 2 THIS_FILE.py
 
 Needs only torch (and transformers for hf: models). Train on a token file with --data,
 or edit get_batch(). Flags: --steps --lr --warmup-steps --clip-norm --data --checkpoint-dir --save-every
---resume --stop-after (see --help).
+--resume --stop-after --compile (see --help).
 """
 
 import argparse
@@ -81,6 +81,7 @@ PLAN = {
     "min_lr_ratio": 0.1,
     "seed": 0,
     "init": "full",
+    "compile": None,
     "mfu_per_token_rate": None,
     "vocab": 128,
     "vocab_embed": "tok_embeddings",
@@ -349,6 +350,12 @@ def problems(facts: dict) -> list:
             f"ScheduleInterleaved*: m divisible by max(1, m // pp)), which {m} is not; change --global-batch "
             "or mbs"
         )
+    if f.get("compile") and tp > 1 and f.get("checkpointed"):
+        out.append(
+            "torch.compile with tensor parallelism and activation checkpointing is not supported yet (torch "
+            "2.13's AOTAutograd fails on a checkpointed block's DTensor inputs: it saves their DeviceMesh for "
+            "backward); drop --compile, or re-plan with --fix ac=none or tp=1"
+        )
     kind = f.get("grad_compress", "none")
     allowed = grad_compress_options(dp, tp, zero, schedule, pp)
     if kind not in allowed:
@@ -403,7 +410,9 @@ def plan_problems(plan: dict) -> list:
         key: plan[key]
         for key in ("dp", "tp", "pp", "vpp", "schedule", "zero", "sp", "grad_compress", "precision", "seq")
     }
-    return problems({**facts, "micro_batches": plan["grad_accum"]})
+    return problems(
+        {**facts, "micro_batches": plan["grad_accum"], "compile": plan["compile"], "checkpointed": bool(plan["ac"])}
+    )
 
 
 PG_TIMEOUT_MIN = 30
@@ -463,6 +472,11 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
         module = part  # what trains: the part itself, or its data-parallel wrapper
         # 3. Activation checkpointing, per block as the plan says.
         apply_ac(part, plan)
+        # 3b. torch.compile per block (the script's --compile), after AC and before data parallelism, as torchtitan
+        #     does; in place, so parameter and checkpoint names do not change.
+        if plan["compile"]:
+            for block in block_list(part, plan):
+                block.compile(backend=plan["compile"])
         # 5. Data parallel, wrapping what the steps above built: DDP with a comm hook (ZeRO 0, and ZeRO 1 whose
         #    optimizer state `build_optimizer` shards), or FSDP2 for ZeRO 2/3.
         module = apply_fsdp(part, plan, mesh["dp"])
@@ -1005,7 +1019,20 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=0, help="save every K steps (and at the end)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     parser.add_argument("--stop-after", type=int, help="end this launch after N steps (resume later with --resume)")
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=PLAN["compile"],
+        metavar="BACKEND",
+        help="torch.compile each block (default backend inductor; not priced by the plan's cost model)",
+    )
     args = parser.parse_args()
+    if args.compile and args.compile not in torch.compiler.list_backends(exclude_tags=()):
+        parser.error(
+            f"--compile {args.compile}: not a torch.compile backend; choose one of "
+            f"{', '.join(torch.compiler.list_backends(exclude_tags=()))}"
+        )
     if args.steps < 1 or args.lr <= 0 or args.clip_norm < 0 or (args.warmup_steps or 0) < 0 or args.save_every < 0:
         parser.error("--steps and --lr must be > 0; --warmup-steps, --clip-norm and --save-every ≥ 0")
     if (args.resume or args.save_every) and not args.checkpoint_dir:
@@ -1014,7 +1041,7 @@ def main() -> None:
         parser.error(f"--data {args.data}: no such file")
     DATA, DATA_DTYPE = args.data, args.data_dtype
     warmup = args.steps // 10 if args.warmup_steps is None else args.warmup_steps
-    PLAN.update(lr=args.lr, warmup_steps=warmup, clip_norm=args.clip_norm)
+    PLAN.update(lr=args.lr, warmup_steps=warmup, clip_norm=args.clip_norm, compile=args.compile)
     train(
         args.steps,
         checkpoint_dir=args.checkpoint_dir,
