@@ -564,7 +564,7 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
     )
 
 
-_CLUSTER_KEYS = ("name", "device", "gpus_per_node", "nodes", "intra", "inter")
+_CLUSTER_KEYS = ("name", "device", "gpus_per_node", "nodes", "intra", "inter", "memory_fraction")
 
 
 def parse_cluster_yaml(text: str, origin: str = "<string>") -> Cluster:
@@ -586,7 +586,15 @@ def parse_cluster_yaml(text: str, origin: str = "<string>") -> Cluster:
         nodes=_get(ctx, data, "nodes", int),
         intra=_parse_link(ctx, "intra", _get(ctx, data, "intra", dict), default_name="intra-node"),
         inter=_parse_link(ctx, "inter", _get(ctx, data, "inter", dict), default_name="inter-node"),
+        memory_fraction=_fraction(ctx, _get(ctx, data, "memory_fraction", float, default=Cluster.memory_fraction)),
     )
+
+
+def _fraction(ctx: _Ctx, value: float) -> float:
+    if not 0.0 < value <= 1.0:
+        raise ctx.error(f"memory_fraction must be in (0, 1] (the share of each device's memory a plan may fill), "
+                        f"got {value!r}")
+    return value
 
 
 # --- Dumping -----------------------------------------------------------------------------------------------------
@@ -639,5 +647,6 @@ def dump_cluster(cluster: Cluster) -> str:
         "nodes": cluster.nodes,
         "intra": _dump_link(cluster.intra),
         "inter": _dump_link(cluster.inter),
+        "memory_fraction": cluster.memory_fraction,
     }
     return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=120)

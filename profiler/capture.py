@@ -200,6 +200,9 @@ def _trace(model: torch.nn.Module, example_inputs: tuple, stack: _ModuleStack):
         mapping = {}
         for spec in ep.graph_signature.input_specs:
             mapping[spec.arg.name] = (spec.kind.name, spec.target)
+        # tensors the forward creates (Falcon's attention: torch.tensor(...)) are lifted into the program's
+        # constants, not attributes of its graph module: the replay reads them from here
+        ep.graph_module._autopar_constants = dict(ep.constants)
         return ep.graph_module, "export", mapping
     try:
         gm = torch.fx.symbolic_trace(model)
@@ -319,7 +322,8 @@ class _Replay:
                 if kind == "PARAMETER":
                     self.param_of[node] = self.canonical.get(target, target)
             elif kind in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR"):
-                const = getattr(self.gm, target) if hasattr(self.gm, target) else None
+                const = getattr(self.gm, target) if hasattr(self.gm, target) else \
+                    getattr(self.gm, "_autopar_constants", {}).get(target)
                 self.env[node] = _to_fake(const, self.mode) if isinstance(const, torch.Tensor) else const
             else:
                 self.env[node] = next(user_inputs)
@@ -349,7 +353,15 @@ class _Replay:
                     if node.target in self.canonical:
                         self.param_of[node] = self.canonical[node.target]
                 elif node.op in ("call_function", "call_method", "call_module"):
-                    out_nodes.append(self._run_node(node))
+                    try:
+                        out_nodes.append(self._run_node(node))
+                    except Exception as exc:  # noqa: BLE001 - named with where it came from, in one line
+                        path, cls = self._module_of(node)
+                        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                        raise CaptureError(
+                            f"cannot replay {node.target} from {path or 'the model'} ({cls}) on fake tensors: "
+                            f"{why}; write that part with standard torch operators in a file.py:factory model, "
+                            "or report it to autopar") from exc
         return out_nodes
 
     def _module_of(self, node: torch.fx.Node) -> tuple[str, str]:

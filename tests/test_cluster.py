@@ -140,6 +140,27 @@ def test_yaml_file_loads_with_units_converted(tmp_path):
     assert load_cluster(f"{path}:nodes=2").nodes == 2
 
 
+def test_memory_fraction_from_the_cluster_file(tmp_path):
+    """A cluster file's memory_fraction sets the plan's budget; `autopar plan` keeps it unless --memory-fraction
+    says otherwise; dumped and read back unchanged."""
+    import subprocess
+    import sys
+
+    assert load_cluster("dgx-h100").memory_fraction == 0.90
+    path = tmp_path / "cluster.yaml"
+    path.write_text(GOOD_YAML + "memory_fraction: 0.8\n")
+    c = load_cluster(str(path))
+    assert c.memory_fraction == 0.8 and c.memory_budget_bytes == 0.8 * c.device.memory_bytes
+    assert parse_cluster_yaml(dump_cluster(c)) == c
+    job = [sys.executable, "-m", "planner", "plan", "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=32", "--cluster",
+           f"{path}:nodes=1", "--global-batch", "8", "--check", "off"]
+    out = subprocess.run(job, capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "(80% of" in out, out
+    out = subprocess.run([*job, "--memory-fraction", "0.7"], capture_output=True, text=True, timeout=300,
+                         check=True).stdout
+    assert "(70% of" in out, out
+
+
 @pytest.mark.parametrize("name", GPU_PRESETS)
 def test_presets_round_trip(name):
     c = load_cluster(f"{name}:nodes=3")
@@ -211,6 +232,8 @@ def _edit(text: str, old: str, new: str) -> str:
     ("inter: {bw_GBps: 48, latency_us: 8}", "inter: {bw_GBps: 48, latency_us: 8, by_kind: {all_reduce: "
      "{size_curve: {sizes_KiB: 4, factor: [1]}}}}",
      "cluster.yaml: inter.by_kind.all_reduce.size_curve.sizes_KiB must be a non-empty list of positive numbers"),
+    ("nodes: 4", "nodes: 4\nmemory_fraction: 1.5", "cluster.yaml: memory_fraction must be in (0, 1]"),
+    ("nodes: 4", "nodes: 4\nmemory_fraction: high", "cluster.yaml: memory_fraction must be a positive number"),
 ])
 def test_bad_yaml_fields_are_named(old, new, message):
     with pytest.raises(ValueError) as info:

@@ -9,6 +9,7 @@
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -213,3 +214,34 @@ def test_hugging_face_layers_that_differ_by_index_are_not_folded(spec, folds):
     if folded is not None:
         assert folded.config.num_hidden_layers == 3
         assert len(getattr(folded.config, "layer_types", None) or [0] * 3) == 3
+
+
+def test_a_replay_failure_is_one_line_naming_the_module(monkeypatch):
+    """An operator the fake-tensor replay cannot run (as Falcon's lifted constants could not) is a CaptureError of
+    one line naming the operator, the module it came from and a way out; not a raw torch error."""
+    from profiler import capture as cap
+
+    callable_of = cap._Replay._callable
+
+    def failing(self, node):
+        if self._module_of(node)[0].startswith("layers.1.") and node.op == "call_function":
+            def boom(*args, **kwargs):
+                raise RuntimeError("Expected a proper Tensor but got None\nC++ frames …")
+            return boom
+        return callable_of(self, node)
+
+    monkeypatch.setattr(cap._Replay, "_callable", failing)
+    with pytest.raises(cap.CaptureError) as err:
+        profile_model("gpt:layers=2,hidden=64,heads=4,vocab=128,seq=32", fold=False)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("cannot replay ") and " from layers.1." in message
+    assert "Expected a proper Tensor but got None;" in message and "file.py:factory" in message
+
+
+def test_lifted_constants_replay():
+    """Falcon-7B's attention builds a tensor in its forward, which export lifts into the program's constants: it is
+    captured, and its parameter count is the published 6,921,720,704 (tests/data/hf_configs/falcon-7b.json)."""
+    config = Path(__file__).parent / "data" / "hf_configs" / "falcon-7b.json"
+    lg = profile_model(f"hf:{config}:seq=64,num_hidden_layers=2", fold=False)
+    per_block = (4544 * (4544 + 2 * 64) + 4544 * 4544 + 2 * 4544 * 4 * 4544 + 2 * 4544)
+    assert lg.model.num_params == 65024 * 4544 + 2 * per_block + 2 * 4544  # embedding tied to the head, final norm

@@ -17,9 +17,9 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
                         "world size)")
     p.add_argument("--seq-len", type=positive_int, help="sequence length (default: the model's)")
     p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
-    p.add_argument("--memory-fraction", type=fraction, default=0.90,
-                   help="share of each device's memory a plan may fill (default 0.90: the rest is headroom for what "
-                        "the memory model leaves out, e.g. NCCL buffers)")
+    p.add_argument("--memory-fraction", type=fraction,
+                   help="share of each device's memory a plan may fill (default: the cluster file's memory_fraction, "
+                        "else 0.90; the rest is headroom for what the memory model leaves out, e.g. NCCL buffers)")
 
 
 def load_job(args):
@@ -29,7 +29,9 @@ def load_job(args):
     from costmodel.cluster import load_cluster
     from profiler.api import profile_model
 
-    cluster = replace(load_cluster(args.cluster), memory_fraction=args.memory_fraction)
+    cluster = load_cluster(args.cluster)
+    if args.memory_fraction is not None:
+        cluster = replace(cluster, memory_fraction=args.memory_fraction)
     lg = profile_model(args.model, seq=args.seq_len)
     return lg, cluster
 
