@@ -521,7 +521,7 @@ def _parse_curve(ctx: _Ctx, where: str, data: Mapping[str, Any]) -> SizeCurve:
 
 
 _DEVICE_KEYS = ("name", "peak_tflops", "memory_GiB", "memory_GB", "hbm_bw_GBps", "matmul_eff", "memory_eff",
-                "source")
+                "attention_eff", "fp8_eff", "overlap_slowdown", "source")
 
 
 def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
@@ -551,8 +551,13 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
         curve = EfficiencyCurve(e_max=e_max, f_half=_get(ctx, eff, "f_half_gflop", float, "device.matmul_eff") * GB,
                                 source=str(eff.get("source", f"from {ctx.origin}")))
     memory_eff = _get(ctx, value, "memory_eff", float, "device", default=0.8)
-    if memory_eff > 1:
-        raise ctx.error(f"device.memory_eff must be in (0, 1], got {memory_eff!r}")
+    effs = {key: _get(ctx, value, key, float, "device", default=1.0) for key in ("attention_eff", "fp8_eff")}
+    for key, eff in (("memory_eff", memory_eff), *effs.items()):
+        if eff > 1:
+            raise ctx.error(f"device.{key} must be in (0, 1], got {eff!r}")
+    slowdown = value.get("overlap_slowdown", 0.0)
+    if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not 0 <= slowdown < 1:
+        raise ctx.error(f"device.overlap_slowdown must be a number in [0, 1), got {slowdown!r}")
     return DeviceSpec(
         name=_get(ctx, value, "name", str, "device"),
         peak_flops={d: _get(ctx, peaks, d, float, "device.peak_tflops") * 1e12 for d in peaks},
@@ -560,7 +565,9 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
         hbm_bw=_get(ctx, value, "hbm_bw_GBps", float, "device") * GB,
         matmul_eff=curve,
         memory_eff=memory_eff,
+        overlap_slowdown=float(slowdown),
         source=str(value.get("source", f"from {ctx.origin}")),
+        **effs,
     )
 
 
@@ -634,6 +641,9 @@ def _dump_device(device: DeviceSpec) -> str | dict[str, Any]:
         "matmul_eff": {"e_max": device.matmul_eff.e_max, "f_half_gflop": _round12(device.matmul_eff.f_half / GB),
                        "source": device.matmul_eff.source},
         "memory_eff": device.memory_eff,
+        "attention_eff": device.attention_eff,
+        "fp8_eff": device.fp8_eff,
+        "overlap_slowdown": device.overlap_slowdown,
         "source": device.source,
     }
 

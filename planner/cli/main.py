@@ -108,9 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("clusters", help="list cluster presets").set_defaults(func=cmd_clusters)
 
     # the commands that need the cost model and planner register themselves (imported lazily where they run)
-    from planner.cli import check, inspect, plan, validate
+    from planner.cli import calibrate, check, inspect, plan, validate
 
-    for module in (plan, inspect, validate, check):
+    for module in (plan, inspect, validate, check, calibrate):
         module.register(sub)
     return p
 
