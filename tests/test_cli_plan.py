@@ -73,3 +73,23 @@ def test_compression_policy_default_is_none_and_the_summary_names_a_lossy_choice
     assert compression_note("none", "none") == ""
     assert "lossy" in compression_note("powersgd-4", "none") and "1000" in compression_note("powersgd-4", "none")
     assert "bf16" in compression_note("bf16", "none") and "pipeline" in compression_note("none", "bf16")
+
+
+def test_baseline_is_predicted_beside_the_plan(capsys):
+    """--baseline: the user's configuration predicted on the same job (dp fills the cluster), with the plan's
+    speedup over it; equal to `autopar estimate` of that configuration, and ≥ 1 (the search's space contains it)."""
+    job = ["gpt-small", "--cluster", "dgx-a100-80g", "--global-batch", "32", "--check", "off"]
+    assert main(["plan", *job, "--baseline", "tp=2,mbs=2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    base = out["baseline"]
+    assert base["config"]["dp"] == 4 and base["config"]["tp"] == 2 and base["config"]["mbs"] == 2
+    assert base["speedup"] == pytest.approx(base["predicted"]["step_time_s"] / out["predicted"]["step_time_s"])
+    assert base["speedup"] >= 1 - 1e-9 or not base["predicted"]["fits"]
+    assert main(["estimate", "gpt-small", "--cluster", "dgx-a100-80g", "--global-batch", "32", "--config",
+                 "dp=4,tp=2,mbs=2", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert base["predicted"]["step_time_s"] == pytest.approx(est["step_time_s"])
+    assert main(["plan", *job, "--baseline", "tp=2,mbs=2"]) == 0
+    assert "baseline tp=2,mbs=2: " in capsys.readouterr().out
+    assert main(["plan", *job, "--baseline", "tp=3"]) == 2
+    assert "--baseline tp=3: tp·pp = 3 does not divide the cluster's 8 GPUs" in capsys.readouterr().err

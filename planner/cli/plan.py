@@ -107,6 +107,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = search(lg, cluster, gb, fix=fix, top_k=args.top_k, time_limit=args.time_limit, measured=measured,
                     compress=args.compress)
     plan = make_plan(lg, cluster, gb, result, model=args.model, cluster_spec=args.cluster)
+    baseline = _baseline(args.baseline, lg, cluster, gb, plan.predicted["step_time_s"]) if args.baseline else None
     plan, check_note = _maybe_check(plan, args.check, tracers)
     script = None
     if args.emit:  # emit first: a plan the emitter refuses leaves no file behind
@@ -122,7 +123,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print_json({"predicted": d["predicted"], "config": d["config"], "stages": d["stages"],
                      "solver": d["solver"], "alternatives": d["alternatives"], "layers": d["layers"],
                      "global_batch": gb, "seq": plan.seq, "model": args.model, "cluster": args.cluster,
-                     "traced": plan.traced, "check": check_note})
+                     "traced": plan.traced, "check": check_note}
+                   | ({"baseline": baseline} if baseline else {}))
         return 0
     p, c = plan.predicted, plan.config
     print(f"{args.model} on {args.cluster} ({cluster.world_size} GPUs), global batch {gb}: "
@@ -148,9 +150,47 @@ def cmd_plan(args: argparse.Namespace) -> int:
         differs = " ".join(f"{k}={ac[k]}" for k in ac if ac[k] != winner.get(k)) or "same configuration"
         print(f"  alternative {differs} (winner's otherwise): {a['predicted']['step_time_s']:.4g} s "
               f"(lost by {a['lost_by']} +{a['lost_by_s']:.3g} s)")
+    if baseline:
+        b = baseline["predicted"]
+        parts = ", ".join(f"{k} {v:.3g}" for k, v in b["breakdown_s"].items() if v > 0)
+        fits = "fits" if b["fits"] else f"DOES NOT FIT the {cluster.memory_budget_bytes / 2**30:.1f} GiB budget"
+        print(f"  baseline {baseline['given']}: {b['step_time_s']:.4g} s ({parts}); peak "
+              f"{b['memory_per_gpu_bytes']['peak'] / 2**30:.2f} GiB, {fits}{baseline['runs']}; this plan is "
+              f"{baseline['speedup']:.2f}× its speed")
     if args.out:
         print(f"wrote {args.out}")
     return 0
+
+
+def _baseline(text: str, lg, cluster, gb: int, plan_step_s: float) -> dict:
+    """The user's current configuration, predicted on the same job (shared/DESIGN.md: ``baseline`` {config,
+    predicted, speedup}); dp fills the cluster when not given."""
+    from costmodel.config import ParallelConfig, parse_kv
+    from costmodel.estimate import estimate
+    from costmodel.runnable import problems
+    from planner.cli.common import UsageError
+
+    given = parse_kv(text, what="--baseline")
+    keys = dict(given)
+    if "dp" not in keys:
+        rest = keys.get("tp", 1) * keys.get("pp", 1) * keys.get("cp", 1)
+        if cluster.world_size % rest:
+            raise UsageError(f"--baseline {text}: tp·pp = {rest} does not divide the cluster's "
+                             f"{cluster.world_size} GPUs")
+        keys["dp"] = cluster.world_size // rest
+    try:
+        cfg = ParallelConfig(**keys)
+    except ValueError as exc:
+        raise UsageError(f"--baseline {text}: {exc}") from None
+    if cfg.world != cluster.world_size:
+        raise UsageError(f"--baseline {text}: dp·tp·pp = {cfg.world} GPUs, the cluster has {cluster.world_size}")
+    if gb % (cfg.dp * cfg.mbs):
+        raise UsageError(f"--baseline {text}: global batch {gb} is not a multiple of dp·mbs = {cfg.dp}·{cfg.mbs}")
+    est = estimate(lg, cluster, cfg, gb)
+    why = problems(cfg.runnable_facts(gb, arch=lg.model.arch, seq=lg.model.seq))
+    return {"config": cfg.to_dict(), "given": text, "predicted": est.to_json(),
+            "speedup": est.step_time_s / plan_step_s,
+            "runs": f" (autopar's runtime would refuse it: {why[0]})" if why else ""}
 
 
 #: `--check auto` traces the winner when what `planner.check.conformance.check_work` counts (blocks × micro-batches
@@ -198,6 +238,9 @@ def register(sub) -> None:
             action.help = "sequences per optimizer step (default: 8 per GPU, i.e. 8 × the cluster's GPUs)"
     pl.add_argument("--fix", help="pin configuration keys, k=v,… e.g. tp=8,pp=4 (any --config key)")
     pl.add_argument("--top-k", type=count, default=3, help="alternatives to keep (default 3)")
+    pl.add_argument("--baseline", metavar="k=v,…",
+                    help="your current configuration (e.g. tp=8,pp=4,mbs=1,ac=selective; dp fills the cluster): "
+                         "predicted on the same job, with the plan's speedup over it")
     pl.add_argument("--compress", choices=list(COMPRESSION_POLICIES), default="none",
                     help="compressions the search may choose: none (default; nothing that changes the numbers), "
                          "low-precision (16-bit gradient reduction, bf16 pipeline boundaries), lossy (also "
