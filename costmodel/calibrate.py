@@ -15,7 +15,8 @@ model, cluster, configuration, measured result). Rows used:
 
 One set of constants per device *kind* (``a100``: 40 and 80 GB; ``h100``), never per row: the matmul efficiency
 curve (``e_max``, ``f_half``), the memory-bound efficiency, the fused-attention efficiency, the fp8 efficiency
-(only where the kind has fp8 rows) and the overlap slowdown. The fit minimises the mean
+(only where the kind has fp8 rows) and the overlap slowdown. A faster kind's matmul curve is held at or above a
+slower kind's achieved FLOP/s at every GEMM size (`matmul_floor`). The fit minimises the mean
 absolute relative error of the step time over the kind's rows (Nelder-Mead on bounded, transformed parameters),
 each source weighted equally. Korthikanti Table 4 (per-layer forward/backward of the 22B model) is predicted, not
 fitted, and printed as a check.
@@ -37,7 +38,7 @@ import yaml
 from costmodel.cluster import Cluster, load_cluster
 from costmodel.config import AC, ParallelConfig, Schedule
 from costmodel.estimate import Evaluator
-from costmodel.hardware import FITTED_FILE, EfficiencyCurve
+from costmodel.hardware import FITTED_FILE, EfficiencyCurve, fitted_constants
 
 DATA = Path(__file__).parent / "data" / "published_runs.json"
 KIND_OF_GPU = {"a100_40gb": "a100", "a100_80gb": "a100", "h100_80gb": "h100"}
@@ -141,26 +142,62 @@ def _error(rows: list[Row], k: Constants) -> float:
     return sum(sum(v) / len(v) for v in by_source.values()) / len(by_source)
 
 
-def _unpack(x) -> Constants:
+def _unpack(x, floor: tuple[Constants, float, float] | None = None) -> Constants:
+    """Constants from the optimiser's unbounded parameters. ``floor`` = (a slower kind's constants, this kind's bf16
+    peak over that kind's, its HBM bandwidth over that kind's): each constant is kept where this kind is at least
+    as fast as the slower one on every operation (`matmul_floor`)."""
     sig = lambda v: 1 / (1 + math.exp(-v))  # noqa: E731
-    return Constants(e_max=0.3 + 0.7 * sig(x[0]), f_half=math.exp(x[1]), memory_eff=0.2 + 0.8 * sig(x[2]),
-                     overlap_slowdown=0.5 * sig(x[3]), attention_eff=0.2 + 0.8 * sig(x[4]),
+    e_max = 0.3 + 0.7 * sig(x[0])
+    if floor is None:
+        return Constants(e_max=e_max, f_half=math.exp(x[1]), memory_eff=0.2 + 0.8 * sig(x[2]),
+                         overlap_slowdown=0.5 * sig(x[3]), attention_eff=0.2 + 0.8 * sig(x[4]),
+                         fp8_eff=0.2 + 0.8 * sig(x[5]) if len(x) > 5 else 1.0)
+    slower, peak_ratio, hbm_ratio = floor
+    f_half = matmul_floor(e_max, slower, peak_ratio) * sig(x[1])
+    # the smallest ratio of this kind's GEMM rate to the slower kind's, over all sizes (≥ 1 by the floor above)
+    gemm = min(peak_ratio * e_max / slower.e_max, peak_ratio * e_max * slower.f_half / (slower.e_max * f_half))
+    low = lambda lo, hi, v: lo + (hi - lo) * sig(v)  # noqa: E731
+    memory_lo = max(0.2, min(1.0, slower.memory_eff / hbm_ratio))
+    attention_lo = max(0.2, min(1.0, slower.attention_eff / gemm))  # fused attention runs at the GEMM rate × this
+    slowdown_hi = min(0.5, (1 + slower.overlap_slowdown) * gemm - 1)  # overlapped compute: (1 + slowdown) × time
+    return Constants(e_max=e_max, f_half=f_half, memory_eff=low(memory_lo, 1.0, x[2]),
+                     overlap_slowdown=low(0.0, slowdown_hi, x[3]), attention_eff=low(attention_lo, 1.0, x[4]),
                      fp8_eff=0.2 + 0.8 * sig(x[5]) if len(x) > 5 else 1.0)
 
 
-def fit(rows: list[Row]) -> tuple[Constants, float]:
-    """Nelder-Mead over the kind's constants (fp8_eff only where the kind has fp8 rows)."""
+def matmul_floor(e_max: float, slower: Constants, peak_ratio: float) -> float:
+    """The largest ``f_half`` for which a device ``peak_ratio`` times as fast as a slower kind (bf16 peak), with
+    matmul efficiency ``e_max``·f/(f + f_half), achieves at least the slower kind's FLOP/s at every GEMM size f.
+
+    The ratio of the two achieved rates, peak_ratio·e_max·(f + f_s) / (e_s·(f + f_half)), is monotonic in f, so
+    it is smallest at one end: f → ∞ needs peak_ratio·e_max ≥ e_s, f → 0 needs
+    f_half ≤ f_s·peak_ratio·e_max / e_s (the bound returned). Fitted without it on FSDP runs alone (no small TP
+    GEMMs), the H100 curve had f_half 1.8e11 FLOP: a 2048³ GEMM at 57 TFLOP/s against the A100's 140. The other
+    constants are bounded the same way in `_unpack` (memory-bound ops at the HBM ratio, fused attention at the
+    GEMM ratio's minimum, the overlap slowdown no larger than what that minimum absorbs)."""
+    return slower.f_half * peak_ratio * e_max / slower.e_max
+
+
+def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None) -> tuple[Constants, float]:
+    """Nelder-Mead over the kind's constants (fp8_eff only where the kind has fp8 rows); ``floor``: see `_unpack`."""
     from scipy.optimize import minimize
 
     has_fp8 = any(r.config.precision == "fp8" for r in rows)
     best = None
-    for f_half0 in (2e9, 2e10, 2e11):  # a few fixed starts: the surface has shallow local minima
-        x0 = [1.0, math.log(f_half0), 1.0, -2.0, 1.0] + ([0.0] if has_fp8 else [])
-        res = minimize(lambda x: _error(rows, _unpack(x)), x0, method="Nelder-Mead",
+    # a few fixed starts: the surface has shallow local minima (under a floor, f_half starts at fractions of it)
+    starts = (math.log(2e9), math.log(2e10), math.log(2e11)) if floor is None else (-2.0, 0.0, 2.0)
+    for f_half0 in starts:
+        x0 = [1.0, f_half0, 1.0, -2.0, 1.0] + ([0.0] if has_fp8 else [])
+        res = minimize(lambda x: _error(rows, _unpack(x, floor)), x0, method="Nelder-Mead",
                        options={"maxiter": 400, "xatol": 1e-3, "fatol": 1e-5})
         if best is None or res.fun < best.fun:
             best = res
-    return _unpack(best.x), float(best.fun)
+    return _unpack(best.x, floor), float(best.fun)
+
+
+#: device kinds in increasing bf16 peak, each with a catalogue device: a faster kind's curve is kept above the
+#: slower kinds' (`matmul_floor`), so that no job is predicted slower on the faster device
+KIND_ORDER = (("a100", "a100-80g"), ("h100", "h100-sxm"))
 
 
 def write_fitted(fits: dict[str, tuple[Constants, float, list[Row]]]) -> None:
@@ -168,12 +205,14 @@ def write_fitted(fits: dict[str, tuple[Constants, float, list[Row]]]) -> None:
     today = _dt.date.today().isoformat()
     for kind, (k, err, rows) in sorted(fits.items()):
         srcs = sorted({r.source for r in rows})
+        source = err if isinstance(err, str) else (
+            f"fitted {today} by python -m costmodel.calibrate on {len(rows)} published runs ({', '.join(srcs)}); "
+            f"mean abs error {err:.1%}")
         out[kind] = {
             "matmul_e_max": round(k.e_max, 4), "matmul_f_half": float(f"{k.f_half:.4g}"),
             "memory_eff": round(k.memory_eff, 4), "overlap_slowdown": round(k.overlap_slowdown, 4),
             "attention_eff": round(k.attention_eff, 4), "fp8_eff": round(k.fp8_eff, 4),
-            "source": f"fitted {today} by python -m costmodel.calibrate on {len(rows)} published runs "
-                      f"({', '.join(srcs)}); mean abs error {err:.1%}",
+            "source": source,
         }
     text = "# Written by `python -m costmodel.calibrate`; one set of constants per device kind.\n"
     FITTED_FILE.write_text(text + yaml.safe_dump(out, sort_keys=True))
@@ -225,17 +264,45 @@ def table4(file=sys.stdout) -> list[tuple[str, float, float, float, float]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m costmodel.calibrate", description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="do not fit; report with the constants in fitted.yaml")
+    ap.add_argument("--only", help="refit this device kind only; the others keep fitted.yaml's constants")
     args = ap.parse_args(argv)
     rows = load_rows()
     if not args.check:
+        from costmodel.hardware import get_device
+
         fits = {}
-        for kind in sorted({r.kind for r in rows}):
+        kinds = {r.kind for r in rows}
+        for i, (kind, device) in enumerate(KIND_ORDER):
+            if kind not in kinds:
+                continue
             kr = [r for r in rows if r.kind == kind]
-            k, err = fit(kr)
+            if args.only and kind != args.only:
+                kept = fitted_constants(kind)
+                k = Constants(e_max=kept["matmul_e_max"], f_half=kept["matmul_f_half"], memory_eff=kept["memory_eff"],
+                              overlap_slowdown=kept["overlap_slowdown"], attention_eff=kept["attention_eff"],
+                              fp8_eff=kept["fp8_eff"])
+                fits[kind] = (k, kept["source"], kr)
+                continue
+            dev = get_device(device)
+            slower = [(fits[s][0], dev.peak("bf16") / get_device(d).peak("bf16"), dev.hbm_bw / get_device(d).hbm_bw)
+                      for s, d in KIND_ORDER[:i] if s in fits]
+            # the binding floor: the slower kind whose bound on f_half is tightest (at this kind's prior e_max)
+            floor = min(slower, key=lambda f: matmul_floor(0.7, f[0], f[1])) if slower else None
+            k, err = fit(kr, floor)
+            print(f"{kind}: objective {err:.2%}", flush=True)
+            if floor is not None:
+                srcs = ", ".join(sorted({r.source for r in kr}))
+                err = (f"fitted {_dt.date.today().isoformat()} by python -m costmodel.calibrate on {len(kr)} published "
+                       f"runs ({srcs}); mean abs error {err:.1%}; matmul curve kept at or above the slower kinds' "
+                       "achieved FLOP/s at every GEMM size (calibrate.matmul_floor)")
             fits[kind] = (k, err, kr)
+        for kind in sorted(kinds - {k for k, _ in KIND_ORDER}):  # a kind without a place in the order: no floor
+            kr = [r for r in rows if r.kind == kind]
+            fits[kind] = (*fit(kr), kr)
+        for kind, (k, err, _) in fits.items():
             print(f"{kind}: e_max {k.e_max:.3f}, f_half {k.f_half:.3g} FLOP, memory_eff {k.memory_eff:.3f}, "
                   f"overlap_slowdown {k.overlap_slowdown:.3f}, attention_eff {k.attention_eff:.3f}, "
-                  f"fp8_eff {k.fp8_eff:.3f}; objective {err:.2%}")
+                  f"fp8_eff {k.fp8_eff:.3f}; " + (f"objective {err:.2%}" if isinstance(err, float) else "kept"))
         write_fitted(fits)
         # the catalog reads fitted.yaml when a device is first built: rebuild the clusters
         from costmodel import hardware

@@ -56,3 +56,30 @@ def test_korthikanti_table4_layer_times():
     for rid, fwd_pub, fwd, bwd_pub, bwd in rows:
         assert fwd == pytest.approx(fwd_pub, rel=0.15), rid
         assert bwd == pytest.approx(bwd_pub, rel=0.15), rid
+
+
+def test_no_job_is_predicted_slower_on_an_h100_than_on_an_a100():
+    """Physical plausibility of the fitted constants (issue 15): at the same precision an H100 reaches at least an
+    A100's FLOP/s on every GEMM size, memory-bound op and fused attention, and so every job below (small and large
+    GEMMs, tensor and pipeline parallel, recomputation) is predicted at least as fast on a DGX-H100 as on a DGX-A100.
+    The constants fitted without a floor failed it: a 2048³ GEMM at 57 TFLOP/s on the H100, 140 on the A100."""
+    from costmodel.cluster import load_cluster
+    from costmodel.config import ParallelConfig, parse_kv
+    from costmodel.estimate import estimate
+    from costmodel.hardware import get_device
+    from profiler.api import profile_model
+
+    a, h = get_device("a100-80g"), get_device("h100-sxm")
+    for exp in range(12, 61):  # 4 kFLOP … 1 EFLOP per GEMM
+        f = 2.0 ** exp
+        assert h.peak("bf16") * h.matmul_eff(f) >= a.peak("bf16") * a.matmul_eff(f), f
+    assert h.hbm_bw * h.memory_eff >= a.hbm_bw * a.memory_eff
+    assert h.peak("bf16") * h.attention_eff >= a.peak("bf16") * a.attention_eff
+    for model, gb, configs in (("gpt-small", 64, ("dp=8", "tp=8", "dp=2,tp=2,pp=2,mbs=2", "dp=8,zero=3,ac=full")),
+                               ("llama3-8b", 32, ("dp=8,zero=3", "tp=4,dp=2,sp=on,ac=selective"))):
+        lg = profile_model(model)
+        for text in configs:
+            cfg = ParallelConfig(**parse_kv(text))
+            fast = estimate(lg, load_cluster("dgx-h100"), cfg, gb).step_time_s
+            slow = estimate(lg, load_cluster("dgx-a100-80g"), cfg, gb).step_time_s
+            assert fast <= slow, (model, text, fast, slow)
