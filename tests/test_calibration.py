@@ -75,8 +75,8 @@ def test_no_job_is_predicted_slower_on_an_h100_than_on_an_a100():
         assert h.peak("bf16") * h.matmul_eff(f) >= a.peak("bf16") * a.matmul_eff(f), f
     assert h.hbm_bw * h.memory_eff >= a.hbm_bw * a.memory_eff
     assert h.peak("bf16") * h.attention_eff >= a.peak("bf16") * a.attention_eff
-    for model, gb, configs in (("gpt-small", 64, ("dp=8", "tp=8", "dp=2,tp=2,pp=2,mbs=2", "dp=8,zero=3,ac=full")),
-                               ("llama3-8b", 32, ("dp=8,zero=3", "tp=4,dp=2,sp=on,ac=selective"))):
+    for model, gb, configs in (("gpt-small", 64, ("dp=8", "tp=8", "dp=2,tp=2,pp=2,mbs=2", "dp=8,zero=3,ac=full",
+                                                  "tp=4,dp=2,sp=on,ac=selective")),):
         lg = profile_model(model)
         for text in configs:
             cfg = ParallelConfig(**parse_kv(text))

@@ -140,25 +140,23 @@ def test_yaml_file_loads_with_units_converted(tmp_path):
     assert load_cluster(f"{path}:nodes=2").nodes == 2
 
 
-def test_memory_fraction_from_the_cluster_file(tmp_path):
+def test_memory_fraction_from_the_cluster_file(tmp_path, capsys):
     """A cluster file's memory_fraction sets the plan's budget; `autopar plan` keeps it unless --memory-fraction
     says otherwise; dumped and read back unchanged."""
-    import subprocess
-    import sys
-
     assert load_cluster("dgx-h100").memory_fraction == 0.90
     path = tmp_path / "cluster.yaml"
     path.write_text(GOOD_YAML + "memory_fraction: 0.8\n")
     c = load_cluster(str(path))
     assert c.memory_fraction == 0.8 and c.memory_budget_bytes == 0.8 * c.device.memory_bytes
     assert parse_cluster_yaml(dump_cluster(c)) == c
-    job = [sys.executable, "-m", "planner", "plan", "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=32", "--cluster",
-           f"{path}:nodes=1", "--global-batch", "8", "--check", "off"]
-    out = subprocess.run(job, capture_output=True, text=True, timeout=300, check=True).stdout
-    assert "(80% of" in out, out
-    out = subprocess.run([*job, "--memory-fraction", "0.7"], capture_output=True, text=True, timeout=300,
-                         check=True).stdout
-    assert "(70% of" in out, out
+    from planner.cli.main import main
+
+    job = ["plan", "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=32", "--cluster", f"{path}:nodes=1",
+           "--global-batch", "8", "--check", "off"]
+    assert main(job) == 0
+    assert "(80% of" in capsys.readouterr().out
+    assert main([*job, "--memory-fraction", "0.7"]) == 0
+    assert "(70% of" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", GPU_PRESETS)
