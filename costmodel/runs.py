@@ -149,9 +149,10 @@ def _with(cluster: Cluster, values: dict, source: str) -> Cluster:
 
 def predict(run: Run, device_from: Cluster) -> float:
     """The run's predicted step time on its own cluster, with ``device_from``'s device (the constants)."""
+    from costmodel.calibrate import _cluster  # a measured run's cluster (whole-card memory), parsed once per spec
     from costmodel.estimate import Evaluator
 
-    own = dataclasses.replace(load_cluster(run.cluster), device=device_from.device, memory_fraction=1.0)
+    own = dataclasses.replace(_cluster(run.cluster), device=device_from.device)
     return Evaluator(_graph(run.model, run.seq_len), own, run.config, run.global_batch).evaluate().step_time_s
 
 
