@@ -12,6 +12,10 @@ elements) grows by the same amount with each block a run holds. So does the memo
   trace ``B_j`` gives the ``j``-th run of each rank that is longer one block more; each block keeps its run's
   choices;
 - a figure ``f`` at the real depth is ``A + Σ_j (L_j − FOLD_BLOCKS) · (B_j − A)``;
+- one count is not linear in the depth: the data-parallel reduction's gradient buckets (DDP's, and the runtime's
+  post-step ones, `planner.emit.train.allreduce_grads`) close at a byte cap, not at a block's end, so their number
+  at the real depth can differ from the extrapolated one by the buckets a boundary moves across (its bytes are
+  exact, and the cost model prices the reduction by its bytes);
 - the peak is the highest place, each place on its own line: where a rank peaks can move with the depth (at three
   blocks the head's backward, with a big vocabulary, at eighty the first block's, with every gradient). A place in
   a block is named by the block's run and its position from the run's nearer end (`_places`);

@@ -389,8 +389,10 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         with fake:  # the optimizer state a steady-state step holds (AdamW creates it at its first step)
             _create_optimizer_state(par, optimizer)
         tracker = _CategoryPeaks(config["block_container"])
-        real = [t for m in par.modules for t in [*m.parameters(), *m.buffers()]
-                if not isinstance(t, (DTensor, FakeTensor)) and not t.is_meta]
+        # (a DTensor's local shard is real too where the part is not all DTensors: tensor parallelism without
+        # sequence parallelism leaves the norms plain, `_shapes_only`)
+        real = [t for m in par.modules for t in map(_local, [*m.parameters(), *m.buffers()])
+                if not isinstance(t, FakeTensor) and not t.is_meta]
         mirrors = [fake.from_tensor(t) for t in real]  # (the converter keeps them: ops get these same copies)
         tracker.mirrors = {id(st) for t in mirrors for st in get_untyped_storages(t)}
         tracker.track_external(*par.modules, getattr(optimizer, "optim", optimizer))  # ZeRO-1: its local optim
