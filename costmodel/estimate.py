@@ -46,6 +46,7 @@ from costmodel.memory import (
     head_grad_bytes,
     held_states,
     inflight_chunks,
+    runtime_reserved_bytes,
     state_bytes_per_param,
 )
 from costmodel.overlap import dp_exposed, fsdp_exposed, optimizer_time
@@ -402,7 +403,7 @@ class Evaluator:
         allocated = p_b + g_b + o_b + act + temp
         on_gpu = self.cluster.device.name != "cpu"
         return MemoryBreakdown(params=p_b, grads=g_b, optimizer=o_b, activations=act,
-                               other=temp + allowance(allocated, on_gpu))
+                               other=temp + allowance(allocated, runtime_reserved_bytes(cfg, on_gpu)))
 
 
 def estimate(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,

@@ -25,8 +25,9 @@ Temporaries: the recomputed layer's activations and the gradient working set whi
 reduction's copy of a bucket where there is one (`dp_reduction_temp_bytes`, after the backward), PowerSGD's
 error-feedback buffers.
 
-Allowance (stated, not fitted): on GPUs, 1 GiB for the CUDA context, cuBLAS and NCCL workspaces, plus 5 % of the
-allocated peak for caching-allocator fragmentation.
+Allowance (stated, not fitted): 5 % of the allocated peak for caching-allocator fragmentation, and on GPUs what
+the runtime holds outside torch's allocator (`runtime_reserved_bytes`): the CUDA context with cuBLAS's workspaces,
+and NCCL's buffers for each communicator the plan's runtime uses (measured sizes, sources there).
 """
 
 from __future__ import annotations
@@ -39,7 +40,22 @@ from costmodel.config import Schedule, parse_grad_compress
 from costmodel.runnable import pipelined_fsdp
 
 GiB = 2**30
-RUNTIME_RESERVED_BYTES = 1 * GiB  #: CUDA context + library workspaces (GPU devices only); an assumption
+MiB = 2**20
+#: the CUDA context, with cuBLAS's workspaces, outside torch's caching allocator: NVIDIA/nccl#2366 measured 484 MiB for
+#: a process's CUDA context and a one-rank NCCL communicator's init on one GPU (CUDA 13); torch's cuBLAS workspace is
+#: 32 MiB per handle on Hopper (``CUBLAS_WORKSPACE_CONFIG`` default ``:4096:8``). Rounded up to 512 MiB.
+CUDA_CONTEXT_BYTES = 512 * MiB
+#: NCCL's buffers for one communicator running ring/tree collectives, per rank: 544 MB in a group of 2 ranks and
+#: 688 MB in larger ones, measured through PyTorch on 4 NVLink A100s after one all-reduce per group
+#: (NVIDIA/nccl#964). The buffers are per channel and connection (LL 512 KiB, LL128 4.7 MiB, Simple 4 MiB:
+#: NCCL_BUFFSIZE's default), so the figure grows with the channels NCCL opens (sjeaugey, NVIDIA/nccl#986) and stops
+#: growing with the group beyond two nodes; Hopper may open more channels than this A100 measurement had (no
+#: published H100 figure per communicator).
+NCCL_COMM_BYTES_PAIR = 544e6
+NCCL_COMM_BYTES = 688e6
+#: NCCL's point-to-point buffers per peer (pipeline send/recv): 32 channels per pair of 8 NVLink H100, each a 10 MiB
+#: and a 2 MiB buffer (NCCL_DEBUG_SUBSYS=ALLOC, NVIDIA/nccl#1685): 384 MiB.
+NCCL_P2P_PEER_BYTES = 32 * 12 * MiB
 FRAGMENTATION = 0.05  #: caching-allocator fragmentation allowance, a fraction of the allocated peak
 DDP_BUCKET_BYTES = 25 * 2**20  #: torch DDP default bucket_cap_mb = 25
 
@@ -251,9 +267,29 @@ class MemoryBreakdown:
                 "activations": self.activations, "other": self.other, "peak": self.peak}
 
 
-def allowance(allocated: float, on_gpu: bool) -> float:
-    """Fragmentation and runtime allowance on top of ``allocated`` bytes."""
-    return FRAGMENTATION * allocated + (RUNTIME_RESERVED_BYTES if on_gpu else 0.0)
+def communicators(cfg) -> list[int]:
+    """The sizes of the process groups a rank of ``cfg``'s runtime runs collectives on, each one NCCL communicator:
+    the default group (the step's loss and the start's checks), and each mesh dimension of more than one rank
+    (`planner.emit.runtime`: a (pp, dp, tp) DeviceMesh, one group per dimension, even one spanning every rank)."""
+    sizes = [cfg.world] if cfg.world > 1 else []
+    return sizes + [n for n in (cfg.dp, cfg.tp, cfg.pp) if n > 1]
+
+
+def runtime_reserved_bytes(cfg, on_gpu: bool) -> float:
+    """What a GPU rank of ``cfg`` holds outside torch's caching allocator: the CUDA context and NCCL's buffers, a
+    communicator per `communicators` and, with pipelining, the point-to-point buffers of its two neighbours (one
+    with two stages). Nothing on CPU (gloo's buffers are per call)."""
+    if not on_gpu:
+        return 0.0
+    nccl = sum(NCCL_COMM_BYTES_PAIR if n == 2 else NCCL_COMM_BYTES for n in communicators(cfg))
+    peers = min(2, cfg.pp - 1)
+    return CUDA_CONTEXT_BYTES + nccl + peers * NCCL_P2P_PEER_BYTES
+
+
+def allowance(allocated: float, reserved: float) -> float:
+    """Fragmentation allowance on ``allocated`` bytes, and the runtime's ``reserved`` bytes
+    (`runtime_reserved_bytes`)."""
+    return FRAGMENTATION * allocated + reserved
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -12,7 +12,16 @@ import pytest
 from costmodel.cluster import load_cluster, parse_cluster_yaml
 from costmodel.config import AC, ParallelConfig, Schedule, parse_kv
 from costmodel.estimate import ConfigError, Evaluator, estimate, even_stages
-from costmodel.memory import inflight, state_bytes_per_param
+from costmodel.memory import (
+    CUDA_CONTEXT_BYTES,
+    NCCL_COMM_BYTES,
+    NCCL_COMM_BYTES_PAIR,
+    NCCL_P2P_PEER_BYTES,
+    communicators,
+    inflight,
+    runtime_reserved_bytes,
+    state_bytes_per_param,
+)
 from profiler.api import profile_model
 
 GPT = "gpt:layers=8,hidden=1024,heads=16,seq=1024,vocab=8192,dropout=0"
@@ -275,3 +284,16 @@ def test_gradients_not_yet_held_at_a_single_micro_batch_peak():
     assert one.memory.grads == 0.0 and gpipe.memory.grads == 0.0
     assert two.memory.grads == pytest.approx(two.memory.params)  # fp32 ZeRO-3: 4/dp bytes each, like the shards
     assert ddp.memory.grads == pytest.approx(ddp.memory.params)
+
+
+def test_runtime_reserves_a_cuda_context_and_nccl_buffers_per_communicator():
+    """What a GPU rank holds outside torch's allocator: the context, one NCCL communicator per process group it runs
+    collectives on (the default group and each mesh dimension of more than one rank; a pair's is smaller), and with
+    pipelining the point-to-point buffers of each neighbouring stage. Nothing on CPU."""
+    cfg = ParallelConfig(dp=8, tp=8, pp=4)
+    assert communicators(cfg) == [256, 8, 8, 4]
+    assert runtime_reserved_bytes(cfg, True) == CUDA_CONTEXT_BYTES + 4 * NCCL_COMM_BYTES + 2 * NCCL_P2P_PEER_BYTES
+    two = ParallelConfig(dp=1, tp=1, pp=2)  # the default group and the pp group are pairs; one neighbour
+    assert runtime_reserved_bytes(two, True) == CUDA_CONTEXT_BYTES + 2 * NCCL_COMM_BYTES_PAIR + NCCL_P2P_PEER_BYTES
+    assert runtime_reserved_bytes(ParallelConfig(), True) == CUDA_CONTEXT_BYTES  # one GPU: no communicator
+    assert runtime_reserved_bytes(cfg, False) == 0.0

@@ -33,7 +33,7 @@ from costmodel.cluster import load_cluster
 from costmodel.config import parse_grad_compress
 from costmodel.estimate import Evaluator
 from costmodel.layercost import is_tp_layer, recompute_comm_bytes, tp_comm_bytes
-from costmodel.memory import FRAGMENTATION, RUNTIME_RESERVED_BYTES
+from costmodel.memory import FRAGMENTATION, runtime_reserved_bytes
 from costmodel.overlap import dp_step_bytes
 from planner.check.fold import MICRO_BATCHES as MICRO_BATCHES_FOLDED
 from planner.check.fold import extrapolate, fold_plan, traces_for
@@ -85,7 +85,7 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
     roles = []
     for r in range(cfg.pp):
         parts = next(s.memory_parts for s in est.stages if s.rank == r)
-        allocated = (parts["peak"] - (RUNTIME_RESERVED_BYTES if on_gpu else 0.0)) / (1 + FRAGMENTATION)
+        allocated = (parts["peak"] - runtime_reserved_bytes(cfg, on_gpu)) / (1 + FRAGMENTATION)
         memory = {"params": parts["params"], "grads": parts["grads"], "optimizer": parts["optimizer"],
                   "activations": parts["activations"]}
         memory["temporaries"] = allocated - sum(memory.values())

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from costmodel.compression import COMPRESSION_POLICIES
+from costmodel.memory import communicators, runtime_reserved_bytes
 from planner.cli.common import count, fraction, positive_float, positive_int
 
 
@@ -133,10 +134,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     acs = {}
     for lay in plan.layers:
         acs[lay.ac.value] = acs.get(lay.ac.value, 0) + 1
+    peak = p['memory_per_gpu_bytes']['peak']
+    reserved = runtime_reserved_bytes(c, cluster.device.name != "cpu")
     print(f"  step {p['step_time_s']:.4g} s, {p['tokens_per_s']:.4g} tokens/s, MFU {p['mfu']:.1%}, "
-          f"peak memory {p['memory_per_gpu_bytes']['peak'] / 2**30:.2f} GiB per GPU of a "
+          f"peak memory {peak / 2**30:.2f} GiB per GPU of a "
           f"{cluster.memory_budget_bytes / 2**30:.1f} GiB budget ({cluster.memory_fraction:.0%} of "
           f"{cluster.device.memory_bytes / 2**30:.1f} GiB); AC per layer {json.dumps(acs)}")
+    print(f"  memory: {(cluster.device.memory_bytes - peak) / 2**30:.2f} GiB of headroom on the device"
+          + (f"; the peak includes {reserved / 2**30:.2f} GiB for the CUDA context and NCCL's buffers "
+             f"({len(communicators(c))} communicators{', pipeline peers' if c.pp > 1 else ''})" if reserved else ""))
     sv = plan.solver
     print(f"  solver: {sv['status']} gap {sv['gap']:.2g}, {sv['candidates']} candidates, {sv['pruned']} pruned, "
           f"{sv['solved']} ILPs ({sv['backend']}), {sv['time_s']:.2f} s")

@@ -55,11 +55,11 @@ from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.estimate import Evaluator, pipeline_factor
 from costmodel.memory import (
     FRAGMENTATION,
-    RUNTIME_RESERVED_BYTES,
     dp_reduction_temp_bytes,
     edge_inflight,
     grads_held_at_peak,
     inflight,
+    runtime_reserved_bytes,
     state_bytes_per_param,
 )
 from costmodel.overlap import GRAD_REDUCE_BYTES, fsdp_gather_share, optimizer_time
@@ -166,7 +166,7 @@ class Bounds:
         of a rank)."""
         dev = self.cluster.device
         on_gpu = dev.name != "cpu"
-        cap = (self.cluster.memory_budget_bytes - (RUNTIME_RESERVED_BYTES if on_gpu else 0.0)) / (1 + FRAGMENTATION)
+        cap = (self.cluster.memory_budget_bytes - runtime_reserved_bytes(cfg, on_gpu)) / (1 + FRAGMENTATION)
         per = _state_at_peak(cfg, m) + extra
         temp = dp_reduction_temp_bytes(cfg, "none", 0.0)  # a lower bound: the least over compressions and ranks
         if cfg.zero == 3 and cfg.dp > 1:  # at least the gathered block (every rank holds one)
@@ -331,7 +331,7 @@ class Bounds:
         after = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp, cfg.pp))  # every gradient
         allocated = max(first, last, after * g.params / cfg.pp) + temp
         on_gpu = self.cluster.device.name != "cpu"
-        return (1 + FRAGMENTATION) * allocated + (RUNTIME_RESERVED_BYTES if on_gpu else 0.0)
+        return (1 + FRAGMENTATION) * allocated + runtime_reserved_bytes(cfg, on_gpu)
 
 
 def _state_at_peak(cfg: ParallelConfig, m: int) -> float:

@@ -65,13 +65,13 @@ from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.estimate import Estimate, Evaluator
 from costmodel.memory import (
     FRAGMENTATION,
-    RUNTIME_RESERVED_BYTES,
     dp_reduction_temp_bytes,
     fsdp_gathered_bytes,
     fsdp_reduce_bytes,
     head_grad_bytes,
     held_states,
     inflight_chunks,
+    runtime_reserved_bytes,
 )
 from costmodel.overlap import (
     GRAD_REDUCE_BYTES,
@@ -381,7 +381,7 @@ class Model:
         d, s, ev, cfg = self.d, self.solver, self.d.ev, self.d.cfg
         on_gpu = ev.cluster.device.name != "cpu"
         cap = self._b(ev.cluster.memory_budget_bytes) * (1 - 1e-9)
-        reserve = self._b(RUNTIME_RESERVED_BYTES if on_gpu else 0.0)
+        reserve = self._b(runtime_reserved_bytes(cfg, on_gpu))
         per_param = sum(ev.peak_static_bytes(1.0))  # at the activation peak (gradients may not exist yet)
         after_backward = sum(ev.static_bytes(1.0))  # every gradient, no activation
         self.rec_peak, self.uses_ac = {}, {}
