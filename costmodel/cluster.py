@@ -193,11 +193,11 @@ class Cluster:
     #: link between nodes, per GPU (one NIC per GPU on DGX; a shared NIC is its bandwidth / gpus_per_node).
     inter: Link
     #: the share of the device's memory a plan may fill (`plan --memory-fraction`), its predicted peak with the
-    #: allocator and runtime allowance (`costmodel.memory.allowance`) included. The rest is headroom for what the
-    #: memory model leaves out: NCCL's buffers (per communicator and peer, NCCL_BUFFSIZE 4 MiB per channel by
-    #: default; a rank of a 3-D mesh joins several communicators), cuBLAS/cuDNN workspaces beyond the allowance,
-    #: and allocator behaviour across steps. 0.90 is a margin, not a fit: NVIDIA's and PyTorch's documentation give
-    #: no single figure; frameworks that reserve memory up front use similar fractions (vLLM's default
+    #: allocator and runtime allowance (`costmodel.memory.allowance`: fragmentation, the CUDA context, NCCL's
+    #: buffers per communicator and pipeline peer) included. The rest is headroom for what the memory model leaves
+    #: out: NCCL channel counts above the measured ones (Hopper, all-to-all), other libraries' workspaces, and
+    #: allocator behaviour across steps. 0.90 is a margin, not a fit: NVIDIA's and PyTorch's documentation give no
+    #: single figure; frameworks that reserve memory up front use similar fractions (vLLM's default
     #: gpu_memory_utilization is 0.9).
     memory_fraction: float = 0.90
 
