@@ -12,12 +12,21 @@ model, cluster, configuration, measured result). Rows used:
 - llm-foundry MPT benchmarks (A100 40/80 GB, H100): pure FSDP (FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2), with
   or without full activation checkpointing, FlashAttention; tokens/s. MPT has no biases and ALiBi instead of
   learned positions; our GPT is used with its sizes (the differences are < 0.1 % of the FLOPs).
+- torchtitan's Llama 3.1 runs on Grand Teton H100s (96 GB HBM2e, 500 W; the ``grand-teton`` preset): FSDP and
+  FSDP + TP, eager, compiled (priced by `costmodel.layercost.compiled_bytes`) and float8 tensorwise; its selective
+  checkpointing is the per-op policy (`costmodel.layercost.CostContext.selective`). Rows the cost model cannot
+  describe yet are left out (`_torchtitan_row`).
 
-One set of constants per device *kind* (``a100``: 40 and 80 GB; ``h100``), never per row: the matmul efficiency
-curve (``e_max``, ``f_half``), the memory-bound efficiency, the fused-attention efficiency, the fp8 efficiency
-(only where the kind has fp8 rows) and the overlap slowdown. A faster kind's matmul curve is held at or above a
-slower kind's achieved FLOP/s at every GEMM size (`matmul_floor`). The fit minimises the mean
-absolute relative error of the step time over the kind's rows (Nelder-Mead on bounded, transformed parameters),
+Each row belongs to a software stack (`costmodel.stacks`): Megatron-LM (Korthikanti), Composer (llm-foundry),
+torch-native (torchtitan). A device kind's own constants are fitted on its Megatron and Composer rows; a stack
+with rows of its own (torch-native on H100) gets constants of its own, fitted on them alone and written under
+``stacks:`` in fitted.yaml.
+
+One set of constants per device *kind* (``a100``: 40 and 80 GB; ``h100``) and stack, never per row: the matmul
+efficiency curve (``e_max``, ``f_half``), the memory-bound efficiency, the fused-attention efficiency, the fp8
+efficiency (only where the kind has fp8 rows) and the overlap slowdown. A faster kind's matmul curve is held at or
+above a slower kind's achieved FLOP/s at every GEMM size (`matmul_floor`). The fit minimises the mean absolute
+relative error of the step time over the kind's rows (Nelder-Mead on bounded, transformed parameters),
 each source weighted equally. Korthikanti Table 4 (per-layer forward/backward of the 22B model) is predicted, not
 fitted, and printed as a check.
 """
@@ -38,7 +47,7 @@ import yaml
 from costmodel.cluster import Cluster, load_cluster
 from costmodel.config import AC, ParallelConfig, Schedule
 from costmodel.estimate import Evaluator
-from costmodel.hardware import FITTED_FILE, EfficiencyCurve, fitted_constants
+from costmodel.hardware import FITTED_FILE, EfficiencyCurve
 
 DATA = Path(__file__).parent / "data" / "published_runs.json"
 KIND_OF_GPU = {"a100_40gb": "a100", "a100_80gb": "a100", "h100_80gb": "h100"}
@@ -57,6 +66,20 @@ class Row:
     config: ParallelConfig
     global_batch: int
     measured_step_s: float
+    stack: str = "megatron"  #: the software stack that ran it (`costmodel.stacks`)
+    compiled: bool = False  #: torch.compile on the blocks (torchtitan)
+    #: what its selective checkpointing keeps (`costmodel.layercost.CostContext.selective`)
+    selective: str = "attention-core"
+
+    @property
+    def evaluator_options(self) -> dict:
+        """How the row's stack computes, where it differs from autopar's runtime: Megatron-LM's vocab-parallel
+        cross entropy and llm-foundry's fused one compute the loss gradient in place, and neither saves a
+        column-parallel linear's whole input; torchtitan is torch-native (autopar's runtime) but may compile and
+        checkpoint per op."""
+        native = self.stack == "torch-native"
+        return {"in_place_loss": not native, "gathered_column_inputs": native, "compiled": self.compiled,
+                "selective": self.selective}
 
 
 def load_rows(path: Path = DATA) -> list[Row]:
@@ -90,8 +113,36 @@ def load_rows(path: Path = DATA) -> list[Row]:
             step = gb * m["seq"] / meas["tokens_per_s"]
             rows.append(Row(id=rid, source="llm-foundry", kind=KIND_OF_GPU[gpu], model=spec,
                             cluster=f"{PRESET[gpu]}:nodes={max(1, n // 8)}", config=cfg, global_batch=gb,
-                            measured_step_s=step))
+                            measured_step_s=step, stack="composer"))
+        elif rid.startswith("torchtitan_") and (row := _torchtitan_row(r)) is not None:
+            rows.append(row)
     return rows
+
+
+def _torchtitan_row(r: dict) -> Row | None:
+    """A torchtitan row on Grand Teton H100s in our terms, or None for what the cost model cannot describe yet:
+    context parallelism, asynchronous TP (the vanilla-TP column of the async-TP report is used), float8 rowwise
+    (another recipe than tensorwise), pipelined rows (all of them async TP) and the H200 rows (float8 all-gather).
+    "selective" is torchtitan's per-op policy (``selective_ac_option = "op"`` in its Llama 3 configs)."""
+    rid, m, c, meas = r["id"], r["model"], r["config"], r["measured"]
+    if (c.get("cp", 1) > 1 or c["p"] > 1 or "trainy" in rid or "rowwise" in rid
+            or "AsyncTP" in c.get("techniques", "")):
+        return None
+    tps = meas.get("tokens_per_s_per_gpu") or meas.get("tokens_per_s_vanilla_tp")
+    if not tps:
+        return None
+    spec = (f"llama:layers={m['layers']},hidden={m['hidden']},ffn={m['ffn']},heads={m['heads']},"
+            f"kv_heads={m['kv_heads']},vocab={m['vocab']},seq={m['seq']}")
+    dp, tp = c["fsdp"], c["t"]
+    n, gb = dp * tp, c.get("global_batch") or c["local_batch"] * dp
+    fp8 = "float8" in (c.get("precision", "") + c.get("quantization", "")).lower()
+    selective = c["recompute"].startswith("selective")
+    cfg = ParallelConfig(dp=dp, tp=tp, mbs=c["local_batch"], zero=3, sp=tp > 1,
+                         ac=AC.SELECTIVE if selective else AC.FULL, precision="fp8" if fp8 else "bf16")
+    compiled = bool(c.get("compile")) or "compile" in c.get("techniques", "")
+    return Row(id=rid, source="torchtitan", kind="h100", model=spec, cluster=f"grand-teton:nodes={max(1, n // 8)}",
+               config=cfg, global_batch=gb, measured_step_s=gb * m["seq"] / (tps * n), stack="torch-native",
+               compiled=compiled, selective="every-other-matmul" if selective else "attention-core")
 
 
 @cache
@@ -103,8 +154,9 @@ def _graph(spec: str):
 
 @cache
 def _cluster(spec: str) -> Cluster:
-    """A published run's cluster. Its memory check is against the whole device (``memory_fraction`` 1): the run
-    happened, so the question is whether it fits the card, not a plan's headroom."""
+    """A published run's cluster (``spec`` with its ``stack=``). Its memory check is against the whole device
+    (``memory_fraction`` 1): the run happened, so the question is whether it fits the card, not a plan's
+    headroom."""
     return dataclasses.replace(load_cluster(spec), memory_fraction=1.0)
 
 
@@ -126,12 +178,10 @@ class Constants:
 
 
 def predict(row: Row, k: Constants | None = None):
-    cluster = _cluster(row.cluster)
+    cluster = _cluster(f"{row.cluster}:stack={row.stack}")
     if k is not None:
         cluster = k.apply(cluster, "fit in progress")
-    # both published stacks (Megatron-LM, llm-foundry with its fused cross entropy) compute the loss gradient in place
-    return Evaluator(_graph(row.model), cluster, row.config, row.global_batch, in_place_loss=True,
-                     gathered_column_inputs=False).evaluate()
+    return Evaluator(_graph(row.model), cluster, row.config, row.global_batch, **row.evaluator_options).evaluate()
 
 
 def _error(rows: list[Row], k: Constants) -> float:
@@ -200,7 +250,22 @@ def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None) ->
 KIND_ORDER = (("a100", "a100-80g"), ("h100", "h100-sxm"))
 
 
-def write_fitted(fits: dict[str, tuple[Constants, float, list[Row]]]) -> None:
+#: the stacks whose rows make a kind's own constants (every stack without rows of its own uses them); the others
+#: are fitted per (kind, stack) on their rows, written under ``stacks:`` (`costmodel.stacks`)
+BASE_STACKS = ("megatron", "composer")
+
+
+def write_fitted(fits: dict[str, tuple[Constants, float, list[Row]]],
+                 stacks: dict[str, dict[str, tuple[Constants, float, list[Row]]]] | None = None) -> None:
+    out = _fitted_entries(fits)
+    if stacks:
+        out["stacks"] = {stack: _fitted_entries(kinds) for stack, kinds in sorted(stacks.items())}
+    text = ("# Written by `python -m costmodel.calibrate`; one set of constants per device kind, and under stacks: per "
+            "(software stack, kind) where the stack has rows of its own.\n")
+    FITTED_FILE.write_text(text + yaml.safe_dump(out, sort_keys=True))
+
+
+def _fitted_entries(fits: dict[str, tuple[Constants, float, list[Row]]]) -> dict:
     out = {}
     today = _dt.date.today().isoformat()
     for kind, (k, err, rows) in sorted(fits.items()):
@@ -214,8 +279,7 @@ def write_fitted(fits: dict[str, tuple[Constants, float, list[Row]]]) -> None:
             "attention_eff": round(k.attention_eff, 4), "fp8_eff": round(k.fp8_eff, 4),
             "source": source,
         }
-    text = "# Written by `python -m costmodel.calibrate`; one set of constants per device kind.\n"
-    FITTED_FILE.write_text(text + yaml.safe_dump(out, sort_keys=True))
+    return out
 
 
 def report(rows: list[Row], file=sys.stdout) -> dict[str, list[float]]:
@@ -261,49 +325,77 @@ def table4(file=sys.stdout) -> list[tuple[str, float, float, float, float]]:
     return out
 
 
+def _kept(entry: dict) -> Constants:
+    return Constants(e_max=entry["matmul_e_max"], f_half=entry["matmul_f_half"], memory_eff=entry["memory_eff"],
+                     overlap_slowdown=entry["overlap_slowdown"], attention_eff=entry["attention_eff"],
+                     fp8_eff=entry["fp8_eff"])
+
+
+def _floor(kind_index: int, fits: dict) -> tuple[Constants, float, float] | None:
+    """The binding floor of `KIND_ORDER`'s ``kind_index``-th kind: the slower kind whose bound on f_half is
+    tightest (at this kind's prior e_max), from the slower kinds' own constants in ``fits``."""
+    from costmodel.hardware import get_device
+
+    dev = get_device(KIND_ORDER[kind_index][1])
+    slower = [(fits[s][0], dev.peak("bf16") / get_device(d).peak("bf16"), dev.hbm_bw / get_device(d).hbm_bw)
+              for s, d in KIND_ORDER[:kind_index] if s in fits]
+    return min(slower, key=lambda f: matmul_floor(0.7, f[0], f[1])) if slower else None
+
+
+def _source(rows: list[Row], err: float, floored: bool) -> str:
+    srcs = ", ".join(sorted({r.source for r in rows}))
+    return (f"fitted {_dt.date.today().isoformat()} by python -m costmodel.calibrate on {len(rows)} published runs "
+            f"({srcs}); mean abs error {err:.1%}" + ("; matmul curve kept at or above the slower kinds' achieved "
+                                                     "FLOP/s at every GEMM size (calibrate.matmul_floor)"
+                                                     if floored else ""))
+
+
+def fit_all(rows: list[Row], only: str | None = None) -> tuple[dict, dict]:
+    """Each device kind's constants on its rows of `BASE_STACKS`, then each other stack's per kind on its own rows
+    (both under the slower kinds' floor). ``only``: ``KIND`` refits that kind's own constants, ``STACK`` that
+    stack's; everything else keeps fitted.yaml's."""
+    kept = yaml.safe_load(FITTED_FILE.read_text()) if FITTED_FILE.exists() else {}
+    fits: dict = {}
+    stacks: dict = {}
+    order = {kind: i for i, (kind, _) in enumerate(KIND_ORDER)}
+    for kind in sorted({r.kind for r in rows}, key=lambda k: order.get(k, len(order))):
+        kr = [r for r in rows if r.kind == kind and r.stack in BASE_STACKS]
+        if only and only != kind and kind in kept:
+            fits[kind] = (_kept(kept[kind]), kept[kind]["source"], kr)
+        elif kr:
+            floor = _floor(order[kind], fits) if kind in order else None
+            k, err = fit(kr, floor)
+            print(f"{kind}: objective {err:.2%}", flush=True)
+            fits[kind] = (k, _source(kr, err, floor is not None), kr)
+    for stack in sorted({r.stack for r in rows} - set(BASE_STACKS)):
+        for kind in sorted({r.kind for r in rows if r.stack == stack}):
+            sr = [r for r in rows if r.kind == kind and r.stack == stack]
+            old = ((kept.get("stacks") or {}).get(stack) or {}).get(kind)
+            if only and only != stack and old:
+                stacks.setdefault(stack, {})[kind] = (_kept(old), old["source"], sr)
+                continue
+            floor = _floor(order[kind], fits) if kind in order else None
+            k, err = fit(sr, floor)
+            print(f"{kind}, {stack}: objective {err:.2%}", flush=True)
+            stacks.setdefault(stack, {})[kind] = (k, _source(sr, err, floor is not None), sr)
+    return fits, stacks
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m costmodel.calibrate", description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="do not fit; report with the constants in fitted.yaml")
-    ap.add_argument("--only", help="refit this device kind only; the others keep fitted.yaml's constants")
+    ap.add_argument("--only", help="refit this device kind's (a100, h100) or this stack's (torch-native) constants "
+                                   "only; the others keep fitted.yaml's")
     args = ap.parse_args(argv)
     rows = load_rows()
     if not args.check:
-        from costmodel.hardware import get_device
-
-        fits = {}
-        kinds = {r.kind for r in rows}
-        for i, (kind, device) in enumerate(KIND_ORDER):
-            if kind not in kinds:
-                continue
-            kr = [r for r in rows if r.kind == kind]
-            if args.only and kind != args.only:
-                kept = fitted_constants(kind)
-                k = Constants(e_max=kept["matmul_e_max"], f_half=kept["matmul_f_half"], memory_eff=kept["memory_eff"],
-                              overlap_slowdown=kept["overlap_slowdown"], attention_eff=kept["attention_eff"],
-                              fp8_eff=kept["fp8_eff"])
-                fits[kind] = (k, kept["source"], kr)
-                continue
-            dev = get_device(device)
-            slower = [(fits[s][0], dev.peak("bf16") / get_device(d).peak("bf16"), dev.hbm_bw / get_device(d).hbm_bw)
-                      for s, d in KIND_ORDER[:i] if s in fits]
-            # the binding floor: the slower kind whose bound on f_half is tightest (at this kind's prior e_max)
-            floor = min(slower, key=lambda f: matmul_floor(0.7, f[0], f[1])) if slower else None
-            k, err = fit(kr, floor)
-            print(f"{kind}: objective {err:.2%}", flush=True)
-            if floor is not None:
-                srcs = ", ".join(sorted({r.source for r in kr}))
-                err = (f"fitted {_dt.date.today().isoformat()} by python -m costmodel.calibrate on {len(kr)} published "
-                       f"runs ({srcs}); mean abs error {err:.1%}; matmul curve kept at or above the slower kinds' "
-                       "achieved FLOP/s at every GEMM size (calibrate.matmul_floor)")
-            fits[kind] = (k, err, kr)
-        for kind in sorted(kinds - {k for k, _ in KIND_ORDER}):  # a kind without a place in the order: no floor
-            kr = [r for r in rows if r.kind == kind]
-            fits[kind] = (*fit(kr), kr)
-        for kind, (k, err, _) in fits.items():
-            print(f"{kind}: e_max {k.e_max:.3f}, f_half {k.f_half:.3g} FLOP, memory_eff {k.memory_eff:.3f}, "
+        fits, stacks = fit_all(rows, args.only)
+        for name, (k, err, _) in [*fits.items(), *((f"{kd}, {st}", v) for st, ks in stacks.items()
+                                                   for kd, v in ks.items())]:
+            print(f"{name}: e_max {k.e_max:.3f}, f_half {k.f_half:.3g} FLOP, memory_eff {k.memory_eff:.3f}, "
                   f"overlap_slowdown {k.overlap_slowdown:.3f}, attention_eff {k.attention_eff:.3f}, "
-                  f"fp8_eff {k.fp8_eff:.3f}; " + (f"objective {err:.2%}" if isinstance(err, float) else "kept"))
-        write_fitted(fits)
+                  f"fp8_eff {k.fp8_eff:.3f}; {err}")
+        write_fitted(fits, stacks)
         # the catalog reads fitted.yaml when a device is first built: rebuild the clusters
         from costmodel import hardware
 

@@ -200,6 +200,9 @@ class Cluster:
     #: single figure; frameworks that reserve memory up front use similar fractions (vLLM's default
     #: gpu_memory_utilization is 0.9).
     memory_fraction: float = 0.90
+    #: the software stack whose efficiency constants the device carries (`costmodel.stacks`; a preset's
+    #: ``stack=NAME`` option). A cluster file's device carries its own constants: None.
+    stack: str | None = None
 
     def __post_init__(self) -> None:
         for label, value in (("gpus_per_node", self.gpus_per_node), ("nodes", self.nodes)):
@@ -327,6 +330,8 @@ _PRESET_DESCRIPTIONS = {
     "dgx-a100-40g": "DGX A100 40GB: 8× A100-SXM4-40GB per node, NVLink3 230 GB/s busbw, 8× HDR 200 Gb/s IB",
     "dgx-h100": "DGX H100: 8× H100-SXM5-80GB per node, NVLink4 370 GB/s ring busbw, 8× NDR 400 Gb/s IB",
     "dgx-h200": "DGX H200: 8× H200-141GB per node, NVLink4 370 GB/s ring busbw, 8× NDR 400 Gb/s IB",
+    "grand-teton": "Meta Grand Teton (torchtitan's published runs): 8× H100 96GB HBM2e at 500 W per node, NVLink "
+                   "(the DGX H100 figures), 400 Gb/s RDMA per GPU (the NDR figures)",
     "cpu-local": "this machine: 2 gloo ranks (1 thread each) on loopback, fitted by python -m costmodel.gloo_bench",
 }
 
@@ -336,6 +341,7 @@ CLUSTER_PRESETS: Mapping[str, Cluster] = LazyCatalog({
     "dgx-a100-40g": lambda: _dgx("dgx-a100-40g", "a100-40g", _NVLINK_A100, _IB_HDR),
     "dgx-h100": lambda: _dgx("dgx-h100", "h100-sxm", _NVLINK_H100, _IB_NDR),
     "dgx-h200": lambda: _dgx("dgx-h200", "h200", _NVLINK_H100, _IB_NDR),
+    "grand-teton": lambda: _dgx("grand-teton", "h100-hbm2e", _NVLINK_H100, _IB_NDR),
     "cpu-local": _cpu_local,
 })
 
@@ -347,23 +353,34 @@ def list_clusters() -> list[tuple[str, str]]:
 
 # --- Loading -----------------------------------------------------------------------------------------------------
 
-_PRESET_OPTIONS = ("nodes", "gpus_per_node")
+_PRESET_OPTIONS = ("nodes", "gpus_per_node", "stack")
 
 
 def load_cluster(spec: str) -> Cluster:
     """A cluster from ``PRESET[:nodes=N][:gpus_per_node=N]`` or a YAML file path (optionally with the same options).
 
     Options may be separated by ``:`` or ``,``. ``gpus_per_node`` is meant for ``cpu-local`` (more gloo ranks;
-    note they oversubscribe a 2-core machine, which the fitted link does not model).
+    note they oversubscribe a 2-core machine, which the fitted link does not model). ``stack=NAME`` (presets only)
+    gives the device the efficiency constants of that software stack (`costmodel.stacks`; default
+    ``torch-native``, the stack autopar emits).
     """
+    from costmodel.hardware import with_stack
+    from costmodel.stacks import DEFAULT_STACK, check_stack
+
     base, _, opts = spec.partition(":")
-    overrides = _parse_options(spec, opts)
+    overrides: dict = _parse_options(spec, opts)
+    stack = overrides.pop("stack", None)
     if os.path.exists(base) or base.endswith((".yaml", ".yml")):
         if not os.path.exists(base):
             raise ValueError(f"cluster file {base!r} does not exist")
+        if stack is not None:
+            raise ValueError(f"cluster {spec!r}: stack= applies to presets; a cluster file's device carries its own "
+                             "efficiency constants (write them with `autopar calibrate`)")
         cluster = parse_cluster_yaml(Path(base).read_text(), origin=base)
     elif base in CLUSTER_PRESETS:
         cluster = CLUSTER_PRESETS[base]
+        stack = check_stack(stack or DEFAULT_STACK)
+        overrides |= {"device": with_stack(cluster.device, stack), "stack": stack}
     else:
         raise ValueError(f"unknown cluster {base!r}: give a preset ({', '.join(CLUSTER_PRESETS)}) or a YAML file path")
     return replace(cluster, **overrides) if overrides else cluster
@@ -399,12 +416,16 @@ def detect_cluster(environ: Mapping[str, str] | None = None, gpu: tuple[str, int
                      "cluster YAML file and pass cluster='that.yaml'")
 
 
-def _parse_options(spec: str, opts: str) -> dict[str, int]:
-    overrides: dict[str, int] = {}
+def _parse_options(spec: str, opts: str) -> dict:
+    overrides: dict = {}
     for item in filter(None, opts.replace(",", ":").split(":")):
         key, eq, value = item.partition("=")
         if key not in _PRESET_OPTIONS or not eq:
-            raise ValueError(f"cluster {spec!r}: unknown option {item!r}; use nodes=N or gpus_per_node=N")
+            raise ValueError(f"cluster {spec!r}: unknown option {item!r}; use nodes=N, gpus_per_node=N or "
+                             "stack=NAME")
+        if key == "stack":
+            overrides[key] = value
+            continue
         if not value.isdigit() or int(value) < 1:
             raise ValueError(f"cluster {spec!r}: {key} must be an integer >= 1, got {value!r}")
         overrides[key] = int(value)

@@ -159,7 +159,8 @@ class Evaluator:
 
     def __init__(self, lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
                  cache: dict | None = None, measured: tuple[dict, int] | None = None,
-                 in_place_loss: bool = False, gathered_column_inputs: bool = True) -> None:
+                 in_place_loss: bool = False, gathered_column_inputs: bool = True, compiled: bool = False,
+                 selective: str = "attention-core") -> None:
         """``cache``: optional dict shared by Evaluators of the *same* ``lg`` and ``cluster`` (e.g. a planner's
         candidates): the parameter ownership is computed once and layer costs are shared between
         configurations whose (tp, sp, mbs, precision, pp > 1) agree, the only configuration fields they depend on.
@@ -168,7 +169,9 @@ class Evaluator:
         `costmodel.measured.load_measured`, used instead of the roofline's level. ``in_place_loss``: the
         stack's loss computes its gradient in place (`costmodel.layercost.CostContext.in_place_loss`; published runs
         of other stacks), unlike autopar's runtime; ``gathered_column_inputs``: its column-parallel linears save
-        their whole input, as autopar's runtime does (`CostContext.gathered_column_inputs`; False for Megatron-LM)."""
+        their whole input, as autopar's runtime does (`CostContext.gathered_column_inputs`; False for Megatron-LM);
+        ``compiled``: the blocks run under torch.compile (`CostContext.compiled`); ``selective``: what selective
+        checkpointing keeps (`CostContext.selective`)."""
         check_config(lg, cluster, cfg, global_batch)
         self.lg, self.cluster, self.cfg, self.global_batch = lg, cluster, cfg, global_batch
         self.m = global_batch // (cfg.dp * cfg.mbs)
@@ -180,11 +183,13 @@ class Evaluator:
         self.pp_cross_node = cfg.pp > 1 and cfg.dp * cfg.tp * cfg.cp >= gpn
         shared = cache if cache is not None else {}
         measured = measured if measured is not None else shared.get("measured")
+        compiled = compiled or bool(shared.get("compiled"))  # (a search's candidates, `planner.search.outer`)
         self.ctx = CostContext(cluster=cluster, tp=cfg.tp, sp=cfg.sp, mbs=cfg.mbs,
                                captured_batch=lg.model.batch, precision=cfg.precision, act_scale=self.act_scale,
                                tp_span=self.tp_span, measured=measured[0] if measured else None,
                                measured_batch=measured[1] if measured else 1, in_place_loss=in_place_loss,
-                               gathered_column_inputs=gathered_column_inputs)
+                               gathered_column_inputs=gathered_column_inputs, compiled=compiled,
+                               selective=selective)
         pipelined = cfg.pp > 1  # tied embedding/head weights have a copy on each end of the pipeline
         if ("owned", pipelined) not in shared:
             shared["owned", pipelined] = owned_params(lg, pipelined=pipelined)
@@ -192,7 +197,7 @@ class Evaluator:
         self._tied_numel: float | None = None  # elements of the embedding/head tied weight per rank (pp > 1)
         self._cache: dict[tuple[str, str, AC], LayerCost] = shared.setdefault(
             ("layer_costs", cfg.tp, cfg.sp, cfg.mbs, cfg.precision, bool(measured), in_place_loss,
-             gathered_column_inputs, pipelined), {})
+             gathered_column_inputs, compiled, selective, pipelined), {})
         self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
 
     # -- per-layer and per-boundary pieces (the ILP's coefficients) ------------------------------------------
@@ -408,6 +413,6 @@ class Evaluator:
 
 def estimate(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
              acs: list[AC] | None = None, stage_of: list[int] | None = None,
-             measured: tuple[dict, int] | None = None) -> Estimate:
+             measured: tuple[dict, int] | None = None, compiled: bool = False) -> Estimate:
     """Predict one training step: `Evaluator(lg, cluster, cfg, global_batch).evaluate(acs, stage_of)`."""
-    return Evaluator(lg, cluster, cfg, global_batch, measured=measured).evaluate(acs, stage_of)
+    return Evaluator(lg, cluster, cfg, global_batch, measured=measured, compiled=compiled).evaluate(acs, stage_of)

@@ -15,7 +15,7 @@ import functools
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Generic, TypeVar
@@ -154,7 +154,27 @@ _PEAK_SOURCE = "NVIDIA datasheets, dense (no sparsity), via calibration/README.m
 #: Constants fitted by ``python -m costmodel.calibrate`` on shared/calibration data, one set per device *kind*
 #: (``a100``: the 40 and 80 GB parts; ``h100``: H100 SXM and H200, the same GH100 compute).
 FITTED_FILE = Path(__file__).parent / "data" / "fitted.yaml"
-_KIND = {"a100-40g": "a100", "a100-80g": "a100", "h100-sxm": "h100", "h200": "h100"}
+_KIND = {"a100-40g": "a100", "a100-80g": "a100", "h100-sxm": "h100", "h100-hbm2e": "h100", "h200": "h100"}
+
+
+def device_kind(name: str) -> str | None:
+    """The kind a catalogue device's fitted constants belong to (None for a device described in a file)."""
+    return _KIND.get(name)
+
+
+def with_stack(device: DeviceSpec, stack: str) -> DeviceSpec:
+    """``device`` with the efficiency constants fitted for software stack ``stack`` on its kind, where that stack
+    has rows of its own there (`costmodel.stacks`); otherwise ``device`` as it is."""
+    from costmodel.stacks import stack_constants
+
+    fit = stack_constants(device_kind(device.name), stack)
+    if not fit:
+        return device
+    return replace(device, matmul_eff=EfficiencyCurve(e_max=fit["matmul_e_max"], f_half=fit["matmul_f_half"],
+                                                      source=fit["source"]),
+                   memory_eff=fit["memory_eff"], overlap_slowdown=fit["overlap_slowdown"],
+                   attention_eff=fit.get("attention_eff", 1.0), fp8_eff=fit.get("fp8_eff", 1.0),
+                   source=device.source.split("; efficiencies:")[0] + f"; efficiencies ({stack}): {fit['source']}")
 
 
 def fitted_constants(kind: str) -> dict | None:
@@ -312,6 +332,11 @@ DEVICES: Mapping[str, DeviceSpec] = LazyCatalog({
                              "memory 80 GB card, 79.25 GiB to torch; HBM2e 2039 GB/s"),
     "h100-sxm": lambda: _gpu("h100-sxm", _H100_PEAKS, 79.11 * GiB, 3.35e12,
                              "memory 80 GB card, 79.11 GiB to torch; HBM3 3.35 TB/s"),
+    # H100 96 GB HBM2e (Meta's Grand Teton, torchtitan's published runs): GH100 compute at a 500 W power limit, the
+    # SXM peaks (torchtitan states its MFU against them); torch's share of the 96 GB not published: the H100 80 GB
+    # card's ratio (79.11 GiB of 80 GB)
+    "h100-hbm2e": lambda: _gpu("h100-hbm2e", _H100_PEAKS, 96e9 * 79.11 * GiB / 80e9, 2.4e12,
+                               "memory 96 GB HBM2e card at 500 W (Grand Teton); HBM2e 2.4 TB/s"),
     # H200: same GH100 compute as H100 SXM; the 141 GB card gives torch 139.80 GiB
     "h200": lambda: _gpu("h200", _H100_PEAKS, 139.80 * GiB, 4.8e12,
                          "memory 141 GB card, 139.80 GiB to torch; HBM3e 4.8 TB/s"),

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from functools import cache
 
 from costmodel.cluster import Cluster, GroupSpan
 from costmodel.collectives import all_reduce_time
@@ -104,6 +105,14 @@ class CostContext:
     #: under sequence parallelism the all-gathered one; autopar's runtime, traced by `autopar check`); Megatron-LM
     #: saves only the sequence shard under SP and all-gathers it again in backward (Korthikanti et al. 2022 §4.2.2)
     gathered_column_inputs: bool = True
+    #: what ``selective`` checkpointing keeps: ``attention-core`` (Korthikanti et al. 2022 §5, Megatron-LM and
+    #: autopar's runtime: the attention core is recomputed, with a fused attention kernel nothing), or
+    #: ``every-other-matmul`` (torchtitan's per-op policy, ``selective_ac_option = "op"``: the outputs of the
+    #: attention kernel and of every second matmul of a block are saved, every other op is recomputed)
+    selective: str = "attention-core"
+    #: the blocks run compiled (the script's ``--compile``; torchtitan's torch.compile per block): memory-bound
+    #: ops move the bytes of their fused kernels (`compiled_bytes`)
+    compiled: bool = False
 
     @property
     def scale(self) -> float:
@@ -218,6 +227,58 @@ def recompute_comm_bytes(layer: Layer, ctx: CostContext) -> float:
     return total * ctx.scale * ctx.act_scale
 
 
+@cache
+def compiled_bytes(layer: Layer) -> dict[str, tuple[float, float]]:
+    """(forward, backward) bytes of each memory-bound node of ``layer`` when the layer is compiled: TorchInductor
+    fuses connected memory-bound ops (pointwise and reductions) into one kernel that reads the region's inputs once
+    and writes only what leaves it (Ansel et al., "PyTorch 2", ASPLOS 2024, §4.3: "Inductor ... fuses pointwise and
+    reduction operations"). A node's output stays inside the kernel when every op reading it (through views) is a
+    memory-bound op of the same layer at the same depth (no matmul or attention kernel between them): it is neither
+    written nor read back. Matmuls and attention are library
+    kernels, outside any fusion. The backward of a fused region fuses the same way: a node's backward bytes shrink
+    in the proportion of its forward bytes (an approximation: autograd's recomputation choices under AOTAutograd's
+    min-cut partitioner are not modelled)."""
+    nodes = {n.name: n for n in layer.nodes}
+    readers: dict[str, list] = {}
+    for n in layer.nodes:
+        for i in n.inputs:
+            readers.setdefault(i, []).append(n)
+
+    def real_readers(name: str) -> list:  # the ops reading a tensor, through views
+        out = []
+        for r in readers.get(name, ()):
+            out += real_readers(r.name) if r.kind == "view" else [r]
+        return out
+
+    def producer(name: str):  # the op that wrote a tensor, through views (None: from outside the layer)
+        n = nodes.get(name)
+        while n is not None and n.kind == "view" and n.inputs:
+            n = nodes.get(n.inputs[0])
+        return n
+
+    # a fused kernel cannot span a library kernel: ops fuse only at the same depth, the number of matmuls and
+    # attention kernels on the longest path from the layer's input to them
+    depth: dict[str, int] = {}
+    for n in layer.nodes:  # (execution order is a topological order)
+        depth[n.name] = max((depth[i] + (nodes[i].kind in ("matmul", "attention")) for i in n.inputs if i in depth),
+                            default=0)
+    inside = {n.name for n in layer.nodes if n.kind == "memory" and real_readers(n.name)
+              and all(r.kind == "memory" and depth[r.name] == depth[n.name] for r in real_readers(n.name))}
+    out = {}
+    for n in layer.nodes:
+        if n.kind != "memory" or not n.fwd_bytes:
+            continue
+        read = max(0, n.fwd_bytes - n.output_bytes)
+        for i in dict.fromkeys(n.inputs):
+            src = producer(i)
+            if src is not None and src.name in inside:
+                read -= min(read, nodes[i].output_bytes)
+        written = 0 if n.name in inside else n.output_bytes
+        share = (read + written) / n.fwd_bytes
+        out[n.name] = (read + written, n.bwd_bytes * share)
+    return out
+
+
 def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, ...], *,
                tp_layer: bool | None = None) -> LayerCost:
     """Cost of ``layer`` with checkpointing ``ac`` for one micro-batch on one rank (see the module docstring).
@@ -235,6 +296,11 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     tail = 0.0  # saved by the nodes after the last one reading a parameter (a head's loss)
     stop = recompute_stop(layer)
     rec_fwd = rec_full_flops = 0.0  # the forward full recomputation repeats (up to `recompute_stop`)
+    fused = compiled_bytes(layer) if ctx.compiled and layer.kind == "block" else {}
+    # torchtitan's per-op selective checkpointing (`CostContext.selective`): what it keeps and recomputes
+    op_policy = ctx.selective == "every-other-matmul"
+    matmuls = 0
+    op_act = op_rec = op_rec_flops = 0.0
     for j, n in enumerate(layer.nodes):
         f = _shard(n, ctx.tp, ctx.sp, tp_layer)
         if n.kind != "view":  # a view allocates nothing, nor does its gradient (a view of the output's gradient)
@@ -242,9 +308,10 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         if n.params:
             weight_outputs += n.output_bytes * k * f * ctx.act_scale
         attn = n.kind == "attention"
-        t_f = _node_time(n.fwd_flops * k * f, n.fwd_bytes * k * f * ctx.act_scale, ctx, attention=attn)
+        b_f, b_b = fused.get(n.name, (n.fwd_bytes, n.bwd_bytes))
+        t_f = _node_time(n.fwd_flops * k * f, b_f * k * f * ctx.act_scale, ctx, attention=attn)
         fwd += t_f
-        bwd += _node_time(n.bwd_flops * k * f, n.bwd_bytes * k * f * ctx.act_scale, ctx, attention=attn)
+        bwd += _node_time(n.bwd_flops * k * f, b_b * k * f * ctx.act_scale, ctx, attention=attn)
         fwd_flops += n.fwd_flops * k
         if j < stop:
             rec_fwd += t_f
@@ -256,6 +323,13 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         else:
             act_repl += saved
         tail = 0.0 if n.params else tail + saved
+        if op_policy and n.kind != "view":
+            matmuls += n.kind == "matmul"
+            if n.kind == "attention" or (n.kind == "matmul" and matmuls % 2 == 1):
+                op_act += n.output_bytes * k * f * ctx.act_scale
+            else:
+                op_rec += t_f
+                op_rec_flops += n.fwd_flops * k
         if n.is_attention_core:
             core_fwd += t_f
             core_flops += n.fwd_flops * k
@@ -268,7 +342,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         r = layer_cost(layer, AC.NONE, ref, owned, tp_layer=False)
         s_f = m_fwd / r.fwd_s if r.fwd_s > 0 else 1.0
         s_b = m_bwd / r.bwd_s if r.bwd_s > 0 else 1.0
-        fwd, bwd, core_fwd, rec_fwd = fwd * s_f, bwd * s_b, core_fwd * s_f, rec_fwd * s_f
+        fwd, bwd, core_fwd, rec_fwd, op_rec = fwd * s_f, bwd * s_b, core_fwd * s_f, rec_fwd * s_f, op_rec * s_f
 
     comm_f = comm_b = 0.0
     if tp > 1 and ctx.tp_span is not None:
@@ -278,6 +352,13 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
 
     if ac == AC.NONE:
         act, rec, rec_flops, rec_comm, rec_peak = act_none, 0.0, 0.0, 0.0, 0.0
+    elif ac == AC.SELECTIVE and op_policy:  # the saved outputs and the block's input; the rest recomputed
+        keep = layer.input_bytes * k * ctx.act_scale / (ctx.tp if (ctx.sp and tp_layer) else 1)
+        act, rec, rec_flops = min(act_none, op_act + keep), op_rec, op_rec_flops
+        # the policy saves reduce-scatters' outputs but not all-gathers' or all-reduces': under sequence parallelism
+        # the recomputation all-gathers again (half the forward's traffic), without it all-reduces again
+        rec_comm = comm_f * (0.5 if ctx.sp else 1.0)
+        rec_peak = act_none - act
     elif ac == AC.SELECTIVE:
         act, rec, rec_flops, rec_comm, rec_peak = act_none - core_act, core_fwd, core_flops, 0.0, core_act
     else:  # FULL: keep the input (sharded along the sequence with SP), recompute up to `recompute_stop`

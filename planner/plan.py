@@ -75,6 +75,9 @@ class Plan:
     alternatives: tuple[dict, ...] = ()  #: top-k other candidates: config, predicted, why they lost
     provenance: dict = field(default_factory=dict)  #: versions, cluster facts, creation time
     traced: dict = field(default_factory=dict)  #: what `autopar check` traced beside the prediction (`traced_summary`)
+    #: the torch.compile backend the plan's blocks were priced under (`plan --compile`; the emitted script's default
+    #: ``--compile``), or None: eager
+    compile: str | None = None
     schema_version: int = SCHEMA_VERSION  #: plan file schema
 
     @property
@@ -89,7 +92,7 @@ class Plan:
             "config": self.config.to_dict(), "layers": [lay.to_dict() for lay in self.layers],
             "stages": [s.to_dict() for s in self.stages], "predicted": self.predicted, "solver": self.solver,
             "alternatives": list(self.alternatives), "provenance": self.provenance,
-        } | ({"traced": self.traced} if self.traced else {})
+        } | ({"traced": self.traced} if self.traced else {}) | ({"compile": self.compile} if self.compile else {})
 
     def dumps(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=120)
@@ -127,7 +130,7 @@ class Plan:
                     global_batch=int(d["global_batch"]), cluster=d["cluster"], config=config, layers=layers,
                     stages=stages, predicted=d.get("predicted") or {}, solver=d.get("solver") or {},
                     alternatives=tuple(d.get("alternatives") or ()), provenance=d.get("provenance") or {},
-                    traced=d.get("traced") or {})
+                    traced=d.get("traced") or {}, compile=d.get("compile") or None)
         plan.validate(source=source)
         return plan
 

@@ -93,3 +93,26 @@ def test_baseline_is_predicted_beside_the_plan(capsys):
     assert "baseline tp=2,mbs=2: " in capsys.readouterr().out
     assert main(["plan", *job, "--baseline", "tp=3"]) == 2
     assert "--baseline tp=3: tp·pp = 3 does not divide the cluster's 8 GPUs" in capsys.readouterr().err
+
+
+def test_plan_compile_prices_fused_blocks_and_keeps_the_runtime_rule(tmp_path, capsys):
+    """`plan --compile`: the search prices the blocks compiled (faster than the same plan eager), a plan with tensor
+    parallelism checkpoints nothing (torch 2.13 cannot compile a checkpointed block's DTensor inputs), the plan file
+    records the backend and the emitted script compiles by default; pinning AC with TP under --compile names the
+    rule."""
+    out, script = tmp_path / "p.yaml", tmp_path / "t.py"
+    job = ["plan", "llama:layers=4,hidden=1024,heads=16,kv_heads=8,ffn=2816,vocab=32000,seq=2048", "--cluster",
+           "dgx-h100", "--global-batch", "16", "--check", "off", "--fix", "tp=2,dp=4"]
+    assert main([*job, "--compile", "--out", str(out), "--emit", str(script)]) == 0
+    plan = Plan.load(out)
+    assert plan.compile == "inductor" and {lay.ac.value for lay in plan.layers} == {"none"}
+    assert "PLAN = {" in script.read_text() and '"compile": "inductor"' in script.read_text()
+    eager_out = tmp_path / "e.yaml"
+    assert main([*job, "--fix", f"tp=2,dp=4,mbs={plan.config.mbs},zero={plan.config.zero},"
+                 f"sp={'on' if plan.config.sp else 'off'},ac=none",
+                 "--out", str(eager_out)]) == 0
+    eager = Plan.load(eager_out)
+    assert eager.compile is None and plan.predicted["step_time_s"] < eager.predicted["step_time_s"]
+    capsys.readouterr()
+    assert main([*job[:-1], "tp=2,dp=4,ac=full", "--compile"]) == 2
+    assert "torch.compile with tensor parallelism and activation checkpointing" in capsys.readouterr().err

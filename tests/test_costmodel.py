@@ -297,3 +297,49 @@ def test_runtime_reserves_a_cuda_context_and_nccl_buffers_per_communicator():
     assert runtime_reserved_bytes(two, True) == CUDA_CONTEXT_BYTES + 2 * NCCL_COMM_BYTES_PAIR + NCCL_P2P_PEER_BYTES
     assert runtime_reserved_bytes(ParallelConfig(), True) == CUDA_CONTEXT_BYTES  # one GPU: no communicator
     assert runtime_reserved_bytes(cfg, False) == 0.0
+
+
+def test_compiled_blocks_move_the_bytes_of_fused_kernels():
+    """torch.compile fuses a block's memory-bound ops (`costmodel.layercost.compiled_bytes`): inside RMSNorm nothing
+    is written back (its pow, mean and rsqrt live in one kernel), a residual sum read again after the MLP's matmuls
+    is written, matmuls and attention are not fused; the compiled step is faster than the eager one and the
+    difference is memory-bound time only."""
+    from costmodel.layercost import compiled_bytes
+    from profiler.api import profile_model
+
+    lg = profile_model("llama:layers=2,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=1000,seq=64")
+    block = next(layer for layer in lg.layers if layer.kind == "block")
+    fused = compiled_bytes(block)
+    nodes = {n.name: n for n in block.nodes}
+    assert all(nodes[name].kind == "memory" for name in fused)
+    norm = [n for n in block.nodes if n.module_path.endswith("attention_norm") and n.kind == "memory"]
+    assert {fused[n.name][0] for n in norm if n.op in ("aten.pow.Tensor_Scalar", "aten.mean.dim",
+                                                        "aten.rsqrt.default")} == {0}
+    residual = next(n for n in block.nodes if n.module_path == block.name and n.op == "aten.add.Tensor")
+    assert fused[residual.name][0] >= residual.output_bytes  # read after the MLP: written
+    assert sum(v[0] for v in fused.values()) < 0.6 * sum(nodes[k].fwd_bytes for k in fused)
+    cfg = ParallelConfig(dp=8, zero=3)
+    cluster = load_cluster("dgx-h100")
+    eager, comp = (estimate(lg, cluster, cfg, 16, compiled=c) for c in (False, True))
+    assert comp.step_time_s < eager.step_time_s
+    assert comp.memory.peak == eager.memory.peak  # (priced as time only)
+
+
+def test_estimate_takes_a_stack_and_compile(capsys, tmp_path):
+    """`estimate --stack NAME --compile`: the stack is the preset's option (the JSON says which), compile prices the
+    blocks fused; a cluster file carries its own constants and refuses a stack in one line."""
+    from costmodel.cluster import dump_cluster
+    from planner.cli.main import main
+
+    args = ["estimate", "llama-tiny", "--cluster", "dgx-h100", "--config", "dp=8,zero=3", "--global-batch", "16",
+            "--json"]
+    assert main(args) == 0
+    eager = json.loads(capsys.readouterr().out)
+    assert main([*args, "--stack", "megatron", "--compile"]) == 0
+    comp = json.loads(capsys.readouterr().out)
+    assert (eager["stack"], comp["stack"], comp["compile"]) == ("torch-native", "megatron", True)
+    assert comp["cluster"] == "dgx-h100:stack=megatron"
+    own = tmp_path / "mine.yaml"
+    own.write_text(dump_cluster(load_cluster("dgx-h100")))
+    assert main(["estimate", "llama-tiny", "--cluster", str(own), "--stack", "megatron", "--config", "dp=8"]) == 2
+    assert "stack= applies to presets" in capsys.readouterr().err

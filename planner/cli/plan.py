@@ -7,6 +7,7 @@ import sys
 
 from costmodel.compression import COMPRESSION_POLICIES
 from costmodel.memory import communicators, runtime_reserved_bytes
+from costmodel.stacks import DEFAULT_STACK, STACKS
 from planner.cli.common import count, fraction, positive_float, positive_int
 
 
@@ -20,7 +21,11 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
     p.add_argument("--memory-fraction", type=fraction,
                    help="share of each device's memory a plan may fill (default: the cluster file's memory_fraction, "
-                        "else 0.90; the rest is headroom for what the memory model leaves out, e.g. NCCL buffers)")
+                        "else 0.90; the CUDA context and NCCL's buffers are counted inside it, the rest is headroom "
+                        "for what the memory model leaves out)")
+    p.add_argument("--stack", choices=sorted(STACKS),
+                   help="the software stack whose measured efficiency the prediction uses (a preset's stack=NAME "
+                        f"option; default {DEFAULT_STACK}, what autopar emits)")
 
 
 def load_job(args):
@@ -30,6 +35,8 @@ def load_job(args):
     from costmodel.cluster import load_cluster
     from profiler.api import profile_model
 
+    if args.stack:  # (as the preset's option, so that the plan file's cluster names it)
+        args.cluster = f"{args.cluster}:stack={args.stack}"
     cluster = load_cluster(args.cluster)
     if args.memory_fraction is not None:
         cluster = replace(cluster, memory_fraction=args.memory_fraction)
@@ -51,13 +58,16 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         from costmodel.measured import load_measured
 
         measured = load_measured(args.profile, lg, cluster)
-    est = estimate(lg, cluster, cfg, gb, measured=measured)
+    est = estimate(lg, cluster, cfg, gb, measured=measured, compiled=bool(args.compile))
     if args.json:
         out = est.to_json() | {"config": cfg.to_dict(), "global_batch": gb, "seq": lg.model.seq,
-                               "model": args.model, "cluster": args.cluster}
+                               "model": args.model, "cluster": args.cluster, "compile": bool(args.compile),
+                               "stack": cluster.stack}
         print_json(out)
         return 0
     print_estimate(args.model, args.cluster, cfg, gb, lg, est, file=sys.stdout)
+    if args.compile:
+        print("blocks compiled (torch.compile): memory-bound ops priced as fused kernels", file=sys.stdout)
     return 0
 
 
@@ -106,8 +116,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         measured = load_measured(args.profile, lg, cluster)
     result = search(lg, cluster, gb, fix=fix, top_k=args.top_k, time_limit=args.time_limit, measured=measured,
-                    compress=args.compress)
-    plan = make_plan(lg, cluster, gb, result, model=args.model, cluster_spec=args.cluster)
+                    compress=args.compress, compiled=bool(args.compile))
+    plan = make_plan(lg, cluster, gb, result, model=args.model, cluster_spec=args.cluster, compile=args.compile)
     baseline = _baseline(args.baseline, lg, cluster, gb, plan.predicted["step_time_s"]) if args.baseline else None
     plan, check_note = _maybe_check(plan, args.check, tracers)
     script = None
@@ -143,9 +153,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"  memory: {(cluster.device.memory_bytes - peak) / 2**30:.2f} GiB of headroom on the device"
           + (f"; the peak includes {reserved / 2**30:.2f} GiB for the CUDA context and NCCL's buffers "
              f"({len(communicators(c))} communicators{', pipeline peers' if c.pp > 1 else ''})" if reserved else ""))
+    if cluster.stack:
+        from costmodel.hardware import device_kind
+        from costmodel.stacks import stack_constants
+
+        own = stack_constants(device_kind(cluster.device.name), cluster.stack)
+        print(f"  stack: {cluster.stack} (" + ("its own constants, fitted on its published runs" if own else
+                                              "no published runs of its own on this device: the device's constants")
+              + "; --stack picks another)")
     sv = plan.solver
     print(f"  solver: {sv['status']} gap {sv['gap']:.2g}, {sv['candidates']} candidates, {sv['pruned']} pruned, "
           f"{sv['solved']} ILPs ({sv['backend']}), {sv['time_s']:.2f} s")
+    if plan.compile:
+        print(f"  compiled: blocks under torch.compile ({plan.compile}), memory-bound ops priced as fused kernels; "
+              "the emitted script compiles by default")
     note = compression_note(c.grad_compress, c.pp_compress)
     if note:
         print(f"  compression: {note}")
@@ -251,6 +272,10 @@ def register(sub) -> None:
                     help="compressions the search may choose: none (default; nothing that changes the numbers), "
                          "low-precision (16-bit gradient reduction, bf16 pipeline boundaries), lossy (also "
                          "PowerSGD); a --fix grad_compress=… is used whatever this says")
+    pl.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
+                    help="plan for blocks run under torch.compile (backend inductor by default): memory-bound ops "
+                         "priced as fused kernels, no activation checkpointing with tensor parallelism (torch "
+                         "2.13 cannot compile it); the emitted script then compiles by default")
     pl.add_argument("--time-limit", type=positive_float, default=60.0,
                     help="seconds for the whole search; when exceeded the best plan so far is returned with its gap")
     pl.add_argument("--out", help="write the plan as YAML to this file")
@@ -269,4 +294,7 @@ def register(sub) -> None:
     es.add_argument("--config", required=True, help="k=v,… e.g. dp=8,tp=8,pp=4,mbs=1,schedule=1f1b,ac=selective")
     es.add_argument("--profile", help="per-layer times measured by `autopar profile MODEL --device … --out FILE` on "
                                       "the cluster's device, used instead of the roofline's level")
+    es.add_argument("--compile", action="store_true",
+                    help="price the blocks as the emitted script's --compile runs them (torch.compile: memory-bound "
+                         "ops fused)")
     es.set_defaults(func=cmd_estimate)

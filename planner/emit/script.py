@@ -357,7 +357,8 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     parser.add_argument("--stop-after", type=int, help="end this launch after N steps (resume later with --resume)")
     parser.add_argument("--compile", nargs="?", const="inductor", default=PLAN["compile"], metavar="BACKEND",
-                        help="torch.compile each block (default backend inductor; not priced by the plan's cost model)")
+                        help="torch.compile each block (default backend inductor; the plan prices it when planned "
+                             "with autopar plan --compile)")
     args = parser.parse_args()
     if args.compile and args.compile not in torch.compiler.list_backends(exclude_tags=()):
         parser.error(f"--compile {args.compile}: not a torch.compile backend; choose one of "
@@ -392,7 +393,8 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
     """The training script for ``plan`` as formatted Python source (run it with ``torchrun --nproc-per-node``
     ``plan.config.world``). ``init``: ``"full"`` (every rank builds the seeded model, then shards it) or ``"meta"``
     (built on the meta device, each rank initialises only its shards); None chooses by model size. ``compile``:
-    the script's default ``--compile`` backend (None: off)."""
+    the script's default ``--compile`` backend (None: the plan's, `Plan.compile`, which is None unless it was
+    planned with ``--compile``)."""
     if data not in DATA_SOURCES:
         raise ValueError(f"data={data!r}: choose one of {', '.join(DATA_SOURCES)}; edit get_batch for your data")
     if steps < 1:
@@ -401,7 +403,7 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
     model, _ = source.build(batch=1, seq=plan.seq, device="meta")
     init_mode, init_why = choose_init(plan, model, init)
     config = runtime_config(plan, model, seed=seed, optimizer=optimizer, lr=lr, init=init_mode,
-                            powersgd_start_iter=powersgd_start_iter, compile=compile)
+                            powersgd_start_iter=powersgd_start_iter, compile=compile or plan.compile)
     vocab = _vocab(source, model)
     model_imports, model_body = _model_section(source)
     runtime_imports, runtime_body = [], []

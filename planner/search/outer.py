@@ -108,9 +108,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *,
-               cross_node_tp: bool = False, refused: list | None = None) -> list[ParallelConfig]:
+               cross_node_tp: bool = False, refused: list | None = None,
+               compiled: bool = False) -> list[ParallelConfig]:
     """Every configuration of the search space that satisfies ``fix`` (see the module docstring). ``refused``
-    collects (configuration, the runtime's first reason) for those `costmodel.runnable` rules out."""
+    collects (configuration, the runtime's first reason) for those `costmodel.runnable` rules out; ``compiled``:
+    the blocks run under torch.compile (with a pinned ``ac``, the rules decide whether it compiles)."""
     world, gpn = cluster.world_size, cluster.gpus_per_node
     arch = lg.model.arch
     n_blocks = sum(1 for layer in lg.layers if layer.kind == "block")
@@ -152,6 +154,8 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
                                                  sp=sp, precision=precision)
                             facts = cfg.runnable_facts(global_batch, arch, lg.model.seq)
                             facts["grad_compress"] = parse_grad_compress(fix.get("grad_compress", "none"))[0]
+                            if compiled:  # unpinned, AC is the ILP's choice: `_candidate_options` limits it
+                                facts |= {"compile": "inductor", "checkpointed": fix.get("ac", "none") != "none"}
                             why = runnable_problems(facts)
                             if why:  # the runtime would refuse it (costmodel.runnable): never offered
                                 if refused is not None:
@@ -245,7 +249,7 @@ def check_fix(fix: dict) -> None:
 
 def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | None = None, top_k: int = 3,
            time_limit: float = 60.0, progress: bool | None = None, measured: tuple | None = None,
-           compress: str = "none") -> SearchResult:
+           compress: str = "none", compiled: bool = False) -> SearchResult:
     """The fastest configuration that fits (see the module docstring).
 
     ``compress``: which gradient and pipeline-boundary compressions the search may choose
@@ -255,13 +259,17 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
     ``measured``: per-layer times on the cluster's device (`costmodel.measured.load_measured`), used by every
     estimate of the search instead of the roofline's level.
 
+    ``compiled``: the blocks run under torch.compile (the script's ``--compile``): memory-bound ops are priced as
+    fused kernels (`costmodel.layercost.compiled_bytes`), and candidates with tensor parallelism are planned without
+    activation checkpointing, which torch 2.13 cannot compile with DTensor inputs (`costmodel.runnable`).
+
     ``time_limit`` caps the whole search (seconds): when it runs out, the best plan so far (an ILP's or a greedy
     incumbent's) is returned with status FEASIBLE and the gap to the smallest lower bound not yet explored (a
     valid global gap)."""
     fix = dict(fix or {})
     check_fix(fix)
     t0 = time.perf_counter()
-    cache: dict = {"measured": measured} if measured else {}
+    cache: dict = ({"measured": measured} if measured else {}) | ({"compiled": True} if compiled else {})
     kw = _ilp_options(fix, compress)
     bounds = Bounds(lg, cluster, global_batch, cache,
                     grad_opts=kw.get("grad_opts", allowed_options(compress, ilp.GRAD_OPTIONS)))
@@ -280,7 +288,8 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
 
     refused: list = []
     for cross_node in (False, True):  # tensor parallel crosses nodes only when nothing inside a node fits
-        cands = candidates(lg, cluster, global_batch, fix, cross_node_tp=cross_node, refused=refused)
+        cands = candidates(lg, cluster, global_batch, fix, cross_node_tp=cross_node, refused=refused,
+                           compiled=compiled)
         stats["candidates"] += len(cands)
         capacity = cluster.memory_budget_bytes
         live = []
@@ -309,7 +318,8 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
                 break
             if tight(i) > kth(ub):
                 continue
-            sol = _greedy(lg, cluster, cfg, global_batch, cache, tight(i), fix)
+            sol = _greedy(lg, cluster, cfg, global_batch, cache, tight(i), fix,
+                          _candidate_options(kw, cfg, compiled).get("acs"))
             if sol is not None:
                 known[i] = sol
                 bisect.insort(ub, sol.objective)
@@ -342,7 +352,7 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
                     may_win = True
                     try:
                         sol = ilp.solve(lg, cluster, cfg, global_batch, time_limit=max(left, 1.0), cost_cache=cache,
-                                        cutoff=cut, **kw)
+                                        cutoff=cut, **_candidate_options(kw, cfg, compiled))
                     except ilp.CutOff:
                         stats["cut_off"] += 1
                         may_win = False  # proved no faster than the best known plan
@@ -353,7 +363,8 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
                     t_alt = time.perf_counter()
                     try:
                         sol = ilp.solve(lg, cluster, cfg, global_batch, time_limit=max(min(left, ALT_TIME_S), 0.1),
-                                        cost_cache=cache, cutoff=None if cut == float("inf") else cut, **kw)
+                                        cost_cache=cache, cutoff=None if cut == float("inf") else cut,
+                                        **_candidate_options(kw, cfg, compiled))
                     finally:
                         alt_spent += time.perf_counter() - t_alt
             except ilp.CutOff:  # proved slower than the (top_k + 1)-th best known plan: cannot matter
@@ -409,7 +420,16 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
 GREEDY = "greedy"  #: the backend name of an incumbent that no ILP improved (time limit)
 
 
-def _greedy(lg, cluster, cfg, global_batch, cache, lb, fix) -> ilp.Solution | None:
+def _candidate_options(kw: dict, cfg: ParallelConfig, compiled: bool) -> dict:
+    """The ILP's options for one candidate: the search's, and with torch.compile and tensor parallelism no
+    activation checkpointing (`costmodel.runnable`: torch 2.13 cannot compile a checkpointed block's DTensor
+    inputs)."""
+    if compiled and cfg.tp > 1 and "acs" not in kw:
+        return kw | {"acs": (AC.NONE,)}
+    return kw
+
+
+def _greedy(lg, cluster, cfg, global_batch, cache, lb, fix, acs=None) -> ilp.Solution | None:
     """The greedy plan of a candidate (Megatron's even stages, the least uniform recomputation that fits, the
     pinned or no compression) as a feasible Solution with the candidate's lower bound, or None if it does not fit."""
     t0 = time.perf_counter()
@@ -418,7 +438,7 @@ def _greedy(lg, cluster, cfg, global_batch, cache, lb, fix) -> ilp.Solution | No
         ppc = "none"
     if cfg.dp == 1 or cfg.zero >= 2:
         grad = "none" if "grad_compress" not in fix else grad
-    acs = (AC(fix["ac"]),) if "ac" in fix else ilp.AC_ORDER
+    acs = acs or ((AC(fix["ac"]),) if "ac" in fix else ilp.AC_ORDER)
     try:
         ev = Evaluator(lg, cluster, replace(cfg, grad_compress=grad, pp_compress=ppc), global_batch, cache=cache)
         stage_of = even_stages(lg, cfg.pp * cfg.vpp)
@@ -469,8 +489,9 @@ __all__ = ["search", "candidates", "Bounds", "SearchResult", "Alternative", "NoP
 
 # ------------------------------------------------------------------------------------------------------ plans
 def make_plan(lg: LayerGraph, cluster: Cluster, global_batch: int, result: SearchResult, *, model: str,
-              cluster_spec: str) -> Plan:
-    """The frozen Plan of a search result (per-layer strategies, stages, prediction, solver facts)."""
+              cluster_spec: str, compile: str | None = None) -> Plan:
+    """The frozen Plan of a search result (per-layer strategies, stages, prediction, solver facts); ``compile``:
+    the torch.compile backend it was searched under (`search`'s ``compiled``)."""
     import yaml
 
     from costmodel.cluster import dump_cluster
@@ -495,7 +516,7 @@ def make_plan(lg: LayerGraph, cluster: Cluster, global_batch: int, result: Searc
                          for a in result.alternatives)
     return Plan(model=model, fingerprint=lg.model.fingerprint, seq=lg.model.seq, global_batch=global_batch,
                 cluster=cluster_spec, config=cfg, layers=layers, stages=stages, predicted=best.estimate.to_json(),
-                solver=solver, alternatives=alternatives,
+                solver=solver, alternatives=alternatives, compile=compile,
                 # workaround: plan.provenance returns torch.__version__ as a TorchVersion (a str subclass) that
                 # yaml.safe_dump refuses; a JSON round trip makes every value a plain type
                 provenance=json.loads(json.dumps(provenance(yaml.safe_load(dump_cluster(cluster))), default=str)))

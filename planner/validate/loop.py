@@ -100,7 +100,8 @@ def repredict(plan: Plan, cluster, lg=None) -> dict:
     lg = lg or profile_for(plan.model, cluster, seq=plan.seq)
     acs = [lay.ac for lay in plan.layers]
     stage_of = [lay.stage for lay in plan.layers]
-    return Evaluator(lg, cluster, plan.config, plan.global_batch).evaluate(acs, stage_of).to_json()
+    return Evaluator(lg, cluster, plan.config, plan.global_batch,
+                     compiled=bool(plan.compile)).evaluate(acs, stage_of).to_json()
 
 
 # ------------------------------------------------------------------------------------------------ measurement

@@ -1,0 +1,80 @@
+"""Software stacks: the efficiency a device reaches depends on the code running on it as much as on the device.
+
+Most of the error between published tables is the stack (Megatron-LM of 2022, Composer's FSDP, torchtitan), not the
+hardware. The efficiency constants therefore belong to a (device kind, stack) pair: ``costmodel/data/fitted.yaml``
+holds each kind's constants fitted on every published row of that kind (``a100``, ``h100``), and under ``stacks:``
+the constants of a stack fitted on that stack's own rows where it has any (`python -m costmodel.calibrate`). A stack
+without rows of its own on a kind uses the kind's constants, and says so (`describe`).
+
+A cluster preset takes a stack with the ``stack=NAME`` option (``dgx-h100:nodes=8:stack=megatron``; ``autopar
+plan/estimate --stack NAME`` adds it), so a plan file that names its cluster names its stack too. The default is the
+stack autopar emits, ``torch-native``.
+
+What a stack changes here is the device's efficiency constants. What the emitted runtime does (its loss, the inputs
+its linears save, its selective checkpointing) is autopar's own code whatever the stack, so that memory and the
+check stay about the code that runs; the calibration passes the published stacks' own behaviour for their rows
+(`costmodel.calibrate.Row`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+DEFAULT_STACK = "torch-native"
+
+
+@dataclass(frozen=True)
+class Stack:
+    name: str
+    description: str
+    rows: str  #: the published rows its constants are fitted on (`costmodel.calibrate`)
+
+
+STACKS = {
+    "torch-native": Stack(
+        "torch-native",
+        "stock PyTorch as autopar emits it: FSDP2, DTensor tensor parallelism, torch.distributed.pipelining, "
+        "torch.compile per block when asked",
+        "torchtitan's published Llama 3.1 runs on H100 (pytorch/torchtitan benchmarks/"
+        "llama3_h100_202412_torchtitan.md Tables 1, 3, 4; asyncTP_llama3_h100_2025-06_torchtitan.md, vanilla TP "
+        "columns, bf16 and float8 tensorwise)"),
+    "megatron": Stack(
+        "megatron", "Megatron-LM (2022): tensor, sequence and pipeline parallelism with interleaving",
+        "Korthikanti et al. 2022 Table 5 (A100)"),
+    "composer": Stack(
+        "composer", "MosaicML Composer / llm-foundry: PyTorch FSDP with FlashAttention and fused cross entropy",
+        "llm-foundry's MPT benchmarks (A100 40/80 GB, H100)"),
+}
+
+
+def check_stack(name: str) -> str:
+    if name not in STACKS:
+        raise ValueError(f"unknown software stack {name!r}; known stacks: {', '.join(STACKS)}")
+    return name
+
+
+def stack_constants(kind: str | None, stack: str) -> dict | None:
+    """The constants fitted for ``stack`` on device kind ``kind``, or None when the stack has no rows of its own
+    there (the kind's constants then apply)."""
+    from costmodel.hardware import FITTED_FILE
+
+    if kind is None or not FITTED_FILE.exists():
+        return None
+    return ((_fitted(FITTED_FILE.stat().st_mtime_ns).get("stacks") or {}).get(stack) or {}).get(kind)
+
+
+@functools.cache
+def _fitted(mtime: int) -> dict:  # (keyed by the file's time: `python -m costmodel.calibrate` rewrites it)
+    import yaml
+
+    from costmodel.hardware import FITTED_FILE
+
+    return yaml.safe_load(FITTED_FILE.read_text()) or {}
+
+
+def describe(kind: str | None, stack: str) -> str:
+    """Where a device's constants come from under ``stack``, in a few words."""
+    if stack_constants(kind, stack):
+        return f"{stack} constants fitted on {STACKS[stack].rows}"
+    return f"{stack}: no {stack} rows on {kind or 'this device'}; the device kind's constants (all its published rows)"
