@@ -2,6 +2,7 @@
 
     python -m costmodel.calibrate            # fit, write costmodel/data/fitted.yaml, print the tables
     python -m costmodel.calibrate --check    # no fit: print the tables with the constants in fitted.yaml
+    python -m costmodel.calibrate --cv       # leave-one-table-out and anchored cross-validation (no file written)
 
 Data: costmodel/data/published_runs.json, a copy of shared/calibration/published_runs.json (each record: source,
 model, cluster, configuration, measured result). Rows used:
@@ -381,13 +382,78 @@ def fit_all(rows: list[Row], only: str | None = None) -> tuple[dict, dict]:
     return fits, stacks
 
 
+#: anchors per table in `cross_validate`'s anchored check (evenly spaced over the table's rows)
+ANCHORS = 8
+
+
+def _fits_without(rows: list[Row], held: str) -> dict[tuple[str, str], Constants]:
+    """(kind, stack) → constants fitted on every row but those of source ``held``, as `fit_all` fits them (a kind's
+    own on its Megatron and Composer rows, a stack's on its own rows; one with no rows left takes its kind's)."""
+    train = [r for r in rows if r.source != held]
+    order = {kind: i for i, (kind, _) in enumerate(KIND_ORDER)}
+    base: dict = {}
+    for kind in sorted({r.kind for r in rows}, key=lambda k: order.get(k, len(order))):
+        kr = [r for r in train if r.kind == kind and r.stack in BASE_STACKS]
+        if kr:
+            base[kind] = (fit(kr, _floor(order[kind], base) if kind in order else None)[0], None, kr)
+    own: dict = {}
+    for kind, stack in {(r.kind, r.stack) for r in train if r.stack not in BASE_STACKS}:
+        sr = [r for r in train if r.kind == kind and r.stack == stack]
+        own[kind, stack] = fit(sr, _floor(order[kind], base) if kind in order else None)[0]
+    out = {}
+    for kind, stack in {(r.kind, r.stack) for r in rows}:
+        # a stack's own, else the kind's, else (the kind's rows all held out) another stack's on that kind
+        others = [k for (kd, _), k in sorted(own.items()) if kd == kind]
+        out[kind, stack] = own.get((kind, stack)) or (base[kind][0] if kind in base else others[0])
+    return out
+
+
+def _anchored(row: Row, k: Constants) -> Constants:
+    """``k`` with the one constant a single run identifies (the matmul ceiling ``e_max``, as `costmodel.runs` moves
+    it first) set so that ``row`` is predicted exactly (to the optimiser's tolerance)."""
+    from scipy.optimize import minimize_scalar
+
+    res = minimize_scalar(lambda e: abs(predict(row, dataclasses.replace(k, e_max=e)).step_time_s
+                                        / row.measured_step_s - 1), bounds=(0.05, 1.0), method="bounded",
+                          options={"xatol": 1e-4})
+    return dataclasses.replace(k, e_max=float(res.x))
+
+
+def cross_validate(rows: list[Row], file=sys.stdout) -> dict[str, dict[str, float]]:
+    """Leave-one-table-out (each source predicted with constants fitted on the others) and anchored (each source's
+    rows predicted from constants fitted without it, moved by one of its rows, `_anchored`; `ANCHORS` anchors per
+    table): the mean absolute error per source of each, printed and returned."""
+    out: dict[str, dict[str, float]] = {}
+    for held in sorted({r.source for r in rows}):
+        ks = _fits_without(rows, held)
+        table = [r for r in rows if r.source == held]
+        loto = [abs(predict(r, ks[r.kind, r.stack]).step_time_s / r.measured_step_s - 1) for r in table]
+        step = max(1, len(table) // ANCHORS)
+        anchored = []
+        for a in table[::step][:ANCHORS]:
+            k = _anchored(a, ks[a.kind, a.stack])
+            rest = [r for r in table if r is not a and r.kind == a.kind]
+            anchored += [abs(predict(r, k).step_time_s / r.measured_step_s - 1) for r in rest]
+        out[held] = {"rows": len(table), "leave_one_table_out": sum(loto) / len(loto),
+                     "anchored": sum(anchored) / len(anchored) if anchored else float("nan")}
+        print(f"{held}: {len(table)} rows; left out of the fit: mean abs error {out[held]['leave_one_table_out']:.1%}; "
+              f"anchored on one of its rows: {out[held]['anchored']:.1%}", file=file, flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m costmodel.calibrate", description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="do not fit; report with the constants in fitted.yaml")
     ap.add_argument("--only", help="refit this device kind's (a100, h100) or this stack's (torch-native) constants "
                                    "only; the others keep fitted.yaml's")
+    ap.add_argument("--cv", action="store_true",
+                    help="cross-validate instead: each table predicted by constants fitted without it, and anchored "
+                         "on one of its rows (minutes)")
     args = ap.parse_args(argv)
     rows = load_rows()
+    if args.cv:
+        cross_validate(rows)
+        return 0
     if not args.check:
         fits, stacks = fit_all(rows, args.only)
         for name, (k, err, _) in [*fits.items(), *((f"{kd}, {st}", v) for st, ks in stacks.items()

@@ -20,8 +20,11 @@ peak efficiency ``e_max`` (most of a training step is GEMMs), then the matmul cu
 ``f_half`` (small against large GEMMs: runs that differ in tp or hidden size), the memory-bound efficiency
 ``memory_eff`` (norms, element-wise ops), the slowdown of compute that overlaps communication
 ``overlap_slowdown``, and the fused-attention efficiency ``attention_eff``. The others keep the cluster's values.
-The fit minimises the mean absolute relative error of the step time (a bounded one-dimensional search for one
-constant, Nelder-Mead on bounded, transformed parameters for more). Links are not fitted: a step time alone does
+The fit minimises the relative error of the step time: for one constant, the mean absolute error (a bounded
+one-dimensional search); for more, the sum of squared relative errors (trust-region least squares on bounded,
+transformed parameters), polished by Nelder-Mead on the mean absolute error when runs outnumber constants. Start
+from the stack the runs were measured with (``--cluster dgx-h100:stack=composer``): the constants a fit keeps are
+that stack's. Links are not fitted: a step time alone does
 not separate bandwidth from latency (`autopar validate --recalibrate` fits them from its per-part measurements).
 """
 
@@ -201,10 +204,18 @@ def calibrate(runs: Sequence[Run], cluster: Cluster) -> Calibration:
             s = min(max(s, 1e-4), 1 - 1e-4)
             return math.log(s / (1 - s))
 
+        from scipy.optimize import least_squares
+
+        def residuals(x) -> list[float]:
+            trial = _with(cluster, unpack(x), "fit in progress")
+            return [predict(r, trial) / r.measured_step_s - 1 for r in runs]
+
         x0 = [pack(n, start[n]) for n in names]
-        res = minimize(lambda x: error(unpack(x)), x0, method="Nelder-Mead",
-                       options={"maxiter": 300 * len(names), "xatol": 1e-4, "fatol": 1e-6})
-        values = unpack(res.x)
+        x = least_squares(residuals, x0, method="trf", xtol=1e-8, ftol=1e-10, max_nfev=100 * len(names)).x
+        if len(runs) > len(names):  # more equations than unknowns: the mean absolute error is the objective
+            x = minimize(lambda x: error(unpack(x)), x, method="Nelder-Mead",
+                         options={"maxiter": 300 * len(names), "xatol": 1e-4, "fatol": 1e-6}).x
+        values = unpack(x)
     source = (f"autopar calibrate: {', '.join(names)} fitted to {len(runs)} measured run"
               f"{'s' if len(runs) > 1 else ''}")
     fitted = _with(cluster, values, source)
