@@ -201,7 +201,7 @@ class Cluster:
     #: gpu_memory_utilization is 0.9).
     memory_fraction: float = 0.90
     #: the software stack whose efficiency constants the device carries (`costmodel.stacks`; a preset's
-    #: ``stack=NAME`` option). A cluster file's device carries its own constants: None.
+    #: ``stack=NAME`` option; a cluster file's optional ``stack``, which says where its own constants came from).
     stack: str | None = None
 
     def __post_init__(self) -> None:
@@ -581,7 +581,8 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
         raise ctx.error(f"device.overlap_slowdown must be a number in [0, 1), got {slowdown!r}")
     return DeviceSpec(
         name=_get(ctx, value, "name", str, "device"),
-        peak_flops={d: _get(ctx, peaks, d, float, "device.peak_tflops") * 1e12 for d in peaks},
+        # (scaled in decimal, so that a dumped 66.9 reads back as the 66.9e12 it was)
+        peak_flops={d: float(f"{_get(ctx, peaks, d, float, 'device.peak_tflops')!r}e12") for d in peaks},
         memory_bytes=memory,
         hbm_bw=_get(ctx, value, "hbm_bw_GBps", float, "device") * GB,
         matmul_eff=curve,
@@ -592,7 +593,7 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
     )
 
 
-_CLUSTER_KEYS = ("name", "device", "gpus_per_node", "nodes", "intra", "inter", "memory_fraction")
+_CLUSTER_KEYS = ("name", "device", "gpus_per_node", "nodes", "intra", "inter", "memory_fraction", "stack")
 
 
 def parse_cluster_yaml(text: str, origin: str = "<string>") -> Cluster:
@@ -607,15 +608,33 @@ def parse_cluster_yaml(text: str, origin: str = "<string>") -> Cluster:
     _check_keys(ctx, "", data, _CLUSTER_KEYS)
     if "device" not in data:
         raise ctx.error("missing key 'device'")
+    stack = _stack(ctx, _get(ctx, data, "stack", str, default=None))
+    device = _parse_device(ctx, data["device"])
+    if isinstance(data["device"], str) and stack is not None:  # a catalogue device with that stack's constants
+        from costmodel.hardware import with_stack
+
+        device = with_stack(device, stack)
     return Cluster(
         name=_get(ctx, data, "name", str, default=Path(origin).stem),
-        device=_parse_device(ctx, data["device"]),
+        device=device,
         gpus_per_node=_get(ctx, data, "gpus_per_node", int),
         nodes=_get(ctx, data, "nodes", int),
         intra=_parse_link(ctx, "intra", _get(ctx, data, "intra", dict), default_name="intra-node"),
         inter=_parse_link(ctx, "inter", _get(ctx, data, "inter", dict), default_name="inter-node"),
         memory_fraction=_fraction(ctx, _get(ctx, data, "memory_fraction", float, default=Cluster.memory_fraction)),
+        stack=stack,
     )
+
+
+def _stack(ctx: _Ctx, value: str | None) -> str | None:
+    """A file's ``stack``: the software stack its device's constants describe. A device the file names from the
+    catalogue takes that stack's constants; a device it describes keeps its own (the key then says where they came
+    from)."""
+    from costmodel.stacks import STACKS
+
+    if value is not None and value not in STACKS:
+        raise ctx.error(f"stack {value!r} is not a known software stack ({', '.join(STACKS)})")
+    return value
 
 
 def _fraction(ctx: _Ctx, value: float) -> float:
@@ -651,9 +670,12 @@ def _dump_link(link: Link) -> dict[str, Any]:
     return out
 
 
-def _dump_device(device: DeviceSpec) -> str | dict[str, Any]:
-    if device.name in DEVICES and DEVICES[device.name] == device:
-        return device.name
+def _dump_device(device: DeviceSpec, stack: str | None = None) -> str | dict[str, Any]:
+    from costmodel.hardware import with_stack
+
+    if device.name in DEVICES and (DEVICES[device.name] == device or (
+            stack is not None and with_stack(DEVICES[device.name], stack) == device)):
+        return device.name  # (with the file's stack, `parse_cluster_yaml` builds it again)
     return {
         "name": device.name,
         "peak_tflops": {d: _round12(f / 1e12) for d, f in device.peak_flops.items()},
@@ -673,11 +695,11 @@ def dump_cluster(cluster: Cluster) -> str:
     """YAML text that ``parse_cluster_yaml``/``load_cluster`` read back into an equal cluster."""
     data = {
         "name": cluster.name,
-        "device": _dump_device(cluster.device),
+        "device": _dump_device(cluster.device, cluster.stack),
         "gpus_per_node": cluster.gpus_per_node,
         "nodes": cluster.nodes,
         "intra": _dump_link(cluster.intra),
         "inter": _dump_link(cluster.inter),
         "memory_fraction": cluster.memory_fraction,
-    }
+    } | ({"stack": cluster.stack} if cluster.stack else {})
     return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=120)

@@ -18,7 +18,7 @@ from costmodel.cluster import (
     load_cluster,
     parse_cluster_yaml,
 )
-from costmodel.hardware import DEVICES, EfficiencyCurve, get_device
+from costmodel.hardware import DEVICES, EfficiencyCurve, get_device, with_stack
 
 GPU_PRESETS = ("dgx-a100-80g", "dgx-a100-40g", "dgx-h100", "dgx-h200")
 
@@ -77,7 +77,8 @@ def test_cpu_device_is_measured():
 @pytest.mark.parametrize("name", GPU_PRESETS)
 def test_gpu_presets_load(name):
     c = load_cluster(name)
-    assert c is CLUSTER_PRESETS[name]
+    preset = CLUSTER_PRESETS[name]  # with the default stack's constants (`costmodel.stacks`)
+    assert c == replace(preset, device=with_stack(preset.device, "torch-native"), stack="torch-native")
     assert (c.gpus_per_node, c.nodes, c.world_size) == (8, 1, 8)
     assert c.intra.bandwidth > c.inter.bandwidth > 0
 
@@ -92,7 +93,7 @@ def test_preset_figures_are_the_published_ones():
 def test_nodes_option():
     c = load_cluster("dgx-h100:nodes=4")
     assert (c.nodes, c.world_size) == (4, 32)
-    assert c.device is DEVICES["h100-sxm"]
+    assert c.device == with_stack(DEVICES["h100-sxm"], "torch-native")
 
 
 def test_cpu_local_preset_and_options():

@@ -1025,7 +1025,8 @@ def main() -> None:
         const="inductor",
         default=PLAN["compile"],
         metavar="BACKEND",
-        help="torch.compile each block (default backend inductor; not priced by the plan's cost model)",
+        help="torch.compile each block (default backend inductor; the plan prices it when planned "
+        "with autopar plan --compile)",
     )
     args = parser.parse_args()
     if args.compile and args.compile not in torch.compiler.list_backends(exclude_tags=()):
