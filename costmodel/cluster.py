@@ -542,7 +542,7 @@ def _parse_curve(ctx: _Ctx, where: str, data: Mapping[str, Any]) -> SizeCurve:
 
 
 _DEVICE_KEYS = ("name", "peak_tflops", "memory_GiB", "memory_GB", "hbm_bw_GBps", "matmul_eff", "memory_eff",
-                "attention_eff", "fp8_eff", "overlap_slowdown", "source")
+                "attention_eff", "fp8_eff", "overlap_slowdown", "runtime_reserved_GiB", "source")
 
 
 def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
@@ -579,8 +579,15 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
     slowdown = value.get("overlap_slowdown", 0.0)
     if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not 0 <= slowdown < 1:
         raise ctx.error(f"device.overlap_slowdown must be a number in [0, 1), got {slowdown!r}")
+    reserved = None
+    if "runtime_reserved_GiB" in value:  # measured: what the CUDA context and NCCL hold outside torch's allocator
+        reserved = _get(ctx, value, "runtime_reserved_GiB", float, "device")
+        if reserved < 0:
+            raise ctx.error(f"device.runtime_reserved_GiB must be ≥ 0, got {reserved!r}")
+        reserved *= GiB
     return DeviceSpec(
         name=_get(ctx, value, "name", str, "device"),
+        runtime_reserved=reserved,
         # (scaled in decimal, so that a dumped 66.9 reads back as the 66.9e12 it was)
         peak_flops={d: float(f"{_get(ctx, peaks, d, float, 'device.peak_tflops')!r}e12") for d in peaks},
         memory_bytes=memory,
@@ -688,7 +695,7 @@ def _dump_device(device: DeviceSpec, stack: str | None = None) -> str | dict[str
         "fp8_eff": device.fp8_eff,
         "overlap_slowdown": device.overlap_slowdown,
         "source": device.source,
-    }
+    } | ({"runtime_reserved_GiB": device.runtime_reserved / GiB} if device.runtime_reserved is not None else {})
 
 
 def dump_cluster(cluster: Cluster) -> str:

@@ -406,9 +406,8 @@ class Evaluator:
         after_backward += dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params)
         temp += max(0.0, after_backward - (p_b + g_b + o_b + act + temp))
         allocated = p_b + g_b + o_b + act + temp
-        on_gpu = self.cluster.device.name != "cpu"
         return MemoryBreakdown(params=p_b, grads=g_b, optimizer=o_b, activations=act,
-                               other=temp + allowance(allocated, runtime_reserved_bytes(cfg, on_gpu)))
+                               other=temp + allowance(allocated, runtime_reserved_bytes(cfg, self.cluster.device)))
 
 
 def estimate(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,

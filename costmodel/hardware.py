@@ -20,6 +20,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Generic, TypeVar
 
+from costmodel.stacks import FITTED_FILE  # (one file holds the kinds' constants and the stacks')
+
 __all__ = [
     "DTYPES",
     "DEVICES",
@@ -97,6 +99,9 @@ class DeviceSpec:
     #: fractional slowdown of compute while a collective overlaps it (the collective's kernels take SMs and HBM
     #: bandwidth): overlapped compute time is multiplied by ``1 + overlap_slowdown``. ≥ 0.
     overlap_slowdown: float = 0.0
+    #: bytes the runtime holds outside torch's caching allocator (CUDA context, NCCL buffers) when measured (a
+    #: cluster file's ``runtime_reserved_GiB``); None: modelled per plan (`costmodel.memory.runtime_reserved_bytes`)
+    runtime_reserved: float | None = None
     #: where the peaks and the memory_eff come from.
     source: str = ""
 
@@ -121,12 +126,14 @@ class DeviceSpec:
                 raise ValueError(f"device {self.name!r}: {key} must be in (0, 1], got {getattr(self, key)!r}")
         if not 0.0 <= self.overlap_slowdown < 1.0:
             raise ValueError(f"device {self.name!r}: overlap_slowdown must be in [0, 1), got {self.overlap_slowdown!r}")
+        if self.runtime_reserved is not None and not self.runtime_reserved >= 0:
+            raise ValueError(f"device {self.name!r}: runtime_reserved must be ≥ 0 bytes, got {self.runtime_reserved!r}")
         object.__setattr__(self, "peak_flops", _frozen_map(self.peak_flops))
 
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes, self.hbm_bw,
                      self.matmul_eff, self.memory_eff, self.attention_eff, self.fp8_eff, self.overlap_slowdown,
-                     self.source))
+                     self.runtime_reserved, self.source))
 
     def peak(self, dtype: str) -> float:
         """Dense peak for ``dtype`` in FLOP/s; ValueError naming the dtypes this device has if it is unknown."""
@@ -153,7 +160,6 @@ _PEAK_SOURCE = "NVIDIA datasheets, dense (no sparsity), via calibration/README.m
 
 #: Constants fitted by ``python -m costmodel.calibrate`` on shared/calibration data, one set per device *kind*
 #: (``a100``: the 40 and 80 GB parts; ``h100``: H100 SXM and H200, the same GH100 compute).
-FITTED_FILE = Path(__file__).parent / "data" / "fitted.yaml"
 _KIND = {"a100-40g": "a100", "a100-80g": "a100", "h100-sxm": "h100", "h100-hbm2e": "h100", "h200": "h100"}
 
 

@@ -275,11 +275,14 @@ def communicators(cfg) -> list[int]:
     return sizes + [n for n in (cfg.dp, cfg.tp, cfg.pp) if n > 1]
 
 
-def runtime_reserved_bytes(cfg, on_gpu: bool) -> float:
-    """What a GPU rank of ``cfg`` holds outside torch's caching allocator: the CUDA context and NCCL's buffers, a
-    communicator per `communicators` and, with pipelining, the point-to-point buffers of its two neighbours (one
-    with two stages). Nothing on CPU (gloo's buffers are per call)."""
-    if not on_gpu:
+def runtime_reserved_bytes(cfg, device) -> float:
+    """What a GPU rank of ``cfg`` holds outside torch's caching allocator on ``device``: what the device states
+    (``runtime_reserved``, measured), else the CUDA context and NCCL's buffers, a communicator per `communicators`
+    and, with pipelining, the point-to-point buffers of its two neighbours (one with two stages). Nothing on CPU
+    (gloo's buffers are per call)."""
+    if device.runtime_reserved is not None:
+        return device.runtime_reserved
+    if device.name == "cpu":
         return 0.0
     nccl = sum(NCCL_COMM_BYTES_PAIR if n == 2 else NCCL_COMM_BYTES for n in communicators(cfg))
     peers = min(2, cfg.pp - 1)

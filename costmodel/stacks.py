@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 DEFAULT_STACK = "torch-native"
+#: the fitted constants (written by `python -m costmodel.calibrate`; `costmodel.hardware` reads the kinds' own)
+FITTED_FILE = Path(__file__).parent / "data" / "fitted.yaml"
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,6 @@ def check_stack(name: str) -> str:
 def stack_constants(kind: str | None, stack: str) -> dict | None:
     """The constants fitted for ``stack`` on device kind ``kind``, or None when the stack has no rows of its own
     there (the kind's constants then apply)."""
-    from costmodel.hardware import FITTED_FILE
-
     if kind is None or not FITTED_FILE.exists():
         return None
     return ((_fitted(FITTED_FILE.stat().st_mtime_ns).get("stacks") or {}).get(stack) or {}).get(kind)
@@ -67,8 +68,6 @@ def stack_constants(kind: str | None, stack: str) -> dict | None:
 @functools.cache
 def _fitted(mtime: int) -> dict:  # (keyed by the file's time: `python -m costmodel.calibrate` rewrites it)
     import yaml
-
-    from costmodel.hardware import FITTED_FILE
 
     return yaml.safe_load(FITTED_FILE.read_text()) or {}
 

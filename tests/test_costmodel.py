@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from costmodel.cluster import load_cluster, parse_cluster_yaml
+from costmodel.cluster import dump_cluster, load_cluster, parse_cluster_yaml
 from costmodel.config import AC, ParallelConfig, Schedule, parse_kv
 from costmodel.estimate import ConfigError, Evaluator, estimate, even_stages
 from costmodel.memory import (
@@ -290,13 +290,19 @@ def test_runtime_reserves_a_cuda_context_and_nccl_buffers_per_communicator():
     """What a GPU rank holds outside torch's allocator: the context, one NCCL communicator per process group it runs
     collectives on (the default group and each mesh dimension of more than one rank; a pair's is smaller), and with
     pipelining the point-to-point buffers of each neighbouring stage. Nothing on CPU."""
+    gpu = load_cluster("dgx-h100").device
     cfg = ParallelConfig(dp=8, tp=8, pp=4)
     assert communicators(cfg) == [256, 8, 8, 4]
-    assert runtime_reserved_bytes(cfg, True) == CUDA_CONTEXT_BYTES + 4 * NCCL_COMM_BYTES + 2 * NCCL_P2P_PEER_BYTES
+    assert runtime_reserved_bytes(cfg, gpu) == CUDA_CONTEXT_BYTES + 4 * NCCL_COMM_BYTES + 2 * NCCL_P2P_PEER_BYTES
     two = ParallelConfig(dp=1, tp=1, pp=2)  # the default group and the pp group are pairs; one neighbour
-    assert runtime_reserved_bytes(two, True) == CUDA_CONTEXT_BYTES + 2 * NCCL_COMM_BYTES_PAIR + NCCL_P2P_PEER_BYTES
-    assert runtime_reserved_bytes(ParallelConfig(), True) == CUDA_CONTEXT_BYTES  # one GPU: no communicator
-    assert runtime_reserved_bytes(cfg, False) == 0.0
+    assert runtime_reserved_bytes(two, gpu) == CUDA_CONTEXT_BYTES + 2 * NCCL_COMM_BYTES_PAIR + NCCL_P2P_PEER_BYTES
+    assert runtime_reserved_bytes(ParallelConfig(), gpu) == CUDA_CONTEXT_BYTES  # one GPU: no communicator
+    assert runtime_reserved_bytes(cfg, dataclasses.replace(gpu, name="cpu")) == 0.0
+    # a cluster file may state what it measured instead (round trip included)
+    text = dump_cluster(dataclasses.replace(load_cluster("dgx-h100"), device=dataclasses.replace(
+        gpu, name="mine", runtime_reserved=3 * 2**30)))
+    assert "runtime_reserved_GiB: 3.0" in text
+    assert runtime_reserved_bytes(cfg, parse_cluster_yaml(text).device) == 3 * 2**30
 
 
 def test_compiled_blocks_move_the_bytes_of_fused_kernels():

@@ -80,12 +80,11 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
     stage_of = [by_name[n].stage for n in names]
     ev = Evaluator(lg, cluster, cfg, plan.global_batch)
     est = ev.evaluate(acs, stage_of)
-    on_gpu = cluster.device.name != "cpu"
     kind, _ = parse_grad_compress(cfg.grad_compress)
     roles = []
     for r in range(cfg.pp):
         parts = next(s.memory_parts for s in est.stages if s.rank == r)
-        allocated = (parts["peak"] - runtime_reserved_bytes(cfg, on_gpu)) / (1 + FRAGMENTATION)
+        allocated = (parts["peak"] - runtime_reserved_bytes(cfg, cluster.device)) / (1 + FRAGMENTATION)
         memory = {"params": parts["params"], "grads": parts["grads"], "optimizer": parts["optimizer"],
                   "activations": parts["activations"]}
         memory["temporaries"] = allocated - sum(memory.values())

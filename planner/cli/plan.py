@@ -145,7 +145,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for lay in plan.layers:
         acs[lay.ac.value] = acs.get(lay.ac.value, 0) + 1
     peak = p['memory_per_gpu_bytes']['peak']
-    reserved = runtime_reserved_bytes(c, cluster.device.name != "cpu")
+    reserved = runtime_reserved_bytes(c, cluster.device)
     print(f"  step {p['step_time_s']:.4g} s, {p['tokens_per_s']:.4g} tokens/s, MFU {p['mfu']:.1%}, "
           f"peak memory {peak / 2**30:.2f} GiB per GPU of a "
           f"{cluster.memory_budget_bytes / 2**30:.1f} GiB budget ({cluster.memory_fraction:.0%} of "

@@ -165,8 +165,7 @@ class Bounds:
         """(allocatable bytes per GPU, model-state bytes per parameter at the activation peak, least temporaries
         of a rank)."""
         dev = self.cluster.device
-        on_gpu = dev.name != "cpu"
-        cap = (self.cluster.memory_budget_bytes - runtime_reserved_bytes(cfg, on_gpu)) / (1 + FRAGMENTATION)
+        cap = (self.cluster.memory_budget_bytes - runtime_reserved_bytes(cfg, dev)) / (1 + FRAGMENTATION)
         per = _state_at_peak(cfg, m) + extra
         temp = dp_reduction_temp_bytes(cfg, "none", 0.0)  # a lower bound: the least over compressions and ranks
         if cfg.zero == 3 and cfg.dp > 1:  # at least the gathered block (every rank holds one)
@@ -330,8 +329,7 @@ class Bounds:
             first = per * g.params + g.pre_act + g.post_act + n * block_act
         after = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp, cfg.pp))  # every gradient
         allocated = max(first, last, after * g.params / cfg.pp) + temp
-        on_gpu = self.cluster.device.name != "cpu"
-        return (1 + FRAGMENTATION) * allocated + runtime_reserved_bytes(cfg, on_gpu)
+        return (1 + FRAGMENTATION) * allocated + runtime_reserved_bytes(cfg, self.cluster.device)
 
 
 def _state_at_peak(cfg: ParallelConfig, m: int) -> float:

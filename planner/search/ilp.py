@@ -379,9 +379,8 @@ class Model:
     # -- 6. memory -------------------------------------------------------------------------------------------
     def add_memory(self) -> None:
         d, s, ev, cfg = self.d, self.solver, self.d.ev, self.d.cfg
-        on_gpu = ev.cluster.device.name != "cpu"
         cap = self._b(ev.cluster.memory_budget_bytes) * (1 - 1e-9)
-        reserve = self._b(runtime_reserved_bytes(cfg, on_gpu))
+        reserve = self._b(runtime_reserved_bytes(cfg, ev.cluster.device))
         per_param = sum(ev.peak_static_bytes(1.0))  # at the activation peak (gradients may not exist yet)
         after_backward = sum(ev.static_bytes(1.0))  # every gradient, no activation
         self.rec_peak, self.uses_ac = {}, {}
