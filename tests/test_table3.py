@@ -2,9 +2,11 @@
 searched plan predicts at least the throughput the cost model predicts for the published configuration
 (t = 8, the published p, selective recomputation, sequence parallel, interleaving with 3 virtual stages for 175B
 and 530B; Megatron 2022 ran unfused attention, hence ``attention=math``, see costmodel/calibrate.py), wherever
-that configuration fits as autopar's runtime runs it."""
+that configuration fits the card as autopar's runtime runs it."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -33,7 +35,9 @@ def published(row):
 @pytest.mark.parametrize("row", TABLE3, ids=[r[0] for r in TABLE3])
 def test_search_matches_or_beats_the_published_configuration(row):
     spec, cluster, gb, cfg = published(row)
-    lg, cl = profile_model(spec), load_cluster(cluster)
+    # the whole card, as the published runs had it (`costmodel.calibrate._cluster`), for both: the published 175B
+    # configuration fills 90.6 % of it with the CUDA context and NCCL's buffers counted
+    lg, cl = profile_model(spec), replace(load_cluster(cluster), memory_fraction=1.0)
     pub = estimate(lg, cl, cfg, gb)
     r = search(lg, cl, gb, time_limit=8, progress=False)
     assert r.best.estimate.fits
