@@ -119,13 +119,13 @@ def _run(path: Path, k: int, item: Any) -> Run:
     config = item.get("config") or {}
     if not isinstance(config, dict):
         raise ValueError(f"{where}: config must be a mapping of ParallelConfig keys, got {config!r}")
-    try:
-        cfg = ParallelConfig(**config)
-    except TypeError:
-        known = [f.name for f in dataclasses.fields(ParallelConfig)]
-        bad = sorted(set(config) - set(known))
-        raise ValueError(f"{where}: unknown config key {bad[0] if bad else '?'}; known: {', '.join(known)}") from None
-    except ValueError as exc:
+    known = [f.name for f in dataclasses.fields(ParallelConfig)]
+    bad = sorted(set(config) - set(known))
+    if bad:
+        raise ValueError(f"{where}: unknown config key {bad[0]}; known: {', '.join(known)}")
+    try:  # (from_dict: ``sp: "off"`` is off, not a true-looking string)
+        cfg = ParallelConfig.from_dict(config)
+    except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
     if "tokens_per_s" in item:
         if seq is None:

@@ -170,3 +170,32 @@ def test_validate_cli_measures_plans_and_recalibrates(tmp_path):
     )
     assert est.returncode == 0, est.stderr[-2000:]
     assert json.loads(est.stdout)["step_time_s"] > 0
+
+
+def test_measured_plans_become_runs_calibrate_reads(tmp_path):
+    """`validate --runs-out`: each measured plan with one recomputation choice and even stages is written as a run
+    of `autopar calibrate` (its configuration, sp included, and measured step time read back as they were); a plan
+    whose layers differ is left out, by name."""
+    import dataclasses
+
+    import yaml
+
+    from costmodel.config import AC
+    from costmodel.runs import load_runs
+    from planner.validate.loop import as_runs
+
+    model = "llama-tiny"
+    cluster = load_cluster("cpu-local")
+    lg = profile_for(model, cluster)
+    even = plan_from_config(model, "cpu-local", 8, "tp=2,sp=on,mbs=4,ac=full", lg=lg)
+    mixed = even.with_(layers=tuple(dataclasses.replace(lay, ac=AC.NONE) if k == 1 else lay
+                                    for k, lay in enumerate(even.layers)))
+    seen = {name: Measurement(name=name, step_s=0.25, compute_s=0.2, comm_s=0.03, optimizer_s=0.01, forward_s=0.1,
+                              backward_s=0.13, peak_memory_bytes=1e8) for name in ("even", "mixed")}
+    runs, left_out = as_runs({"even": even, "mixed": mixed}, seen, [lg, lg])
+    assert left_out == ["mixed"] and len(runs) == 1
+    path = tmp_path / "runs.yaml"
+    path.write_text(yaml.safe_dump(runs, sort_keys=False))
+    (run,) = load_runs(path)
+    assert (run.model, run.global_batch, run.measured_step_s) == (model, 8, 0.25)
+    assert run.config == even.config and run.config.sp is True and run.config.ac == AC.FULL

@@ -29,12 +29,22 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.recalibrate and len(clusters) > 1 and not args.cluster:
         raise UsageError(f"--recalibrate: the plans were made for different clusters ({', '.join(sorted(clusters))});"
                          " pass --cluster to say which one to recalibrate")
-    if args.recalibrate and Path(args.recalibrate).parent and not Path(args.recalibrate).parent.exists():
-        raise UsageError(f"--recalibrate {args.recalibrate}: folder {Path(args.recalibrate).parent} does not exist")
+    for flag, path in (("--recalibrate", args.recalibrate), ("--runs-out", args.runs_out)):
+        if path and Path(path).parent and not Path(path).parent.exists():
+            raise UsageError(f"{flag} {path}: folder {Path(path).parent} does not exist")
     measured = run_plans(plans, steps=args.steps, warmup=args.warmup, nproc=args.nproc)
     comps = [compare(n, plans[n], measured[n]) for n in plans]
     result = {"plans": {n: c.to_dict() | {"measured": measured[n].to_dict()} for n, c in zip(plans, comps)},
               "summary": summary(comps)}
+    if args.runs_out:  # the measurements as runs for `autopar calibrate`
+        import yaml
+
+        from planner.validate.loop import as_runs
+
+        runs, left_out = as_runs(plans, measured, [profile_for(p.model, load_cluster(p.cluster), seq=p.seq)
+                                                   for p in plans.values()])
+        write_atomic(args.runs_out, yaml.safe_dump(runs, sort_keys=False))
+        result["runs_out"] = {"file": args.runs_out, "runs": len(runs), "left_out": left_out}
     after = None
     if args.recalibrate:
         from planner.validate.fit import fit
@@ -56,6 +66,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print()
         render(after, title=f"predicted with the recalibrated cluster ({args.recalibrate}) vs measured")
         print(f"wrote {args.recalibrate}: use it with `autopar plan … --cluster {args.recalibrate}`", file=sys.stdout)
+    if args.runs_out:
+        out = result["runs_out"]
+        print(f"wrote {args.runs_out}: {out['runs']} measured runs for `autopar calibrate {args.runs_out} --cluster "
+              f"…`" + (f" (left out, per-layer choices: {', '.join(out['left_out'])})" if out["left_out"] else ""))
     return 0
 
 
@@ -69,5 +83,8 @@ def register(sub) -> None:
                    help="fit the cluster's device efficiency and link latency/bandwidth to the measurements and "
                         "write a cluster file for --cluster")
     v.add_argument("--cluster", help="the cluster to recalibrate (default: the plans' cluster)")
+    v.add_argument("--runs-out", metavar="RUNS.yaml",
+                   help="also write the measured step times as runs for `autopar calibrate` (plans with one "
+                        "recomputation choice and even stages)")
     v.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
     v.set_defaults(func=cmd_validate)

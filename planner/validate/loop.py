@@ -93,6 +93,26 @@ def plan_from_search(model: str, cluster_spec: str, global_batch: int, *, fix: d
                      solver=solver)
 
 
+def as_runs(plans: dict[str, Plan], measured: dict[str, Measurement], lgs: list) -> tuple[list[dict], list[str]]:
+    """The measured plans as `autopar calibrate` runs (`costmodel.runs`; ``validate --runs-out``), and the names of
+    those left out. A run is a configuration with one recomputation choice for every layer and even pipeline stages,
+    which is what `costmodel.runs.predict` evaluates; a plan whose ILP chose per layer or placed the stages itself is
+    not one (``lgs``: the plans' layer graphs, in order, for the even split)."""
+    from costmodel.estimate import even_stages
+
+    runs, left_out = [], []
+    for (name, plan), lg in zip(plans.items(), lgs, strict=True):
+        acs = {lay.ac for lay in plan.layers}
+        stages = [lay.stage for lay in plan.layers]
+        if len(acs) != 1 or stages != list(even_stages(lg, plan.config.pp * plan.config.vpp)):
+            left_out.append(name)
+            continue
+        config = plan.config.to_dict() | {"ac": next(iter(acs)).value}
+        runs.append({"name": name, "model": plan.model, "cluster": plan.cluster, "global_batch": plan.global_batch,
+                     "seq_len": plan.seq, "config": config, "step_time_s": measured[name].step_s})
+    return runs, left_out
+
+
 def repredict(plan: Plan, cluster, lg=None) -> dict:
     """The plan's estimate on another cluster (e.g. a recalibrated one), same layers, stages and AC."""
     from costmodel.estimate import Evaluator
