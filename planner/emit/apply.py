@@ -128,7 +128,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str | None = 
     Optimisation as in emitted scripts: ``weight_decay`` on matrices only (None: 0.1 for AdamW, 0 for SGD), the global
     gradient norm clipped to ``clip_norm`` (0: off), ``warmup_steps`` of linear warm-up then cosine decay to a tenth of
     ``lr`` at ``total_steps`` (None: constant after the warm-up). ``compile``: a ``torch.compile`` backend
-    (``"inductor"``) to compile each block with, as the script's ``--compile`` (None: off).
+    (``"inductor"``) to compile each block with, as the script's ``--compile`` (None: the plan's, `Plan.compile`;
+    planned here, the search prices the blocks compiled).
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
@@ -137,10 +138,12 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str | None = 
         from profiler.zoo.hf import HFCausalLMLoss
 
         model = HFCausalLMLoss(model)
-    the_plan = _load_plan(plan, model, example_inputs, cluster, plan_kwargs)
+    # planned here with compile on: the search prices compiled blocks (`planner.search.outer.search`)
+    kwargs = (plan_kwargs or {}) | ({"compiled": True} if compile and plan is None else {})
+    the_plan = _load_plan(plan, model, example_inputs, cluster, kwargs)
     config = runtime_config(the_plan, model, seed=seed, optimizer=optimizer, lr=lr, init=init,
                             weight_decay=weight_decay, clip_norm=clip_norm, warmup_steps=warmup_steps,
-                            powersgd_start_iter=powersgd_start_iter, compile=compile)
+                            powersgd_start_iter=powersgd_start_iter, compile=compile or the_plan.compile)
     mesh = runtime.init_distributed(config)
     if config["init"] == "meta":
         source = meta_copy(model) if copy or any(not t.is_meta for t in [*model.parameters(), *model.buffers()]) \

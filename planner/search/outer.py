@@ -558,4 +558,5 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
     batch = lg.model.batch or 1
     gb = global_batch or batch * cl.world_size
     result = search(lg, cl, gb, **kw)
-    return make_plan(lg, cl, gb, result, model=name, cluster_spec=cluster)
+    return make_plan(lg, cl, gb, result, model=name, cluster_spec=cluster,
+                     compile="inductor" if kw.get("compiled") else None)
