@@ -164,6 +164,7 @@ class _CategoryPeaks(MemTracker):
         self.container = container
         self._block = re.compile(rf"^(.*?){re.escape(container)}\.(\d+)$")
         self.mirrors: set[int] = set()  #: the fake mode's storages standing for real parameters and buffers
+        self.params: list = []  #: the traced parts' parameters (`_update_and_maybe_create_winfos`)
         self.buckets: dict[int, list[torch.Tensor]] = {}  #: DDP bucket placeholders by size (`hold_buckets`)
         self.at_peak: dict[str, int] = {}  #: the categories at the moment of the peak
         self.peak_where = ""  #: the modules running then, and whether in backward
@@ -182,6 +183,11 @@ class _CategoryPeaks(MemTracker):
         sts = get_untyped_storages(t)
         if (self.mirrors and any(id(st) in self.mirrors for st in sts)) or getattr(t, "_autopar_bucket_view", False):
             return
+        if reftype is _MemRefType.OPT:  # an op inside the optimizer step: torch's tracker calls its output a state
+            if all(self._WINFO.get(st) is not None for st in sts):
+                return  # a tensor it updates in place (a parameter, a state): it stays what it is
+            reftype = _MemRefType.TEMP  # a new one is the step's temporary (the states it keeps are relabelled
+            # Optstate by the tracker's post-step hook, `_track_optimizer_states`)
         if self.buckets and self._mod_tracker.is_bw:  # a DDP bucket's fake copy stands in for its placeholder
             for st in sts:
                 if self._WINFO.get(st) is None and self.buckets.get(st.nbytes()):
@@ -191,6 +197,11 @@ class _CategoryPeaks(MemTracker):
     def _update_and_maybe_create_winfos(self, t: torch.Tensor, reftype, update_existing: bool = False) -> set:
         if getattr(t, "_autopar_bucket_view", False):  # DDP's gradients: views into its buckets (`hold_buckets`)
             return set()
+        if reftype is _MemRefType.GRAD and self.params and not any(p.grad is t for p in self.params):
+            # torch's tracker hooks each parameter (``register_hook``) and calls the gradient arriving for it a
+            # gradient before autograd accumulates it: a micro-batch's new gradient is a temporary until it is
+            # ``.grad`` (the post-accumulate hook then relabels it), or is added into ``.grad`` and freed
+            reftype = _MemRefType.TEMP
         return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
     def hold_buckets(self, sizes: list[int]) -> None:
@@ -389,6 +400,7 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         with fake:  # the optimizer state a steady-state step holds (AdamW creates it at its first step)
             _create_optimizer_state(par, optimizer)
         tracker = _CategoryPeaks(config["block_container"])
+        tracker.params = [p for m in par.modules for p in m.parameters()]
         # (a DTensor's local shard is real too where the part is not all DTensors: tensor parallelism without
         # sequence parallelism leaves the norms plain, `_shapes_only`)
         real = [t for m in par.modules for t in map(_local, [*m.parameters(), *m.buffers()])
