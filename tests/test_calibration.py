@@ -117,3 +117,17 @@ def test_no_job_is_predicted_slower_on_an_h100_than_on_an_a100():
                 fast = estimate(lg, load_cluster(f"dgx-h100:stack={stack}"), cfg, gb).step_time_s
                 slow = estimate(lg, load_cluster(f"dgx-a100-80g:stack={stack}"), cfg, gb).step_time_s
                 assert fast <= slow, (model, text, stack, fast, slow)
+
+
+def test_anchoring_on_one_row_reproduces_it():
+    """`python -m costmodel.calibrate --cv`'s anchored step: the one constant a single run identifies (e_max) is
+    moved until that run is predicted exactly; the other constants are kept."""
+    import dataclasses
+
+    from costmodel.hardware import fitted_constants
+
+    row = next(r for r in calibrate.load_rows() if r.id == "korthikanti22_t5_22B_sp_selective")
+    start = dataclasses.replace(calibrate._kept(fitted_constants("a100")), e_max=0.5)
+    moved = calibrate._anchored(row, start)
+    assert calibrate.predict(row, moved).step_time_s == pytest.approx(row.measured_step_s, rel=1e-3)
+    assert dataclasses.replace(moved, e_max=0.5) == start

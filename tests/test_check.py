@@ -197,7 +197,11 @@ def test_real_tensor_parallel_shards_are_tracked_once():
     cost model's peak before, 0.3 % after)."""
     spec = "llama:layers=2,hidden=1024,heads=16,kv_heads=8,ffn=2816,vocab=32000,seq=2048"
     result = check_plan(plan_from_config(spec, "dgx-h100:nodes=1", 8, "dp=4,tp=2,zero=0,mbs=1"))
-    assert result["memory_error_max"] <= 0.02, result["roles"][0]["errors"]["memory"]
+    errors = result["roles"][0]["errors"]["memory"]
+    assert result["memory_error_max"] <= 0.02, errors
+    # the second micro-batch's arriving gradients are temporaries, not gradients, and the optimizer step's
+    # temporaries and in-place updates are not states (torch's MemTracker labels both so): 26-33 % before
+    assert errors["grads"] <= 1e-6 and errors["optimizer"] <= 1e-6, errors
 
 
 FOLD_MODEL = "llama:layers={},hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32"
