@@ -116,3 +116,19 @@ def test_plan_compile_prices_fused_blocks_and_keeps_the_runtime_rule(tmp_path, c
     capsys.readouterr()
     assert main([*job[:-1], "tp=2,dp=4,ac=full", "--compile"]) == 2
     assert "torch.compile with tensor parallelism and activation checkpointing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pins, holds", [
+    ("schedule=interleaved,pp=2", lambda c: c.schedule.value == "interleaved" and c.pp == 2 and c.vpp >= 2),
+    ("vpp=2", lambda c: c.vpp == 2 and c.schedule.value == "interleaved"),
+    ("sp=on", lambda c: c.sp and c.tp > 1),
+])
+def test_a_pin_constrains_only_its_key(pins, holds, tmp_path):
+    """A key pinned alone lets the keys a rule ties to it vary (issue 14): interleaving with pp pinned chooses vpp,
+    vpp chooses the schedule, sequence parallelism chooses tp; before, each was refused as if the free key kept its
+    default (vpp=1, 1f1b, tp=1)."""
+    out = tmp_path / "p.yaml"
+    assert main(["plan", "llama:layers=4,hidden=512,heads=8,kv_heads=4,ffn=1408,vocab=8000,seq=1024", "--cluster",
+                 "dgx-h100:nodes=2", "--global-batch", "64", "--fix", pins, "--check", "off", "--out",
+                 str(out)]) == 0
+    assert holds(Plan.load(out).config), Plan.load(out).config

@@ -241,10 +241,20 @@ def _ilp_options(fix: dict, compress: str) -> dict:
 
 
 def check_fix(fix: dict) -> None:
+    """Refuse unknown keys, bad values and pins that contradict each other. A pin constrains only its own key:
+    where a rule ties it to a key left free (schedule=interleaved and vpp, vpp > 1 and the schedule, sp=on and tp),
+    the free key is validated at a value the search may choose, not at its default."""
     bad = sorted(set(fix) - set(FIXABLE))
     if bad:
         raise ValueError(f"--fix: unknown key {bad[0]!r}; known keys: {', '.join(FIXABLE)}")
-    ParallelConfig.from_dict({k: v for k, v in fix.items()})  # validates values (cp/ep must be 1, enums, …)
+    free: dict = {}
+    if str(fix.get("schedule")) in ("interleaved", Schedule.INTERLEAVED.value) and "vpp" not in fix:
+        free["vpp"] = 2
+    if int(fix.get("vpp", 1)) > 1 and "schedule" not in fix:
+        free["schedule"] = Schedule.INTERLEAVED.value
+    if str(fix.get("sp", "")).lower() in ("on", "true", "1") and "tp" not in fix:
+        free["tp"] = 2
+    ParallelConfig.from_dict(free | fix)  # validates values (cp/ep must be 1, enums, …)
 
 
 def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | None = None, top_k: int = 3,
