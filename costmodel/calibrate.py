@@ -48,7 +48,8 @@ import yaml
 from costmodel.cluster import Cluster, load_cluster
 from costmodel.config import AC, ParallelConfig, Schedule
 from costmodel.estimate import Evaluator
-from costmodel.hardware import FITTED_FILE, EfficiencyCurve
+from costmodel.hardware import EfficiencyCurve
+from costmodel.stacks import FITTED_FILE, fitted
 
 DATA = Path(__file__).parent / "data" / "published_runs.json"
 KIND_OF_GPU = {"a100_40gb": "a100", "a100_80gb": "a100", "h100_80gb": "h100"}
@@ -256,8 +257,9 @@ KIND_ORDER = (("a100", "a100-80g"), ("h100", "h100-sxm"))
 BASE_STACKS = ("megatron", "composer")
 
 
-def write_fitted(fits: dict[str, tuple[Constants, float, list[Row]]],
-                 stacks: dict[str, dict[str, tuple[Constants, float, list[Row]]]] | None = None) -> None:
+def write_fitted(fits: dict[str, tuple[Constants, str, list[Row]]],
+                 stacks: dict[str, dict[str, tuple[Constants, str, list[Row]]]] | None = None) -> None:
+    """Write each (constants, source line, rows) of `fit_all` to fitted.yaml."""
     out = _fitted_entries(fits)
     if stacks:
         out["stacks"] = {stack: _fitted_entries(kinds) for stack, kinds in sorted(stacks.items())}
@@ -266,14 +268,9 @@ def write_fitted(fits: dict[str, tuple[Constants, float, list[Row]]],
     FITTED_FILE.write_text(text + yaml.safe_dump(out, sort_keys=True))
 
 
-def _fitted_entries(fits: dict[str, tuple[Constants, float, list[Row]]]) -> dict:
+def _fitted_entries(fits: dict[str, tuple[Constants, str, list[Row]]]) -> dict:
     out = {}
-    today = _dt.date.today().isoformat()
-    for kind, (k, err, rows) in sorted(fits.items()):
-        srcs = sorted({r.source for r in rows})
-        source = err if isinstance(err, str) else (
-            f"fitted {today} by python -m costmodel.calibrate on {len(rows)} published runs ({', '.join(srcs)}); "
-            f"mean abs error {err:.1%}")
+    for kind, (k, source, _) in sorted(fits.items()):
         out[kind] = {
             "matmul_e_max": round(k.e_max, 4), "matmul_f_half": float(f"{k.f_half:.4g}"),
             "memory_eff": round(k.memory_eff, 4), "overlap_slowdown": round(k.overlap_slowdown, 4),
@@ -355,7 +352,7 @@ def fit_all(rows: list[Row], only: str | None = None) -> tuple[dict, dict]:
     """Each device kind's constants on its rows of `BASE_STACKS`, then each other stack's per kind on its own rows
     (both under the slower kinds' floor). ``only``: ``KIND`` refits that kind's own constants, ``STACK`` that
     stack's; everything else keeps fitted.yaml's."""
-    kept = yaml.safe_load(FITTED_FILE.read_text()) if FITTED_FILE.exists() else {}
+    kept = fitted()
     fits: dict = {}
     stacks: dict = {}
     order = {kind: i for i, (kind, _) in enumerate(KIND_ORDER)}
@@ -389,17 +386,8 @@ ANCHORS = 8
 def _fits_without(rows: list[Row], held: str) -> dict[tuple[str, str], Constants]:
     """(kind, stack) → constants fitted on every row but those of source ``held``, as `fit_all` fits them (a kind's
     own on its Megatron and Composer rows, a stack's on its own rows; one with no rows left takes its kind's)."""
-    train = [r for r in rows if r.source != held]
-    order = {kind: i for i, (kind, _) in enumerate(KIND_ORDER)}
-    base: dict = {}
-    for kind in sorted({r.kind for r in rows}, key=lambda k: order.get(k, len(order))):
-        kr = [r for r in train if r.kind == kind and r.stack in BASE_STACKS]
-        if kr:
-            base[kind] = (fit(kr, _floor(order[kind], base) if kind in order else None)[0], None, kr)
-    own: dict = {}
-    for kind, stack in {(r.kind, r.stack) for r in train if r.stack not in BASE_STACKS}:
-        sr = [r for r in train if r.kind == kind and r.stack == stack]
-        own[kind, stack] = fit(sr, _floor(order[kind], base) if kind in order else None)[0]
+    base, stacks = fit_all([r for r in rows if r.source != held])
+    own = {(kind, stack): k for stack, kinds in stacks.items() for kind, (k, _, _) in kinds.items()}
     out = {}
     for kind, stack in {(r.kind, r.stack) for r in rows}:
         # a stack's own, else the kind's, else (the kind's rows all held out) another stack's on that kind

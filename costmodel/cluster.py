@@ -637,11 +637,12 @@ def _stack(ctx: _Ctx, value: str | None) -> str | None:
     """A file's ``stack``: the software stack its device's constants describe. A device the file names from the
     catalogue takes that stack's constants; a device it describes keeps its own (the key then says where they came
     from)."""
-    from costmodel.stacks import STACKS
+    from costmodel.stacks import check_stack
 
-    if value is not None and value not in STACKS:
-        raise ctx.error(f"stack {value!r} is not a known software stack ({', '.join(STACKS)})")
-    return value
+    try:
+        return None if value is None else check_stack(value)
+    except ValueError as exc:
+        raise ctx.error(str(exc)) from None
 
 
 def _fraction(ctx: _Ctx, value: float) -> float:

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Generic, TypeVar
 
-from costmodel.stacks import FITTED_FILE  # (one file holds the kinds' constants and the stacks')
+from costmodel.stacks import fitted  # (one file holds the kinds' constants and the stacks')
 
 __all__ = [
     "DTYPES",
@@ -176,44 +176,31 @@ def with_stack(device: DeviceSpec, stack: str) -> DeviceSpec:
     fit = stack_constants(device_kind(device.name), stack)
     if not fit:
         return device
-    return replace(device, matmul_eff=EfficiencyCurve(e_max=fit["matmul_e_max"], f_half=fit["matmul_f_half"],
-                                                      source=fit["source"]),
-                   memory_eff=fit["memory_eff"], overlap_slowdown=fit["overlap_slowdown"],
-                   attention_eff=fit.get("attention_eff", 1.0), fp8_eff=fit.get("fp8_eff", 1.0),
+    return replace(device, **_efficiencies(fit),
                    source=device.source.split("; efficiencies:")[0] + f"; efficiencies ({stack}): {fit['source']}")
 
 
 def fitted_constants(kind: str) -> dict | None:
     """The fitted efficiency constants for a device kind, or None when not fitted yet."""
-    if not FITTED_FILE.exists():
-        return None
-    import yaml
+    return fitted().get(kind)
 
-    return (yaml.safe_load(FITTED_FILE.read_text()) or {}).get(kind)
+
+def _efficiencies(fit: dict) -> dict:
+    """A fitted entry of fitted.yaml as `DeviceSpec` fields."""
+    return {"matmul_eff": EfficiencyCurve(e_max=fit["matmul_e_max"], f_half=fit["matmul_f_half"], source=fit["source"]),
+            "memory_eff": fit["memory_eff"], "overlap_slowdown": fit["overlap_slowdown"],
+            "attention_eff": fit.get("attention_eff", 1.0), "fp8_eff": fit.get("fp8_eff", 1.0)}
 
 
 def _gpu(name: str, peaks: Mapping[str, float], memory_bytes: float, hbm_bw: float, memory_note: str) -> DeviceSpec:
     fit = fitted_constants(_KIND[name])
     if fit:
-        matmul = EfficiencyCurve(e_max=fit["matmul_e_max"], f_half=fit["matmul_f_half"], source=fit["source"])
-        memory_eff, slowdown, note = fit["memory_eff"], fit["overlap_slowdown"], f"efficiencies: {fit['source']}"
-        attention, fp8 = fit.get("attention_eff", 1.0), fit.get("fp8_eff", 1.0)
+        effs, note = _efficiencies(fit), f"efficiencies: {fit['source']}"
     else:
-        matmul, memory_eff, slowdown = _GPU_MATMUL_PRIOR, _GPU_MEMORY_EFF_PRIOR, 0.0
-        attention, fp8 = 1.0, 1.0
+        effs = {"matmul_eff": _GPU_MATMUL_PRIOR, "memory_eff": _GPU_MEMORY_EFF_PRIOR, "overlap_slowdown": 0.0}
         note = "efficiencies: prior: unfitted"
-    return DeviceSpec(
-        name=name,
-        peak_flops=peaks,
-        memory_bytes=memory_bytes,
-        hbm_bw=hbm_bw,
-        matmul_eff=matmul,
-        memory_eff=memory_eff,
-        attention_eff=attention,
-        fp8_eff=fp8,
-        overlap_slowdown=slowdown,
-        source=f"{_PEAK_SOURCE}; {memory_note}; {note}",
-    )
+    return DeviceSpec(name=name, peak_flops=peaks, memory_bytes=memory_bytes, hbm_bw=hbm_bw,
+                      source=f"{_PEAK_SOURCE}; {memory_note}; {note}", **effs)
 
 
 _T = TypeVar("_T")

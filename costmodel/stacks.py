@@ -60,9 +60,14 @@ def check_stack(name: str) -> str:
 def stack_constants(kind: str | None, stack: str) -> dict | None:
     """The constants fitted for ``stack`` on device kind ``kind``, or None when the stack has no rows of its own
     there (the kind's constants then apply)."""
-    if kind is None or not FITTED_FILE.exists():
+    if kind is None:
         return None
-    return ((_fitted(FITTED_FILE.stat().st_mtime_ns).get("stacks") or {}).get(stack) or {}).get(kind)
+    return ((fitted().get("stacks") or {}).get(stack) or {}).get(kind)
+
+
+def fitted() -> dict:
+    """fitted.yaml's contents ({} before any fit), read once per version of the file."""
+    return _fitted(FITTED_FILE.stat().st_mtime_ns) if FITTED_FILE.exists() else {}
 
 
 @functools.cache
@@ -73,7 +78,7 @@ def _fitted(mtime: int) -> dict:  # (keyed by the file's time: `python -m costmo
 
 
 def describe(kind: str | None, stack: str) -> str:
-    """Where a device's constants come from under ``stack``, in a few words."""
+    """Where a device's constants come from under ``stack``, in a few words (`autopar plan` prints it)."""
     if stack_constants(kind, stack):
-        return f"{stack} constants fitted on {STACKS[stack].rows}"
-    return f"{stack}: no {stack} rows on {kind or 'this device'}; the device kind's constants (all its published rows)"
+        return f"{stack} (its own constants, fitted on its published runs)"
+    return f"{stack} (no {stack} rows on {kind or 'this device'}: the device's constants, fitted on all its rows)"

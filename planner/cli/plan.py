@@ -155,12 +155,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
              f"({len(communicators(c))} communicators{', pipeline peers' if c.pp > 1 else ''})" if reserved else ""))
     if cluster.stack:
         from costmodel.hardware import device_kind
-        from costmodel.stacks import stack_constants
+        from costmodel.stacks import describe
 
-        own = stack_constants(device_kind(cluster.device.name), cluster.stack)
-        print(f"  stack: {cluster.stack} (" + ("its own constants, fitted on its published runs" if own else
-                                              "no published runs of its own on this device: the device's constants")
-              + "; --stack picks another)")
+        print(f"  stack: {describe(device_kind(cluster.device.name), cluster.stack)}; --stack picks another")
     sv = plan.solver
     print(f"  solver: {sv['status']} gap {sv['gap']:.2g}, {sv['candidates']} candidates, {sv['pruned']} pruned, "
           f"{sv['solved']} ILPs ({sv['backend']}), {sv['time_s']:.2f} s")

@@ -36,21 +36,21 @@ def cmd_validate(args: argparse.Namespace) -> int:
     comps = [compare(n, plans[n], measured[n]) for n in plans]
     result = {"plans": {n: c.to_dict() | {"measured": measured[n].to_dict()} for n, c in zip(plans, comps)},
               "summary": summary(comps)}
+    if args.recalibrate or args.runs_out:  # each plan's layer graph, captured once for both
+        base = load_cluster(args.cluster or next(iter(clusters)))
+        lgs = [profile_for(p.model, base, seq=p.seq) for p in plans.values()]
     if args.runs_out:  # the measurements as runs for `autopar calibrate`
         import yaml
 
         from planner.validate.loop import as_runs
 
-        runs, left_out = as_runs(plans, measured, [profile_for(p.model, load_cluster(p.cluster), seq=p.seq)
-                                                   for p in plans.values()])
+        runs, left_out = as_runs(plans, measured, lgs)
         write_atomic(args.runs_out, yaml.safe_dump(runs, sort_keys=False))
         result["runs_out"] = {"file": args.runs_out, "runs": len(runs), "left_out": left_out}
     after = None
     if args.recalibrate:
         from planner.validate.fit import fit
 
-        base = load_cluster(args.cluster or next(iter(clusters)))
-        lgs = [profile_for(p.model, base, seq=p.seq) for p in plans.values()]
         res = fit(base, list(plans.values()), [measured[n] for n in plans], lgs)
         write_atomic(args.recalibrate, res.yaml(list(plans)))
         after = [compare(n, p, measured[n], repredict(p, res.cluster, lg))
