@@ -203,6 +203,11 @@ class Cluster:
     #: the software stack whose efficiency constants the device carries (`costmodel.stacks`; a preset's
     #: ``stack=NAME`` option; a cluster file's optional ``stack``, which says where its own constants came from).
     stack: str | None = None
+    #: mixture of experts: the busiest expert's tokens over the balanced share (tokens·top_k/experts), which sets
+    #: the expert GEMMs' time (`costmodel.moe`). 1.0, the balanced case, is what published Megatron-Bridge MoE runs
+    #: measure (they force balanced routing, shared/calibration/README.md §6); state your routing's measured value
+    #: in a cluster file (``moe_imbalance``) to plan for it.
+    moe_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         for label, value in (("gpus_per_node", self.gpus_per_node), ("nodes", self.nodes)):
@@ -210,6 +215,9 @@ class Cluster:
                 raise ValueError(f"cluster {self.name!r}: {label} must be an integer >= 1, got {value!r}")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"cluster {self.name!r}: memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+        if not self.moe_imbalance >= 1.0:
+            raise ValueError(f"cluster {self.name!r}: moe_imbalance must be ≥ 1 (the busiest expert over the "
+                             f"balanced load), got {self.moe_imbalance!r}")
 
     @property
     def memory_budget_bytes(self) -> float:
@@ -600,7 +608,8 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
     )
 
 
-_CLUSTER_KEYS = ("name", "device", "gpus_per_node", "nodes", "intra", "inter", "memory_fraction", "stack")
+_CLUSTER_KEYS = ("name", "device", "gpus_per_node", "nodes", "intra", "inter", "memory_fraction", "stack",
+                 "moe_imbalance")
 
 
 def parse_cluster_yaml(text: str, origin: str = "<string>") -> Cluster:
@@ -630,7 +639,15 @@ def parse_cluster_yaml(text: str, origin: str = "<string>") -> Cluster:
         inter=_parse_link(ctx, "inter", _get(ctx, data, "inter", dict), default_name="inter-node"),
         memory_fraction=_fraction(ctx, _get(ctx, data, "memory_fraction", float, default=Cluster.memory_fraction)),
         stack=stack,
+        moe_imbalance=_imbalance(ctx, _get(ctx, data, "moe_imbalance", float, default=Cluster.moe_imbalance)),
     )
+
+
+def _imbalance(ctx: _Ctx, value: float) -> float:
+    if not value >= 1.0:
+        raise ctx.error(f"moe_imbalance must be a number ≥ 1 (the busiest expert's load over the balanced one), "
+                        f"got {value!r}")
+    return float(value)
 
 
 def _stack(ctx: _Ctx, value: str | None) -> str | None:
@@ -709,5 +726,6 @@ def dump_cluster(cluster: Cluster) -> str:
         "intra": _dump_link(cluster.intra),
         "inter": _dump_link(cluster.inter),
         "memory_fraction": cluster.memory_fraction,
-    } | ({"stack": cluster.stack} if cluster.stack else {})
+    } | ({"stack": cluster.stack} if cluster.stack else {}) | (
+        {"moe_imbalance": cluster.moe_imbalance} if cluster.moe_imbalance != 1.0 else {})
     return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=120)

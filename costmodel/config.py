@@ -58,7 +58,7 @@ class ParallelConfig:
     tp: int = 1  #: tensor-parallel degree (inside a node)
     pp: int = 1  #: pipeline-parallel degree (ranks)
     cp: int = 1  #: context-parallel degree (not searched yet; must be 1)
-    ep: int = 1  #: expert-parallel degree (not searched yet; must be 1)
+    ep: int = 1  #: expert-parallel degree: experts split over ep ranks borrowed from the dp group (ep divides dp)
     mbs: int = 1  #: micro-batch size per data-parallel rank
     vpp: int = 1  #: virtual pipeline stages per pipeline rank (interleaved schedule)
     schedule: Schedule = Schedule.ONE_F_ONE_B  #: pipeline schedule (ignored when pp == 1)
@@ -93,9 +93,11 @@ class ParallelConfig:
             raise ValueError("sp=on needs tp > 1: sequence parallel splits along the tensor-parallel group")
         if self.grad_compress != "none" and self.zero == 3 and parse_grad_compress(self.grad_compress)[0] == "powersgd":
             raise ValueError("grad_compress=powersgd works with DDP (zero 0-2), not with FSDP (zero=3)")
-        if self.cp != 1 or self.ep != 1:
-            raise ValueError(f"cp={self.cp}, ep={self.ep}: context and expert parallelism are not supported yet; "
-                             "use cp=1, ep=1")
+        if self.cp != 1:
+            raise ValueError(f"cp={self.cp}: context parallelism is not supported yet; use cp=1")
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp}: expert-parallel groups are formed inside the "
+                             "data-parallel group (dp = ep · expert-dp); choose an ep that divides dp")
 
     @property
     def world(self) -> int:
@@ -122,7 +124,8 @@ class ParallelConfig:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "schedule": self.schedule.value,
                 "zero": self.zero, "sp": self.sp, "grad_compress": parse_grad_compress(self.grad_compress)[0],
                 "precision": self.precision, "micro_batches": global_batch // (self.dp * self.mbs),
-                "seq": seq or arch.get("seq"), "heads": arch.get("heads"), "kv_heads": arch.get("kv_heads")}
+                "seq": seq or arch.get("seq"), "heads": arch.get("heads"), "kv_heads": arch.get("kv_heads"),
+                "ep": self.ep, "experts": arch.get("experts")}
 
     def to_dict(self) -> dict:
         d = asdict(self)

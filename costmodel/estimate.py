@@ -122,6 +122,12 @@ def check_config(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_b
     if cfg.tp > 1 and not any(is_tp_layer(layer) for layer in lg.blocks):
         raise ConfigError(f"tp={cfg.tp}: the blocks of {lg.model.name} have no recognised column/row linear pair, "
                           "so they cannot be tensor-parallelised; use tp=1")
+    if cfg.ep > 1:
+        experts = int(arch.get("experts") or 0)
+        if experts < 2:
+            raise ConfigError(f"ep={cfg.ep}: {lg.model.name} has no mixture-of-experts layers to split; use ep=1")
+        if experts % cfg.ep:
+            raise ConfigError(f"ep={cfg.ep} does not divide the {experts} experts; choose an ep that divides it")
     stages = cfg.pp * cfg.vpp
     if stages > len(lg.layers):
         raise ConfigError(f"pp·vpp = {stages} stages but the model has only {len(lg.layers)} layers")
@@ -180,6 +186,8 @@ class Evaluator:
         gpn = cluster.gpus_per_node
         self.tp_span = group_span(cluster, cfg.tp, 1) if cfg.tp > 1 else None
         self.dp_span = group_span(cluster, cfg.dp, cfg.tp * cfg.cp)
+        # expert parallelism borrows consecutive dp ranks (`costmodel.moe`): stride tp·cp, like the dp group's
+        self.ep_span = group_span(cluster, cfg.ep, cfg.tp * cfg.cp) if cfg.ep > 1 else None
         self.pp_cross_node = cfg.pp > 1 and cfg.dp * cfg.tp * cfg.cp >= gpn
         shared = cache if cache is not None else {}
         measured = measured if measured is not None else shared.get("measured")
@@ -189,7 +197,10 @@ class Evaluator:
                                tp_span=self.tp_span, measured=measured[0] if measured else None,
                                measured_batch=measured[1] if measured else 1, in_place_loss=in_place_loss,
                                gathered_column_inputs=gathered_column_inputs, compiled=compiled,
-                               selective=selective)
+                               selective=selective, experts=int(lg.model.arch.get("experts") or 0),
+                               top_k=int(lg.model.arch.get("top_k") or 0), tokens=lg.model.seq,
+                               hidden=int(lg.model.arch.get("hidden") or 0), ep=cfg.ep, ep_span=self.ep_span,
+                               imbalance=cluster.moe_imbalance)
         pipelined = cfg.pp > 1  # tied embedding/head weights have a copy on each end of the pipeline
         if ("owned", pipelined) not in shared:
             shared["owned", pipelined] = owned_params(lg, pipelined=pipelined)
@@ -197,7 +208,7 @@ class Evaluator:
         self._tied_numel: float | None = None  # elements of the embedding/head tied weight per rank (pp > 1)
         self._cache: dict[tuple[str, str, AC], LayerCost] = shared.setdefault(
             ("layer_costs", cfg.tp, cfg.sp, cfg.mbs, cfg.precision, bool(measured), in_place_loss,
-             gathered_column_inputs, compiled, selective, pipelined), {})
+             gathered_column_inputs, compiled, selective, pipelined, cfg.ep), {})
         self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
 
     # -- per-layer and per-boundary pieces (the ILP's coefficients) ------------------------------------------
@@ -275,15 +286,23 @@ class Evaluator:
             self._tied_numel = numel / self.cfg.tp
         return 4.0 * self._tied_numel
 
-    def static_bytes(self, params: float) -> tuple[float, float, float]:
+    def static_bytes(self, params: float, extra: float = 0.0) -> tuple[float, float, float]:
         """(parameter, gradient, optimizer) bytes of ``params`` parameters after the backward (ZeRO's model
-        states, `state_bytes_per_param`)."""
+        states, `state_bytes_per_param`); ``extra``: expert parameters ZeRO 2/3 shards beyond those
+        (`LayerCost.expert_shard_extra`), whose fp32 shards, gradient shards and moments are held 1/dp each."""
         p, g, k = state_bytes_per_param(self.cfg.precision, self.cfg.zero, self.cfg.dp, self.cfg.pp)
-        return params * p, params * g, params * k
+        xp, xg, xk = self.extra_bytes_per_param()
+        return params * p + extra * xp, params * g + extra * xg, params * k + extra * xk
 
-    def peak_static_bytes(self, params: float) -> tuple[float, float, float]:
+    def extra_bytes_per_param(self) -> tuple[float, float, float]:
+        """Bytes per `LayerCost.expert_shard_extra` parameter: FSDP's fp32 shard, gradient shard and two moments
+        over dp (ZeRO 2/3); nothing otherwise (a rank then holds its own experts only)."""
+        dp = self.cfg.dp
+        return (4.0 / dp, 4.0 / dp, 8.0 / dp) if self.cfg.zero >= 2 and dp > 1 else (0.0, 0.0, 0.0)
+
+    def peak_static_bytes(self, params: float, extra: float = 0.0) -> tuple[float, float, float]:
         """`static_bytes` at the activation peak, where gradients may not exist yet (`grads_held_at_peak`)."""
-        p, g, k = self.static_bytes(params)
+        p, g, k = self.static_bytes(params, extra)
         return p, (g if grads_held_at_peak(self.cfg, self.m) else 0.0), k
 
     # -- composition -----------------------------------------------------------------------------------------
@@ -303,12 +322,14 @@ class Evaluator:
             comp = sum(costs[i].fwd_s + costs[i].bwd_s for i in idx)
             rec = sum(costs[i].recompute_s for i in idx)
             tpc = sum(costs[i].tp_comm_s for i in idx)
+            epc = sum(costs[i].ep_comm_s for i in idx)
             p2p = self.p2p_time(idx[0]) if c > 0 else 0.0
             fsdp = 0.0
             if cfg.zero == 3 and cfg.dp > 1:
                 fsdp = fsdp_exposed([costs[i] for i in idx], self)
-            t_stage.append(comp + rec + tpc + p2p + fsdp)
-            parts.append({"compute": comp, "recompute": rec, "tp_comm": tpc, "pp_comm": p2p, "fsdp": fsdp})
+            t_stage.append(comp + rec + tpc + epc + p2p + fsdp)
+            parts.append({"compute": comp, "recompute": rec, "tp_comm": tpc, "ep_comm": epc, "pp_comm": p2p,
+                          "fsdp": fsdp})
         rank_of = [c % cfg.pp for c in range(n_stages)]
         t_rank = [sum(t for c, t in enumerate(t_stage) if rank_of[c] == r) for r in range(cfg.pp)]
         bottleneck = max(range(cfg.pp), key=lambda r: t_rank[r])
@@ -321,11 +342,12 @@ class Evaluator:
             idx = [i for c in range(n_stages) if rank_of[c] == r for i in stages[c]]
             rc = [costs[i] for i in idx]
             params = sum(x.param_numel for x in rc)
+            extra = sum(x.expert_shard_extra for x in rc)
             exposed, encode = dp_exposed(rc, self)
             dp_exp.append(exposed)
             comp_cost.append(encode)
-            opt.append(optimizer_time(params, self))
-            mems.append(self._rank_memory(r, rank_of, stages, costs, params))
+            opt.append(optimizer_time(params, self, extra))
+            mems.append(self._rank_memory(r, rank_of, stages, costs, params, extra))
         tied = [self.tied_sync_time(r) for r in range(cfg.pp)]
         finish = [dp_exp[r] + comp_cost[r] + opt[r] + tied[r] for r in range(cfg.pp)]
         last = max(range(cfg.pp), key=lambda r: finish[r])
@@ -339,6 +361,8 @@ class Evaluator:
             "dp_comm_exposed": self.m * agg["fsdp"] + dp_exp[last], "bubble": pipe - self.m * t_rank[bottleneck],
             "optimizer": opt[last], "compression": comp_cost[last],
         }
+        if cfg.ep > 1:  # the expert all-to-alls (a key beyond shared/DESIGN.md's set, only where there are any)
+            breakdown["ep_comm"] = self.m * agg["ep_comm"]
         worst = max(range(cfg.pp), key=lambda r: mems[r].peak)
         model_flops = 3 * sum(c.fwd_flops for c in costs) * self.m * cfg.dp  # per step, all ranks
         hw_flops = model_flops + sum(c.recompute_flops for c in costs) * self.m * cfg.dp
@@ -361,10 +385,10 @@ class Evaluator:
             breakdown_s=breakdown, stages=stage_est,
         )
 
-    def _rank_memory(self, r, rank_of, stages, costs, params) -> MemoryBreakdown:
+    def _rank_memory(self, r, rank_of, stages, costs, params, extra=0.0) -> MemoryBreakdown:
         cfg = self.cfg
-        p_b, g_b, o_b = self.peak_static_bytes(params)
-        after_backward = sum(self.static_bytes(params))  # every gradient, no activation left
+        p_b, g_b, o_b = self.peak_static_bytes(params, extra)
+        after_backward = sum(self.static_bytes(params, extra))  # every gradient, no activation left
         chunks = [c for c in range(len(stages)) if rank_of[c] == r]  # the rank's chunks, in order
         mine = [stages[c] for c in chunks]
         full = [sum(costs[i].act_bytes for i in idx) for idx in mine]

@@ -38,8 +38,9 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 from costmodel.cluster import Cluster, GroupSpan
-from costmodel.collectives import all_reduce_time
+from costmodel.collectives import all_reduce_time, all_to_all_time
 from costmodel.config import AC
+from costmodel.moe import COUNT_BYTES, a2a_calls, is_expert_param, moe_modules
 from profiler.graph import Layer, LayerGraph, NodeInfo, ParamInfo
 
 _BYTES = {"bf16": 2, "fp16": 2, "fp8": 2, "fp32": 4, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -75,10 +76,31 @@ class LayerCost:
     #: stage's input pass frees the loss's 1000 MiB and adds 1268 MiB of such gradients per micro-batch
     pending_bytes: float = 0.0
     weight_output_bytes: float = 0.0  #: the outputs of the ops reading a parameter (their gradients: above)
+    #: expert parallelism (`costmodel.moe`): the token all-to-alls of the forward, and of the backward and the
+    #: recomputation, not overlapped
+    ep_comm_fwd_s: float = 0.0
+    ep_comm_bwd_s: float = 0.0
+    a2a_bytes: float = 0.0  #: payload of the token all-to-alls one micro-batch issues on this rank (all calls)
+    a2a_calls: int = 0  #: token all-to-alls per micro-batch (the count exchanges: ``a2a_count_calls``)
+    a2a_count_calls: int = 0  #: per-expert count all-to-alls per micro-batch (E int64 each)
+    #: expert parameters ZeRO 2/3 shards on this rank beyond ``param_numel``: a rank holds 1/ep of the experts but
+    #: FSDP shards them over the dp/ep ranks holding the same ones, so its sharded states are experts/dp, as
+    #: without EP (`costmodel.moe`)
+    expert_shard_extra: float = 0.0
+    expert_numel: float = 0.0  #: the part of ``param_numel`` that is experts (a rank's 1/ep of them)
 
     @property
     def tp_comm_s(self) -> float:
         return self.tp_comm_fwd_s + self.tp_comm_bwd_s
+
+    @property
+    def ep_comm_s(self) -> float:
+        return self.ep_comm_fwd_s + self.ep_comm_bwd_s
+
+    @property
+    def comm_s(self) -> float:
+        """Communication on the layer's critical path: tensor-parallel collectives and expert all-to-alls."""
+        return self.tp_comm_s + self.ep_comm_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +135,15 @@ class CostContext:
     #: the blocks run compiled (the script's ``--compile``; torchtitan's torch.compile per block): memory-bound
     #: ops move the bytes of their fused kernels (`compiled_bytes`)
     compiled: bool = False
+    #: mixture of experts (`costmodel.moe`): experts per MoE layer (0: none), experts chosen per token, the
+    #: expert-parallel degree and its group's placement, the busiest expert's load over the balanced one
+    experts: int = 0
+    top_k: int = 0
+    tokens: int = 0  #: tokens of one sequence (the capture's sequence length)
+    hidden: int = 0  #: model width (the rows the all-to-alls move)
+    ep: int = 1
+    ep_span: GroupSpan | None = None
+    imbalance: float = 1.0
 
     @property
     def scale(self) -> float:
@@ -302,6 +333,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     op_policy = ctx.selective == "every-other-matmul"
     matmuls = 0
     op_act = op_rec = op_rec_flops = 0.0
+    experts = {p.fqn for p in owned if is_expert_param(p, ctx.experts)}
     for j, n in enumerate(layer.nodes):
         f = _shard(n, ctx.tp, ctx.sp, tp_layer)
         if n.kind != "view":  # a view allocates nothing, nor does its gradient (a view of the output's gradient)
@@ -310,9 +342,11 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
             weight_outputs += n.output_bytes * k * f * ctx.act_scale
         attn = n.kind == "attention"
         b_f, b_b = fused.get(n.name, (n.fwd_bytes, n.bwd_bytes))
-        t_f = _node_time(n.fwd_flops * k * f, b_f * k * f * ctx.act_scale, ctx, attention=attn)
+        # the busiest expert sets an expert GEMM's time (`costmodel.moe`: the capture is the balanced case)
+        busy = ctx.imbalance if experts and any(p in experts for p in n.params) else 1.0
+        t_f = busy * _node_time(n.fwd_flops * k * f, b_f * k * f * ctx.act_scale, ctx, attention=attn)
         fwd += t_f
-        bwd += _node_time(n.bwd_flops * k * f, b_b * k * f * ctx.act_scale, ctx, attention=attn)
+        bwd += busy * _node_time(n.bwd_flops * k * f, b_b * k * f * ctx.act_scale, ctx, attention=attn)
         fwd_flops += n.fwd_flops * k
         if j < stop:
             rec_fwd += t_f
@@ -369,7 +403,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
             rec_comm = all_reduce_time(recompute_comm_bytes(layer, ctx), ctx.tp_span, ctx.cluster)
         act, rec, rec_flops, rec_peak = keep, rec_fwd, rec_full_flops, act_none
 
-    param_numel = 0.0
+    param_numel = shard_extra = expert_numel = 0.0
     matrices = []
     counted: set[str] = set()
     numel = {p.fqn: (p.numel, p.shape) for p in owned}
@@ -379,6 +413,11 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
             if p in numel and p not in counted:
                 counted.add(p)
                 cnt, shape = numel[p]
+                if p in experts and ctx.ep > 1:  # this rank holds 1/ep of the experts (`costmodel.moe`)
+                    shard_extra += cnt * (1 - 1 / ctx.ep)
+                    cnt, shape = cnt / ctx.ep, (shape[0] // ctx.ep, *shape[1:])
+                if p in experts:
+                    expert_numel += cnt * f
                 param_numel += cnt * f
                 if len(shape) >= 2:
                     rows = shape[0] // (tp if f < 1 and n.tp_role in ("column", "vocab") else 1)
@@ -394,12 +433,27 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         # multiple of this rank's slice: traced (autopar check, llama, dp=2 sp zero3 at mbs 1 and 4) 4.0× the slice
         # at tp = 2 and 8.0× at tp = 4, i.e. 2·tp× ("widest" is the slice)
         grad_working_set = 2 * tp * widest
+    # expert parallelism: the token all-to-alls (dispatch and combine) of each MoE feed-forward, and the counts
+    ep_f = ep_b = a2a_bytes = 0.0
+    calls = count_calls = 0
+    ffns = moe_modules(owned, ctx.experts)
+    if ffns and ctx.ep > 1 and ctx.ep_span is not None:
+        # mbs·seq tokens, top_k rows of hidden each, in the training precision's activation dtype
+        payload = ctx.mbs * ctx.tokens * ctx.top_k * ctx.hidden * (4 if ctx.precision == "fp32" else 2)
+        calls, count_calls = a2a_calls(ffns, ac == AC.FULL)
+        one = all_to_all_time(payload, ctx.ep_span, ctx.cluster)
+        counts = all_to_all_time(ctx.experts * COUNT_BYTES, ctx.ep_span, ctx.cluster)
+        ep_f = ffns * (2 * one + counts)
+        ep_b = (calls - 2 * ffns) * one + (count_calls - ffns) * counts
+        a2a_bytes = calls * payload
     return LayerCost(
         fwd_s=fwd, bwd_s=bwd, recompute_s=rec, tp_comm_fwd_s=comm_f, tp_comm_bwd_s=comm_b + rec_comm, act_bytes=act,
         backward_peak_bytes=rec_peak + grad_working_set, param_numel=param_numel, fwd_flops=fwd_flops,
         recompute_flops=rec_flops, grad_matrices=tuple(matrices), param_tensors=len(counted),
         pending_bytes=act + weight_outputs - (tail if layer.kind == "head" and ac == AC.NONE else 0.0),
-        weight_output_bytes=weight_outputs,
+        weight_output_bytes=weight_outputs, ep_comm_fwd_s=ep_f, ep_comm_bwd_s=ep_b, a2a_bytes=a2a_bytes,
+        a2a_calls=calls, a2a_count_calls=count_calls, expert_shard_extra=shard_extra,
+        expert_numel=expert_numel,
     )
 
 

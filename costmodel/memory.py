@@ -270,9 +270,12 @@ class MemoryBreakdown:
 def communicators(cfg) -> list[int]:
     """The sizes of the process groups a rank of ``cfg``'s runtime runs collectives on, each one NCCL communicator:
     the default group (the step's loss and the start's checks), and each mesh dimension of more than one rank
-    (`planner.emit.runtime`: a (pp, dp, tp) DeviceMesh, one group per dimension, even one spanning every rank)."""
+    (`planner.emit.runtime`: a (pp, dp, tp) DeviceMesh, one group per dimension, even one spanning every rank;
+    with expert parallelism its ep and edp sub-dimensions too)."""
     sizes = [cfg.world] if cfg.world > 1 else []
-    return sizes + [n for n in (cfg.dp, cfg.tp, cfg.pp) if n > 1]
+    # expert parallelism adds the ep group and the ranks holding the same experts (costmodel.moe)
+    experts = (cfg.ep, cfg.dp // cfg.ep) if getattr(cfg, "ep", 1) > 1 else ()
+    return sizes + [n for n in (cfg.dp, cfg.tp, cfg.pp, *experts) if n > 1]
 
 
 def runtime_reserved_bytes(cfg, device) -> float:

@@ -106,11 +106,12 @@ def fsdp_exposed(stage_costs: list[LayerCost], ev: SyncView) -> float:
     return ag[0] + e_f + s_f + ag[-1] + e_b + s_b + rs[0]
 
 
-def optimizer_time(params: float, ev: SyncView) -> float:
+def optimizer_time(params: float, ev: SyncView, extra: float = 0.0) -> float:
     """Adam(W) step on the local shard: memory-bound. Per parameter it reads the fp32 weight, gradient and two
-    moments (16 bytes), writes weight and moments (12) and the 16-bit copy (2): 30 bytes (fp32 training: 28)."""
+    moments (16 bytes), writes weight and moments (12) and the 16-bit copy (2): 30 bytes (fp32 training: 28).
+    ``extra``: expert parameters FSDP shards beyond the rank's own (`LayerCost.expert_shard_extra`, ZeRO 2/3)."""
     cfg = ev.cfg
-    local = params / (cfg.dp if cfg.zero >= 1 else 1)
+    local = (params + (extra if cfg.zero >= 2 else 0.0)) / (cfg.dp if cfg.zero >= 1 else 1)
     per = 28 if cfg.precision == "fp32" else 30
     dev = ev.cluster.device
     return local * per / (dev.hbm_bw * dev.memory_eff)

@@ -13,6 +13,8 @@ Predicted (all from `costmodel`, at the precision the traced runtime runs: fp32 
 - collectives per step, by kind and group: the data-parallel terms of `costmodel.overlap.dp_step_bytes`, the
   tensor-parallel all-reduce payload of `costmodel.layercost.tp_comm_bytes` (traced sequence-parallel
   all-gather + reduce-scatter pairs count as the all-reduce they replace: (AG + RS)/2);
+- expert parallelism: the token all-to-alls and count exchanges of `costmodel.moe` on the ep group, and the
+  experts' data-parallel terms on the edp group (the ranks holding the same experts);
 - pipeline sends and receives: `costmodel.estimate.Evaluator.p2p_bytes` at each of the rank's stage boundaries,
   forward and back, every micro-batch, and under TP the all-gathers around each (`pp_gathers`), half on each side;
 - FLOPs: the micro-batches × (forward + backward + recomputation) FLOPs of the rank's layers as captured (the
@@ -34,6 +36,7 @@ from costmodel.config import parse_grad_compress
 from costmodel.estimate import Evaluator
 from costmodel.layercost import is_tp_layer, recompute_comm_bytes, tp_comm_bytes
 from costmodel.memory import FRAGMENTATION, runtime_reserved_bytes
+from costmodel.moe import COUNT_BYTES
 from costmodel.overlap import dp_step_bytes
 from planner.check.fold import MICRO_BATCHES as MICRO_BATCHES_FOLDED
 from planner.check.fold import extrapolate, fold_plan, traces_for
@@ -94,10 +97,19 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
         flops = ev.m * sum(((lg.layers[i].fwd_flops + lg.layers[i].bwd_flops) * ev.ctx.scale + c.recompute_flops)
                            / (cfg.tp if cfg.tp > 1 and is_tp_layer(lg.layers[i]) else 1) for i, c in zip(mine, costs))
         collectives = {}
-        if cfg.dp > 1:
-            params = sum(c.param_numel for c in costs)
+        if cfg.dp > 1:  # with expert parallelism the experts reduce over the ranks holding the same ones (edp)
+            experts = sum(c.expert_numel for c in costs) if cfg.ep > 1 else 0.0
+            params = sum(c.param_numel for c in costs) - experts
             for k, nbytes in dp_step_bytes(cfg, params, ev.m).items():
                 collectives[f"{k}@dp"] = nbytes
+            if experts and cfg.dp > cfg.ep:
+                for k, nbytes in dp_step_bytes(replace(cfg, dp=cfg.dp // cfg.ep, ep=1), experts, ev.m).items():
+                    collectives[f"{k}@edp"] = nbytes
+        if cfg.ep > 1:  # the token all-to-alls and the per-expert count exchanges (costmodel.moe)
+            a2a = sum(c.a2a_bytes for c in costs) + COUNT_BYTES * ev.ctx.experts * sum(c.a2a_count_calls
+                                                                                        for c in costs)
+            if a2a:
+                collectives["all_to_all@ep"] = ev.m * a2a
         if cfg.tp > 1 and kind:
             tp_bytes = 0.0
             for i in mine:

@@ -27,6 +27,7 @@ BREAKDOWN_TERMS = (
     "recompute",
     "tp_comm",
     "cp_comm",
+    "ep_comm",
     "pp_comm",
     "dp_comm_exposed",
     "bubble",
@@ -36,6 +37,7 @@ BREAKDOWN_TERMS = (
 COMM_TERMS = {
     "tp_comm": "tensor-parallel",
     "cp_comm": "context-parallel",
+    "ep_comm": "expert-parallel (all-to-all)",
     "pp_comm": "pipeline (p2p)",
     "dp_comm_exposed": "data-parallel",
 }
@@ -183,9 +185,11 @@ def breakdown_rows(plan: Plan, cluster) -> list[dict]:
     step = float(pred.get("step_time_s") or 0.0) or sum(float(v) for v in bd.values()) or 1.0
     rows = []
     for term in list(BREAKDOWN_TERMS) + [k for k in bd if k not in BREAKDOWN_TERMS]:
+        if term == "ep_comm" and term not in bd:
+            continue  # a plan without expert parallelism has no such term
         v = float(bd.get(term, 0.0))
         row = {"term": term, "seconds": v, "share": v / step, "exposed_s": None, "hidden_s": None, "note": ""}
-        if term in ("tp_comm", "cp_comm", "pp_comm"):
+        if term in ("tp_comm", "cp_comm", "ep_comm", "pp_comm"):
             row["exposed_s"], row["hidden_s"] = v, 0.0
             row["note"] = "on the critical path (not overlapped in the cost model)"
         elif term == "dp_comm_exposed":
@@ -283,6 +287,9 @@ def mesh_facts(plan: Plan, cluster) -> dict:
         ("tp", cfg.tp, 1),
         ("cp", cfg.cp, cfg.tp),
         ("dp", cfg.dp, cfg.tp * cfg.cp),
+        # expert parallelism: consecutive dp ranks (costmodel.moe); edp: the ranks holding the same experts
+        *((("ep", cfg.ep, cfg.tp * cfg.cp), ("edp", cfg.dp // cfg.ep, cfg.tp * cfg.cp * cfg.ep))
+          if cfg.ep > 1 else ()),
         ("pp", cfg.pp, cfg.dp * cfg.cp * cfg.tp),
     ):
         g = {
@@ -414,7 +421,7 @@ def warnings(plan: Plan, rep: dict) -> list[str]:
 
 
 def _link_of(term: str, mesh: dict) -> str | None:
-    kind = {"tp_comm": "tp", "cp_comm": "cp", "pp_comm": "pp", "dp_comm_exposed": "dp"}[term]
+    kind = {"tp_comm": "tp", "cp_comm": "cp", "ep_comm": "ep", "pp_comm": "pp", "dp_comm_exposed": "dp"}[term]
     for g in mesh["groups"]:
         if g["kind"] == kind:
             return g["link"]

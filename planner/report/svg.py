@@ -19,6 +19,7 @@ TERM_COLOURS = {
     "recompute": "#f28e2b",
     "tp_comm": "#b07aa1",
     "cp_comm": "#ff9da7",
+    "ep_comm": "#76b7b2",
     "pp_comm": "#9467bd",
     "dp_comm_exposed": "#e15759",
     "bubble": "#d3d3d3",
@@ -253,15 +254,26 @@ def scatter_svg(rep: dict, width: int = 640, height: int = 380) -> str:
 
 # ------------------------------------------------------------------------------------------------ device mesh
 def mesh_coords(rank: int, cfg: dict) -> dict[str, int]:
-    """pp (outermost), dp, cp, tp (innermost) coordinates of a global rank."""
+    """pp (outermost), dp, cp, tp (innermost) coordinates of a global rank; with expert parallelism the dp
+    coordinate splits into edp (outer) and ep (inner, consecutive dp ranks: `costmodel.moe`)."""
     tp, cp, dp = int(cfg["tp"]), int(cfg.get("cp", 1)), int(cfg["dp"])
-    return {"tp": rank % tp, "cp": rank // tp % cp, "dp": rank // (tp * cp) % dp, "pp": rank // (tp * cp * dp)}
+    out = {"tp": rank % tp, "cp": rank // tp % cp, "dp": rank // (tp * cp) % dp, "pp": rank // (tp * cp * dp)}
+    ep = int(cfg.get("ep", 1))
+    if ep > 1:
+        out |= {"ep": out["dp"] % ep, "edp": out["dp"] // ep}
+    return out
+
+
+#: the coordinates a group of each kind varies (the rest identify the group)
+_VARIES = {"ep": ("ep",), "edp": ("edp",), "dp": ("dp", "ep", "edp")}
 
 
 def group_id(rank: int, kind: str, cfg: dict) -> int:
     """Which group of ``kind`` the rank belongs to (ranks sharing all other coordinates)."""
     c = mesh_coords(rank, cfg)
-    return sum(v * 100_000**i for i, (k, v) in enumerate(sorted(c.items())) if k != kind)
+    varies = _VARIES.get(kind, (kind,))
+    fixed = {k: v for k, v in c.items() if k not in varies and not (kind in ("ep", "edp") and k == "dp")}
+    return sum(v * 100_000**i for i, (k, v) in enumerate(sorted(fixed.items())))
 
 
 def mesh_svg(rep: dict, width: int = 1300) -> str:

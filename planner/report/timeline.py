@@ -110,7 +110,7 @@ def stage_parts(plan) -> dict[int, dict[str, float]]:
     """Per virtual stage: forward, backward, recompute and communication seconds of one micro-batch."""
     bd = plan.predicted.get("breakdown_s") or {}
     comp, rec = float(bd.get("compute", 0.0)), float(bd.get("recompute", 0.0))
-    comm = float(bd.get("tp_comm", 0.0)) + float(bd.get("pp_comm", 0.0)) + float(bd.get("cp_comm", 0.0))
+    comm = sum(float(bd.get(k, 0.0)) for k in ("tp_comm", "pp_comm", "cp_comm", "ep_comm"))
     tot = comp + rec + comm or 1.0
     out = {}
     for s in plan.stages:

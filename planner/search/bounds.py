@@ -89,15 +89,15 @@ class Bounds:
         self.post = list(range(self.blocks[-1] + 1, len(lg.layers))) if self.blocks else []
 
     def _ev(self, cfg: ParallelConfig) -> Evaluator:
-        key = (cfg.dp, cfg.tp, cfg.pp, cfg.mbs, cfg.sp, cfg.precision)
+        key = (cfg.dp, cfg.tp, cfg.pp, cfg.mbs, cfg.sp, cfg.precision, cfg.ep)
         if key not in self._evs:
             base = ParallelConfig(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, mbs=cfg.mbs, sp=cfg.sp, precision=cfg.precision,
-                                  schedule=Schedule.ONE_F_ONE_B)
+                                  schedule=Schedule.ONE_F_ONE_B, ep=cfg.ep)
             self._evs[key] = Evaluator(self.lg, self.cluster, base, self.gb, cache=self.cache)
         return self._evs[key]
 
     def _group(self, cfg: ParallelConfig) -> _Group:
-        key = (cfg.tp, cfg.sp, cfg.mbs, cfg.precision)
+        key = (cfg.tp, cfg.sp, cfg.mbs, cfg.precision, cfg.ep)
         if key not in self._groups:
             self._groups[key] = _Group.build(self, self._ev(cfg))
         return self._groups[key]
@@ -367,7 +367,7 @@ class _Group:
         none = per_ac[AC.NONE]
 
         def t(c):
-            return c.fwd_s + c.bwd_s + c.recompute_s + c.tp_comm_s
+            return c.fwd_s + c.bwd_s + c.recompute_s + c.comm_s
 
         def least_t(idx):
             return sum(min(t(per_ac[a][i]) for a in AC) for i in idx)

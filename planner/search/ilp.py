@@ -230,7 +230,7 @@ class Model:
         self.fsdp_excess = {}
         for u, stages in enumerate(d.units):
             # compute + recompute + tensor-parallel collectives of the unit's layers, per micro-batch
-            t = self.layer_sum([u], lambda x: self._t(x.fwd_s + x.bwd_s + x.recompute_s + x.tp_comm_s))
+            t = self.layer_sum([u], lambda x: self._t(x.fwd_s + x.bwd_s + x.recompute_s + x.comm_s))
             # boundary transfers into its stages (all but stage 0), with the chosen pp compression
             n_in = sum(1 for c in stages if c > 0)
             t += n_in * sum(self._t(d.p2p[k]) * self.compress["pp", k] for k in d.pp_opts)
@@ -285,7 +285,8 @@ class Model:
         d, s = self.d, self.solver
         self.dp_excess, self.dp_tail, self.dp_delta = {}, {}, {}
         for r in range(d.pp):
-            opt, _, opt_hi = self.tab(r, lambda n, r=r: self._t(optimizer_time(self._params(r, n), d.ev)))
+            opt, _, opt_hi = self.tab(r, lambda n, r=r: self._t(optimizer_time(self._params(r, n), d.ev,
+                                                                                 self._extra(r, n))))
             tied = self._t(d.ev.tied_sync_time(r))  # the embedding group's all-reduce, exposed (first/last rank)
             opt, opt_hi = opt + tied, opt_hi + tied
             if d.cfg.dp == 1 or (d.cfg.zero == 3 and not d.cfg.fsdp_in_pipeline):
@@ -308,6 +309,13 @@ class Model:
         memo = self.__dict__.setdefault("_params_memo", {})
         if (r, n) not in memo:
             memo[r, n] = sum(x.param_numel for x in _rank_layer_costs(self.d, r, n))
+        return memo[r, n]
+
+    def _extra(self, r: int, n: int) -> float:
+        """Expert parameters ZeRO 2/3 shards on rank r beyond those it holds (`LayerCost.expert_shard_extra`)."""
+        memo = self.__dict__.setdefault("_extra_memo", {})
+        if (r, n) not in memo:
+            memo[r, n] = sum(x.expert_shard_extra for x in _rank_layer_costs(self.d, r, n))
         return memo[r, n]
 
     def _window(self, r, attr):
@@ -466,6 +474,13 @@ class Model:
             if zero_bubble:  # the larger of the two moments, as one bound on `peak`
                 s.Add(peak >= act_building - act + block_peak)
             allocated = self._b(per_param) * params + act + peak
+            # expert shards beyond the held parameters (ZeRO 2/3 with expert parallelism), at both moments
+            x_peak, x_after = sum(ev.peak_static_bytes(0.0, 1.0)), sum(ev.static_bytes(0.0, 1.0))
+            x_at_peak = x_at_after = 0.0
+            if x_after:
+                x_at_peak = self.tab(r, lambda n, r=r: self._b(x_peak) * self._extra(r, n))[0]
+                x_at_after = self.tab(r, lambda n, r=r: self._b(x_after) * self._extra(r, n))[0]
+            allocated += x_at_peak
             for k in d.grad_opts:
                 kind = parse_grad_compress(k)[0]
                 extra = self._b(4.0) * params if kind == "powersgd" and cfg.dp > 1 else 0.0  # error feedback
@@ -473,8 +488,9 @@ class Model:
                 copy, _, copy_hi = self.tab(r, lambda n, r=r, kind=kind: self._b(dp_reduction_temp_bytes(
                     cfg, kind, 4.0 * self._params(r, n))))
                 moments = [(1 + FRAGMENTATION) * (allocated + extra) + reserve]
-                if after_backward > per_param or copy_hi > 0:
-                    moments.append((1 + FRAGMENTATION) * (self._b(after_backward) * params + copy) + reserve)
+                if after_backward > per_param or copy_hi > 0 or x_after > x_peak:
+                    moments.append((1 + FRAGMENTATION) * (self._b(after_backward) * params + x_at_after + copy)
+                                   + reserve)
                 for lhs in moments:
                     if len(d.grad_opts) == 1:
                         s.Add(lhs <= cap)

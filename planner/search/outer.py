@@ -5,7 +5,8 @@ node (tp ≤ gpus_per_node; larger tp only when no plan inside a node exists); t
 or are multiples of it (regular groups, each priced as the one at rank 0 is); pp·vpp ≤ the number of blocks; dp·mbs
 divides the global batch and mbs ≤ `MAX_MBS`; zero ∈ {0, 1, 2, 3} when dp > 1 (with dp = 1 they are all the
 same job: only 0); sp ∈ {off, on} when tp > 1; with pp > 1 the schedules gpipe, 1f1b, zb (vpp = 1: the cost
-model's ZB-H1 gains nothing from virtual stages) and interleaved with 2 ≤ vpp ≤ `MAX_VPP`. ``fix`` pins any key.
+model's ZB-H1 gains nothing from virtual stages) and interleaved with 2 ≤ vpp ≤ `MAX_VPP`; for a mixture-of-experts model, ep among the divisors of dp that divide the
+number of experts (`costmodel.moe`: expert-parallel ranks borrowed from dp). ``fix`` pins any key.
 Per-layer AC and the compression of each group are the ILP's choices (``fix`` pins them too).
 
 Pruning (all exact: the winner is the optimum over the whole space unless the time limit stops the search):
@@ -36,7 +37,7 @@ Runnable: every candidate passes `costmodel.runnable.problems`, the rules the em
 (divisibility, micro-batches per pipeline, schedule × sharding, compression × sharding), so any plan the search
 returns emits a script that starts.
 
-Determinism: candidates are sorted by (time bound, dp, tp, pp, vpp, schedule, mbs, zero, sp); ties between plans
+Determinism: candidates are sorted by (time bound, dp, tp, pp, vpp, schedule, mbs, zero, sp, ep); ties between plans
 go to the earlier candidate in that order; the ILP backend is deterministic. Time limits (the search's, and
 `ALT_TIME_S` for runner-ups) can change which runner-ups are proved, never a proved winner. Only
 ``solver.time_s`` and the provenance's creation stamp depend on the clock.
@@ -45,6 +46,7 @@ go to the earlier candidate in that order; the ILP backend is deterministic. Tim
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import sys
 import time
@@ -115,6 +117,7 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
     the blocks run under torch.compile (with a pinned ``ac``, the rules decide whether it compiles)."""
     world, gpn = cluster.world_size, cluster.gpus_per_node
     arch = lg.model.arch
+    experts = int(arch.get("experts") or 0)
     n_blocks = sum(1 for layer in lg.layers if layer.kind == "block")
     uniform = len({layer.signature for layer in lg.layers if layer.kind == "block"}) <= 1 and n_blocks > 0
     tp_ok = any(is_tp_layer(layer) for layer in lg.blocks)
@@ -141,27 +144,27 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
             if pp > 1:
                 scheds = [(s, 1) for s in SCHEDULES if s != Schedule.INTERLEAVED]
                 scheds += [(Schedule.INTERLEAVED, v) for v in range(2, MAX_VPP + 1) if pp * v <= n_blocks]
+            # expert parallelism: ep ranks borrowed from dp, dividing the number of experts (`costmodel.moe`)
+            eps = [e for e in _divisors(dp) if experts % e == 0] if experts > 1 else [1]
             runnable = {}  # configuration key → the configuration, for those the runtime can run
-            for (sched, vpp) in scheds:
-                for mbs in mbss:
-                    for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
-                        for sp in ((False, True) if tp > 1 else (False,)):
-                            key = {"dp": dp, "tp": tp, "pp": pp, "vpp": vpp, "schedule": sched.value, "mbs": mbs,
-                                   "zero": zero, "sp": sp}
-                            if any(k in fix and _norm(fix[k]) != _norm(v) for k, v in key.items()):
-                                continue
-                            cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=sched, mbs=mbs, zero=zero,
-                                                 sp=sp, precision=precision)
-                            facts = cfg.runnable_facts(global_batch, arch, lg.model.seq)
-                            facts["grad_compress"] = parse_grad_compress(fix.get("grad_compress", "none"))[0]
-                            if compiled:  # unpinned, AC is the ILP's choice: `_candidate_options` limits it
-                                facts |= {"compile": "inductor", "checkpointed": fix.get("ac", "none") != "none"}
-                            why = runnable_problems(facts)
-                            if why:  # the runtime would refuse it (costmodel.runnable): never offered
-                                if refused is not None:
-                                    refused.append((cfg, why[0]))
-                                continue
-                            runnable[_key(cfg)] = cfg
+            for (sched, vpp), mbs, zero, sp, ep in itertools.product(
+                    scheds, mbss, (0, 1, 2, 3) if dp > 1 else (0,), (False, True) if tp > 1 else (False,), eps):
+                key = {"dp": dp, "tp": tp, "pp": pp, "vpp": vpp, "schedule": sched.value, "mbs": mbs,
+                       "zero": zero, "sp": sp, "ep": ep}
+                if any(k in fix and _norm(fix[k]) != _norm(v) for k, v in key.items()):
+                    continue
+                cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=sched, mbs=mbs, zero=zero, sp=sp,
+                                     precision=precision, ep=ep)
+                facts = cfg.runnable_facts(global_batch, arch, lg.model.seq)
+                facts["grad_compress"] = parse_grad_compress(fix.get("grad_compress", "none"))[0]
+                if compiled:  # unpinned, AC is the ILP's choice: `_candidate_options` limits it
+                    facts |= {"compile": "inductor", "checkpointed": fix.get("ac", "none") != "none"}
+                why = runnable_problems(facts)
+                if why:  # the runtime would refuse it (costmodel.runnable): never offered
+                    if refused is not None:
+                        refused.append((cfg, why[0]))
+                    continue
+                runnable[_key(cfg)] = cfg
             out += [cfg for cfg in runnable.values() if not _dominated(cfg, runnable, fix)]
     return out
 
@@ -174,7 +177,7 @@ def _regular(span: int, gpus_per_node: int) -> bool:
 
 
 def _key(cfg: ParallelConfig) -> tuple:
-    return (cfg.dp, cfg.tp, cfg.pp, cfg.vpp, cfg.schedule, cfg.mbs, cfg.zero, cfg.sp)
+    return (cfg.dp, cfg.tp, cfg.pp, cfg.vpp, cfg.schedule, cfg.mbs, cfg.zero, cfg.sp, cfg.ep)
 
 
 def _dominated(cfg: ParallelConfig, runnable: dict, fix: dict) -> bool:
@@ -200,7 +203,7 @@ def _norm(v):
 
 
 def _order_key(cfg: ParallelConfig) -> tuple:
-    return (cfg.dp, cfg.tp, cfg.pp, cfg.vpp, SCHEDULES.index(cfg.schedule), cfg.mbs, cfg.zero, cfg.sp)
+    return (cfg.dp, cfg.tp, cfg.pp, cfg.vpp, SCHEDULES.index(cfg.schedule), cfg.mbs, cfg.zero, cfg.sp, cfg.ep)
 
 
 # ---------------------------------------------------------------------------------------------------- search
@@ -254,7 +257,9 @@ def check_fix(fix: dict) -> None:
         free["schedule"] = Schedule.INTERLEAVED.value
     if str(fix.get("sp", "")).lower() in ("on", "true", "1") and "tp" not in fix:
         free["tp"] = 2
-    ParallelConfig.from_dict(free | fix)  # validates values (cp/ep must be 1, enums, …)
+    if int(fix.get("ep", 1)) > 1 and "dp" not in fix:
+        free["dp"] = int(fix["ep"])  # ep borrows dp ranks: dp is a multiple of it
+    ParallelConfig.from_dict(free | fix)  # validates values (cp must be 1, enums, …)
 
 
 def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | None = None, top_k: int = 3,
