@@ -7,6 +7,7 @@ import copy
 import dataclasses
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from profiler.capture import capture
 from profiler.fold import unfold
@@ -121,7 +122,10 @@ def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: s
     torch_dtype = parse_dtype(dtype)
     with _default_dtype(torch_dtype):  # builds in dtype; fake-tensor (Hugging Face) models cannot be cast later
         model, inputs = source.build(batch=batch, seq=seq, device="meta")
-    if any(p.is_floating_point() and p.dtype != torch_dtype for p in model.parameters()):
+    # a model built on fake tensors (Hugging Face) keeps the dtypes its modeling code chose (DeepSeek-V3's router
+    # weight is float32 by design, and fake parameters cannot be swapped); meta-built models are cast
+    fake = any(isinstance(p, FakeTensor) for p in model.parameters())
+    if not fake and any(p.is_floating_point() and p.dtype != torch_dtype for p in model.parameters()):
         model = model.to(torch_dtype)
     arch = dict(source.arch())
     graph = capture(model, inputs, name=spec, arch=arch, kernels=kernels)

@@ -93,9 +93,14 @@ def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         rep = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
+    dv = value.shape[-1]
+    if dv < query.shape[-1]:  # the CPU kernel takes one head size (DeepSeek's MLA: v 128, q/k 192): pad V with
+        # zeros and drop the padding from the output, as Hugging Face does for flash-attn
+        value = torch.nn.functional.pad(value, (0, query.shape[-1] - dv))
+    scale = scale if scale is not None else query.shape[-1] ** -0.5
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
-    )[0]
+    )[0][..., :dv]
 
 
 def _fused_dropout(input, p, train):
@@ -105,12 +110,40 @@ def _fused_dropout(input, p, train):
     return torch.ops.aten.native_dropout.default(input, p, train)[0]
 
 
+def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of ``aten._grouped_mm`` (a grouped GEMM: the mixture-of-experts experts of torchtitan and of
+    transformers' ``grouped_mm`` experts), which torch's FlopCounterMode has no formula for: 2·M·K·N summed over the
+    groups. [S, K] × [E, K, N] (tokens sorted by expert, the forward and the input gradient) and batched [E, M, K] ×
+    [E, K, N] make 2·numel(out)·K; [K, S] × [S, N] grouped along S (the weight gradient, [E, K, N] out) makes
+    2·K·S·N, once, not per group."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    numel = 1
+    for d in out_shape:
+        numel *= d
+    return 2 * numel * a_shape[-1]
+
+
+def register_grouped_mm_flops(*ops) -> None:
+    """Count ``ops`` (grouped GEMMs with the signature of ``aten._grouped_mm``) with `grouped_mm_flops` wherever a
+    FlopCounterMode runs (the capture, `autopar check`'s trace); ops already known are left alone."""
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    for op in ops:
+        packet = getattr(op, "overloadpacket", op)
+        if packet not in flop_registry:
+            register_flop_formula(packet)(grouped_mm_flops)
+
+
+register_grouped_mm_flops(torch.ops.aten._grouped_mm)
+
+
 def _attention_flops(args: Sequence[Any], kwargs: dict, out: torch.Tensor) -> tuple[int, int]:
-    q, k = args[0], args[1]
-    kv_shape = list(k.shape)
-    kv_shape[-3] = q.shape[-3]  # grouped-query attention computes as many heads as q has
-    fwd = sdpa_flop_count(q.shape, tuple(kv_shape), tuple(kv_shape))
-    bwd = sdpa_backward_flop_count(out.shape, q.shape, tuple(kv_shape), tuple(kv_shape)) if q.requires_grad else 0
+    q, k, v = args[0], args[1], args[2]
+    k_shape, v_shape = list(k.shape), list(v.shape)
+    k_shape[-3] = v_shape[-3] = q.shape[-3]  # grouped-query attention computes as many heads as q has
+    fwd = sdpa_flop_count(q.shape, tuple(k_shape), tuple(v_shape))
+    bwd = sdpa_backward_flop_count(out.shape, q.shape, tuple(k_shape), tuple(v_shape)) if q.requires_grad else 0
     return fwd, bwd
 
 

@@ -3,9 +3,11 @@
 ``transformers.AutoConfig.for_model(model_type, **overrides)`` makes the config (``use_cache=False`` so the output
 holds no cache and ``torch.export`` accepts it; pad/bos/eos ids clamped into the vocabulary so small configs work).
 Decoders are built with ``AutoModelForCausalLM``; types that also have a masked-LM head (encoder-only models such
-as bert and roberta) with ``AutoModelForMaskedLM``. MoE models get the ``batched_mm`` experts implementation, the
-one whose FLOPs ``FlopCounterMode`` sees and which exports (the default ``grouped_mm`` is an opaque custom op, the
-``eager`` loop is data-dependent).
+as bert and roberta) with ``AutoModelForMaskedLM``. MoE models get the ``grouped_mm`` experts implementation: the
+tokens sorted by expert and one grouped GEMM per projection (``torch._grouped_mm`` in bf16, transformers' fallback
+custom op elsewhere), which exports with static shapes and whose FLOPs and bytes are those of the work done
+(`profiler.capture.grouped_mm_flops` counts them; ``batched_mm`` gathers an expert weight per routed token, which
+no trainer does and which costs orders of magnitude more memory at training sizes; ``eager`` is data-dependent).
 
 Hugging Face forwards fail on the meta device (``.item()`` in the mask utilities), so ``build_hf(device="meta")``
 builds under ``torch._subclasses.fake_tensor.FakeTensorMode`` instead and returns *fake* tensors: parameters and
@@ -166,6 +168,11 @@ def hf_arch(config) -> dict[str, int]:
         "vocab": ("vocab_size",),
         "experts": _EXPERT_KEYS,
         "top_k": ("num_experts_per_tok", "moe_topk"),
+        # mixture of experts: each routed expert's width, the shared experts every token also runs (DeepSeek,
+        # Qwen2-MoE), the leading dense blocks (DeepSeek's first_k_dense_replace)
+        "expert_ffn": ("moe_intermediate_size",),
+        "shared_experts": ("n_shared_experts", "num_shared_experts"),
+        "dense_layers": ("first_k_dense_replace",),
     }
     arch: dict[str, int] = {}
     for key, candidates in names.items():
@@ -179,6 +186,25 @@ def hf_arch(config) -> dict[str, int]:
     if "ffn" not in arch and "hidden" in arch and config.model_type == "gpt2":
         arch["ffn"] = 4 * arch["hidden"]
     return arch
+
+
+def _count_grouped_mm() -> None:
+    """Give FlopCounterMode the FLOPs of transformers' grouped-GEMM fallback (the custom op its ``grouped_mm``
+    experts run where ``torch._grouped_mm`` cannot: fp32, CPU) and of its backward (the input's and the weights'
+    gradients: twice the forward)."""
+    from profiler.capture import grouped_mm_flops, register_grouped_mm_flops
+
+    ops = getattr(torch.ops, "transformers", None)
+    fwd = getattr(ops, "grouped_mm_fallback", None) if ops is not None else None
+    bwd = getattr(ops, "grouped_mm_fallback_backward", None) if ops is not None else None
+    if fwd is not None:
+        register_grouped_mm_flops(fwd)
+    if bwd is not None:
+        from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+        if bwd not in flop_registry:
+            register_flop_formula(bwd)(
+                lambda a, b, offs, grad, *_, out_shape=None, **__: 4 * a[0] * a[1] * b[-1])
 
 
 def _is_moe(config) -> bool:
@@ -197,7 +223,8 @@ def _build_lm(config) -> HFCausalLMLoss:
     auto = AutoModelForMaskedLM if hf_task(config) == "masked" else AutoModelForCausalLM
     model = auto.from_config(config)
     if _is_moe(config) and model._can_set_experts_implementation():
-        model.set_experts_implementation("batched_mm")
+        model.set_experts_implementation("grouped_mm")
+        _count_grouped_mm()
     return HFCausalLMLoss(model)
 
 
