@@ -71,6 +71,7 @@ def build_report(plan: Plan) -> dict:
         "alternatives": alternative_rows(plan),
         "solver": dict(plan.solver),
         "mesh": mesh_facts(plan, cluster),
+        "experts": expert_facts(plan, cluster),
         "provenance": dict(plan.provenance),
         "traced": dict(plan.traced),  # what `autopar check` traced of this plan (empty: not checked)
     }
@@ -80,6 +81,19 @@ def build_report(plan: Plan) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- pieces
+def expert_facts(plan: Plan, cluster) -> dict | None:
+    """Expert parallelism (`costmodel.moe`): the groups, the all-to-alls' share of the step and the routing
+    imbalance the expert GEMMs were costed with; None for a plan without it."""
+    cfg = plan.config
+    if cfg.ep == 1:
+        return None
+    bd = plan.predicted.get("breakdown_s") or {}
+    step = float(plan.predicted.get("step_time_s") or 0.0)
+    a2a = float(bd.get("ep_comm", 0.0))
+    return {"ep": cfg.ep, "edp": cfg.dp // cfg.ep, "all_to_all_s": a2a, "share": a2a / step if step else None,
+            "imbalance": cluster.moe_imbalance if cluster is not None else None}
+
+
 def memory_facts(plan: Plan) -> dict:
     pred = plan.predicted
     mem = dict(pred.get("memory_per_gpu_bytes") or {})

@@ -208,7 +208,15 @@ def render_html(plan, rep: dict) -> str:
         )
         + "</div></div></section>"
     )
-    parts.append("<section><h2>Device mesh</h2>" + mesh_svg(rep) + "</section>")
+    ex = rep.get("experts")
+    experts = ""
+    if ex:
+        share = f" ({ex['share']:.1%} of the step)" if ex["share"] is not None else ""
+        skew = f"{ex['imbalance']:g}× the balanced load" if ex["imbalance"] is not None else "unknown"
+        experts = (f"<p>Expert parallelism: ep={ex['ep']}, experts reduced over {ex['edp']} rank(s) holding the same; "
+                   f"all-to-alls {ex['all_to_all_s']:.3g} s{escape(share)}, not overlapped; busiest expert {skew} "
+                   "(the cluster's <code>moe_imbalance</code>).</p>")
+    parts.append("<section><h2>Device mesh</h2>" + mesh_svg(rep) + experts + "</section>")
     parts.append(
         '<section id="solver"><h2>Solver</h2>'
         + (_table(["fact", "value"], [[k, _fmt(v)] for k, v in s.items()]) if s else "<p>no solver facts</p>")

@@ -169,6 +169,14 @@ def print_report(rep: dict, file=None) -> None:
             where = (f"{g['nodes']} node(s), {g['per_node']} per node, {g['link']}" if g["link"]
                      else "link unknown (cluster not loadable)")
             out.line(f"  {g['kind']} groups of {g['size']} (stride {g['stride']}): {where}")
+    ex = rep.get("experts")
+    if ex:
+        share = f" ({ex['share']:.1%} of the step)" if ex["share"] is not None else ""
+        skew = (f"the busiest expert at {ex['imbalance']:g}× the balanced load (the cluster's moe_imbalance)"
+                if ex["imbalance"] is not None else "imbalance unknown (cluster not loadable)")
+        out.line(f"  experts: ep={ex['ep']} (each rank holds 1/{ex['ep']} of every MoE layer's experts, reduced "
+                 f"over {ex['edp']} rank(s) holding the same); all-to-alls {human_time(ex['all_to_all_s'])}"
+                 f"{share}, not overlapped; {skew}")
 
     out.heading("warnings")
     if rep["warnings"]:
