@@ -57,16 +57,33 @@ _HF_UNIFORM_WHEN = {
 }
 
 
-def _hf_layers_alike(cfg) -> bool:
+#: fields that make only the first k layers differ (DeepSeek's dense blocks before the MoE ones): a capture of k + 2
+#: blocks, whose last is repeated, describes the model (`leading_blocks`)
+_HF_LEADING = ("first_k_dense_replace",)
+
+
+def leading_blocks(source) -> int:
+    """How many first blocks differ from the rest, which are alike: a zoo MoE's ``dense_layers``, a Hugging Face
+    config's `_HF_LEADING` field; 0 otherwise."""
+    if source.family == "moe":
+        return int(getattr(source.config, "dense_layers", 0) or 0)
+    if source.family == "hf":
+        return max((int(getattr(source.config, k, 0) or 0) for k in _HF_LEADING), default=0)
+    return 0
+
+
+def _hf_layers_alike(cfg, leading_ok: bool = False) -> bool:
     """Whether a Hugging Face config describes ``num_hidden_layers`` alike layers: no per-layer list or string
     (``layer_types``, ``no_rope_layers``, ``hybrid_override_pattern``, …) with two different entries, no field of
-    `_HF_UNIFORM_WHEN` away from its uniform value, no sliding window on only some layers."""
+    `_HF_UNIFORM_WHEN` away from its uniform value, no sliding window on only some layers. ``leading_ok``: alike
+    after the first blocks of `_HF_LEADING` (what a capture may fold, `with_blocks`)."""
     n = cfg.num_hidden_layers
     for key, value in vars(cfg).items():
         if isinstance(value, (list, tuple, str)) and len(value) == n and n > 1 and not key.startswith("_"):
             if len({repr(v) for v in value}) > 1:
                 return False
-        if key in _HF_UNIFORM_WHEN and not _HF_UNIFORM_WHEN[key](value, n):
+        if key in _HF_UNIFORM_WHEN and not _HF_UNIFORM_WHEN[key](value, n) and not (leading_ok
+                                                                                   and key in _HF_LEADING):
             return False
     window = getattr(cfg, "max_window_layers", None)
     return not (getattr(cfg, "use_sliding_window", False) and window is not None and 0 < window < n)
@@ -78,7 +95,7 @@ def with_blocks(source, n: int):
     if source.family in ("gpt", "llama", "moe"):
         return dataclasses.replace(source, config=dataclasses.replace(source.config, layers=n))
     if source.family == "hf" and getattr(source.config, "num_hidden_layers", None):
-        if not _hf_layers_alike(source.config):
+        if not _hf_layers_alike(source.config, leading_ok=n >= leading_blocks(source) + 2):
             return None
         cfg = copy.deepcopy(source.config)
         depth = cfg.num_hidden_layers
@@ -100,7 +117,8 @@ def block_count(source) -> int | None:
 def _folded_source(source):
     """The same model with FOLD_BLOCKS blocks, and its real depth; (source, None) when it cannot be folded."""
     depth = block_count(source)
-    folded = with_blocks(source, FOLD_BLOCKS) if depth and depth > FOLD_BLOCKS else None
+    blocks = max(FOLD_BLOCKS, leading_blocks(source) + 2)  # the leading blocks that differ, and two alike ones
+    folded = with_blocks(source, blocks) if depth and depth > blocks else None
     return (folded, depth) if folded is not None else (source, None)
 
 

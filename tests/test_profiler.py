@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from profiler.api import profile_model
+from profiler.api import profile_model, with_blocks
 from profiler.layers import tp_saved_bytes
 
 #: (spec, hidden h, heads a, seq s, vocab V): two sizes plus GPT-3 175B's block, two layers each
@@ -200,7 +200,6 @@ def test_hugging_face_layers_that_differ_by_index_are_not_folded(spec, folds):
     whole, where folding would repeat the wrong block."""
     import copy
 
-    from profiler.api import with_blocks
     from profiler.zoo.registry import resolve_model
 
     source = resolve_model(spec)
@@ -245,3 +244,27 @@ def test_lifted_constants_replay():
     lg = profile_model(f"hf:{config}:seq=64,num_hidden_layers=2", fold=False)
     per_block = (4544 * (4544 + 2 * 64) + 4544 * 4544 + 2 * 4544 * 4 * 4544 + 2 * 4544)
     assert lg.model.num_params == 65024 * 4544 + 2 * per_block + 2 * 4544  # embedding tied to the head, final norm
+
+
+_DEEPSEEK = ("hf:deepseek_v3:num_hidden_layers=6,hidden_size=128,intermediate_size=256,moe_intermediate_size=64,"
+             "num_attention_heads=4,num_key_value_heads=4,n_routed_experts=8,num_experts_per_tok=2,n_shared_experts=1,"
+             "first_k_dense_replace=2,vocab_size=256,q_lora_rank=32,kv_lora_rank=32,qk_rope_head_dim=16,"
+             "qk_nope_head_dim=32,v_head_dim=32,n_group=1,topk_group=1,seq=32")
+
+
+def test_leading_dense_blocks_fold_after_them():
+    """DeepSeek's first_k_dense_replace: the first k blocks are dense, the rest alike MoE blocks; a capture of k + 2
+    blocks whose last is repeated equals the whole capture (same layer signatures, FLOPs and saved bytes), and
+    fewer than k + 2 blocks are refused. MLA's value heads (32) are narrower than its query/key heads (48)."""
+    from profiler.api import leading_blocks
+    from profiler.zoo.registry import resolve_model
+
+    source = resolve_model(_DEEPSEEK)
+    assert leading_blocks(source) == 2
+    assert with_blocks(source, 3) is None and with_blocks(source, 4) is not None
+    folded, whole = profile_model(_DEEPSEEK), profile_model(_DEEPSEEK, fold=False)
+    assert [layer.signature for layer in folded.layers] == [layer.signature for layer in whole.layers]
+    for attr in ("fwd_flops", "bwd_flops", "saved_bytes"):
+        assert [getattr(x, attr) for x in folded.layers] == [getattr(x, attr) for x in whole.layers]
+    assert folded.layers[1].signature != folded.layers[3].signature  # dense, then MoE
+    assert folded.model.arch["dense_layers"] == 2 and folded.model.arch["shared_experts"] == 1
