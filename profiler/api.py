@@ -93,6 +93,8 @@ def with_blocks(source, n: int):
     """The same model with ``n`` blocks, or None where its blocks cannot be counted or are not all alike (a user's
     file; a Hugging Face model whose layers differ by index, `_hf_layers_alike`)."""
     if source.family in ("gpt", "llama", "moe"):
+        if leading_blocks(source) and n < leading_blocks(source) + 2:
+            return None  # the leading blocks that differ and two alike ones, or the last repeated is the wrong kind
         return dataclasses.replace(source, config=dataclasses.replace(source.config, layers=n))
     if source.family == "hf" and getattr(source.config, "num_hidden_layers", None):
         if not _hf_layers_alike(source.config, leading_ok=n >= leading_blocks(source) + 2):
