@@ -6,9 +6,9 @@ model covers (tp, pp, vpp, ep, dp as published; etp = 1): Megatron-LM's Mixtral 
 ``mixtral-8x7b``). Left out, and why: Megatron-Bridge's GPT-OSS-120B rows (Hugging Face ``gpt_oss``, `GPT_OSS_120B`,
 captures with its experts as grouped GEMMs but its attention as transformers runs it: eager matmuls and softmax over
 seq × seq scores, for the attention sinks, where Megatron runs a fused kernel; predicted 48-63 TFLOP/s/GPU against
-153-163 published, a difference of attention kernels, not of expert parallelism), Blackwell systems (not in the device catalogue), FP8/MXFP8 rows (the runtime trains bf16; fp8 is priced but not calibrated on
-MoE), DeepSeek-V3 (MLA with fp8, tp = 2 with expert-TP unknown), verification cards with real-data routing or SFT
-packing.
+153-163 published, a difference of attention kernels, not of expert parallelism), Blackwell systems (not in the
+device catalogue), FP8/MXFP8 rows (the runtime trains bf16; fp8 is priced but not calibrated on MoE), DeepSeek-V3
+(MLA with fp8, tp = 2 with expert-TP unknown), verification cards with real-data routing or SFT packing.
 
 Each prediction uses the ``megatron`` stack (these are Megatron-Core runs), the published mesh, global batch,
 micro-batch and sequence, the distributed optimizer (zero = 1), no activation recomputation (none is published),
@@ -57,7 +57,8 @@ def usable_rows() -> list[MoERow]:
     out = []
     for r in records():
         c, m = r["config"], r["model"]
-        if ("H100" not in r["cluster"]["gpu"] or m["name"] not in SPECS or "bf16" not in (c.get("precision"), c.get("precision_normalized"))
+        bf16 = "bf16" in (c.get("precision"), c.get("precision_normalized"))
+        if ("H100" not in r["cluster"]["gpu"] or m["name"] not in SPECS or not bf16
                 or not r["measured"].get("tflops_per_gpu") or (c.get("etp") or 1) != 1
                 or r["id"].startswith("mb-card-")):
             continue

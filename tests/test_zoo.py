@@ -378,7 +378,7 @@ def test_hf_models_build_and_train_on_cpu(name):
     _trains(model, input_ids, labels)
     if name == "mixtral":
         assert source.seq == 32 and source.arch()["experts"] == 4
-        assert model.model.config._experts_implementation == "batched_mm"
+        assert model.model.config._experts_implementation == "grouped_mm"
 
 
 @pytest.mark.parametrize("name", ["llama", "mixtral"])

@@ -239,7 +239,7 @@ def _model_section(source: ModelSource) -> tuple[list[str], str]:
             "    from transformers import AutoConfig, AutoModelForCausalLM\n\n"
             "    config = AutoConfig.for_model(HF_MODEL_TYPE, **HF_OVERRIDES)\n"
             "    model = AutoModelForCausalLM.from_config(config)\n"
-            + ('    model.set_experts_implementation("batched_mm")\n' if moe else "")
+            + ('    model.set_experts_implementation("grouped_mm")\n' if moe else "")
             + "    return HFCausalLMLoss(model)\n"
         )
         return ["import torch", "import torch.nn.functional as F", "from torch import nn"], body

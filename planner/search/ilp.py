@@ -478,8 +478,8 @@ class Model:
             x_peak, x_after = sum(ev.peak_static_bytes(0.0, 1.0)), sum(ev.static_bytes(0.0, 1.0))
             x_at_peak = x_at_after = 0.0
             if x_after:
-                x_at_peak = self.tab(r, lambda n, r=r: self._b(x_peak) * self._extra(r, n))[0]
-                x_at_after = self.tab(r, lambda n, r=r: self._b(x_after) * self._extra(r, n))[0]
+                x_at_peak = self.tab(r, lambda n, r=r, x=x_peak: self._b(x) * self._extra(r, n))[0]
+                x_at_after = self.tab(r, lambda n, r=r, x=x_after: self._b(x) * self._extra(r, n))[0]
             allocated += x_at_peak
             for k in d.grad_opts:
                 kind = parse_grad_compress(k)[0]

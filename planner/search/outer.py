@@ -1,12 +1,13 @@
 """The outer search: mesh shapes, schedules, micro-batches and sharding, each candidate solved by `planner.search.ilp`.
 
-Candidates (`candidates`): dp·tp·pp = the cluster's GPUs; tp divides the heads and kv_heads and stays inside a
-node (tp ≤ gpus_per_node; larger tp only when no plan inside a node exists); tp and dp·tp divide the GPUs per node
-or are multiples of it (regular groups, each priced as the one at rank 0 is); pp·vpp ≤ the number of blocks; dp·mbs
-divides the global batch and mbs ≤ `MAX_MBS`; zero ∈ {0, 1, 2, 3} when dp > 1 (with dp = 1 they are all the
-same job: only 0); sp ∈ {off, on} when tp > 1; with pp > 1 the schedules gpipe, 1f1b, zb (vpp = 1: the cost
-model's ZB-H1 gains nothing from virtual stages) and interleaved with 2 ≤ vpp ≤ `MAX_VPP`; for a mixture-of-experts model, ep among the divisors of dp that divide the
-number of experts (`costmodel.moe`: expert-parallel ranks borrowed from dp). ``fix`` pins any key.
+Candidates (`candidates`): dp·tp·pp = the cluster's GPUs; tp divides the heads and kv_heads and stays inside a node
+(tp ≤ gpus_per_node; larger tp only when no plan inside a node exists); tp and dp·tp divide the GPUs per node or are
+multiples of it (regular groups, each priced as the one at rank 0 is); pp·vpp ≤ the number of blocks; dp·mbs divides
+the global batch and mbs ≤ `MAX_MBS`; zero ∈ {0, 1, 2, 3} when dp > 1 (with dp = 1 they are all the same job: only
+0); sp ∈ {off, on} when tp > 1; with pp > 1 the schedules gpipe, 1f1b, zb (vpp = 1: the cost model's ZB-H1 gains
+nothing from virtual stages) and interleaved with 2 ≤ vpp ≤ `MAX_VPP`; for a mixture-of-experts model, ep among the
+divisors of dp that divide the number of experts (`costmodel.moe`: expert-parallel ranks borrowed from dp). ``fix``
+pins any key.
 Per-layer AC and the compression of each group are the ILP's choices (``fix`` pins them too).
 
 Pruning (all exact: the winner is the optimum over the whole space unless the time limit stops the search):

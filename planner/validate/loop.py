@@ -217,7 +217,8 @@ def _safe(name: str) -> str:
 def predicted_parts(predicted: dict) -> dict:
     b = predicted["breakdown_s"]
     return {"compute": b["compute"] + b["recompute"] + b["compression"],
-            "comm": b["tp_comm"] + b["cp_comm"] + b.get("ep_comm", 0.0) + b["dp_comm_exposed"], "optimizer": b["optimizer"],
+            "comm": b["tp_comm"] + b["cp_comm"] + b.get("ep_comm", 0.0) + b["dp_comm_exposed"],
+            "optimizer": b["optimizer"],
             "idle": b["bubble"] + b["pp_comm"], "step": predicted["step_time_s"]}
 
 

@@ -192,7 +192,7 @@ def _count_grouped_mm() -> None:
     """Give FlopCounterMode the FLOPs of transformers' grouped-GEMM fallback (the custom op its ``grouped_mm``
     experts run where ``torch._grouped_mm`` cannot: fp32, CPU) and of its backward (the input's and the weights'
     gradients: twice the forward)."""
-    from profiler.capture import grouped_mm_flops, register_grouped_mm_flops
+    from profiler.capture import register_grouped_mm_flops
 
     ops = getattr(torch.ops, "transformers", None)
     fwd = getattr(ops, "grouped_mm_fallback", None) if ops is not None else None
