@@ -22,7 +22,9 @@ This module imports nothing but the standard library: the emitter copies it into
 ``facts`` keys (missing optional ones are not checked): ``dp``, ``tp``, ``pp``, ``vpp``, ``schedule`` (``gpipe``,
 ``1f1b``, ``interleaved``, ``zb``), ``zero``, ``sp`` (bool), ``grad_compress`` (``none``, ``bf16``, ``fp16``,
 ``powersgd``), ``precision``, ``micro_batches`` (per pipeline per step), and optionally ``seq``, ``heads``,
-``kv_heads``, ``compile`` (the launch's torch.compile backend or None) and ``checkpointed`` (any block under AC).
+``kv_heads``, ``compile`` (the launch's torch.compile backend or None), ``checkpointed`` (any block under AC),
+``selective_ac`` (any block under selective AC), ``ep`` (expert-parallel degree, default 1) and ``experts`` (experts
+per MoE layer; None or 0: not a MoE model the runtime can split).
 """
 
 #: fp16 is not: its gradients underflow without loss scaling, which the runtime does not do yet (a GradScaler across
@@ -47,11 +49,13 @@ def pipelined_fsdp(zero: int, dp: int, pp: int) -> bool:
     return pp > 1 and zero >= 2 and dp > 1
 
 
-def grad_compress_options(dp: int, tp: int, zero: int, schedule: str = "1f1b", pp: int = 1) -> tuple[str, ...]:
+def grad_compress_options(dp: int, tp: int, zero: int, schedule: str = "1f1b", pp: int = 1,
+                          ep: int = 1) -> tuple[str, ...]:
     """The gradient compressions (``none``, ``bf16``, ``fp16``, ``powersgd``) the runtime can apply: DDP comm hooks
     (ZeRO 0/1 under DDP) take all; FSDP2 (ZeRO 2/3) reduces in bf16/fp16 through its ``reduce_dtype`` but has no
-    PowerSGD; the explicit post-step all-reduce (`post_step_allreduce`) compresses nothing."""
-    if dp == 1 or post_step_allreduce(dp, tp, zero, schedule, pp):
+    PowerSGD; the explicit post-step all-reduces (`post_step_allreduce`; with expert parallelism under DDP, the
+    experts' reduction over edp) compress nothing."""
+    if dp == 1 or post_step_allreduce(dp, tp, zero, schedule, pp) or (ep > 1 and zero == 0):
         return ("none",)
     if zero >= 2:
         return ("none", "bf16", "fp16")
@@ -94,12 +98,51 @@ def problems(facts: dict) -> list:
         out.append("torch.compile with tensor parallelism and activation checkpointing is not supported yet (torch "
                    "2.13's AOTAutograd fails on a checkpointed block's DTensor inputs: it saves their DeviceMesh for "
                    "backward); drop --compile, or re-plan with --fix ac=none or tp=1")
+    out += expert_problems(f)
     kind = f.get("grad_compress", "none")
-    allowed = grad_compress_options(dp, tp, zero, schedule, pp)
+    ep = f.get("ep", 1)
+    allowed = grad_compress_options(dp, tp, zero, schedule, pp, ep)
     if kind not in allowed:
         why = ("FSDP2 (zero ≥ 2) reduces in bf16/fp16 only" if zero >= 2 else
+               f"with ep={ep} the experts' gradients are all-reduced after the step, where no compression hook "
+               "applies (part of the model only would be compressed)" if ep > 1 and zero == 0 else
                "gradients are all-reduced after the step here (tensor parallel or zero-bubble without FSDP), where "
                "no compression hook applies")
         out.append(f"grad_compress={kind} cannot run with dp={dp} tp={tp} zero={zero} schedule={schedule}: {why}; "
                    f"choose one of {', '.join(allowed)}")
+    return out
+
+
+def expert_problems(facts: dict) -> list:
+    """Why expert parallelism (``ep`` > 1) cannot run as planned: the ep ranks are a sub-group of the dp group,
+    each holding E/ep experts (`planner.emit.runtime.apply_ep`)."""
+    f = facts
+    ep, dp, tp, pp, zero = f.get("ep", 1), f["dp"], f["tp"], f["pp"], f["zero"]
+    if ep <= 1:
+        return []
+    out = []
+    if dp % ep:
+        out.append(f"ep={ep} must divide dp={dp} (expert-parallel ranks are borrowed from the data-parallel group); "
+                   "re-plan with --fix ep=<a divisor of dp>")
+    if "experts" in f and not f["experts"]:
+        out.append(f"ep={ep} needs a mixture-of-experts model whose experts the runtime can split (a zoo moe: "
+                   "model); re-plan with --fix ep=1")
+    elif f.get("experts") and f["experts"] % ep:
+        out.append(f"ep={ep} does not divide experts={f['experts']}; re-plan with --fix ep=<a divisor of "
+                   f"{f['experts']}>")
+    if tp > 1:
+        out.append(f"ep={ep} with tp={tp} is not supported yet (experts take no tensor-parallel layout); re-plan "
+                   "with --fix tp=1 or ep=1")
+    if zero == 1:
+        out.append(f"ep={ep} with zero=1 is not supported (ZeroRedundancyOptimizer would broadcast one rank's experts "
+                   "over the whole dp group); re-plan with --fix zero=0, zero=2 or zero=3")
+    if pp > 1 and f.get("schedule") == "zb":
+        out.append(f"ep={ep} with the zero-bubble schedule is not supported yet (its split weight-gradient pass "
+                   "bypasses the experts' gradient reduction); re-plan with --fix schedule=1f1b")
+    if f.get("selective_ac"):
+        out.append(f"selective activation checkpointing with ep={ep} is not supported yet (torch 2.13's selective "
+                   "checkpoint cannot replay the autograd all-to-all it saved); re-plan with --fix ac=full or ac=none")
+    if f.get("compile"):
+        out.append(f"torch.compile with ep={ep} is not supported yet (the dropless dispatch's split sizes depend on "
+                   "the data); drop --compile, or re-plan with --fix ep=1")
     return out

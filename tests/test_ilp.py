@@ -21,7 +21,8 @@ from planner.search import ilp
 from profiler.api import profile_model
 
 MODELS = ("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128", "gpt:layers=3,hidden=64,heads=4,seq=64,vocab=256",
-          "gpt:layers=4,hidden=32,heads=2,seq=32,vocab=64")
+          "gpt:layers=4,hidden=32,heads=2,seq=32,vocab=64",
+          "moe:layers=3,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=128,seq=32,experts=4,top_k=2")
 
 
 @cache
@@ -94,8 +95,10 @@ def random_problem(seed: int):
     zero = rng.choice([0, 1, 2, 3]) if dp > 1 else 0
     mbs = rng.choice([1, 2])
     gb = dp * mbs * rng.choice([1, 2, 4])
+    experts = int(lg.model.arch.get("experts") or 0)
+    ep = rng.choice([e for e in (1, 2, 4) if dp % e == 0 and experts % e == 0]) if experts else 1
     cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=schedule, mbs=mbs, zero=zero,
-                         sp=tp > 1 and rng.random() < 0.5, precision=rng.choice(["bf16", "bf16", "fp32"]))
+                         sp=tp > 1 and rng.random() < 0.5, precision=rng.choice(["bf16", "bf16", "fp32"]), ep=ep)
     # memory from a little below the all-full-AC plan's need to above the no-AC one's, so memory binds in some problems
     probe = cluster(random.Random(seed), 1000.0, gpn, nodes)
     lo = Evaluator(lg, probe, cfg, gb).evaluate([AC.FULL] * len(lg.layers)).memory.peak

@@ -61,6 +61,30 @@ def test_gradient_reduction_mechanism():
     assert problems(facts(tp=2, grad_compress="bf16")) and problems(facts(pp=2, schedule="zb", grad_compress="bf16"))
 
 
+def test_expert_parallel_rules():
+    """What the runtime's expert parallelism (`planner.emit.runtime.apply_ep`) cannot run, one line each; the
+    search's candidates and the ILP's compressions obey the same rules."""
+    assert problems(facts(ep=2, experts=4)) == problems(facts(dp=4, ep=2, experts=8, zero=3)) == []
+    cases = {
+        "ep=4 must divide dp=2": facts(ep=4, experts=8),
+        "needs a mixture-of-experts model whose experts the runtime can split": facts(ep=2, experts=0),
+        "ep=2 does not divide experts=3": facts(ep=2, experts=3),
+        "ep=2 with tp=2": facts(dp=2, tp=2, ep=2, experts=4),
+        "ep=2 with zero=1": facts(ep=2, experts=4, zero=1),
+        "zero-bubble": facts(pp=2, schedule="zb", ep=2, experts=4),
+        "selective activation checkpointing with ep=2": facts(ep=2, experts=4, selective_ac=True),
+        "torch.compile with ep=2": facts(ep=2, experts=4, compile="inductor"),
+        "experts' gradients are all-reduced after the step": facts(ep=2, experts=4, grad_compress="bf16"),
+    }
+    for needle, f in cases.items():
+        found = problems(f)
+        assert len(found) == 1 and needle in found[0], (needle, found)
+        assert "\n" not in found[0] and ("re-plan" in found[0] or "choose" in found[0] or "drop" in found[0])
+    assert grad_compress_options(2, 1, 0, ep=2) == ("none",)
+    assert grad_compress_options(4, 1, 3, ep=2) == ("none", "bf16", "fp16")
+    assert problems(facts(ep=2, experts=4, zero=2, grad_compress="bf16")) == []
+
+
 def test_runtime_applies_the_same_rules():
     plan = {**BASE, "grad_accum": 1, "pp": 2, "schedule": "1f1b", "compile": None, "ac": {}}
     plan.pop("micro_batches")

@@ -109,8 +109,14 @@ def test_alternatives_say_why_they_lost():
         assert a.lost_by_s == pytest.approx(grew[a.lost_by]) and a.lost_by_s == max(grew.values()) > 0
 
 
-@pytest.mark.parametrize("memory_gib, global_batch, nodes", [(2, 64, 1), (1.6, 64, 1), (3, 128, 2)])
-def test_pruning_is_exact(memory_gib, global_batch, nodes):
+MOE = "moe:layers=4,hidden=512,heads=8,kv_heads=4,ffn=512,vocab=4096,seq=256,experts=8,top_k=2"
+
+
+@pytest.mark.parametrize("spec, memory_gib, global_batch, nodes, gpn", [
+    (SMALL, 2, 64, 1, 8), (SMALL, 1.6, 64, 1, 8), (SMALL, 3, 128, 2, 8),
+    (MOE, 1.6, 32, 2, 4),  # expert parallelism among the candidates
+])
+def test_pruning_is_exact(spec, memory_gib, global_batch, nodes, gpn):
     """The module docstring's claim, against exhaustion: the winner's step equals the best over every runnable
     candidate (the dominated ones too) of its own ILP, solved without bounds, cut-offs or greedy incumbents. The
     tight memories make recomputation and memory pruning decide (1.6 GiB: 142 of 388 candidates fit at all)."""
@@ -119,7 +125,7 @@ def test_pruning_is_exact(memory_gib, global_batch, nodes):
     from costmodel.estimate import ConfigError
     from planner.search import ilp, outer
 
-    lg, cluster = graph(SMALL), node_cluster(memory_gib, nodes=nodes, inter_GBps=5)
+    lg, cluster = graph(spec), node_cluster(memory_gib, nodes=nodes, inter_GBps=5, gpn=gpn)
     won = search(lg, cluster, global_batch, top_k=1)
     with mock.patch.object(outer, "_dominated", lambda *args, **kwargs: False):
         every = outer.candidates(lg, cluster, global_batch, {})

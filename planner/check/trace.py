@@ -3,8 +3,13 @@ emitted script inlines), on torch's fake process group of the plan's world size,
 
 How (torch 2.13, shared/FINDINGS.md "Large-scale behaviour without a GPU"):
 
-- ``init_process_group("fake", store=FakeStore(), rank=r, world_size=W)`` and the plan's (pp, dp, tp) mesh, built
-  outside any fake mode (mesh coordinates need real tensors);
+- ``init_process_group("fake", store=FakeStore(), rank=r, world_size=W)`` and the plan's (pp, dp, tp) mesh (with
+  expert parallelism the runtime's (pp, edp, ep, tp) mesh, dp flattened: `planner.emit.runtime.expert_mesh`), built
+  outside any fake mode (mesh coordinates need real tensors). Collectives are named by the group they run on:
+  ``tp``, ``dp``, ``pp``, ``edp`` (the experts' gradient group), ``world``; an all-to-all on the ep group is
+  ``all_to_all@ep`` even where that group is the whole dp group (ep = dp). On fake tensors the MoE routing takes its
+  balanced case and the expert-parallel dispatch its balanced split sizes (`profiler.zoo.moe`,
+  `planner.emit.runtime.expert_parallel_forward`): every rank sends and receives tokens·top_k/ep rows per layer;
 - the model is built on the meta device and `planner.emit.runtime.parallelize` runs as it does in a script with
   ``init="meta"``: each rank allocates only its shards (``to_empty``). Only the weight initialisation is skipped
   (values do not change shapes, memory or collectives; allocated pages are never touched, so a 70B shard costs
@@ -71,9 +76,10 @@ _KINDS = {
 class _Collectives(TorchDispatchMode):
     """Records every collective: kind, the group it runs on (named by mesh dimension where it is one), bytes."""
 
-    def __init__(self, groups: dict[tuple, str]):
+    def __init__(self, groups: dict[tuple, str], ep_ranks: tuple | None = None):
         super().__init__()
         self.groups = groups
+        self.ep_ranks = ep_ranks  #: the ep group (all-to-alls on it are named ``ep``), None without ep
         self.log: list[tuple[str, str, int, int]] = []  # (kind, group, bytes, elements)
         self.flops = 0.0  #: torch's FLOP formulas (FlopCounterMode's registry) on this rank's local tensors
         self.dtensor_depth = 0  #: > 0 while a DTensor op runs: its collectives reach `record_inner`, not this mode
@@ -141,6 +147,8 @@ class _Collectives(TorchDispatchMode):
         else:
             nbytes, elems = sum(sizes), sum(numels)
         group = self.groups.get(ranks, f"{len(ranks)} ranks" if ranks else "?")
+        if kind == "all_to_all" and ranks is not None and ranks == self.ep_ranks:
+            group = "ep"
         self.log.append((kind, group, nbytes, elems))
 
     def _attention(self, name: str, args) -> None:
@@ -276,7 +284,8 @@ class _CategoryPeaks(MemTracker):
 def _mesh_groups(mesh) -> dict[tuple, str]:
     """This rank's group of each mesh dimension (ranks tuple → dimension name), and the whole world."""
     out = {}
-    for name in ("tp", "dp", "pp"):  # a 1-sized dimension's group is this rank alone
+    names = ("tp", "dp", "pp", "edp", "ep") if "ep" in (mesh.mesh_dim_names or ()) else ("tp", "dp", "pp")
+    for name in names:  # a 1-sized dimension's group is this rank alone
         out.setdefault(tuple(dist.get_process_group_ranks(mesh[name].get_group())), name)
     out.setdefault(tuple(range(dist.get_world_size())), "world")
     return out
@@ -382,7 +391,11 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=config["world"])
     try:
-        mesh = init_device_mesh("cpu", (config["pp"], config["dp"], config["tp"]), mesh_dim_names=("pp", "dp", "tp"))
+        if config.get("ep", 1) > 1:
+            mesh = rt.expert_mesh(config, "cpu")
+        else:
+            mesh = init_device_mesh("cpu", (config["pp"], config["dp"], config["tp"]),
+                                    mesh_dim_names=("pp", "dp", "tp"))
         coords = {name: mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with _shapes_only(fake, rt), contextlib.redirect_stdout(sys.stderr):  # (the runtime's notes)
@@ -396,7 +409,8 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         inputs, labels = tr.synthetic_batch(0, batch=plan.global_batch, seq=plan.seq, vocab=vocab, seed=0)
         # this rank's rows, as a script's data loader gives them (the global batch is never on a GPU)
         inputs, labels = inputs[tr.data_rows(par)].clone(), labels[tr.data_rows(par)].clone()
-        counter = _Collectives(_mesh_groups(mesh))
+        ep_ranks = tuple(dist.get_process_group_ranks(mesh["ep"].get_group())) if config.get("ep", 1) > 1 else None
+        counter = _Collectives(_mesh_groups(mesh), ep_ranks)
         with fake:  # the optimizer state a steady-state step holds (AdamW creates it at its first step)
             _create_optimizer_state(par, optimizer)
         tracker = _CategoryPeaks(config["block_container"])
@@ -436,9 +450,13 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
             entry = collectives[f"{kind}@{group}"]
             entry["count"] += 1
             entry["bytes"] += nbytes
-            if group == "dp" and kind in ("all_reduce", "reduce_scatter"):
+            if group in ("dp", "edp") and kind in ("all_reduce", "reduce_scatter"):  # (edp: the experts')
                 reduced += elems
-        grad_elems = sum(_local(p).numel() for m in par.modules for p in m.parameters() if p.requires_grad)
+        # where ep = dp each expert is on one rank of the dp group: nothing of it to reduce
+        alone = {id(p) for part in par.parts for m in rt.expert_modules(part) for p in m.parameters()} \
+            if config.get("ep", 1) == config["dp"] > 1 else set()
+        grad_elems = sum(_local(p).numel() for m in par.modules for p in m.parameters()
+                         if p.requires_grad and id(p) not in alone)
         return Trace(rank=rank, coords=coords, memory=memory, collectives=dict(collectives),
                      flops=float(counter.flops),
                      grad_elements=float(grad_elems) if config["dp"] > 1 else 0.0, dp_reduced_elements=reduced,

@@ -20,6 +20,12 @@ keep only the branches and functions their plan uses):
 2. tensor parallel: first, because it turns weights into DTensors that the later wrappers take as they are; the
    token embedding and the head are split along the vocabulary (Megatron-LM), the loss computed on each rank's
    slice of the logits under torch's ``loss_parallel``;
+2b. expert parallel (``plan["ep"]`` > 1, `apply_ep`): before the wrappers, which must see each rank's own experts;
+   the ep ranks are borrowed from the data-parallel group (dp = edp · ep, ep innermost: an expert group stays
+   inside a node first), each holds experts [e·E/ep, (e+1)·E/ep) of every MoE layer as plain parameters, and tokens
+   travel to them and back by all-to-all over the ep group. Their gradients are reduced over the edp group (the
+   ranks holding the same experts), not dp: DDP ignores them (`reduce_expert_grads` after the backward), FSDP2
+   shards them over edp in their own unit (`apply_fsdp_experts`), both dividing by dp (the loss convention);
 3. activation checkpointing: after TP, before data parallel, so checkpoint wrappers sit inside FSDP units;
 4. pipeline boundaries: each tensor-parallel rank sends its 1/tp slice (Megatron's scatter/gather); bf16
    activations between stages when the plan compresses;
@@ -44,6 +50,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -112,8 +119,9 @@ def plan_problems(plan: dict) -> list:
     search and emitter apply too): a hand-edited ``PLAN`` fails here, before any collective."""
     facts = {key: plan[key] for key in ("dp", "tp", "pp", "vpp", "schedule", "zero", "sp", "grad_compress",
                                         "precision", "seq")}
+    facts.update({key: plan[key] for key in ("ep", "experts") if key in plan})  # (a PLAN from before ep has none)
     return problems({**facts, "micro_batches": plan["grad_accum"], "compile": plan["compile"],
-                     "checkpointed": bool(plan["ac"])})
+                     "checkpointed": bool(plan["ac"]), "selective_ac": "selective" in plan["ac"].values()})
 
 
 #: how long a collective may wait before the job fails (torch's NCCL default is 10 minutes; a large model's first
@@ -132,8 +140,21 @@ def init_distributed(plan: dict) -> DeviceMesh:
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=PG_TIMEOUT_MIN)
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
+    if plan["ep"] > 1:
+        return expert_mesh(plan, device_type)
     shape = (plan["pp"], plan["dp"], plan["tp"])
     return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "tp"))
+
+
+def expert_mesh(plan: dict, device_type: str) -> DeviceMesh:
+    """The (pp, edp, ep, tp) mesh of expert parallelism, with (edp, ep) flattened into ``dp``: the data-parallel
+    group is the same as without ep (``mesh["dp"]``, dp rank = edp rank · ep + ep rank), and its ``ep`` sub-groups
+    (consecutive dp ranks, inside a node first) exchange tokens while its ``edp`` sub-groups (the ranks holding the
+    same experts) reduce the experts' gradients."""
+    shape = (plan["pp"], plan["dp"] // plan["ep"], plan["ep"], plan["tp"])
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "edp", "ep", "tp"))
+    mesh["edp", "ep"]._flatten("dp")
+    return mesh
 
 
 def current_device() -> torch.device:
@@ -147,7 +168,7 @@ class Parallel:
     """The model as this rank holds it after `parallelize`."""
 
     plan: dict  #: the runtime plan dict
-    mesh: DeviceMesh  #: the (pp, dp, tp) mesh
+    mesh: DeviceMesh  #: the (pp, dp, tp) mesh; with ep > 1 (pp, edp, ep, tp) and dp flattened (`expert_mesh`)
     parts: list  #: local model parts before data-parallel wrapping (one per local pipeline stage)
     modules: list  #: the same parts as trained (DDP/FSDP-wrapped where data parallel)
     stages: list = field(default_factory=list)  #: PipelineStage objects (empty without pipeline parallelism)
@@ -187,6 +208,9 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
         if plan["tp"] > 1:
             apply_tp(part, plan, mesh["tp"])
             apply_vocab_parallel(part, plan, mesh["tp"])
+        # 2b. Expert parallel: this rank's experts only, tokens sent to their experts by all-to-all.
+        if plan["ep"] > 1:
+            apply_ep(part, plan, mesh["ep"])
         # 3. Activation checkpointing, per block as the plan says.
         if plan["ac"]:
             apply_ac(part, plan)
@@ -208,8 +232,12 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
         elif plan["dp"] > 1 and plan["zero"] <= 1:
             if plan["init"] == "meta":
                 materialize(part, index, plan, device)  # DDP takes real tensors (each dp rank holds the whole part)
+            if plan["ep"] > 1:  # experts are reduced over edp by `reduce_expert_grads`, not by DDP over dp
+                DDP._set_params_and_buffers_to_ignore_for_model(part, expert_param_names(part))
             module = apply_ddp(part, plan, mesh["dp"])
         elif plan["dp"] > 1:
+            if plan["ep"] > 1:  # experts first, in their own units over edp: the blocks' units then skip them
+                apply_fsdp_experts(part, plan, mesh["edp"])
             module = apply_fsdp(part, plan, mesh["dp"])
         # Meta init: allocate this rank's shards only, then initialise them (no-op when DDP already did).
         if plan["init"] == "meta":
@@ -660,17 +688,22 @@ def apply_ddp(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
     return ddp
 
 
-def apply_fsdp(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
-    """ZeRO 2-3: FSDP2 per block, then the root. Mixed precision only on GPUs (CPU runs stay fp32); gradients
-    reduced in fp32 (as torchtitan does), in bf16/fp16 when the plan compresses."""
+def fsdp_policy(plan: dict) -> MixedPrecisionPolicy:
+    """FSDP2's mixed precision: only on GPUs (CPU runs stay fp32); gradients reduced in fp32 (as torchtitan does),
+    in bf16/fp16 when the plan compresses."""
     on_gpu = current_device().type == "cuda"
     compress = plan["grad_compress"]
-    mp = MixedPrecisionPolicy(
+    return MixedPrecisionPolicy(
         param_dtype=DTYPES[plan["precision"]] if on_gpu and plan["precision"] != "fp32" else None,
         # fp32 reduction (and accumulation across micro-batches) unless the plan compresses: torch's default (None)
         # would reduce in the bf16 compute dtype, which the cost model does not charge and the user did not ask for
         reduce_dtype=DTYPES[compress] if compress in ("bf16", "fp16") else torch.float32,
     )
+
+
+def apply_fsdp(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
+    """ZeRO 2-3: FSDP2 per block, then the root, with `fsdp_policy`'s mixed precision."""
+    mp = fsdp_policy(plan)
     reshard = plan["zero"] == 3  # ZeRO 1/2: keep parameters gathered between forward and backward
     for block in block_list(part, plan):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
@@ -678,11 +711,122 @@ def apply_fsdp(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
     return part
 
 
+def expert_modules(part: nn.Module) -> list:
+    """The expert modules `apply_ep` split on this part (each holding this rank's E/ep experts)."""
+    return [m for m in part.modules() if getattr(m, "_autopar_experts", False)]
+
+
+def is_expert_parameter(part: nn.Module, p: torch.Tensor) -> bool:
+    """Whether ``p`` is an expert parameter of ``part`` (this rank's E/ep experts)."""
+    return any(p is q for m in expert_modules(part) for q in m.parameters())
+
+
+def expert_param_names(part: nn.Module) -> list:
+    """Names in ``part`` of the expert parameters (DDP ignores them: they are reduced over edp)."""
+    ids = {id(p) for m in expert_modules(part) for p in m.parameters()}
+    return [name for name, p in part.named_parameters() if id(p) in ids]
+
+
+def apply_ep(part: nn.Module, plan: dict, ep_mesh: DeviceMesh) -> None:
+    """Expert parallelism (GShard; torchtitan's ``ExpertParallel``): in every block, each expert module named by
+    ``plan["ep_modules"]`` keeps experts [e·E/ep, (e+1)·E/ep) of its stacked weights (dim 0) for ep rank e, as plain
+    parameters (DDP and FSDP2 then treat them as any other local tensor, over the edp group), and its forward becomes
+    `expert_parallel_forward`: the rows each rank routed to an expert go to the rank holding it and come back."""
+    rank, ep, experts = ep_mesh.get_local_rank(), plan["ep"], plan["experts"]
+    local = experts // ep
+    for block in block_list(part, plan):
+        for rel in plan["ep_modules"]:
+            module = block.get_submodule(rel)
+            for name, p in list(module.named_parameters(recurse=False)):
+                mine = p.detach()[rank * local : (rank + 1) * local].clone()
+                setattr(module, name, nn.Parameter(mine, requires_grad=p.requires_grad))
+            module._autopar_experts = True
+            module.forward = partial(expert_parallel_forward, module.forward, ep_mesh.get_group(), ep, experts)
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def expert_parallel_forward(local_forward, group, ep: int, experts: int, x: torch.Tensor,
+                            counts: list | None = None) -> torch.Tensor:
+    """The experts of all ep ranks applied to ``x`` (rows sorted by global expert, ``counts[e]`` rows for expert e;
+    None: equal segments), each rank computing its own experts' rows:
+
+    1. the per-expert counts are exchanged (one all-to-all of E integers), so each rank knows how many rows it gets
+       from every other for each of its experts;
+    2. dispatch: all-to-all of the rows (each rank's segments for rank r's experts go to r), with autograd (torch's
+       functional ``all_to_all_single``: its backward is the reverse all-to-all);
+    3. the received rows, ordered by (source rank, local expert), are regrouped by local expert, run through the
+       local experts (``local_forward``, the model's own forward on the local weights) and put back in order;
+    4. combine: the reverse all-to-all returns every row to the rank that routed it.
+
+    With equal segments (capacity routing, and the balanced case the model takes on fake tensors, where counts have
+    no values: `autopar check`) every rank sends E/ep equal segments to each rank: the received counts are the sent
+    ones and the exchange's result is not read (it is still issued, as in a real step)."""
+    local = experts // ep
+    if x.is_meta:  # shapes only (nothing to exchange): the output has the input's shape
+        return torch.empty_like(x)
+    hidden = x.shape[-1]
+    balanced = counts is None
+    if balanced:
+        counts = [x.shape[0] // experts] * experts
+    got = _waited(funcol.all_to_all_single(torch.tensor(counts, device=x.device), None, None, group))
+    sent = [counts[r * local : (r + 1) * local] for r in range(ep)]  # [to rank r][its local expert j]
+    received = sent if balanced else got.view(ep, local).tolist()  # [from rank r][my local expert j]
+    send_splits, recv_splits = [sum(c) for c in sent], [sum(c) for c in received]
+    rows = _waited(funcol.all_to_all_single(x, recv_splits, send_splits, group))
+    if balanced:
+        per = counts[0]
+        by_expert = rows.view(ep, local, per, hidden).transpose(0, 1).reshape(-1, hidden)
+        out = local_forward(by_expert, None).view(local, ep, per, hidden).transpose(0, 1).reshape(-1, hidden)
+    else:
+        pieces = rows.split([received[r][j] for r in range(ep) for j in range(local)])
+        by_expert = torch.cat([pieces[r * local + j] for j in range(local) for r in range(ep)])
+        done = local_forward(by_expert, [sum(received[r][j] for r in range(ep)) for j in range(local)])
+        pieces = done.split([received[r][j] for j in range(local) for r in range(ep)])
+        out = torch.cat([pieces[j * ep + r] for r in range(ep) for j in range(local)])
+    return _waited(funcol.all_to_all_single(out, send_splits, recv_splits, group))
+
+
+def apply_fsdp_experts(part: nn.Module, plan: dict, edp_mesh: DeviceMesh) -> None:
+    """ZeRO 2-3 for the experts (torchtitan's recipe): each expert module its own FSDP2 unit over the edp group (the
+    ranks holding the same experts), before the blocks' units, which then leave its parameters alone. The
+    reduce-scatter sums over edp; dividing by dp, not edp, gives the mean over the global batch: a rank's expert
+    gradient already sums the contributions of the ep ranks whose rows it computed."""
+    reshard = plan["zero"] == 3
+    for module in expert_modules(part):
+        fully_shard(module, mesh=edp_mesh, reshard_after_forward=reshard, mp_policy=fsdp_policy(plan))
+        module.set_gradient_divide_factor(plan["dp"])
+        # gloo has no pre-multiplied sum: sum, then divide (not on one rank, where torch 2.13 divides the copy it
+        # makes instead of a reduce-scatter, and would divide again after)
+        if current_device().type != "cuda" and edp_mesh.size() > 1:
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def reduce_expert_grads(par: Parallel) -> None:
+    """ZeRO 0: the experts' gradients (which DDP ignores) summed over the edp group and divided by dp, after the
+    whole backward (see `apply_fsdp_experts` for why dp); one flat all-reduce per part."""
+    edp = par.mesh["edp"]
+    for part in par.parts:
+        grads = [p.grad for m in expert_modules(part) for p in m.parameters() if p.grad is not None]
+        if not grads:
+            continue
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if edp.size() > 1:
+            dist.all_reduce(flat, group=edp.get_group())
+        flat.div_(par.plan["dp"])
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
 def build_tied_groups(plan: dict, mesh: DeviceMesh) -> list:
     """Megatron-LM's embedding groups: for each tied weight held on several pipeline ranks (``plan["tied"]``), one
     process group over those ranks per (dp, tp) coordinate. ``dist.new_group`` is collective, so every rank creates
     every group in the same order; each rank keeps its own (None where it holds no copy or needs no group)."""
-    ranks = mesh.mesh  # global ranks, shape (pp, dp, tp)
+    ranks = mesh.mesh.reshape(plan["pp"], plan["dp"], plan["tp"])  # global ranks (with ep: dp = edp · ep)
     mine = []
     for tie in plan["tied"]:
         own = None

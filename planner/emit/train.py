@@ -13,13 +13,23 @@ import resource
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from costmodel.runnable import post_step_allreduce
-from planner.emit.runtime import DTYPES, Parallel, loss_context, sync_tied_grads, tied_copies
+from planner.emit.runtime import (
+    DTYPES,
+    Parallel,
+    is_expert_parameter,
+    loss_context,
+    reduce_expert_grads,
+    sync_tied_grads,
+    tied_copies,
+)
 
 
 def autocast(plan: dict, device: torch.device):
@@ -73,8 +83,9 @@ def clip_grad_norm(par: Parallel, max_norm: float) -> torch.Tensor:
 
     Each rank sums the squares of its local gradients (a DTensor's local shard), weighting each by how many ranks
     of its pipeline stage hold the same values: the stage's dp·tp ranks over the product of the mesh sizes the
-    tensor is sharded along (a replica counts once, a shard once); a tied weight counts on its first stage only.
-    One all-reduce over every rank adds the stages. Call after the data-parallel and tied-weight reductions."""
+    tensor is sharded along (a replica counts once, a shard once; an expert shard is also split over ep); a tied
+    weight counts on its first stage only. One all-reduce over every rank adds the stages. Call after the
+    data-parallel and tied-weight reductions."""
     plan = par.plan
     stage_ranks = plan["dp"] * plan["tp"]
     counted = {id(p) for tie in plan["tied"] for p in tied_copies(par, tie)[:1]} if 0 in par.stage_indices else set()
@@ -98,6 +109,8 @@ def clip_grad_norm(par: Parallel, max_norm: float) -> torch.Tensor:
                 shards = math.prod(grad.device_mesh.size(i) for i, pl in enumerate(grad.placements)
                                    if not pl.is_replicate())
                 grad = grad.to_local()
+            if plan["ep"] > 1 and is_expert_parameter(part, p):  # also split over ep (plain local tensors)
+                shards *= plan["ep"]
             grads[id(p)] = grad
             if id(p) not in tied:
                 total += grad.float().pow(2).sum() * (shards / stage_ranks)
@@ -164,6 +177,8 @@ def train_step_loss(par: Parallel, optimizer: torch.optim.Optimizer, inputs: tor
     if post_step_allreduce(plan["dp"], plan["tp"], plan["zero"], plan["schedule"], plan["pp"]):
         for part in par.parts:
             allreduce_grads(part, plan["dp"])
+    if plan["ep"] > 1 and plan["zero"] == 0:  # the experts' gradients, which DDP left alone
+        reduce_expert_grads(par)
     if plan["pp"] > 1 and plan["tied"]:
         sync_tied_grads(par)
     par.grad_norm = clip_grad_norm(par, plan["clip_norm"])
@@ -296,13 +311,36 @@ def full_parameters(par: Parallel) -> dict:
     """This rank's parameters as full tensors under their names in the original model (a collective: call it on
     every rank)."""
     out = {}
-    canonical = {alias: tie["names"][0] for tie in par.plan["tied"] for alias in tie["names"]}
+    plan = par.plan
+    canonical = {alias: tie["names"][0] for tie in plan["tied"] for alias in tie["names"]}
     for part in par.parts:
         for name, p in part.named_parameters():
-            name = model_name(part, name, par.plan)
+            name = model_name(part, name, plan)
             value = p.full_tensor() if isinstance(p, DTensor) else p
+            if plan["ep"] > 1 and is_expert_parameter(part, p):  # every ep rank's experts, in order
+                value = funcol.all_gather_tensor(value.detach().contiguous(), 0, par.mesh["ep"].get_group())
             out[canonical.get(name, name)] = value.detach().cpu().clone()
     return out
+
+
+def expert_checkpoint_view(par: Parallel, value: torch.Tensor) -> DTensor:
+    """An expert parameter (or its optimizer state) of this rank, ``value`` [E/ep, …] or its FSDP shard over edp,
+    as a DTensor of the whole [E, …] tensor, for `torch.distributed.checkpoint`: its key and global shape are then
+    those of a plan without expert parallelism, so a checkpoint reshards across ep (and loads into one process),
+    and each rank writes its own experts (as a plain tensor DCP would take it for a replica and keep one rank's).
+    The view shares storage with ``value``: loading fills it in place. Without FSDP the experts are split over ep:
+    Shard(0) on the ep group; with FSDP the ep split comes first and edp shards each rank's experts (right-to-left,
+    as FSDP over tensor parallelism: torch's ``_StridedShard`` on edp, Shard(0) on ep)."""
+    plan, mesh = par.plan, par.mesh
+    if isinstance(value, DTensor):  # FSDP2's shard over edp of this rank's E/ep experts
+        rows, local = value.shape, value.to_local().detach()
+        target, placements = mesh["edp", "ep"], [_StridedShard(0, split_factor=plan["ep"]), Shard(0)]
+    else:
+        rows, local = value.shape, value.detach()
+        target, placements = mesh["ep"], [Shard(0)]
+    shape = torch.Size([rows[0] * plan["ep"], *rows[1:]])
+    return DTensor.from_local(local, target, placements, run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def checkpoint_state(par: Parallel, optimizer: torch.optim.Optimizer, lr_schedule=None, step: int = 0) -> dict:
@@ -313,18 +351,26 @@ def checkpoint_state(par: Parallel, optimizer: torch.optim.Optimizer, lr_schedul
     these tensors in place, so the same call serves save and load (AdamW's state is created first if empty)."""
     local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's share
     state: dict = {"train": {"step": step, "lr_schedule": lr_schedule.state_dict() if lr_schedule else {}}}
+    plan = par.plan
     names = {}  # a parameter → its first name (the optimizer state's key)
+    experts = set()  # expert parameters (ep > 1): saved as views of the whole [E, …] tensor
     for part in par.parts:
         for name, p in part.named_parameters():
-            name = model_name(part, name, par.plan)
+            name = model_name(part, name, plan)
             names.setdefault(id(p), name)
-            state[f"model.{name}"] = p
+            if plan["ep"] > 1 and is_expert_parameter(part, p):
+                experts.add(id(p))
+                state[f"model.{name}"] = expert_checkpoint_view(par, p)
+            else:
+                state[f"model.{name}"] = p
     for group in local.param_groups:
         for p in group["params"]:
             if isinstance(local, torch.optim.AdamW) and not local.state[p]:
                 local.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                                   "exp_avg_sq": torch.zeros_like(p)}
             for key, value in local.state[p].items():
+                if plan["ep"] > 1 and id(p) in experts and value.shape == p.shape:  # (moments, not the step)
+                    value = expert_checkpoint_view(par, value)
                 state[f"optim.{names[id(p)]}.{key}"] = value
     return state
 

@@ -84,7 +84,7 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
     # offer a compression option only when it can change some coefficient
     if grad_opts is None:  # among those the runtime can apply to this sharding (costmodel.runnable) and the
         # compression policy allows (costmodel.compression.COMPRESSION_POLICIES)
-        runnable = grad_compress_options(cfg.dp, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp)
+        runnable = grad_compress_options(cfg.dp, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp, cfg.ep)
         grad_opts = ("none",) if cfg.zero >= 2 else tuple(k for k in allowed_options(policy, GRAD_OPTIONS)
                                                           if parse_grad_compress(k)[0] in runnable)
     if pp_opts is None:

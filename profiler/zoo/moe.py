@@ -1,17 +1,30 @@
 """Mixtral-style mixture-of-experts decoder: a Llama block whose feed-forward is a top-k routed set of experts.
 
-Routing is written for static shapes so that it exports and its FLOPs are exactly those of the work done:
+Routing: ``gate`` (hidden → experts, no bias), softmax in float32, ``topk``, renormalise the top-k weights. Then one
+of two dispatches (``MoEConfig.capacity_factor``):
 
-1. router: ``gate`` (hidden → experts, no bias), softmax in float32, ``topk``, renormalise the top-k weights;
-2. capacity-based dispatch: every expert has C = min(⌈capacity_factor · tokens · top_k / experts⌉, tokens) slots;
-   each (token, choice) pair takes the next free slot of its expert, first choices of all tokens before second
-   choices (GShard priority), via a cumulative sum of the one-hot assignment; pairs past C are dropped (sent to an
-   overflow row that is sliced off);
-3. tokens are scattered with ``index_add`` into an [experts·C, hidden] buffer, the experts run as batched matmuls
-   (``torch.bmm``) over [experts, C, hidden], and results are gathered back and combined with the routing weights.
+- **dropless** (``capacity_factor=None``, the default, as torchtitan and Megatron-LM's dropless MoE train): every
+  (token, choice) pair is computed. The pairs are sorted by expert (a stable sort, so a segment keeps token order),
+  each expert runs on its contiguous segment (split sizes from the per-expert counts: `GroupedExperts` takes the
+  sorted rows and the counts), the results are un-permuted and combined with the routing weights. The segment sizes
+  depend on the data, so this path needs real tensors;
+- **capacity** (a factor given): every expert has C = min(⌈capacity_factor · tokens · top_k / experts⌉, tokens)
+  slots; each pair takes the next free slot of its expert, first choices of all tokens before second choices
+  (GShard priority), via a cumulative sum of the one-hot assignment; pairs past C are dropped (sent to an overflow
+  row that is sliced off). Tokens are scattered with ``index_add`` into an [experts·C, hidden] buffer, the experts
+  run as batched matmuls (``torch.bmm``) over [experts, C, hidden], and results are gathered back and combined with
+  the routing weights. Shapes never depend on the data.
 
-FLOPs are therefore the router (2·tokens·hidden·experts) plus 3 · 2·experts·C·hidden·ffn for the experts, with no
-one-hot einsum. There is no auxiliary load-balancing loss. The padding up to C slots per expert is computed.
+Static shapes where the counts cannot be known: ``torch.export`` on fake tensors (the profiler's capture) and
+`autopar check`'s fake-tensor trace see no values, so on fake, meta or exporting tensors the dropless layer takes
+the **balanced** case: every expert gets exactly ⌈tokens · top_k / experts⌉ pairs, i.e. the capacity path with
+capacity factor 1 (nothing is dropped when the load is balanced). The captured FLOPs are therefore the dropless
+expectation: the router (2·tokens·hidden·experts) plus 3 · 2·tokens·top_k·hidden·ffn for the experts (up to the
+rounding of C), with no one-hot einsum. There is no auxiliary load-balancing loss.
+
+Expert parallelism (`planner.emit.runtime.apply_ep`) replaces `GroupedExperts.forward` by one that sends each
+segment to the rank holding its expert: the interface it relies on is ``experts(rows sorted by expert, counts)``
+with ``counts`` the per-expert segment sizes (None: equal segments, the capacity and balanced cases).
 
 This file imports only torch and the standard library (the code emitter copies it verbatim); ``RMSNorm``,
 ``rope_cos_sin``, ``apply_rope`` and ``Attention`` are copies of those in ``llama.py`` (a test keeps them equal).
@@ -23,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,8 +65,9 @@ class MoEConfig:
     """Number of experts per MoE layer."""
     top_k: int = 2
     """Experts chosen per token."""
-    capacity_factor: float = 1.0
-    """Slots per expert relative to a perfectly balanced load (C = ⌈capacity_factor·tokens·top_k/experts⌉)."""
+    capacity_factor: float | None = None
+    """None: dropless routing (every routed pair is computed). A number: slots per expert relative to a perfectly
+    balanced load (C = ⌈capacity_factor·tokens·top_k/experts⌉); pairs past C are dropped."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "experts", "top_k"):
@@ -68,7 +83,7 @@ class MoEConfig:
             raise ValueError(f"head_dim=hidden/heads={self.head_dim} must be even for RoPE")
         if self.top_k > self.experts:
             raise ValueError(f"top_k={self.top_k} exceeds experts={self.experts}")
-        if self.capacity_factor <= 0:
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0")
 
     @property
@@ -158,7 +173,7 @@ class Attention(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """SwiGLU experts with stacked weights, run as batched matmuls over [experts, capacity, hidden]."""
+    """SwiGLU experts with stacked weights ([experts, …]), run on rows sorted by expert."""
 
     def __init__(self, experts: int, hidden: int, ffn: int):
         super().__init__()
@@ -166,13 +181,27 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(experts, hidden, ffn))
         self.w3 = nn.Parameter(torch.empty(experts, ffn, hidden))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(torch.bmm(x, self.w1.transpose(1, 2))) * torch.bmm(x, self.w3.transpose(1, 2))
-        return torch.bmm(h, self.w2.transpose(1, 2))
+    def forward(self, x: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+        """``x`` [rows, hidden], sorted by expert: ``counts[e]`` rows for expert e (a loop of matmuls), or with
+        ``counts`` None equal segments (one batched matmul over [experts, rows/experts, hidden])."""
+        if counts is None:
+            xe = x.view(self.w1.shape[0], -1, x.shape[-1])
+            h = F.silu(torch.bmm(xe, self.w1.transpose(1, 2))) * torch.bmm(xe, self.w3.transpose(1, 2))
+            return torch.bmm(h, self.w2.transpose(1, 2)).reshape(x.shape[0], -1)
+        outs = []
+        for e, rows in enumerate(x.split(counts)):
+            h = F.silu(rows @ self.w1[e].t()) * (rows @ self.w3[e].t())
+            outs.append(h @ self.w2[e].t())
+        return torch.cat(outs)
+
+
+def values_unknown(x: torch.Tensor) -> bool:
+    """Whether ``x`` carries no values to route by: a fake or meta tensor, or ``torch.export`` tracing."""
+    return x.is_meta or is_fake(x) or torch.compiler.is_exporting()
 
 
 class MoEFeedForward(nn.Module):
-    """Top-k router (``gate``) plus capacity-based dispatch to ``experts`` (see the module docstring)."""
+    """Top-k router (``gate``) plus dropless or capacity-based dispatch to ``experts`` (see the module docstring)."""
 
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -184,19 +213,40 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, hidden = x.shape
-        tokens, experts, k = b * s, self.num_experts, self.top_k
-        xt = x.reshape(tokens, hidden)
+        xt = x.reshape(b * s, hidden)
         probs = torch.softmax(self.gate(xt).float(), dim=-1)
-        weights, chosen = torch.topk(probs, k, dim=-1)  # [tokens, k]
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [tokens, k]
         weights = weights / weights.sum(dim=-1, keepdim=True)
-        capacity = expert_capacity(tokens, experts, k, self.capacity_factor)
+        if self.capacity_factor is None and not values_unknown(xt):
+            out = self.dropless(xt, chosen, weights)
+        else:  # a capacity factor, or the balanced case of dropless routing (no values: see the module docstring)
+            out = self.with_capacity(xt, chosen, weights, 1.0 if self.capacity_factor is None else self.capacity_factor)
+        return out.view(b, s, hidden)
+
+    def dropless(self, xt: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every (token, choice) pair: sorted by expert, each expert on its segment, un-permuted, combined."""
+        tokens, hidden = xt.shape
+        k = self.top_k
+        flat = chosen.reshape(-1)  # pair p is token p // k's choice p % k
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        out = self.experts(xt.index_select(0, order // k), counts)
+        pairs = torch.empty_like(out).index_copy(0, order, out)  # back in (token, choice) order
+        return (pairs.view(tokens, k, hidden) * weights.unsqueeze(-1).to(xt.dtype)).sum(1)
+
+    def with_capacity(self, xt: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                      capacity_factor: float) -> torch.Tensor:
+        """C slots per expert, pairs past them dropped; static shapes (see the module docstring)."""
+        tokens, hidden = xt.shape
+        experts, k = self.num_experts, self.top_k
+        capacity = expert_capacity(tokens, experts, k, capacity_factor)
         # Pairs in choice-major order: every token's first choice takes priority over any second choice.
         slot = dispatch_slots(chosen.t().reshape(-1), experts, capacity)  # [k * tokens]
         buffer = xt.new_zeros(experts * capacity + 1, hidden).index_add(0, slot, xt.repeat(k, 1))
-        out = self.experts(buffer[: experts * capacity].view(experts, capacity, hidden))
-        out = torch.cat([out.reshape(experts * capacity, hidden), out.new_zeros(1, hidden)])  # overflow row = 0
-        combined = out.index_select(0, slot) * weights.t().reshape(-1, 1).to(x.dtype)
-        return combined.view(k, tokens, hidden).sum(0).view(b, s, hidden)
+        out = self.experts(buffer[: experts * capacity])
+        out = torch.cat([out, out.new_zeros(1, hidden)])  # overflow row = 0
+        combined = out.index_select(0, slot) * weights.t().reshape(-1, 1).to(xt.dtype)
+        return combined.view(k, tokens, hidden).sum(0)
 
 
 class TransformerBlock(nn.Module):

@@ -47,6 +47,9 @@ PLAN = {
     "pp": 2,
     "dp": 1,
     "tp": 1,
+    "ep": 1,
+    "experts": 0,
+    "ep_modules": [],
     "vpp": 2,
     "schedule": "interleaved",
     "zero": 0,
@@ -314,11 +317,14 @@ def post_step_allreduce(dp: int, tp: int, zero: int, schedule: str, pp: int) -> 
     return dp > 1 and zero <= 1 and (tp > 1 or (pp > 1 and schedule == "zb"))
 
 
-def grad_compress_options(dp: int, tp: int, zero: int, schedule: str = "1f1b", pp: int = 1) -> tuple[str, ...]:
+def grad_compress_options(
+    dp: int, tp: int, zero: int, schedule: str = "1f1b", pp: int = 1, ep: int = 1
+) -> tuple[str, ...]:
     """The gradient compressions (``none``, ``bf16``, ``fp16``, ``powersgd``) the runtime can apply: DDP comm hooks
     (ZeRO 0/1 under DDP) take all; FSDP2 (ZeRO 2/3) reduces in bf16/fp16 through its ``reduce_dtype`` but has no
-    PowerSGD; the explicit post-step all-reduce (`post_step_allreduce`) compresses nothing."""
-    if dp == 1 or post_step_allreduce(dp, tp, zero, schedule, pp):
+    PowerSGD; the explicit post-step all-reduces (`post_step_allreduce`; with expert parallelism under DDP, the
+    experts' reduction over edp) compress nothing."""
+    if dp == 1 or post_step_allreduce(dp, tp, zero, schedule, pp) or (ep > 1 and zero == 0):
         return ("none",)
     if zero >= 2:
         return ("none", "bf16", "fp16")
@@ -375,18 +381,73 @@ def problems(facts: dict) -> list:
             "2.13's AOTAutograd fails on a checkpointed block's DTensor inputs: it saves their DeviceMesh for "
             "backward); drop --compile, or re-plan with --fix ac=none or tp=1"
         )
+    out += expert_problems(f)
     kind = f.get("grad_compress", "none")
-    allowed = grad_compress_options(dp, tp, zero, schedule, pp)
+    ep = f.get("ep", 1)
+    allowed = grad_compress_options(dp, tp, zero, schedule, pp, ep)
     if kind not in allowed:
         why = (
             "FSDP2 (zero ≥ 2) reduces in bf16/fp16 only"
             if zero >= 2
+            else f"with ep={ep} the experts' gradients are all-reduced after the step, where no compression hook "
+            "applies (part of the model only would be compressed)"
+            if ep > 1 and zero == 0
             else "gradients are all-reduced after the step here (tensor parallel or zero-bubble without FSDP), where "
             "no compression hook applies"
         )
         out.append(
             f"grad_compress={kind} cannot run with dp={dp} tp={tp} zero={zero} schedule={schedule}: {why}; "
             f"choose one of {', '.join(allowed)}"
+        )
+    return out
+
+
+def expert_problems(facts: dict) -> list:
+    """Why expert parallelism (``ep`` > 1) cannot run as planned: the ep ranks are a sub-group of the dp group,
+    each holding E/ep experts (`planner.emit.runtime.apply_ep`)."""
+    f = facts
+    ep, dp, tp, pp, zero = f.get("ep", 1), f["dp"], f["tp"], f["pp"], f["zero"]
+    if ep <= 1:
+        return []
+    out = []
+    if dp % ep:
+        out.append(
+            f"ep={ep} must divide dp={dp} (expert-parallel ranks are borrowed from the data-parallel group); "
+            "re-plan with --fix ep=<a divisor of dp>"
+        )
+    if "experts" in f and not f["experts"]:
+        out.append(
+            f"ep={ep} needs a mixture-of-experts model whose experts the runtime can split (a zoo moe: "
+            "model); re-plan with --fix ep=1"
+        )
+    elif f.get("experts") and f["experts"] % ep:
+        out.append(
+            f"ep={ep} does not divide experts={f['experts']}; re-plan with --fix ep=<a divisor of {f['experts']}>"
+        )
+    if tp > 1:
+        out.append(
+            f"ep={ep} with tp={tp} is not supported yet (experts take no tensor-parallel layout); re-plan "
+            "with --fix tp=1 or ep=1"
+        )
+    if zero == 1:
+        out.append(
+            f"ep={ep} with zero=1 is not supported (ZeroRedundancyOptimizer would broadcast one rank's experts "
+            "over the whole dp group); re-plan with --fix zero=0, zero=2 or zero=3"
+        )
+    if pp > 1 and f.get("schedule") == "zb":
+        out.append(
+            f"ep={ep} with the zero-bubble schedule is not supported yet (its split weight-gradient pass "
+            "bypasses the experts' gradient reduction); re-plan with --fix schedule=1f1b"
+        )
+    if f.get("selective_ac"):
+        out.append(
+            f"selective activation checkpointing with ep={ep} is not supported yet (torch 2.13's selective "
+            "checkpoint cannot replay the autograd all-to-all it saved); re-plan with --fix ac=full or ac=none"
+        )
+    if f.get("compile"):
+        out.append(
+            f"torch.compile with ep={ep} is not supported yet (the dropless dispatch's split sizes depend on "
+            "the data); drop --compile, or re-plan with --fix ep=1"
         )
     return out
 
@@ -437,8 +498,15 @@ def plan_problems(plan: dict) -> list:
         key: plan[key]
         for key in ("dp", "tp", "pp", "vpp", "schedule", "zero", "sp", "grad_compress", "precision", "seq")
     }
+    facts.update({key: plan[key] for key in ("ep", "experts") if key in plan})  # (a PLAN from before ep has none)
     return problems(
-        {**facts, "micro_batches": plan["grad_accum"], "compile": plan["compile"], "checkpointed": bool(plan["ac"])}
+        {
+            **facts,
+            "micro_batches": plan["grad_accum"],
+            "compile": plan["compile"],
+            "checkpointed": bool(plan["ac"]),
+            "selective_ac": "selective" in plan["ac"].values(),
+        }
     )
 
 
@@ -471,7 +539,7 @@ class Parallel:
     """The model as this rank holds it after `parallelize`."""
 
     plan: dict  #: the runtime plan dict
-    mesh: DeviceMesh  #: the (pp, dp, tp) mesh
+    mesh: DeviceMesh  #: the (pp, dp, tp) mesh; with ep > 1 (pp, edp, ep, tp) and dp flattened (`expert_mesh`)
     parts: list  #: local model parts before data-parallel wrapping (one per local pipeline stage)
     modules: list  #: the same parts as trained (DDP/FSDP-wrapped where data parallel)
     stages: list = field(default_factory=list)  #: PipelineStage objects (empty without pipeline parallelism)
@@ -660,8 +728,9 @@ def clip_grad_norm(par: Parallel, max_norm: float) -> torch.Tensor:
 
     Each rank sums the squares of its local gradients (a DTensor's local shard), weighting each by how many ranks
     of its pipeline stage hold the same values: the stage's dp·tp ranks over the product of the mesh sizes the
-    tensor is sharded along (a replica counts once, a shard once); a tied weight counts on its first stage only.
-    One all-reduce over every rank adds the stages. Call after the data-parallel and tied-weight reductions."""
+    tensor is sharded along (a replica counts once, a shard once; an expert shard is also split over ep); a tied
+    weight counts on its first stage only. One all-reduce over every rank adds the stages. Call after the
+    data-parallel and tied-weight reductions."""
     plan = par.plan
     stage_ranks = plan["dp"] * plan["tp"]
     counted = {id(p) for tie in plan["tied"] for p in tied_copies(par, tie)[:1]} if 0 in par.stage_indices else set()
@@ -831,10 +900,11 @@ def full_parameters(par: Parallel) -> dict:
     """This rank's parameters as full tensors under their names in the original model (a collective: call it on
     every rank)."""
     out = {}
-    canonical = {alias: tie["names"][0] for tie in par.plan["tied"] for alias in tie["names"]}
+    plan = par.plan
+    canonical = {alias: tie["names"][0] for tie in plan["tied"] for alias in tie["names"]}
     for part in par.parts:
         for name, p in part.named_parameters():
-            name = model_name(part, name, par.plan)
+            name = model_name(part, name, plan)
             value = p.full_tensor() if isinstance(p, DTensor) else p
             out[canonical.get(name, name)] = value.detach().cpu().clone()
     return out
@@ -848,10 +918,12 @@ def checkpoint_state(par: Parallel, optimizer: torch.optim.Optimizer, lr_schedul
     these tensors in place, so the same call serves save and load (AdamW's state is created first if empty)."""
     local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's share
     state: dict = {"train": {"step": step, "lr_schedule": lr_schedule.state_dict() if lr_schedule else {}}}
+    plan = par.plan
     names = {}  # a parameter → its first name (the optimizer state's key)
+    experts = set()  # expert parameters (ep > 1): saved as views of the whole [E, …] tensor
     for part in par.parts:
         for name, p in part.named_parameters():
-            name = model_name(part, name, par.plan)
+            name = model_name(part, name, plan)
             names.setdefault(id(p), name)
             state[f"model.{name}"] = p
     for group in local.param_groups:

@@ -1,0 +1,186 @@
+"""Expert parallelism and dropless routing for the zoo MoE (issue: EP in the runtime every emitted script inlines).
+
+- dropless routing equals a per-token reference (one process);
+- the gloo matrix additions: every EP plan, through the emitted script and through `auto_parallelize`, against one
+  process on the same seed and data (3 SGD steps, losses and parameter updates ≤ 1e-4 relative), in two torchrun
+  launches (2 and 4 ranks; `tests.dist_util` runs all cases of a size in the same processes);
+- the collectives one step issues (`autopar check`'s trace on a fake world) include the all-to-alls over the ep group
+  that the cost model counts.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from planner.emit.script import write_script
+from profiler.zoo import moe
+from tests import dist_util
+from tests.test_emit_dist import EXACT, RESUME_STEPS, STEPS, make_plan
+
+MOE = "moe:layers=2,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=128,seq=32,experts=4,top_k=2"
+
+
+def per_token_moe(ffn: moe.MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
+    """y[t] = Σ_j w[t, j] · expert_{e(t, j)}(x[t]), one token and one choice at a time: nothing dropped."""
+    tokens = x.reshape(-1, x.shape[-1])
+    probs = torch.softmax(ffn.gate(tokens).float(), dim=-1)
+    weights, chosen = torch.topk(probs, ffn.top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    w1, w2, w3 = ffn.experts.w1, ffn.experts.w2, ffn.experts.w3
+    out = torch.zeros_like(tokens)
+    for t in range(tokens.shape[0]):
+        for j in range(ffn.top_k):
+            e = int(chosen[t, j])
+            h = torch.nn.functional.silu(w1[e] @ tokens[t]) * (w3[e] @ tokens[t])
+            out[t] += weights[t, j].to(x.dtype) * (w2[e] @ h)
+    return out.view_as(x)
+
+
+def test_dropless_routing_equals_the_per_token_reference():
+    """The default routing computes every pair, however unbalanced: here an expert gets far more than a balanced
+    share (a capacity of 1.0 would drop pairs), and gradients reach every expert that was chosen."""
+    torch.manual_seed(0)
+    config = moe.MoEConfig(layers=1, hidden=16, heads=2, kv_heads=2, ffn=24, vocab=32, seq=8, experts=4, top_k=2)
+    assert config.capacity_factor is None
+    layer = moe.MoETransformer(config).layers[0].feed_forward
+    with torch.no_grad():
+        layer.gate.weight[0] += 0.5  # skew the router towards expert 0
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    chosen = torch.topk(layer.gate(x.detach().view(16, 16)), 2, dim=-1).indices
+    counts = torch.bincount(chosen.reshape(-1), minlength=4)
+    assert counts.max() > moe.expert_capacity(16, 4, 2, 1.0)  # capacity routing would drop pairs here
+    got = layer(x)
+    torch.testing.assert_close(got, per_token_moe(layer, x), rtol=1e-5, atol=1e-6)
+    got.square().sum().backward()
+    for e in range(4):
+        assert (layer.experts.w1.grad[e].abs().sum() > 0) == bool(counts[e] > 0)
+
+
+def test_fake_tensors_take_the_balanced_case():
+    """Where the counts have no values (fake tensors: export, `autopar check`) the layer runs the balanced case:
+    the capacity path with C = ⌈tokens·top_k/experts⌉, so its FLOPs are the dropless expectation."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = moe.MoEConfig(layers=1, hidden=16, heads=2, kv_heads=2, ffn=24, vocab=32, seq=8, experts=4, top_k=2)
+    with FakeTensorMode():
+        layer = moe.MoETransformer(config).layers[0].feed_forward
+        with FlopCounterMode(display=False) as counter:
+            out = layer(torch.randn(2, 8, 16))
+    assert out.shape == (2, 8, 16)
+    tokens, capacity = 16, moe.expert_capacity(16, 4, 2, 1.0)
+    assert capacity == tokens * 2 // 4
+    assert counter.get_total_flops() == 2 * tokens * 16 * 4 + 6 * 4 * capacity * 16 * 24
+
+
+# name: (world, plan): every case dropless (the zoo default), 3 SGD steps, EXACT tolerances
+CASES = {
+    "ep2": (2, lambda: make_plan(MOE, 2, dp=2, ep=2)),
+    "ep2_fsdp_edp1": (2, lambda: make_plan(MOE, 2, dp=2, ep=2, zero=3, ac={"layers.1": "full"})),
+    "ep2_dp4": (4, lambda: make_plan(MOE, 2, dp=4, ep=2)),
+    "ep2_fsdp_dp4": (4, lambda: make_plan(MOE, 2, dp=4, ep=2, zero=3)),
+    "ep2_pp2": (4, lambda: make_plan(MOE, 2, pp=2, dp=2, ep=2, schedule="1f1b", ac={"layers.1": "full"})),
+}
+
+#: checkpoint and resume with expert parallelism (AdamW, so its moments matter): name → (world, plan)
+RESUME_CASES = {
+    "resume_ep2": (2, lambda: make_plan(MOE, 2, dp=2, ep=2)),
+    "resume_ep2_fsdp_dp4": (4, lambda: make_plan(MOE, 2, dp=4, ep=2, zero=3)),
+}
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    work = tmp_path_factory.mktemp("ep_matrix")
+    out = work / "out"
+    out.mkdir()
+    by_world: dict[int, list[dict]] = {}
+    refs = {}
+    for name, (world, make) in CASES.items():
+        plan = make()
+        script = write_script(plan, work / f"{name}.py", steps=STEPS, optimizer="sgd", lr=0.5)
+        plan.save(work / f"{name}.yaml")
+        by_world.setdefault(world, []).append({"name": name, "script": str(script), "plan": str(work / f"{name}.yaml"),
+                                               "steps": STEPS, "out": str(out)})
+        refs[name] = dist_util.reference(script, STEPS)
+    for name, (world, make) in RESUME_CASES.items():
+        plan = make()
+        script = write_script(plan, work / f"{name}.py", steps=RESUME_STEPS, optimizer="adamw", lr=1e-2)
+        plan.save(work / f"{name}.yaml")
+        by_world.setdefault(world, []).append({"name": name, "script": str(script), "steps": RESUME_STEPS,
+                                               "out": str(out), "resume": True, "plan": str(work / f"{name}.yaml")})
+        refs[name] = script
+    failures, timing = {}, {}
+    for world, cases in sorted(by_world.items()):
+        start = time.perf_counter()
+        try:
+            dist_util.launch(cases, world, work)
+        except RuntimeError as exc:
+            failures[world] = str(exc)
+        timing[world] = time.perf_counter() - start
+    print(f"\nexpert-parallel matrix: launch seconds by world size {timing}")
+    return out, refs, failures
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mode", ["emit", "apply"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_expert_parallel_matches_one_process(matrix, name, mode):
+    out, refs, failures = matrix
+    world, _ = CASES[name]
+    if world in failures:
+        pytest.fail(failures[world])
+    got = dist_util.merged(out, f"{name}.{mode}", world)
+    problems = dist_util.compare(got, refs[name], loss_rtol=EXACT[0], delta_rtol=EXACT[1], norm_rtol=1e-5)
+    assert not problems, f"{name} via {mode}:\n" + "\n".join(problems[:10])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(RESUME_CASES))
+def test_expert_parallel_checkpoint_resumes_and_loads_whole(matrix, name):
+    """A checkpoint of an expert-parallel plan holds every rank's experts: resuming gives the losses of straight
+    steps (≤ 1e-6, AdamW's moments included), through the emitted script and `auto_parallelize`'s handle, and the
+    checkpoint loads into one unparallelised model (the whole [experts, …] tensors under their own names), whose loss
+    on the next batch is the resumed run's."""
+    import torch.distributed.checkpoint as dcp
+
+    out, refs, failures = matrix
+    world, _ = RESUME_CASES[name]
+    if world in failures:
+        pytest.fail(failures[world])
+    got = torch.load(out / f"{name}.resume.rank0.pt")
+    assert got["resumed"] == pytest.approx(got["straight"], rel=1e-6), (got["resumed"], got["straight"])
+    assert got["handle"] == pytest.approx(got["straight"], rel=1e-6), (got["handle"], got["straight"])
+    mod = dist_util.load_script(refs[name], f"resume_one_process_{name}")
+    torch.manual_seed(1)
+    model = mod.build_model()  # other weights: the checkpoint must overwrite every one
+    state = {f"model.{n}": p for n, p in model.named_parameters()}
+    assert state["model.layers.0.feed_forward.experts.w1"].shape[0] == 4
+    dcp.load(state, checkpoint_id=got["first_half"], no_dist=True)
+    half = RESUME_STEPS // 2
+    inputs, labels = mod.get_batch(half, slice(None))
+    with torch.no_grad():
+        loss = model(inputs, labels).item()
+    assert loss == pytest.approx(got["resumed"][half], rel=1e-5)
+
+
+def test_a_step_issues_the_expert_all_to_alls():
+    """`autopar check`'s trace of one step (fake world, balanced routing) of dp=2, ep=2: per MoE layer and
+    micro-batch five all-to-alls on the ep group: the count exchange, the dispatch and the combine, and the two
+    token all-to-alls of their backward; each token all-to-all carries the micro-batch's tokens·top_k rows (fp32),
+    the count exchange one int64 per expert. The experts' gradients need no reduction here (edp = 1); the rest of
+    the model is all-reduced over dp as without ep."""
+    from planner.check.trace import trace_rank
+
+    plan = make_plan(MOE, 2, dp=2, ep=2)
+    layers, micro_batches, experts, top_k, hidden = 2, plan.grad_accum, 4, 2, 64
+    trace = trace_rank(plan, 1)
+    a2a = trace.collectives["all_to_all@ep"]
+    assert a2a["count"] == 5 * layers * micro_batches
+    rows = plan.config.mbs * plan.seq * top_k
+    assert a2a["bytes"] == layers * micro_batches * (4 * rows * hidden * 4 + experts * 8)
+    assert set(trace.collectives) == {"all_to_all@ep", "all_reduce@dp"}
+    assert trace.dp_reduced_elements >= trace.grad_elements > 0
