@@ -125,7 +125,8 @@ class ParallelConfig:
                 "zero": self.zero, "sp": self.sp, "grad_compress": parse_grad_compress(self.grad_compress)[0],
                 "precision": self.precision, "micro_batches": global_batch // (self.dp * self.mbs),
                 "seq": seq or arch.get("seq"), "heads": arch.get("heads"), "kv_heads": arch.get("kv_heads"),
-                "ep": self.ep, "experts": arch.get("experts")}
+                # the experts the runtime can split (the capture's `profiler.experts` rule), not the cost model's
+                "ep": self.ep, "experts": arch.get("ep_experts", 0)}
 
     def to_dict(self) -> dict:
         d = asdict(self)

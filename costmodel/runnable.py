@@ -12,6 +12,7 @@ of plain values:
   (`planner.emit.runtime.check_world`: an edited script fails before any collective).
 - `grad_compress_options(...)`: the data-parallel gradient compressions the runtime applies for a sharding (the ILP
   chooses among them only).
+- `checkpoint_modes(...)`: the activation-checkpointing modes a block may take (the ILP chooses among them only).
 - `post_step_allreduce(...)`: where gradients are all-reduced after the whole backward rather than in DDP's
   overlapped buckets (`costmodel.overlap.dp_exposed` then hides none of it); `pipelined_fsdp(...)`: where torch's
   pipeline stages hold FSDP's gradients unsharded and reduce-scatter once per step. `ParallelConfig` has both as
@@ -60,6 +61,16 @@ def grad_compress_options(dp: int, tp: int, zero: int, schedule: str = "1f1b", p
     if zero >= 2:
         return ("none", "bf16", "fp16")
     return ("none", "bf16", "fp16", "powersgd")
+
+
+def checkpoint_modes(tp: int, ep: int = 1, compiled: bool = False) -> tuple[str, ...]:
+    """The activation-checkpointing modes a block may take (`problems` refuses the others): none under torch.compile
+    with tensor parallelism, no selective AC with expert parallelism (the search offers the ILP only these)."""
+    if compiled and tp > 1:
+        return ("none",)
+    if ep > 1:
+        return ("none", "full")
+    return ("none", "selective", "full")
 
 
 def problems(facts: dict) -> list:

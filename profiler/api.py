@@ -10,6 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from profiler.capture import capture
+from profiler.experts import expert_modules
 from profiler.fold import unfold
 from profiler.graph import LayerGraph
 from profiler.layers import group_layers
@@ -148,6 +149,10 @@ def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: s
     if not fake and any(p.is_floating_point() and p.dtype != torch_dtype for p in model.parameters()):
         model = model.to(torch_dtype)
     arch = dict(source.arch())
+    try:  # how many experts the runtime's expert parallelism can split (0: none; `profiler.experts`)
+        arch["ep_experts"] = expert_modules(model)["experts"]
+    except ValueError:
+        arch["ep_experts"] = 0
     graph = capture(model, inputs, name=spec, arch=arch, kernels=kernels)
     if depth:
         graph = unfold(graph, depth)

@@ -15,12 +15,27 @@ import time
 import pytest
 import torch
 
+from costmodel.config import ParallelConfig
 from planner.emit.script import write_script
+from planner.plan import LayerStrategy, Plan
 from profiler.zoo import moe
 from tests import dist_util
 from tests.test_emit_dist import EXACT, RESUME_STEPS, STEPS, make_plan
 
 MOE = "moe:layers=2,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=128,seq=32,experts=4,top_k=2"
+#: one expert per ep rank and edp = 2: FSDP2 shards the experts along dim 1 (`apply_fsdp_experts`)
+MOE2 = "moe:layers=2,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=128,seq=32,experts=2,top_k=1"
+HF_MOE = ("hf:mixtral:num_hidden_layers=2,hidden_size=64,intermediate_size=64,num_attention_heads=4,"
+          "num_key_value_heads=2,vocab_size=128,num_local_experts=4,num_experts_per_tok=2,seq=32")
+
+
+def hf_moe_plan(**cfg) -> Plan:
+    """A hand-built plan for the two-layer Hugging Face Mixtral (blocks at ``model.model.layers``), one stage."""
+    names = ["embed", "model.model.layers.0", "model.model.layers.1", "head"]
+    config = ParallelConfig(precision="fp32", **cfg)
+    layers = tuple(LayerStrategy(name=n, stage=0) for n in names)
+    return Plan(model=HF_MOE, fingerprint="hand-built", seq=32, global_batch=8, cluster="cpu-local", config=config,
+                layers=layers)
 
 
 def per_token_moe(ffn: moe.MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
@@ -82,13 +97,18 @@ CASES = {
     "ep2_fsdp_edp1": (2, lambda: make_plan(MOE, 2, dp=2, ep=2, zero=3, ac={"layers.1": "full"})),
     "ep2_dp4": (4, lambda: make_plan(MOE, 2, dp=4, ep=2)),
     "ep2_fsdp_dp4": (4, lambda: make_plan(MOE, 2, dp=4, ep=2, zero=3)),
+    "ep2_fsdp_dp4_dim1": (4, lambda: make_plan(MOE2, 2, dp=4, ep=2, zero=3)),
     "ep2_pp2": (4, lambda: make_plan(MOE, 2, pp=2, dp=2, ep=2, schedule="1f1b", ac={"layers.1": "full"})),
+    # Hugging Face transformers' experts (grouped_mm; its CPU fallback here), routed by Mixtral's own router
+    "hf_ep2": (2, lambda: hf_moe_plan(dp=2, ep=2)),
+    "hf_ep2_fsdp_dp4": (4, lambda: hf_moe_plan(dp=4, ep=2, zero=3)),
 }
 
 #: checkpoint and resume with expert parallelism (AdamW, so its moments matter): name → (world, plan)
 RESUME_CASES = {
     "resume_ep2": (2, lambda: make_plan(MOE, 2, dp=2, ep=2)),
     "resume_ep2_fsdp_dp4": (4, lambda: make_plan(MOE, 2, dp=4, ep=2, zero=3)),
+    "resume_ep2_fsdp_dim1": (4, lambda: make_plan(MOE2, 2, dp=4, ep=2, zero=2)),
 }
 
 
@@ -158,7 +178,7 @@ def test_expert_parallel_checkpoint_resumes_and_loads_whole(matrix, name):
     torch.manual_seed(1)
     model = mod.build_model()  # other weights: the checkpoint must overwrite every one
     state = {f"model.{n}": p for n, p in model.named_parameters()}
-    assert state["model.layers.0.feed_forward.experts.w1"].shape[0] == 4
+    assert state["model.layers.0.feed_forward.experts.w1"].shape[0] == model.config.experts  # the whole tensor
     dcp.load(state, checkpoint_id=got["first_half"], no_dist=True)
     half = RESUME_STEPS // 2
     inputs, labels = mod.get_batch(half, slice(None))

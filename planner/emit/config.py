@@ -7,14 +7,13 @@ the same decisions. The tensor-parallel layout comes from the module names in `p
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
 from costmodel.compression import POWERSGD_START_ITER
 from costmodel.runnable import problems
 from planner.plan import AC, Plan, parse_grad_compress
+from profiler.experts import expert_modules
 from profiler.layers import COLUMN_NAMES, ROW_NAMES
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -93,22 +92,6 @@ def tied_parameters(model: nn.Module, plan: Plan, container: str, stage_rank: li
                              f"embedding and the head may span pipeline ranks; put those blocks on one stage")
         tied.append({"names": names, "pp_ranks": ranks})
     return tied
-
-
-def expert_modules(block: nn.Module) -> dict:
-    """The modules of one block that expert parallelism splits (`planner.emit.runtime.apply_ep`): stacked expert
-    weights (every parameter [experts, …], the same experts) and a forward taking ``(rows sorted by expert,
-    counts)``, the zoo MoE's ``GroupedExperts`` interface. ``{"experts": E (0: none), "ep_modules": [names]}``."""
-    names, sizes = [], set()
-    for name, module in block.named_modules():
-        params = list(module.parameters(recurse=False))
-        if name and params and all(p.dim() == 3 for p in params) and \
-                "counts" in inspect.signature(module.forward).parameters:
-            names.append(name)
-            sizes.update(p.shape[0] for p in params)
-    if len(sizes) > 1:
-        raise ValueError(f"expert modules {names} hold different numbers of experts {sorted(sizes)}; plan ep=1")
-    return {"experts": sizes.pop() if sizes else 0, "ep_modules": names}
 
 
 def param_bytes(model: nn.Module) -> int:
@@ -207,7 +190,7 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
     else:
         stage_rank = [s % c.pp for s in range(n_stages)]
     kind, rank = parse_grad_compress(c.grad_compress)
-    experts = expert_modules(blocks[0]) if len(blocks) else {"experts": 0, "ep_modules": []}
+    experts = expert_modules(list(blocks))
     # the rules the search and runtime apply
     why = problems({**c.runnable_facts(plan.global_batch, seq=plan.seq), "compile": compile, "checkpointed": bool(ac),
                     "selective_ac": "selective" in ac.values(), "ep": c.ep, "experts": experts["experts"]})

@@ -53,6 +53,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -734,14 +735,19 @@ def apply_ep(part: nn.Module, plan: dict, ep_mesh: DeviceMesh) -> None:
     `expert_parallel_forward`: the rows each rank routed to an expert go to the rank holding it and come back."""
     rank, ep, experts = ep_mesh.get_local_rank(), plan["ep"], plan["experts"]
     local = experts // ep
+    wrap = expert_parallel_forward if plan["ep_interface"] == "counts" else expert_parallel_topk_forward
     for block in block_list(part, plan):
         for rel in plan["ep_modules"]:
-            module = block.get_submodule(rel)
+            module = _submodule(block, rel)
+            if module is None:  # a dense block (DeepSeek's first layers): no experts
+                continue
             for name, p in list(module.named_parameters(recurse=False)):
                 mine = p.detach()[rank * local : (rank + 1) * local].clone()
                 setattr(module, name, nn.Parameter(mine, requires_grad=p.requires_grad))
+            if hasattr(module, "num_experts"):  # (transformers' experts size their routing tables by it)
+                module.num_experts = local
             module._autopar_experts = True
-            module.forward = partial(expert_parallel_forward, module.forward, ep_mesh.get_group(), ep, experts)
+            module.forward = partial(wrap, module.forward, ep_mesh.get_group(), ep, experts)
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:
@@ -789,14 +795,53 @@ def expert_parallel_forward(local_forward, group, ep: int, experts: int, x: torc
     return _waited(funcol.all_to_all_single(out, send_splits, recv_splits, group))
 
 
+def expert_parallel_topk_forward(local_forward, group, ep: int, experts: int, hidden_states: torch.Tensor,
+                                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Expert parallelism for Hugging Face transformers' experts interface (``forward(hidden_states, top_k_index,
+    top_k_weights)`` → the weighted sum over each token's experts): the (token, choice) pairs are sorted by expert
+    (a stable sort), sent to their experts by `expert_parallel_forward`, where the local experts run each received
+    row as a token with one choice of weight 1 (``local_forward``, the model's own experts code on this rank's
+    experts), and the returned rows are put back in (token, choice) order and combined with the routing weights."""
+    tokens, k = top_k_index.shape
+    if hidden_states.is_meta:
+        return torch.empty_like(hidden_states)
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = None if _values_unknown(flat) else torch.bincount(flat, minlength=experts).tolist()
+    local = experts // ep
+
+    def run_local(rows: torch.Tensor, local_counts: list | None) -> torch.Tensor:
+        n = rows.shape[0]
+        sizes = local_counts if local_counts is not None else [n // local] * local
+        ids = torch.repeat_interleave(torch.arange(local, device=rows.device),
+                                      torch.tensor(sizes, device=rows.device), output_size=n)
+        return local_forward(rows, ids.view(n, 1), rows.new_ones(n, 1))
+
+    out = expert_parallel_forward(run_local, group, ep, experts, hidden_states.index_select(0, order // k), counts)
+    pairs = torch.empty_like(out).index_copy(0, order, out)  # back in (token, choice) order
+    return (pairs.view(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(out.dtype)).sum(1)
+
+
+def _values_unknown(x: torch.Tensor) -> bool:
+    """Whether ``x`` has no values to count (meta, fake: `autopar check`'s trace takes the balanced case)."""
+    return x.is_meta or is_fake(x)
+
+
 def apply_fsdp_experts(part: nn.Module, plan: dict, edp_mesh: DeviceMesh) -> None:
     """ZeRO 2-3 for the experts (torchtitan's recipe): each expert module its own FSDP2 unit over the edp group (the
     ranks holding the same experts), before the blocks' units, which then leave its parameters alone. The
     reduce-scatter sums over edp; dividing by dp, not edp, gives the mean over the global batch: a rank's expert
-    gradient already sums the contributions of the ep ranks whose rows it computed."""
+    gradient already sums the contributions of the ep ranks whose rows it computed.
+
+    FSDP2 shards dim 0, the rank's E/ep experts; where they do not split evenly over edp (Mixtral's 8 experts at
+    ep = 8 leave one per rank, and edp ranks > 1 would hold it whole on one and nothing on the others, gathering
+    edp padded copies), the weights are sharded along dim 1 instead, as torchtitan does when edp · ep > E."""
     reshard = plan["zero"] == 3
+    local, edp = plan["experts"] // plan["ep"], edp_mesh.size()
+    placement = None if local % edp == 0 else (lambda p: Shard(1))  # (None: FSDP2's default, Shard(0))
     for module in expert_modules(part):
-        fully_shard(module, mesh=edp_mesh, reshard_after_forward=reshard, mp_policy=fsdp_policy(plan))
+        fully_shard(module, mesh=edp_mesh, reshard_after_forward=reshard, mp_policy=fsdp_policy(plan),
+                    shard_placement_fn=placement)
         module.set_gradient_divide_factor(plan["dp"])
         # gloo has no pre-multiplied sum: sum, then divide (not on one rank, where torch 2.13 divides the copy it
         # makes instead of a reduce-scatter, and would divide again after)

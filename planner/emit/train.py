@@ -330,11 +330,14 @@ def expert_checkpoint_view(par: Parallel, value: torch.Tensor) -> DTensor:
     and each rank writes its own experts (as a plain tensor DCP would take it for a replica and keep one rank's).
     The view shares storage with ``value``: loading fills it in place. Without FSDP the experts are split over ep:
     Shard(0) on the ep group; with FSDP the ep split comes first and edp shards each rank's experts (right-to-left,
-    as FSDP over tensor parallelism: torch's ``_StridedShard`` on edp, Shard(0) on ep)."""
+    as FSDP over tensor parallelism: torch's ``_StridedShard`` on edp, Shard(0) on ep; where FSDP shards dim 1,
+    Shard(1) on edp)."""
     plan, mesh = par.plan, par.mesh
-    if isinstance(value, DTensor):  # FSDP2's shard over edp of this rank's E/ep experts
+    if isinstance(value, DTensor):  # FSDP2's shard over edp of this rank's E/ep experts (dim 0, or dim 1)
         rows, local = value.shape, value.to_local().detach()
-        target, placements = mesh["edp", "ep"], [_StridedShard(0, split_factor=plan["ep"]), Shard(0)]
+        dim = value.placements[0].dim
+        edp = _StridedShard(0, split_factor=plan["ep"]) if dim == 0 else Shard(dim)
+        target, placements = mesh["edp", "ep"], [edp, Shard(0)]
     else:
         rows, local = value.shape, value.detach()
         target, placements = mesh["ep"], [Shard(0)]
@@ -353,13 +356,11 @@ def checkpoint_state(par: Parallel, optimizer: torch.optim.Optimizer, lr_schedul
     state: dict = {"train": {"step": step, "lr_schedule": lr_schedule.state_dict() if lr_schedule else {}}}
     plan = par.plan
     names = {}  # a parameter → its first name (the optimizer state's key)
-    experts = set()  # expert parameters (ep > 1): saved as views of the whole [E, …] tensor
     for part in par.parts:
         for name, p in part.named_parameters():
             name = model_name(part, name, plan)
             names.setdefault(id(p), name)
-            if plan["ep"] > 1 and is_expert_parameter(part, p):
-                experts.add(id(p))
+            if plan["ep"] > 1 and is_expert_parameter(part, p):  # a view of the whole [E, …] tensor
                 state[f"model.{name}"] = expert_checkpoint_view(par, p)
             else:
                 state[f"model.{name}"] = p
@@ -369,7 +370,8 @@ def checkpoint_state(par: Parallel, optimizer: torch.optim.Optimizer, lr_schedul
                 local.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                                   "exp_avg_sq": torch.zeros_like(p)}
             for key, value in local.state[p].items():
-                if plan["ep"] > 1 and id(p) in experts and value.shape == p.shape:  # (moments, not the step)
+                if plan["ep"] > 1 and value.shape == p.shape and any(is_expert_parameter(part, p)
+                                                                     for part in par.parts):  # (not the step)
                     value = expert_checkpoint_view(par, value)
                 state[f"optim.{names[id(p)]}.{key}"] = value
     return state

@@ -256,8 +256,9 @@ class Model:
             return reduce_scatter_time(ev.cost(i, AC.NONE).param_numel * rs_bytes, span, cl)
 
         b, fixed = (d.blocks[0] if d.blocks else None), _fixed_on_stage(d, u)
-        first = d.pre[0] if (c == 0 and d.pre) else b
-        last = d.post[-1] if (c == d.S - 1 and d.post) else b
+        # the stage's first and last layers (a model whose blocks differ has only fixed layers, on one stage)
+        first = d.pre[0] if (c == 0 and d.pre) else (b if b is not None else fixed[0])
+        last = d.post[-1] if (c == d.S - 1 and d.post) else (b if b is not None else fixed[-1])
         n = self.n_stage(u)
         sum_ag = (ag(b) * n if b is not None else 0) + sum(ag(i) for i in fixed)
         sum_rs = (rs(b) * n if b is not None else 0) + sum(rs(i) for i in fixed)

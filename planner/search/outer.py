@@ -58,6 +58,7 @@ from costmodel.compression import allowed_options
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.estimate import ConfigError, Evaluator, even_stages
 from costmodel.layercost import is_tp_layer
+from costmodel.runnable import checkpoint_modes
 from costmodel.runnable import problems as runnable_problems
 from planner.plan import Plan
 from planner.search import ilp
@@ -158,6 +159,7 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
                                      precision=precision, ep=ep)
                 facts = cfg.runnable_facts(global_batch, arch, lg.model.seq)
                 facts["grad_compress"] = parse_grad_compress(fix.get("grad_compress", "none"))[0]
+                facts["selective_ac"] = getattr(fix.get("ac"), "value", fix.get("ac")) == "selective"  # (pinned)
                 if compiled:  # unpinned, AC is the ILP's choice: `_candidate_options` limits it
                     facts |= {"compile": "inductor", "checkpointed": fix.get("ac", "none") != "none"}
                 why = runnable_problems(facts)
@@ -437,12 +439,13 @@ GREEDY = "greedy"  #: the backend name of an incumbent that no ILP improved (tim
 
 
 def _candidate_options(kw: dict, cfg: ParallelConfig, compiled: bool) -> dict:
-    """The ILP's options for one candidate: the search's, and with torch.compile and tensor parallelism no
-    activation checkpointing (`costmodel.runnable`: torch 2.13 cannot compile a checkpointed block's DTensor
-    inputs)."""
-    if compiled and cfg.tp > 1 and "acs" not in kw:
-        return kw | {"acs": (AC.NONE,)}
-    return kw
+    """The ILP's options for one candidate: the search's, and the AC modes the runtime can run with it
+    (`costmodel.runnable`): with torch.compile and tensor parallelism none (torch 2.13 cannot compile a checkpointed
+    block's DTensor inputs), with expert parallelism no selective AC."""
+    modes = checkpoint_modes(cfg.tp, cfg.ep, compiled)
+    if "acs" in kw or len(modes) == len(AC):
+        return kw
+    return kw | {"acs": tuple(a for a in ilp.AC_ORDER if a.value in modes)}
 
 
 def _greedy(lg, cluster, cfg, global_batch, cache, lb, fix, acs=None) -> ilp.Solution | None:
@@ -475,7 +478,7 @@ def _greedy(lg, cluster, cfg, global_batch, cache, lb, fix, acs=None) -> ilp.Sol
 
 def _why(best: ilp.Solution, alt: ilp.Solution) -> Alternative:
     b, a = best.estimate.breakdown_s, alt.estimate.breakdown_s
-    diffs = {k: a[k] - b[k] for k in b}
+    diffs = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in b | a}  # (ep_comm only where ep > 1)
     key = max(diffs, key=lambda k: (diffs[k], k))
     return Alternative(solution=alt, lost_by=key, lost_by_s=diffs[key])
 

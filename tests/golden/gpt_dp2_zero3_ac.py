@@ -47,6 +47,7 @@ PLAN = {
     "ep": 1,
     "experts": 0,
     "ep_modules": [],
+    "ep_interface": None,
     "vpp": 1,
     "schedule": "1f1b",
     "zero": 3,
@@ -891,7 +892,6 @@ def checkpoint_state(par: Parallel, optimizer: torch.optim.Optimizer, lr_schedul
     state: dict = {"train": {"step": step, "lr_schedule": lr_schedule.state_dict() if lr_schedule else {}}}
     plan = par.plan
     names = {}  # a parameter → its first name (the optimizer state's key)
-    experts = set()  # expert parameters (ep > 1): saved as views of the whole [E, …] tensor
     for part in par.parts:
         for name, p in part.named_parameters():
             name = model_name(part, name, plan)
