@@ -109,7 +109,8 @@ class _Collectives(TorchDispatchMode):
             out = func(*args, **kwargs)
         finally:
             self.dtensor_depth -= inside
-        if ns == "aten":  # a DTensor op computes on its local shards (this mode does not see that inner op)
+        if ns not in ("c10d", "_c10d_functional"):  # aten and custom ops with a registered FLOP formula
+            # (transformers' grouped-GEMM fallback); a DTensor op computes on its local shards (unseen here)
             local = [a._local_tensor if isinstance(a, DTensor) else a for a in args]
             packet = func._overloadpacket
             if packet in flop_registry:
@@ -161,11 +162,19 @@ class _Collectives(TorchDispatchMode):
             self.flops += sdpa_flop_count(q.shape, k.shape, v.shape)
 
 
+def _stays_gathered(module) -> bool:
+    """Whether ``module`` is an FSDP2 unit that keeps its parameters gathered after its forward (torch 2.13: its
+    parameter group has no post-forward mesh, ``reshard_after_forward=False``)."""
+    state = getattr(module, "_get_fsdp_state", None)
+    group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
+    return group is not None and getattr(group, "post_forward_mesh_info", True) is None
+
+
 class _CategoryPeaks(MemTracker):
     """torch's MemTracker, also keeping each category's own maximum over the step (its "peak" snapshot holds the
     categories at the moment of the total's peak, when, say, gradients are not all allocated yet), and accepting
-    one forward per micro-batch. Hooks two of the tracker's methods (torch 2.13, ``_update_peak_stats``, which no
-    longer keeps per-module peaks, and ``_pre_fw_hook``)."""
+    one forward per micro-batch. Hooks three of the tracker's methods (torch 2.13: ``_update_peak_stats``, which no
+    longer keeps per-module peaks, ``_pre_fw_hook`` and ``_post_fw_hook``)."""
 
     def __init__(self, container: str):
         super().__init__()
@@ -228,6 +237,18 @@ class _CategoryPeaks(MemTracker):
         if not self._mod_tracker.is_bw:
             self.memory_tracking.pop(module, None)
         super()._pre_fw_hook(module, inputs)
+
+    def _post_fw_hook(self, module, inputs, outputs) -> None:
+        # FSDP2 all-gathers a unit's parameters in its own pre-forward hook, after the tracker's (global hooks run
+        # first), so their unsharded storages are first seen as forward outputs (activations); where they stay
+        # gathered past the forward (ZeRO-2: ``reshard_after_forward=False``, and every micro-batch but the last
+        # keeps them into the next), the next micro-batch's pre-forward relabels them parameters, so only the
+        # first micro-batch counted them as activations. Relabelled here, as soon as the forward is over (the
+        # global post-forward hook also runs before FSDP's own; ZeRO-3's units, freed then, are left alone)
+        if not self._mod_tracker.is_bw and _stays_gathered(module):
+            for p in module.parameters():  # (as the tracker's pre-forward hook does)
+                self._update_and_maybe_create_winfos(p, _MemRefType.PARAM)
+        super()._post_fw_hook(module, inputs, outputs)
 
     def _update_peak_stats(self, peak_state) -> None:
         # called after every op: torch's version also walks every tracked module for per-module peaks (unused
@@ -315,6 +336,24 @@ def _shapes_only(fake: FakeTensorMode, rt=runtime):
         yield
     finally:
         rt.find_init, rt.materialize = saved_init, saved_materialize
+
+
+@contextlib.contextmanager
+def _grouped_mm_at_trace_dtype():
+    """Hugging Face MoE experts at the trace's fp32: transformers runs ``grouped_mm`` through torch's kernel wherever
+    torch has one (CPU included, fp32 too), but torch 2.13's meta function for it accepts bf16 only, so on fake
+    fp32 tensors it raises. There transformers' own fallback op (registered with a fake implementation; its FLOPs
+    counted by `profiler.zoo.hf`) runs instead: the same shapes and FLOPs, as a bf16 GPU run's kernel."""
+    moe = sys.modules.get("transformers.integrations.moe")
+    if moe is None or not hasattr(moe, "_can_use_grouped_mm"):
+        yield
+        return
+    saved = moe._can_use_grouped_mm
+    moe._can_use_grouped_mm = lambda input, weight, offs: weight.dtype == torch.bfloat16 and saved(input, weight, offs)
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = saved
 
 
 #: torch.distributed._functional_collectives functions DTensor calls from inside its dispatch → (kind, argument
@@ -423,7 +462,7 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         tracker.mirrors = {id(st) for t in mirrors for st in get_untyped_storages(t)}
         tracker.track_external(*par.modules, getattr(optimizer, "optim", optimizer))  # ZeRO-1: its local optim
         with (_no_cycle_collection(), _module_hooks_any(), fake, tracker, counter, _inner_collectives(counter),
-              _step_actions(par, tracker, counter, tr) as marks):
+              _grouped_mm_at_trace_dtype(), _step_actions(par, tracker, counter, tr) as marks):
             tracker.hold_buckets(_ddp_bucket_sizes(par))
             tr.train_step_loss(par, optimizer, inputs, labels)
         if micro_batches is not None and micro_batches > plan.grad_accum:

@@ -818,7 +818,10 @@ def expert_parallel_topk_forward(local_forward, group, ep: int, experts: int, hi
         return local_forward(rows, ids.view(n, 1), rows.new_ones(n, 1))
 
     out = expert_parallel_forward(run_local, group, ep, experts, hidden_states.index_select(0, order // k), counts)
-    pairs = torch.empty_like(out).index_copy(0, order, out)  # back in (token, choice) order
+    # back in (token, choice) order: a gather by the inverse permutation (its backward keeps the index only, where
+    # an index_copy into the sorted order would keep a copy of the rows for its backward)
+    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+    pairs = out.index_select(0, inverse)
     return (pairs.view(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(out.dtype)).sum(1)
 
 
