@@ -88,6 +88,9 @@ class LayerCost:
     #: without EP (`costmodel.moe`)
     expert_shard_extra: float = 0.0
     expert_numel: float = 0.0  #: the part of ``param_numel`` that is experts (a rank's 1/ep of them)
+    #: this rank's FLOPs: forward, backward and recomputation, each node's tensor-parallel share (a replicated node,
+    #: a mixture-of-experts feed-forward's without sequence parallelism, runs whole on every TP rank)
+    rank_flops: float = 0.0
 
     @property
     def tp_comm_s(self) -> float:
@@ -328,6 +331,9 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     tail = 0.0  # saved by the nodes after the last one reading a parameter (a head's loss)
     stop = recompute_stop(layer)
     rec_fwd = rec_full_flops = 0.0  # the forward full recomputation repeats (up to `recompute_stop`)
+    # this rank's FLOPs (each node's share under tensor parallelism: a replicated node runs whole without sequence
+    # parallelism): forward + backward, and what each recomputation choice repeats
+    rank_fb = rank_rec_full = rank_op_rec = rank_core = 0.0
     fused = compiled_bytes(layer) if ctx.compiled and layer.kind == "block" else {}
     # torchtitan's per-op selective checkpointing (`CostContext.selective`): what it keeps and recomputes
     op_policy = ctx.selective == "every-other-matmul"
@@ -348,9 +354,11 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         fwd += t_f
         bwd += busy * _node_time(n.bwd_flops * k * f, b_b * k * f * ctx.act_scale, ctx, attention=attn)
         fwd_flops += n.fwd_flops * k
+        rank_fb += (n.fwd_flops + n.bwd_flops) * k * f
         if j < stop:
             rec_fwd += t_f
             rec_full_flops += n.fwd_flops * k
+            rank_rec_full += n.fwd_flops * k * f
         whole = n.tp_role == "column" and ctx.gathered_column_inputs  # its saved input is not split
         saved = n.saved_bytes * k * (1.0 if whole else f) * ctx.act_scale
         if n.tp_role in _SHARDED_ROLES and tp_layer and not whole:
@@ -365,9 +373,11 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
             else:
                 op_rec += t_f
                 op_rec_flops += n.fwd_flops * k
+                rank_op_rec += n.fwd_flops * k * f
         if n.is_attention_core:
             core_fwd += t_f
             core_flops += n.fwd_flops * k
+            rank_core += n.fwd_flops * k * f
             core_act += n.saved_square_bytes * k * f * ctx.act_scale
     act_none = act_sharded + act_repl
     if ctx.measured and layer.name in ctx.measured:
@@ -385,6 +395,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         comm_f = all_reduce_time(bf, ctx.tp_span, ctx.cluster) if bf else 0.0
         comm_b = all_reduce_time(bb, ctx.tp_span, ctx.cluster) if bb else 0.0
 
+    rank_rec = {AC.NONE: 0.0, AC.FULL: rank_rec_full}.get(ac, rank_op_rec if op_policy else rank_core)
     if ac == AC.NONE:
         act, rec, rec_flops, rec_comm, rec_peak = act_none, 0.0, 0.0, 0.0, 0.0
     elif ac == AC.SELECTIVE and op_policy:  # the saved outputs and the block's input; the rest recomputed
@@ -453,7 +464,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         pending_bytes=act + weight_outputs - (tail if layer.kind == "head" and ac == AC.NONE else 0.0),
         weight_output_bytes=weight_outputs, ep_comm_fwd_s=ep_f, ep_comm_bwd_s=ep_b, a2a_bytes=a2a_bytes,
         a2a_calls=calls, a2a_count_calls=count_calls, expert_shard_extra=shard_extra,
-        expert_numel=expert_numel,
+        expert_numel=expert_numel, rank_flops=rank_fb + rank_rec,
     )
 
 

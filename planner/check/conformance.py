@@ -94,8 +94,7 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
         memory["peak"] = allocated
         mine = [i for i, s in enumerate(stage_of) if s % cfg.pp == r]
         costs = [ev.cost(i, acs[i]) for i in mine]
-        flops = ev.m * sum(((lg.layers[i].fwd_flops + lg.layers[i].bwd_flops) * ev.ctx.scale + c.recompute_flops)
-                           / (cfg.tp if cfg.tp > 1 and is_tp_layer(lg.layers[i]) else 1) for i, c in zip(mine, costs))
+        flops = ev.m * sum(c.rank_flops for c in costs)
         collectives = {}
         if cfg.dp > 1:  # with expert parallelism the experts reduce over the ranks holding the same ones (edp)
             experts = sum(c.expert_numel for c in costs) if cfg.ep > 1 else 0.0
