@@ -24,8 +24,9 @@ This module imports nothing but the standard library: the emitter copies it into
 ``1f1b``, ``interleaved``, ``zb``), ``zero``, ``sp`` (bool), ``grad_compress`` (``none``, ``bf16``, ``fp16``,
 ``powersgd``), ``precision``, ``micro_batches`` (per pipeline per step), and optionally ``seq``, ``heads``,
 ``kv_heads``, ``compile`` (the launch's torch.compile backend or None), ``checkpointed`` (any block under AC),
-``selective_ac`` (any block under selective AC), ``ep`` (expert-parallel degree, default 1) and ``experts`` (experts
-per MoE layer; None or 0: not a MoE model the runtime can split).
+``selective_ac`` (any block under selective AC), ``ep`` (expert-parallel degree, default 1), ``experts`` (experts
+per MoE layer; None or 0: not a MoE model the runtime can split) and ``tp_unsplit`` (a linear tensor parallelism
+cannot run, `profiler.layers.tp_unsplit_linears`; empty: none).
 """
 
 #: fp16 is not: its gradients underflow without loss scaling, which the runtime does not do yet (a GradScaler across
@@ -88,6 +89,10 @@ def problems(facts: dict) -> list:
     if zero == 1 and tp > 1 and dp > 1:
         out.append("zero=1 with tp>1 is not supported yet (ZeroRedundancyOptimizer takes no DTensor parameters); "
                    "re-plan with --fix zero=2 or tp=1")
+    if tp > 1 and f.get("tp_unsplit"):
+        out.append(f"tp={tp} cannot run {f['tp_unsplit']}: a linear beside the column-parallel ones whose name has no "
+                   "tensor-parallel layout (multi-head latent attention's projections have none yet); re-plan with "
+                   "--fix tp=1")
     for key in ("heads", "kv_heads"):
         if tp > 1 and f.get(key) and f[key] % tp:
             out.append(f"tp={tp} does not divide {key}={f[key]}; choose a tp that divides it")
@@ -132,7 +137,7 @@ def expert_problems(facts: dict) -> list:
     """Why expert parallelism (``ep`` > 1) cannot run as planned: the ep ranks are a sub-group of the dp group,
     each holding E/ep experts (`planner.emit.runtime.apply_ep`)."""
     f = facts
-    ep, dp, tp, pp, zero = f.get("ep", 1), f["dp"], f["tp"], f["pp"], f["zero"]
+    ep, dp, pp, zero = f.get("ep", 1), f["dp"], f["pp"], f["zero"]
     if ep <= 1:
         return []
     out = []
@@ -145,9 +150,6 @@ def expert_problems(facts: dict) -> list:
     elif f.get("experts") and f["experts"] % ep:
         out.append(f"ep={ep} does not divide experts={f['experts']}; re-plan with --fix ep=<a divisor of "
                    f"{f['experts']}>")
-    if tp > 1:
-        out.append(f"ep={ep} with tp={tp} is not supported yet (experts take no tensor-parallel layout); re-plan "
-                   "with --fix tp=1 or ep=1")
     if zero == 1:
         out.append(f"ep={ep} with zero=1 is not supported (ZeroRedundancyOptimizer would broadcast one rank's experts "
                    "over the whole dp group); re-plan with --fix zero=0, zero=2 or zero=3")

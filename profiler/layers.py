@@ -20,6 +20,8 @@ import hashlib
 import re
 from collections import Counter
 
+from torch import nn
+
 from profiler.graph import Layer, LayerGraph, ModelGraph, NodeInfo
 
 #: Linear names split column-wise (zoo: wq/wk/wv/w1/w3; Llama-style HF: *_proj; BERT: query/key/value).
@@ -55,6 +57,18 @@ def find_block_container(graph: ModelGraph) -> str:
 
 def _matches(path: str, names: tuple[str, ...]) -> bool:
     return any(path == n or path.endswith("." + n) for n in names)
+
+
+def tp_unsplit_linears(model: nn.Module) -> list[str]:
+    """The ``nn.Linear`` layers tensor parallelism cannot run: in a module that holds a column-parallel linear
+    (whose input the runtime makes a replicated DTensor, `planner.emit.runtime.apply_tp`) but matching neither
+    `COLUMN_NAMES` nor `ROW_NAMES`, so left plain, to be fed a DTensor (torch: "got mixed torch.Tensor and DTensor").
+    Multi-head latent attention's (DeepSeek-V2/V3) down- and up-projections are. One rule for the capture (the
+    arch fact ``tp_unsplit``, which `costmodel.runnable.problems` reads for the search) and the emitter."""
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    parents = {name.rpartition(".")[0] for name in linears if _matches(name, COLUMN_NAMES)}
+    return [name for name in linears if name.rpartition(".")[0] in parents
+            and not _matches(name, COLUMN_NAMES) and not _matches(name, ROW_NAMES)]
 
 
 def _linear_role(node: NodeInfo) -> str | None:

@@ -100,6 +100,10 @@ CASES = {
     "ep2_fsdp_dp4_dim1": (4, lambda: make_plan(MOE2, 2, dp=4, ep=2, zero=3)),
     "ep2_pp2": (4, lambda: make_plan(MOE, 2, pp=2, dp=2, ep=2, schedule="1f1b", ac={"layers.1": "full"})),
     # Hugging Face transformers' experts (grouped_mm; its CPU fallback here), routed by Mixtral's own router
+    # tensor parallelism for attention (experts whole on each TP rank, which all route the same tokens)
+    "moe_tp2": (2, lambda: make_plan(MOE, 2, tp=2)),
+    "ep2_tp2": (4, lambda: make_plan(MOE, 2, dp=2, tp=2, ep=2)),
+    "ep2_tp2_fsdp": (4, lambda: make_plan(MOE, 2, dp=2, tp=2, ep=2, zero=3)),
     "hf_ep2": (2, lambda: hf_moe_plan(dp=2, ep=2)),
     "hf_ep2_fsdp_dp4": (4, lambda: hf_moe_plan(dp=4, ep=2, zero=3)),
 }
@@ -287,3 +291,20 @@ def test_hugging_face_experts_keep_what_they_keep_in_one_process():
     rows = tokens * 2 * hidden * 4  # one [tokens·top_k, hidden] fp32 tensor
     assert one > 4 * rows
     assert abs(two - one) < rows / 4, (one, two)
+
+
+def test_tensor_parallel_refuses_what_it_cannot_split():
+    """Multi-head latent attention (DeepSeek-V3): its down- and up-projections sit beside the column-parallel
+    ``q_proj`` but take no tensor-parallel layout, so the runtime would feed them a DTensor ("got mixed
+    torch.Tensor and DTensor"): the search offered tp = 2 for Moonlight's shape. One rule names them for the search
+    (the capture's ``tp_unsplit``) and the emitter; Mixtral's attention and experts have none."""
+    from profiler.api import profile_model
+    from profiler.layers import tp_unsplit_linears
+    from profiler.zoo.registry import resolve_model
+
+    model, _ = resolve_model(HF_DEEPSEEK).build(device="meta")
+    unsplit = tp_unsplit_linears(model)
+    assert {name.rpartition(".")[2] for name in unsplit} == {"kv_a_proj_with_mqa", "kv_b_proj"}
+    assert profile_model(HF_DEEPSEEK).model.arch["tp_unsplit"] == unsplit[0]
+    mixtral, _ = resolve_model(HF_MOE).build(device="meta")
+    assert tp_unsplit_linears(mixtral) == []

@@ -31,6 +31,7 @@ def test_each_rule_names_the_fix():
         "precision=fp16 is not supported by the runtime yet (fp16 gradients need loss scaling": facts(
             precision="fp16"),  # one rule for the search, the emitter and the runtime (issue 13)
         "zero=1 with tp>1": facts(tp=2, zero=1),
+        "tp=2 cannot run layers.0.attn.kv_b_proj": facts(tp=2, tp_unsplit="layers.0.attn.kv_b_proj"),
         "does not divide heads=6": facts(tp=4, heads=6),
         "sequence parallel needs seq=30": facts(tp=4, sp=True, seq=30),
         "needs at least 4 micro-batches": facts(pp=4, micro_batches=2),
@@ -71,7 +72,6 @@ def test_expert_parallel_rules():
         "ep=4 must divide dp=2": facts(ep=4, experts=8),
         "needs a mixture-of-experts model whose experts the runtime can split": facts(ep=2, experts=0),
         "ep=2 does not divide experts=3": facts(ep=2, experts=3),
-        "ep=2 with tp=2": facts(dp=2, tp=2, ep=2, experts=4),
         "ep=2 with zero=1": facts(ep=2, experts=4, zero=1),
         "zero-bubble": facts(pp=2, schedule="zb", ep=2, experts=4),
         "selective activation checkpointing with ep=2": facts(ep=2, experts=4, selective_ac=True),

@@ -14,7 +14,7 @@ from costmodel.compression import POWERSGD_START_ITER
 from costmodel.runnable import problems
 from planner.plan import AC, Plan, parse_grad_compress
 from profiler.experts import expert_modules
-from profiler.layers import COLUMN_NAMES, ROW_NAMES
+from profiler.layers import COLUMN_NAMES, ROW_NAMES, tp_unsplit_linears
 
 OPTIMIZERS = ("adamw", "sgd")
 INITS = ("full", "meta")
@@ -193,7 +193,8 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
     experts = expert_modules(list(blocks))
     # the rules the search and runtime apply
     why = problems({**c.runnable_facts(plan.global_batch, seq=plan.seq), "compile": compile, "checkpointed": bool(ac),
-                    "selective_ac": "selective" in ac.values(), "ep": c.ep, "experts": experts["experts"]})
+                    "selective_ac": "selective" in ac.values(), "ep": c.ep, "experts": experts["experts"],
+                    "tp_unsplit": next(iter(tp_unsplit_linears(model)), "")})
     if why:
         raise ValueError(f"this plan cannot run: {why[0]}")
     block0 = blocks[0] if len(blocks) else nn.Module()

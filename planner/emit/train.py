@@ -24,6 +24,7 @@ from costmodel.runnable import post_step_allreduce
 from planner.emit.runtime import (
     DTYPES,
     Parallel,
+    expert_modules,
     is_expert_parameter,
     loss_context,
     reduce_expert_grads,
@@ -198,9 +199,11 @@ def allreduce_grads(part: nn.Module, dp: int) -> None:
     """Average the gradients over the data-parallel group after the backward, where DDP cannot (tensor-parallel
     DTensor parameters; the zero-bubble schedule's hand-written weight gradients). Like DDP, gradients are packed
     into flat buckets of at most `GRAD_BUCKET_BYTES` (one all-reduce each, not one per tensor), in reverse
-    parameter order, as their gradients become ready."""
+    parameter order, as their gradients become ready. Expert parameters (ep > 1) are left to `reduce_expert_grads`,
+    over the ranks holding the same experts."""
+    experts = {id(p) for m in expert_modules(part) for p in m.parameters()}
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-             for p in reversed(list(part.parameters())) if p.grad is not None]
+             for p in reversed(list(part.parameters())) if p.grad is not None and id(p) not in experts]
     bucket: list = []
     size = 0
     for k, grad in enumerate(grads):

@@ -334,6 +334,12 @@ def problems(facts: dict) -> list:
             "zero=1 with tp>1 is not supported yet (ZeroRedundancyOptimizer takes no DTensor parameters); "
             "re-plan with --fix zero=2 or tp=1"
         )
+    if tp > 1 and f.get("tp_unsplit"):
+        out.append(
+            f"tp={tp} cannot run {f['tp_unsplit']}: a linear beside the column-parallel ones whose name has no "
+            "tensor-parallel layout (multi-head latent attention's projections have none yet); re-plan with "
+            "--fix tp=1"
+        )
     for key in ("heads", "kv_heads"):
         if tp > 1 and f.get(key) and f[key] % tp:
             out.append(f"tp={tp} does not divide {key}={f[key]}; choose a tp that divides it")
@@ -341,6 +347,12 @@ def problems(facts: dict) -> list:
         out.append(
             f"sequence parallel needs seq={f['seq']} divisible by tp={tp}; re-plan with --fix sp=off or a "
             "tp that divides the sequence"
+        )
+    if f.get("sp") and tp > 1 and f.get("experts"):
+        out.append(
+            f"sequence parallel with tp={tp} is not supported yet for a mixture-of-experts model (its "
+            "feed-forward runs on each rank's slice of the sequence with replicated router and expert weights, "
+            "whose gradients would need a sum over tp that the runtime does not do); re-plan with --fix sp=off"
         )
     m = f["micro_batches"]
     # torch runs GPipe and the interleaved schedules with fewer micro-batches than ranks (1F1B refuses), but the cost
@@ -388,7 +400,7 @@ def expert_problems(facts: dict) -> list:
     """Why expert parallelism (``ep`` > 1) cannot run as planned: the ep ranks are a sub-group of the dp group,
     each holding E/ep experts (`planner.emit.runtime.apply_ep`)."""
     f = facts
-    ep, dp, tp, pp, zero = f.get("ep", 1), f["dp"], f["tp"], f["pp"], f["zero"]
+    ep, dp, pp, zero = f.get("ep", 1), f["dp"], f["pp"], f["zero"]
     if ep <= 1:
         return []
     out = []
@@ -405,11 +417,6 @@ def expert_problems(facts: dict) -> list:
     elif f.get("experts") and f["experts"] % ep:
         out.append(
             f"ep={ep} does not divide experts={f['experts']}; re-plan with --fix ep=<a divisor of {f['experts']}>"
-        )
-    if tp > 1:
-        out.append(
-            f"ep={ep} with tp={tp} is not supported yet (experts take no tensor-parallel layout); re-plan "
-            "with --fix tp=1 or ep=1"
         )
     if zero == 1:
         out.append(
