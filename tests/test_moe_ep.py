@@ -21,6 +21,7 @@ from planner.plan import LayerStrategy, Plan
 from profiler.zoo import moe
 from tests import dist_util
 from tests.test_emit_dist import EXACT, RESUME_STEPS, STEPS, make_plan
+from tests.test_zoo import naive_moe
 
 MOE = "moe:layers=2,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=128,seq=32,experts=4,top_k=2"
 #: one expert per ep rank and edp = 2: FSDP2 shards the experts along dim 1 (`apply_fsdp_experts`)
@@ -38,22 +39,6 @@ def hf_moe_plan(**cfg) -> Plan:
                 layers=layers)
 
 
-def per_token_moe(ffn: moe.MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
-    """y[t] = Σ_j w[t, j] · expert_{e(t, j)}(x[t]), one token and one choice at a time: nothing dropped."""
-    tokens = x.reshape(-1, x.shape[-1])
-    probs = torch.softmax(ffn.gate(tokens).float(), dim=-1)
-    weights, chosen = torch.topk(probs, ffn.top_k, dim=-1)
-    weights = weights / weights.sum(-1, keepdim=True)
-    w1, w2, w3 = ffn.experts.w1, ffn.experts.w2, ffn.experts.w3
-    out = torch.zeros_like(tokens)
-    for t in range(tokens.shape[0]):
-        for j in range(ffn.top_k):
-            e = int(chosen[t, j])
-            h = torch.nn.functional.silu(w1[e] @ tokens[t]) * (w3[e] @ tokens[t])
-            out[t] += weights[t, j].to(x.dtype) * (w2[e] @ h)
-    return out.view_as(x)
-
-
 def test_dropless_routing_equals_the_per_token_reference():
     """The default routing computes every pair, however unbalanced: here an expert gets far more than a balanced
     share (a capacity of 1.0 would drop pairs), and gradients reach every expert that was chosen."""
@@ -68,7 +53,7 @@ def test_dropless_routing_equals_the_per_token_reference():
     counts = torch.bincount(chosen.reshape(-1), minlength=4)
     assert counts.max() > moe.expert_capacity(16, 4, 2, 1.0)  # capacity routing would drop pairs here
     got = layer(x)
-    torch.testing.assert_close(got, per_token_moe(layer, x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, naive_moe(layer, x), rtol=1e-5, atol=1e-6)
     got.square().sum().backward()
     for e in range(4):
         assert (layer.experts.w1.grad[e].abs().sum() > 0) == bool(counts[e] > 0)
