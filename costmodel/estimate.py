@@ -49,7 +49,7 @@ from costmodel.memory import (
     runtime_reserved_bytes,
     state_bytes_per_param,
 )
-from costmodel.overlap import dp_exposed, fsdp_exposed, optimizer_time
+from costmodel.overlap import dp_exposed, fsdp_exposed, optimizer_time, tp_partial_bytes
 from profiler.graph import LayerGraph
 
 
@@ -263,6 +263,12 @@ class Evaluator:
         gather = sum(all_gather_time(g, self.tp_span, self.cluster) for g in self.pp_gathers(i))
         return 2 * send_recv_time(nbytes, self.pp_cross_node, self.cluster) + cast + gather
 
+    def tp_partial_sync_time(self, rank_costs: list) -> float:
+        """The once-per-step sum over tp of the gradients TP ranks compute from their share only
+        (`costmodel.overlap.tp_partial_bytes`), after the backward: exposed."""
+        nbytes = tp_partial_bytes(rank_costs, self.cfg)
+        return all_reduce_time(nbytes, self.tp_span, self.cluster) if nbytes else 0.0
+
     def tied_sync_time(self, rank: int) -> float:
         """Megatron's embedding-group all-reduce (`planner.emit.runtime.sync_tied_grads`): with pp > 1 the first and
         the last pipeline rank each hold a copy of a weight tied between the embedding and the head, and sum its
@@ -349,7 +355,9 @@ class Evaluator:
             opt.append(optimizer_time(params, self, extra))
             mems.append(self._rank_memory(r, rank_of, stages, costs, params, extra))
         tied = [self.tied_sync_time(r) for r in range(cfg.pp)]
-        finish = [dp_exp[r] + comp_cost[r] + opt[r] + tied[r] for r in range(cfg.pp)]
+        partial = [self.tp_partial_sync_time([costs[i] for c in range(n_stages) if rank_of[c] == r
+                                              for i in stages[c]]) for r in range(cfg.pp)]
+        finish = [dp_exp[r] + comp_cost[r] + opt[r] + tied[r] + partial[r] for r in range(cfg.pp)]
         last = max(range(cfg.pp), key=lambda r: finish[r])
         step = pipe + finish[last]
 
@@ -357,7 +365,8 @@ class Evaluator:
         agg = {k: sum(parts[c][k] for c in b) for k in parts[0]}
         breakdown = {
             "compute": self.m * agg["compute"], "recompute": self.m * agg["recompute"],
-            "tp_comm": self.m * agg["tp_comm"], "cp_comm": 0.0, "pp_comm": self.m * agg["pp_comm"] + tied[last],
+            "tp_comm": self.m * agg["tp_comm"] + partial[last], "cp_comm": 0.0,
+            "pp_comm": self.m * agg["pp_comm"] + tied[last],
             "dp_comm_exposed": self.m * agg["fsdp"] + dp_exp[last], "bubble": pipe - self.m * t_rank[bottleneck],
             "optimizer": opt[last], "compression": comp_cost[last],
         }

@@ -91,6 +91,12 @@ class LayerCost:
     #: this rank's FLOPs: forward, backward and recomputation, each node's tensor-parallel share (a replicated node,
     #: a mixture-of-experts feed-forward's without sequence parallelism, runs whole on every TP rank)
     rank_flops: float = 0.0
+    #: parameters (a rank's, before ZeRO sharding) whose gradient each TP rank computes from its share of the work
+    #: only, summed over tp once per step (`planner.emit.runtime.tp_partial_params`): those of nodes on this rank's
+    #: heads (``sharded``: per-head q/k norms) and, under sequence parallelism, those of the replicated nodes below
+    #: the block's own children (a MoE feed-forward's router and experts; the norms SP runs are its children)
+    tp_partial_numel: float = 0.0
+    tp_partial_expert_numel: float = 0.0  #: the experts among them (a rank's 1/ep)
 
     @property
     def tp_comm_s(self) -> float:
@@ -414,12 +420,15 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
             rec_comm = all_reduce_time(recompute_comm_bytes(layer, ctx), ctx.tp_span, ctx.cluster)
         act, rec, rec_flops, rec_peak = keep, rec_fwd, rec_full_flops, act_none
 
-    param_numel = shard_extra = expert_numel = 0.0
+    param_numel = shard_extra = expert_numel = partial_numel = partial_experts = 0.0
     matrices = []
     counted: set[str] = set()
     numel = {p.fqn: (p.numel, p.shape) for p in owned}
     for n in layer.nodes:
         f = 1.0 / tp if (n.tp_role in ("column", "row", "vocab") and tp > 1) else 1.0
+        rel = n.module_path[len(layer.name) + 1:] if n.module_path.startswith(layer.name + ".") else ""
+        partial = tp > 1 and layer.kind == "block" and (
+            n.tp_role == "sharded" or (ctx.sp and n.tp_role == "replicated" and "." in rel))
         for p in n.params:
             if p in numel and p not in counted:
                 counted.add(p)
@@ -429,7 +438,9 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
                     cnt, shape = cnt / ctx.ep, (shape[0] // ctx.ep, *shape[1:])
                 if p in experts:
                     expert_numel += cnt * f
+                    partial_experts += cnt * f if partial else 0.0
                 param_numel += cnt * f
+                partial_numel += cnt * f if partial else 0.0
                 if len(shape) >= 2:
                     rows = shape[0] // (tp if f < 1 and n.tp_role in ("column", "vocab") else 1)
                     cols = _prod(shape[1:]) // (tp if f < 1 and n.tp_role == "row" else 1)
@@ -449,8 +460,10 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     calls = count_calls = 0
     ffns = moe_modules(owned, ctx.experts)
     if ffns and ctx.ep > 1 and ctx.ep_span is not None:
-        # mbs·seq tokens, top_k rows of hidden each, in the training precision's activation dtype
+        # mbs·seq tokens (under sequence parallelism each TP rank routes its slice of them), top_k rows of hidden
+        # each, in the training precision's activation dtype
         payload = ctx.mbs * ctx.tokens * ctx.top_k * ctx.hidden * (4 if ctx.precision == "fp32" else 2)
+        payload /= tp if ctx.sp else 1
         calls, count_calls = a2a_calls(ffns, ac == AC.FULL)
         one = all_to_all_time(payload, ctx.ep_span, ctx.cluster)
         counts = all_to_all_time(ctx.experts * COUNT_BYTES, ctx.ep_span, ctx.cluster)
@@ -464,7 +477,8 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         pending_bytes=act + weight_outputs - (tail if layer.kind == "head" and ac == AC.NONE else 0.0),
         weight_output_bytes=weight_outputs, ep_comm_fwd_s=ep_f, ep_comm_bwd_s=ep_b, a2a_bytes=a2a_bytes,
         a2a_calls=calls, a2a_count_calls=count_calls, expert_shard_extra=shard_extra,
-        expert_numel=expert_numel, rank_flops=rank_fb + rank_rec,
+        expert_numel=expert_numel, rank_flops=rank_fb + rank_rec, tp_partial_numel=partial_numel,
+        tp_partial_expert_numel=partial_experts,
     )
 
 

@@ -137,3 +137,17 @@ def dp_step_bytes(cfg, params: float, m: int) -> dict[str, float]:
     if cfg.zero == 1:  # zero1_sync_time: the owners' broadcasts, an all-gather's volume
         out["broadcast"] = params * pbytes
     return out
+
+
+def tp_partial_bytes(rank_costs: list[LayerCost], cfg) -> float:
+    """Bytes one rank all-reduces over its TP group once per step for the gradients each TP rank computes from its
+    share only (`LayerCost.tp_partial_numel`; `planner.emit.runtime.reduce_tp_partial_grads`): fp32 gradients of
+    this rank's parameters, or of its ZeRO 2/3 shards of them (over dp; experts over the dp/ep ranks holding the
+    same ones)."""
+    if cfg.tp == 1:
+        return 0.0
+    experts = sum(c.tp_partial_expert_numel for c in rank_costs)
+    rest = sum(c.tp_partial_numel for c in rank_costs) - experts
+    if cfg.zero >= 2 and cfg.dp > 1:
+        rest, experts = rest / cfg.dp, experts / max(1, cfg.dp // max(1, cfg.ep))
+    return 4.0 * (rest + experts)

@@ -99,10 +99,6 @@ def problems(facts: dict) -> list:
     if f.get("sp") and tp > 1 and f.get("seq") and f["seq"] % tp:
         out.append(f"sequence parallel needs seq={f['seq']} divisible by tp={tp}; re-plan with --fix sp=off or a "
                    "tp that divides the sequence")
-    if f.get("sp") and tp > 1 and f.get("experts"):
-        out.append(f"sequence parallel with tp={tp} is not supported yet for a mixture-of-experts model (its "
-                   "feed-forward runs on each rank's slice of the sequence with replicated router and expert weights, "
-                   "whose gradients would need a sum over tp that the runtime does not do); re-plan with --fix sp=off")
     m = f["micro_batches"]
     # torch runs GPipe and the interleaved schedules with fewer micro-batches than ranks (1F1B refuses), but the cost
     # model prices a full pipeline: m ≥ pp for every schedule

@@ -60,13 +60,15 @@ def _matches(path: str, names: tuple[str, ...]) -> bool:
 
 
 def tp_unsplit_linears(model: nn.Module) -> list[str]:
-    """The ``nn.Linear`` layers tensor parallelism cannot run: in a module that holds a column-parallel linear
-    (whose input the runtime makes a replicated DTensor, `planner.emit.runtime.apply_tp`) but matching neither
-    `COLUMN_NAMES` nor `ROW_NAMES`, so left plain, to be fed a DTensor (torch: "got mixed torch.Tensor and DTensor").
-    Multi-head latent attention's (DeepSeek-V2/V3) down- and up-projections are. One rule for the capture (the
-    arch fact ``tp_unsplit``, which `costmodel.runnable.problems` reads for the search) and the emitter."""
+    """The ``nn.Linear`` layers tensor parallelism cannot run: in a module that holds a column- or row-parallel
+    linear (whose inputs and outputs the runtime makes DTensors or head slices, `planner.emit.runtime.apply_tp`) but
+    matching neither `COLUMN_NAMES` nor `ROW_NAMES`, so left plain, to be fed a DTensor or a slice it does not fit
+    (torch: "got mixed torch.Tensor and DTensor", or a shape mismatch). Multi-head latent attention's (DeepSeek-V2/V3)
+    down- and up-projections are, with or without a query down-projection (``q_lora_rank``), and Phi-3's fused
+    ``qkv_proj``/``gate_up_proj``. One rule for the capture (the arch fact ``tp_unsplit``, which
+    `costmodel.runnable.problems` reads for the search) and the emitter."""
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    parents = {name.rpartition(".")[0] for name in linears if _matches(name, COLUMN_NAMES)}
+    parents = {name.rpartition(".")[0] for name in linears if _matches(name, COLUMN_NAMES + ROW_NAMES)}
     return [name for name in linears if name.rpartition(".")[0] in parents
             and not _matches(name, COLUMN_NAMES) and not _matches(name, ROW_NAMES)]
 

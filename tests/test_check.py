@@ -49,7 +49,8 @@ def test_data_parallel_terms_match_the_trace(config, kinds):
 MOE = "moe:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32,experts=4,top_k=2"
 
 
-@pytest.mark.parametrize("model, config", [(MODEL, "tp=2,sp=on"), (MODEL, "tp=2,sp=off"), (MOE, "tp=2,sp=off")])
+@pytest.mark.parametrize("model, config", [(MODEL, "tp=2,sp=on"), (MODEL, "tp=2,sp=off"), (MOE, "tp=2,sp=off"),
+                                           (MOE, "tp=2,sp=on")])
 def test_tensor_parallel_terms_match_the_trace(model, config):
     """Vocabulary-parallel embedding and head (`planner.emit.runtime.apply_vocab_parallel`), the loss on the vocab
     slices and sequence parallelism's run edges: tensor-parallel traffic and FLOPs as costed. Before the runtime

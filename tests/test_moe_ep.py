@@ -39,6 +39,19 @@ def hf_moe_plan(**cfg) -> Plan:
                 layers=layers)
 
 
+QWEN3 = ("hf:qwen3:num_hidden_layers=2,hidden_size=64,intermediate_size=64,num_attention_heads=4,"
+         "num_key_value_heads=2,head_dim=16,vocab_size=128,seq=32")
+
+
+def _qwen3(**cfg) -> Plan:
+    """A hand-built plan for the two-layer Hugging Face Qwen3 (per-head q/k norms), one stage, TP on both blocks."""
+    names = ["embed", "model.model.layers.0", "model.model.layers.1", "head"]
+    config = ParallelConfig(precision="fp32", **cfg)
+    layers = tuple(LayerStrategy(name=n, stage=0, tp="layers" in n) for n in names)
+    return Plan(model=QWEN3, fingerprint="hand-built", seq=32, global_batch=8, cluster="cpu-local", config=config,
+                layers=layers)
+
+
 def test_dropless_routing_equals_the_per_token_reference():
     """The default routing computes every pair, however unbalanced: here an expert gets far more than a balanced
     share (a capacity of 1.0 would drop pairs), and gradients reach every expert that was chosen."""
@@ -87,8 +100,14 @@ CASES = {
     # Hugging Face transformers' experts (grouped_mm; its CPU fallback here), routed by Mixtral's own router
     # tensor parallelism for attention (experts whole on each TP rank, which all route the same tokens)
     "moe_tp2": (2, lambda: make_plan(MOE, 2, tp=2)),
+    # with sequence parallelism the feed-forward runs on each TP rank's slice: router and experts summed over tp
+    "moe_tp2_sp": (2, lambda: make_plan(MOE, 2, tp=2, sp=True)),
+    "ep2_tp2_sp_fsdp": (4, lambda: make_plan(MOE, 2, dp=2, tp=2, ep=2, zero=2, sp=True)),
     "ep2_tp2": (4, lambda: make_plan(MOE, 2, dp=2, tp=2, ep=2)),
     "ep2_tp2_fsdp": (4, lambda: make_plan(MOE, 2, dp=2, tp=2, ep=2, zero=3)),
+    # per-head q/k norms on each TP rank's heads: their gradients summed over tp
+    "qwen3_tp2": (2, lambda: _qwen3(tp=2)),
+    "qwen3_tp2_sp": (2, lambda: _qwen3(tp=2, sp=True)),
     "hf_ep2": (2, lambda: hf_moe_plan(dp=2, ep=2)),
     "hf_ep2_fsdp_dp4": (4, lambda: hf_moe_plan(dp=4, ep=2, zero=3)),
 }
@@ -293,3 +312,21 @@ def test_tensor_parallel_refuses_what_it_cannot_split():
     assert profile_model(HF_DEEPSEEK).model.arch["tp_unsplit"] == unsplit[0]
     mixtral, _ = resolve_model(HF_MOE).build(device="meta")
     assert tp_unsplit_linears(mixtral) == []
+
+
+def test_experts_under_sequence_parallelism_trace_as_costed():
+    """ep = 2 × tp = 2 with sequence parallelism on a fake world of 8: each TP rank routes its slice of the sequence
+    (all-to-alls of tokens/tp rows: costed whole, they were 50 % off), the router's and experts' gradients summed
+    over tp once per step (`reduce_tp_partial_grads`, in the TP traffic), FLOPs and peak as costed."""
+    from planner.check.conformance import check_plan
+    from planner.validate.loop import plan_from_config
+
+    spec = "moe:layers=4,hidden=1024,heads=16,kv_heads=8,ffn=1024,vocab=32000,seq=1024,experts=8,top_k=2"
+    result = check_plan(plan_from_config(spec, "dgx-h100:nodes=1", 32, "dp=4,tp=2,ep=2,zero=2,sp=on"))
+    (role,) = result["roles"]
+    errors = role["errors"]
+    assert errors["collectives"]["all_to_all@ep"] <= 1e-6, role["traced"]["collectives"]
+    assert errors["collectives"]["all_reduce_equivalent@tp"] <= 0.02, role["traced_equivalent"]
+    assert errors["flops"] <= 0.02
+    assert errors["memory"]["peak"] <= 0.05, (role["predicted"]["memory"], role["traced"]["memory"])
+    assert result["unreduced_params"] == []

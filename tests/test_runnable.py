@@ -68,6 +68,7 @@ def test_expert_parallel_rules():
     """What the runtime's expert parallelism (`planner.emit.runtime.apply_ep`) cannot run, one line each; the
     search's candidates and the ILP's compressions obey the same rules."""
     assert problems(facts(ep=2, experts=4)) == problems(facts(dp=4, ep=2, experts=8, zero=3)) == []
+    assert problems(facts(dp=2, tp=2, ep=2, experts=4, zero=2, sp=True)) == []  # (experts whole on TP ranks)
     cases = {
         "ep=4 must divide dp=2": facts(ep=4, experts=8),
         "needs a mixture-of-experts model whose experts the runtime can split": facts(ep=2, experts=0),
@@ -77,10 +78,6 @@ def test_expert_parallel_rules():
         "selective activation checkpointing with ep=2": facts(ep=2, experts=4, selective_ac=True),
         "torch.compile with ep=2": facts(ep=2, experts=4, compile="inductor"),
         "experts' gradients are all-reduced after the step": facts(ep=2, experts=4, grad_compress="bf16"),
-        # (ep = 1 too: the feed-forward on each rank's slice of the sequence, its weights' gradients never summed
-        # over tp; the gloo matrix showed the router's copies differing after 3 steps)
-        "sequence parallel with tp=2 is not supported yet for a mixture-of-experts": facts(dp=1, tp=2, sp=True,
-                                                                                          experts=4),
     }
     for needle, f in cases.items():
         found = problems(f)

@@ -37,7 +37,7 @@ from costmodel.estimate import Evaluator
 from costmodel.layercost import is_tp_layer, recompute_comm_bytes, tp_comm_bytes
 from costmodel.memory import FRAGMENTATION, runtime_reserved_bytes
 from costmodel.moe import COUNT_BYTES
-from costmodel.overlap import dp_step_bytes
+from costmodel.overlap import dp_step_bytes, tp_partial_bytes
 from planner.check.fold import MICRO_BATCHES as MICRO_BATCHES_FOLDED
 from planner.check.fold import extrapolate, fold_plan, traces_for
 from planner.check.tracers import Tracers, check_capture, trace_job
@@ -116,7 +116,8 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
                     bf, bb = tp_comm_bytes(lg.layers[i], ev.ctx)
                     full = acs[i].value == "full" and lg.layers[i].kind == "block"
                     tp_bytes += bf + bb + (recompute_comm_bytes(lg.layers[i], ev.ctx) if full else 0.0)
-            collectives["all_reduce_equivalent@tp"] = ev.m * tp_bytes
+            # and once per step, the sum of the gradients TP ranks compute from their share only
+            collectives["all_reduce_equivalent@tp"] = ev.m * tp_bytes + tp_partial_bytes(costs, cfg)
         if cfg.pp > 1:  # each boundary: the activation forward, its gradient back, every micro-batch
             n_stages = cfg.pp * cfg.vpp
             starts = {s: stage_of.index(s) for s in range(n_stages)}

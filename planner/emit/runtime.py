@@ -212,6 +212,8 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
         # 2b. Expert parallel: this rank's experts only, tokens sent to their experts by all-to-all.
         if plan["ep"] > 1:
             apply_ep(part, plan, mesh["ep"])
+        # 2c. The parameters whose gradients each TP rank computes from its share only (summed over tp per step).
+        part._autopar_tp_partial = tp_partial_params(part, plan)
         # 3. Activation checkpointing, per block as the plan says.
         if plan["ac"]:
             apply_ac(part, plan)
@@ -812,6 +814,12 @@ def expert_parallel_topk_forward(local_forward, group, ep: int, experts: int, hi
 
     def run_local(rows: torch.Tensor, local_counts: list | None) -> torch.Tensor:
         n = rows.shape[0]
+        if n == 0:  # nothing routed to this rank: stay in the graph (zero gradients for the experts), so that the
+            # all-to-alls' backward runs here as on the other ranks (transformers' eager expert loops return a new
+            # zeros tensor then, and the peers' reverse all-to-alls would wait for this rank for ever)
+            owner = getattr(local_forward, "__self__", None)
+            params = list(owner.parameters()) if owner is not None else []
+            return rows + sum((p.reshape(-1)[:1].sum() * 0 for p in params), rows.new_zeros(()))
         sizes = local_counts if local_counts is not None else [n // local] * local
         ids = torch.repeat_interleave(torch.arange(local, device=rows.device),
                                       torch.tensor(sizes, device=rows.device), output_size=n)
@@ -852,22 +860,80 @@ def apply_fsdp_experts(part: nn.Module, plan: dict, edp_mesh: DeviceMesh) -> Non
             module.set_force_sum_reduction_for_comms(True)
 
 
+GRAD_BUCKET_BYTES = 25 * 2**20  #: DDP's default bucket cap, used for the gradient all-reduces after the backward
+
+
+def allreduce_in_buckets(grads: list, group, divide: int = 1) -> None:
+    """Sum ``grads`` (plain tensors, in place) over ``group`` and divide by ``divide``: packed, like DDP, into flat
+    buckets of at most `GRAD_BUCKET_BYTES` of one dtype (one all-reduce each, not one per tensor, and no copy of
+    them all at once)."""
+    bucket: list = []
+    size = 0
+    for k, grad in enumerate(grads):
+        bucket.append(grad)
+        size += grad.numel() * grad.element_size()
+        last = k == len(grads) - 1
+        if size >= GRAD_BUCKET_BYTES or last or grads[k + 1].dtype != grad.dtype:
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=group)
+            if divide != 1:
+                flat.div_(divide)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            bucket, size = [], 0
+
+
+def _local_grad(p: torch.Tensor) -> torch.Tensor | None:
+    g = p.grad
+    return g.to_local() if isinstance(g, DTensor) else g
+
+
 def reduce_expert_grads(par: Parallel) -> None:
     """ZeRO 0: the experts' gradients (which DDP ignores) summed over the edp group and divided by dp, after the
-    whole backward (see `apply_fsdp_experts` for why dp); one flat all-reduce per part."""
+    whole backward (see `apply_fsdp_experts` for why dp), in buckets (`allreduce_in_buckets`)."""
     edp = par.mesh["edp"]
     for part in par.parts:
         grads = [p.grad for m in expert_modules(part) for p in m.parameters() if p.grad is not None]
-        if not grads:
-            continue
-        flat = torch.cat([g.reshape(-1) for g in grads])
         if edp.size() > 1:
-            dist.all_reduce(flat, group=edp.get_group())
-        flat.div_(par.plan["dp"])
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+            allreduce_in_buckets(grads, edp.get_group(), divide=par.plan["dp"])
+        else:
+            for g in grads:
+                g.div_(par.plan["dp"])
+
+
+def tp_partial_params(part: nn.Module, plan: dict) -> list:
+    """``(module, name)`` of the parameters of this part's tensor-parallel blocks whose gradient on one TP rank
+    covers only that rank's share of the work, so that their sum over the TP group is the gradient: the plain
+    parameters (not DTensors after `apply_tp`) inside the modules split by heads (``sp_gather``: Qwen3's, OLMo2's
+    and Gemma 3's per-head q/k norms run on this rank's heads) and, under sequence parallelism, the plain
+    parameters anywhere else in the block (a mixture-of-experts feed-forward's router and experts run on this
+    rank's slice of the sequence). The norms sequence parallelism runs on the slice are DTensors, which torch's
+    ``SequenceParallel`` reduces itself. Megatron-LM sums such gradients once per step (``finalize_model_grads``):
+    `reduce_tp_partial_grads`. Taken after `apply_tp` and `apply_ep`, before data parallelism swaps parameters."""
+    if plan["tp"] == 1:
+        return []
+    out = []
+    for name, block in zip(part._autopar_block_names, block_list(part, plan)):
+        if name not in plan["tp_blocks"]:
+            continue
+        for rel, module in block.named_modules():
+            by_heads = any(rel == g or rel.startswith(g + ".") for g in plan["sp_gather"])
+            if not (by_heads or plan["sp"]):
+                continue  # (without SP the rest of the block sees the whole sequence on every TP rank)
+            out += [(module, n) for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+    return out
+
+
+def reduce_tp_partial_grads(par: Parallel) -> None:
+    """Sum the gradients of `tp_partial_params` over the TP group, once per step after the whole backward and the
+    data-parallel reduction (a sum commutes with it), in buckets; a ZeRO shard sums with the same shard of the
+    other TP ranks."""
+    group = par.mesh["tp"].get_group()
+    for part in par.parts:
+        grads = [_local_grad(getattr(module, n)) for module, n in getattr(part, "_autopar_tp_partial", ())]
+        allreduce_in_buckets([g for g in grads if g is not None], group)
 
 
 def build_tied_groups(plan: dict, mesh: DeviceMesh) -> list:

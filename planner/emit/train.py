@@ -24,10 +24,12 @@ from costmodel.runnable import post_step_allreduce
 from planner.emit.runtime import (
     DTYPES,
     Parallel,
+    allreduce_in_buckets,
     expert_modules,
     is_expert_parameter,
     loss_context,
     reduce_expert_grads,
+    reduce_tp_partial_grads,
     sync_tied_grads,
     tied_copies,
 )
@@ -180,6 +182,8 @@ def train_step_loss(par: Parallel, optimizer: torch.optim.Optimizer, inputs: tor
             allreduce_grads(part, plan["dp"])
     if plan["ep"] > 1 and plan["zero"] == 0:  # the experts' gradients, which DDP left alone
         reduce_expert_grads(par)
+    if plan["tp"] > 1:  # the gradients each TP rank computed from its heads or its slice of the sequence only
+        reduce_tp_partial_grads(par)
     if plan["pp"] > 1 and plan["tied"]:
         sync_tied_grads(par)
     par.grad_norm = clip_grad_norm(par, plan["clip_norm"])
@@ -192,33 +196,15 @@ def train_step_loss(par: Parallel, optimizer: torch.optim.Optimizer, inputs: tor
     return total[0] / plan["dp"]
 
 
-GRAD_BUCKET_BYTES = 25 * 2**20  #: DDP's default bucket cap, used for the post-step all-reduce too
-
-
 def allreduce_grads(part: nn.Module, dp: int) -> None:
     """Average the gradients over the data-parallel group after the backward, where DDP cannot (tensor-parallel
-    DTensor parameters; the zero-bubble schedule's hand-written weight gradients). Like DDP, gradients are packed
-    into flat buckets of at most `GRAD_BUCKET_BYTES` (one all-reduce each, not one per tensor), in reverse
-    parameter order, as their gradients become ready. Expert parameters (ep > 1) are left to `reduce_expert_grads`,
-    over the ranks holding the same experts."""
+    DTensor parameters; the zero-bubble schedule's hand-written weight gradients), in DDP's reverse parameter
+    order and buckets (`allreduce_in_buckets`). Expert parameters (ep > 1) are left to `reduce_expert_grads`, over
+    the ranks holding the same experts."""
     experts = {id(p) for m in expert_modules(part) for p in m.parameters()}
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
              for p in reversed(list(part.parameters())) if p.grad is not None and id(p) not in experts]
-    bucket: list = []
-    size = 0
-    for k, grad in enumerate(grads):
-        bucket.append(grad)
-        size += grad.numel() * grad.element_size()
-        last = k == len(grads) - 1
-        if size >= GRAD_BUCKET_BYTES or last or grads[k + 1].dtype != grad.dtype:
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat, group=part._autopar_grad_group)
-            flat.div_(dp)
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-            bucket, size = [], 0
+    allreduce_in_buckets(grads, part._autopar_grad_group, divide=dp)
 
 
 @contextlib.contextmanager

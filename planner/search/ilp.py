@@ -286,8 +286,10 @@ class Model:
         d, s = self.d, self.solver
         self.dp_excess, self.dp_tail, self.dp_delta = {}, {}, {}
         for r in range(d.pp):
-            opt, _, opt_hi = self.tab(r, lambda n, r=r: self._t(optimizer_time(self._params(r, n), d.ev,
-                                                                                 self._extra(r, n))))
+            # the optimizer, and the sum over tp of the gradients TP ranks compute from their share only
+            opt, _, opt_hi = self.tab(r, lambda n, r=r: self._t(
+                optimizer_time(self._params(r, n), d.ev, self._extra(r, n))
+                + d.ev.tp_partial_sync_time(_rank_layer_costs(d, r, n))))
             tied = self._t(d.ev.tied_sync_time(r))  # the embedding group's all-reduce, exposed (first/last rank)
             opt, opt_hi = opt + tied, opt_hi + tied
             if d.cfg.dp == 1 or (d.cfg.zero == 3 and not d.cfg.fsdp_in_pipeline):

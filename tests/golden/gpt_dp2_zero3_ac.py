@@ -348,12 +348,6 @@ def problems(facts: dict) -> list:
             f"sequence parallel needs seq={f['seq']} divisible by tp={tp}; re-plan with --fix sp=off or a "
             "tp that divides the sequence"
         )
-    if f.get("sp") and tp > 1 and f.get("experts"):
-        out.append(
-            f"sequence parallel with tp={tp} is not supported yet for a mixture-of-experts model (its "
-            "feed-forward runs on each rank's slice of the sequence with replicated router and expert weights, "
-            "whose gradients would need a sum over tp that the runtime does not do); re-plan with --fix sp=off"
-        )
     m = f["micro_batches"]
     # torch runs GPipe and the interleaved schedules with fewer micro-batches than ranks (1F1B refuses), but the cost
     # model prices a full pipeline: m ≥ pp for every schedule
@@ -546,6 +540,8 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
     modules = []
     for index, part in zip(indices, parts):
         module = part  # what trains: the part itself, or its data-parallel wrapper
+        # 2c. The parameters whose gradients each TP rank computes from its share only (summed over tp per step).
+        part._autopar_tp_partial = tp_partial_params(part, plan)
         # 3. Activation checkpointing, per block as the plan says.
         apply_ac(part, plan)
         # 3b. torch.compile per block (the script's --compile), after AC and before data parallelism, as torchtitan
@@ -639,6 +635,18 @@ def apply_fsdp(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     return part
+
+
+def tp_partial_params(part: nn.Module, plan: dict) -> list:
+    """``(module, name)`` of the parameters of this part's tensor-parallel blocks whose gradient on one TP rank
+    covers only that rank's share of the work, so that their sum over the TP group is the gradient: the plain
+    parameters (not DTensors after `apply_tp`) inside the modules split by heads (``sp_gather``: Qwen3's, OLMo2's
+    and Gemma 3's per-head q/k norms run on this rank's heads) and, under sequence parallelism, the plain
+    parameters anywhere else in the block (a mixture-of-experts feed-forward's router and experts run on this
+    rank's slice of the sequence). The norms sequence parallelism runs on the slice are DTensors, which torch's
+    ``SequenceParallel`` reduces itself. Megatron-LM sums such gradients once per step (``finalize_model_grads``):
+    `reduce_tp_partial_grads`. Taken after `apply_tp` and `apply_ep`, before data parallelism swaps parameters."""
+    return []
 
 
 def _local_parameter(part: nn.Module, name: str):

@@ -371,12 +371,6 @@ def problems(facts: dict) -> list:
             f"sequence parallel needs seq={f['seq']} divisible by tp={tp}; re-plan with --fix sp=off or a "
             "tp that divides the sequence"
         )
-    if f.get("sp") and tp > 1 and f.get("experts"):
-        out.append(
-            f"sequence parallel with tp={tp} is not supported yet for a mixture-of-experts model (its "
-            "feed-forward runs on each rank's slice of the sequence with replicated router and expert weights, "
-            "whose gradients would need a sum over tp that the runtime does not do); re-plan with --fix sp=off"
-        )
     m = f["micro_batches"]
     # torch runs GPipe and the interleaved schedules with fewer micro-batches than ranks (1F1B refuses), but the cost
     # model prices a full pipeline: m ≥ pp for every schedule
@@ -572,6 +566,8 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
         # 2. Tensor parallel: Megatron column/row layout per block, sequence parallel on the norms.
         apply_tp(part, plan, mesh["tp"])
         apply_vocab_parallel(part, plan, mesh["tp"])
+        # 2c. The parameters whose gradients each TP rank computes from its share only (summed over tp per step).
+        part._autopar_tp_partial = tp_partial_params(part, plan)
         # 3b. torch.compile per block (the script's --compile), after AC and before data parallelism, as torchtitan
         #     does; in place, so parameter and checkpoint names do not change.
         if plan["compile"]:
@@ -798,6 +794,67 @@ def apply_fsdp(part: nn.Module, plan: dict, dp_mesh: DeviceMesh) -> nn.Module:
     return part
 
 
+GRAD_BUCKET_BYTES = 25 * 2**20  #: DDP's default bucket cap, used for the gradient all-reduces after the backward
+
+
+def allreduce_in_buckets(grads: list, group, divide: int = 1) -> None:
+    """Sum ``grads`` (plain tensors, in place) over ``group`` and divide by ``divide``: packed, like DDP, into flat
+    buckets of at most `GRAD_BUCKET_BYTES` of one dtype (one all-reduce each, not one per tensor, and no copy of
+    them all at once)."""
+    bucket: list = []
+    size = 0
+    for k, grad in enumerate(grads):
+        bucket.append(grad)
+        size += grad.numel() * grad.element_size()
+        last = k == len(grads) - 1
+        if size >= GRAD_BUCKET_BYTES or last or grads[k + 1].dtype != grad.dtype:
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=group)
+            if divide != 1:
+                flat.div_(divide)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            bucket, size = [], 0
+
+
+def _local_grad(p: torch.Tensor) -> torch.Tensor | None:
+    g = p.grad
+    return g.to_local() if isinstance(g, DTensor) else g
+
+
+def tp_partial_params(part: nn.Module, plan: dict) -> list:
+    """``(module, name)`` of the parameters of this part's tensor-parallel blocks whose gradient on one TP rank
+    covers only that rank's share of the work, so that their sum over the TP group is the gradient: the plain
+    parameters (not DTensors after `apply_tp`) inside the modules split by heads (``sp_gather``: Qwen3's, OLMo2's
+    and Gemma 3's per-head q/k norms run on this rank's heads) and, under sequence parallelism, the plain
+    parameters anywhere else in the block (a mixture-of-experts feed-forward's router and experts run on this
+    rank's slice of the sequence). The norms sequence parallelism runs on the slice are DTensors, which torch's
+    ``SequenceParallel`` reduces itself. Megatron-LM sums such gradients once per step (``finalize_model_grads``):
+    `reduce_tp_partial_grads`. Taken after `apply_tp` and `apply_ep`, before data parallelism swaps parameters."""
+    out = []
+    for name, block in zip(part._autopar_block_names, block_list(part, plan)):
+        if name not in plan["tp_blocks"]:
+            continue
+        for rel, module in block.named_modules():
+            by_heads = any(rel == g or rel.startswith(g + ".") for g in plan["sp_gather"])
+            if not (by_heads or plan["sp"]):
+                continue  # (without SP the rest of the block sees the whole sequence on every TP rank)
+            out += [(module, n) for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+    return out
+
+
+def reduce_tp_partial_grads(par: Parallel) -> None:
+    """Sum the gradients of `tp_partial_params` over the TP group, once per step after the whole backward and the
+    data-parallel reduction (a sum commutes with it), in buckets; a ZeRO shard sums with the same shard of the
+    other TP ranks."""
+    group = par.mesh["tp"].get_group()
+    for part in par.parts:
+        grads = [_local_grad(getattr(module, n)) for module, n in getattr(part, "_autopar_tp_partial", ())]
+        allreduce_in_buckets([g for g in grads if g is not None], group)
+
+
 def _local_parameter(part: nn.Module, name: str):
     """``part``'s parameter under its original name, or None where the module holding it was split off."""
     module = part
@@ -958,6 +1015,7 @@ def train_step_loss(
             sync = k == n - 1 or (attach and k == 0)
             loss = _accumulate(module, par.loss_fn, xm, ym, n, sync, keep_gathered=plan["zero"] == 2)
             local += loss.detach().float()
+    reduce_tp_partial_grads(par)
     par.grad_norm = clip_grad_norm(par, plan["clip_norm"])
     optimizer.step()
     total = local.reshape(1).clone()
