@@ -43,12 +43,17 @@ QWEN3 = ("hf:qwen3:num_hidden_layers=2,hidden_size=64,intermediate_size=64,num_a
          "num_key_value_heads=2,head_dim=16,vocab_size=128,seq=32")
 
 
-def _qwen3(**cfg) -> Plan:
-    """A hand-built plan for the two-layer Hugging Face Qwen3 (per-head q/k norms), one stage, TP on both blocks."""
+QWEN3_MOE = ("hf:qwen3_moe:num_hidden_layers=2,hidden_size=64,intermediate_size=64,num_attention_heads=4,"
+             "num_key_value_heads=2,head_dim=16,vocab_size=128,moe_intermediate_size=32,num_experts=4,"
+             "num_experts_per_tok=2,decoder_sparse_step=2,seq=32")
+
+
+def _qwen3(spec: str = QWEN3, **cfg) -> Plan:
+    """A hand-built plan for a two-layer Hugging Face Qwen3 (per-head q/k norms), one stage, TP on both blocks."""
     names = ["embed", "model.model.layers.0", "model.model.layers.1", "head"]
     config = ParallelConfig(precision="fp32", **cfg)
     layers = tuple(LayerStrategy(name=n, stage=0, tp="layers" in n) for n in names)
-    return Plan(model=QWEN3, fingerprint="hand-built", seq=32, global_batch=8, cluster="cpu-local", config=config,
+    return Plan(model=spec, fingerprint="hand-built", seq=32, global_batch=8, cluster="cpu-local", config=config,
                 layers=layers)
 
 
@@ -108,6 +113,9 @@ CASES = {
     # per-head q/k norms on each TP rank's heads: their gradients summed over tp
     "qwen3_tp2": (2, lambda: _qwen3(tp=2)),
     "qwen3_tp2_sp": (2, lambda: _qwen3(tp=2, sp=True)),
+    # a dense block and a MoE block (Qwen3-MoE, decoder_sparse_step=2): each takes its own TP layout
+    "qwen3moe_tp2_sp": (2, lambda: _qwen3(tp=2, sp=True, spec=QWEN3_MOE)),
+    "qwen3moe_ep2_tp2": (4, lambda: _qwen3(dp=2, tp=2, ep=2, spec=QWEN3_MOE)),
     "hf_ep2": (2, lambda: hf_moe_plan(dp=2, ep=2)),
     "hf_ep2_fsdp_dp4": (4, lambda: hf_moe_plan(dp=4, ep=2, zero=3)),
 }

@@ -179,9 +179,14 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
     tp_blocks = [lay.name for lay in block_layers if lay.tp]
     if c.tp > 1 and not tp_blocks:  # no per-layer choice: every block is split
         tp_blocks = [lay.name for lay in block_layers]
-    layout = tp_layout(blocks[0]) if len(blocks) else {}
-    if c.tp > 1:
-        _check_tp(plan, blocks[0], layout)
+    # the union of the blocks' layouts (by relative name): blocks that differ (DeepSeek's and Qwen3-MoE's dense
+    # first blocks beside MoE ones) each take the entries they hold (`planner.emit.runtime.block_tp_layout`)
+    layout = {}
+    for block in blocks:
+        own = tp_layout(block)
+        if c.tp > 1:
+            _check_tp(plan, block, own)
+        layout.update(own)
     n_stages = c.pp * c.vpp
     if plan.stages and c.pp > 1:
         stage_rank = [s.rank for s in sorted(plan.stages, key=lambda s: s.index)]
@@ -197,8 +202,7 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
                     "tp_unsplit": next(iter(tp_unsplit_linears(model)), "")})
     if why:
         raise ValueError(f"this plan cannot run: {why[0]}")
-    block0 = blocks[0] if len(blocks) else nn.Module()
-    sp_norms = [n for n, m in block0.named_children() if "norm" in type(m).__name__.lower()]
+    sp_norms = sorted({n for block in blocks for n, m in block.named_children() if "norm" in type(m).__name__.lower()})
     sp_gather = sorted({rel.rpartition(".")[0] for rel, k in layout.items() if k == "colwise"} - {""})
     return {
         "model": plan.model, "world": c.world, "pp": c.pp, "dp": c.dp, "tp": c.tp, "ep": c.ep, **experts, "vpp": c.vpp,

@@ -673,17 +673,19 @@ def apply_tp(part: nn.Module, plan: dict, tp_mesh: DeviceMesh) -> None:
     for i, (block, on) in enumerate(zip(blocks, flags)):
         if not on:
             continue
+        own, gather = block_tp_layout(block, plan)
         layout = {}
-        for rel, kind in plan["tp_layout"].items():
+        for rel, kind in own.items():
             if kind == "colwise":
                 layout[rel] = ColwiseParallel()
             else:
                 layout[rel] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
         if sp:
             for rel in plan["sp_norms"]:
-                layout[rel] = SequenceParallel(use_local_output=True)
+                if _submodule(block, rel) is not None:
+                    layout[rel] = SequenceParallel(use_local_output=True)
         parallelize_module(block, tp_mesh, layout)
-        for rel in plan["sp_gather"]:  # the modules whose input feeds column-parallel linears
+        for rel in gather:  # the modules whose input feeds column-parallel linears
             block.get_submodule(rel).register_forward_pre_hook(
                 _convert_input(_gather_seq if sp else _as_replicate, tp_mesh), with_kwargs=True
             )
@@ -692,6 +694,16 @@ def apply_tp(part: nn.Module, plan: dict, tp_mesh: DeviceMesh) -> None:
                 block.register_forward_pre_hook(_convert_input(_to_shard, tp_mesh), with_kwargs=True)
             if i == len(blocks) - 1 or not flags[i + 1]:
                 block.register_forward_hook(_convert_output(_to_replicate, tp_mesh))
+
+
+def block_tp_layout(block: nn.Module, plan: dict) -> tuple[dict, list]:
+    """This block's entries of the plan's tensor-parallel layout (``{relative linear: "colwise" | "rowwise"}``, the
+    union over the model's blocks) and the modules whose input it gathers (``sp_gather``: those holding one of its
+    column-parallel linears): a MoE block beside dense ones holds no dense feed-forward projections, and its
+    feed-forward's input stays a plain tensor."""
+    own = {rel: kind for rel, kind in plan["tp_layout"].items() if _submodule(block, rel) is not None}
+    parents = {rel.rpartition(".")[0] for rel, kind in own.items() if kind == "colwise"}
+    return own, [rel for rel in plan["sp_gather"] if rel in parents]
 
 
 def apply_vocab_parallel(part: nn.Module, plan: dict, tp_mesh: DeviceMesh) -> None:
@@ -837,8 +849,9 @@ def tp_partial_params(part: nn.Module, plan: dict) -> list:
     for name, block in zip(part._autopar_block_names, block_list(part, plan)):
         if name not in plan["tp_blocks"]:
             continue
+        gather = block_tp_layout(block, plan)[1]
         for rel, module in block.named_modules():
-            by_heads = any(rel == g or rel.startswith(g + ".") for g in plan["sp_gather"])
+            by_heads = any(rel == g or rel.startswith(g + ".") for g in gather)
             if not (by_heads or plan["sp"]):
                 continue  # (without SP the rest of the block sees the whole sequence on every TP rank)
             out += [(module, n) for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
