@@ -126,7 +126,8 @@ class ParallelConfig:
                 "precision": self.precision, "micro_batches": global_batch // (self.dp * self.mbs),
                 "seq": seq or arch.get("seq"), "heads": arch.get("heads"), "kv_heads": arch.get("kv_heads"),
                 # the experts the runtime can split (the capture's `profiler.experts` rule), not the cost model's
-                "ep": self.ep, "experts": arch.get("ep_experts", 0), "tp_unsplit": arch.get("tp_unsplit", "")}
+                "ep": self.ep, "experts": arch.get("ep_experts", 0), "expert_dim1": arch.get("ep_dim1"),
+                "tp_unsplit": arch.get("tp_unsplit", "")}
 
     def to_dict(self) -> dict:
         d = asdict(self)

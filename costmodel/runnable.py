@@ -25,7 +25,8 @@ This module imports nothing but the standard library: the emitter copies it into
 ``powersgd``), ``precision``, ``micro_batches`` (per pipeline per step), and optionally ``seq``, ``heads``,
 ``kv_heads``, ``compile`` (the launch's torch.compile backend or None), ``checkpointed`` (any block under AC),
 ``selective_ac`` (any block under selective AC), ``ep`` (expert-parallel degree, default 1), ``experts`` (experts
-per MoE layer; None or 0: not a MoE model the runtime can split) and ``tp_unsplit`` (a linear tensor parallelism
+per MoE layer; None or 0: not a MoE model the runtime can split), ``expert_dim1`` (the gcd of the expert weights'
+second dimensions; None: unknown) and ``tp_unsplit`` (a linear tensor parallelism
 cannot run, `profiler.layers.tp_unsplit_linears`; empty: none).
 """
 
@@ -146,6 +147,13 @@ def expert_problems(facts: dict) -> list:
     elif f.get("experts") and f["experts"] % ep:
         out.append(f"ep={ep} does not divide experts={f['experts']}; re-plan with --fix ep=<a divisor of "
                    f"{f['experts']}>")
+    experts, dim1 = f.get("experts") or 0, f.get("expert_dim1")
+    edp = dp // ep if dp % ep == 0 else 1
+    if zero >= 2 and edp > 1 and experts and experts % ep == 0 and (experts // ep) % edp and dim1 and dim1 % edp:
+        out.append(f"ep={ep} with zero={zero} and dp={dp}: the {experts // ep} experts a rank holds do not split over "
+                   f"the {edp} ranks sharing them (dp/ep), nor do their weights' second dimensions (divisible by "
+                   f"{dim1}), which torch's FSDP2 needs; re-plan with --fix ep=<a divisor of dp with (experts/ep) "
+                   "divisible by dp/ep>")
     if zero == 1:
         out.append(f"ep={ep} with zero=1 is not supported (ZeroRedundancyOptimizer would broadcast one rank's experts "
                    "over the whole dp group); re-plan with --fix zero=0, zero=2 or zero=3")

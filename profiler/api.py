@@ -150,9 +150,10 @@ def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: s
         model = model.to(torch_dtype)
     arch = dict(source.arch())
     try:  # how many experts the runtime's expert parallelism can split (0: none; `profiler.experts`)
-        arch["ep_experts"] = expert_modules(model)["experts"]
+        found = expert_modules(model)
+        arch["ep_experts"], arch["ep_dim1"] = found["experts"], found["expert_dim1"]
     except ValueError:
-        arch["ep_experts"] = 0
+        arch["ep_experts"], arch["ep_dim1"] = 0, 0
     unsplit = tp_unsplit_linears(model)  # linears tensor parallelism cannot run (`profiler.layers`)
     arch["tp_unsplit"] = unsplit[0] if unsplit else ""
     graph = capture(model, inputs, name=spec, arch=arch, kernels=kernels)

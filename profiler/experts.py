@@ -16,6 +16,7 @@ Everything else (a router, shared experts, a dense feed-forward) is an ordinary 
 from __future__ import annotations
 
 import inspect
+import math
 
 from torch import nn
 
@@ -35,11 +36,14 @@ def _interface(module: nn.Module) -> str | None:
 
 def expert_modules(blocks) -> dict:
     """The expert modules of ``blocks`` (an iterable of blocks, or one module): ``{"experts": E (0: none),
-    "ep_modules": [names relative to a block, in any block], "ep_interface": "counts" | "top_k" | None}``.
+    "ep_modules": [names relative to a block, in any block], "ep_interface": "counts" | "top_k" | None,
+    "expert_dim1": the greatest common divisor of their weights' second dimensions (how FSDP may split them along
+    it, `planner.emit.runtime.apply_fsdp_experts`)}``.
     A model whose expert modules disagree (numbers of experts, interfaces) cannot be split: ValueError."""
     if isinstance(blocks, nn.Module):
         blocks = [blocks]
     names, sizes, kinds = [], set(), set()
+    dim1 = 0
     for block in blocks:
         for name, module in block.named_modules():
             params = list(module.parameters(recurse=False))
@@ -53,8 +57,10 @@ def expert_modules(blocks) -> dict:
                 names.append(name)
             sizes |= lead
             kinds.add(kind)
+            for p in params:  # (a vector [E] cannot be split along a second dimension: 1)
+                dim1 = math.gcd(dim1, p.shape[1] if p.dim() >= 2 else 1)
     if len(sizes) > 1 or len(kinds) > 1:
         raise ValueError(f"expert modules {names} hold different numbers of experts {sorted(sizes)} or interfaces "
                          f"{sorted(kinds)}; expert parallelism cannot split them: plan with --fix ep=1")
     return {"experts": sizes.pop() if sizes else 0, "ep_modules": names,
-            "ep_interface": kinds.pop() if kinds else None}
+            "ep_interface": kinds.pop() if kinds else None, "expert_dim1": dim1}

@@ -338,3 +338,23 @@ def test_experts_under_sequence_parallelism_trace_as_costed():
     assert errors["flops"] <= 0.02
     assert errors["memory"]["peak"] <= 0.05, (role["predicted"]["memory"], role["traced"]["memory"])
     assert result["unreduced_params"] == []
+
+
+def test_experts_shard_only_where_fsdp_can():
+    """Where a rank's E/ep experts do not split over the dp/ep ranks sharing them, FSDP2 shards their weights along
+    dim 1 (`apply_fsdp_experts`), which torch 2.13 accepts only evenly ("FSDP does not support uneven sharding on
+    dim 1"): one rule, from the weights' second dimensions (`profiler.experts`), refuses the rest for the search,
+    the emitter and the runtime."""
+    from costmodel.runnable import problems
+    from profiler.experts import expert_modules
+    from profiler.zoo.registry import resolve_model
+
+    model, _ = resolve_model(MOE2).build(device="meta")
+    found = expert_modules(model)
+    assert (found["experts"], found["expert_dim1"]) == (2, 64)  # w1, w3 [E, ffn, hidden], w2 [E, hidden, ffn]
+    base = {"tp": 1, "pp": 1, "vpp": 1, "schedule": "1f1b", "zero": 3, "sp": False, "grad_compress": "none",
+            "precision": "fp32", "micro_batches": 2, "ep": 2, "experts": 2, "expert_dim1": 64}
+    assert problems({**base, "dp": 4}) == []  # edp = 2 divides 64: dim 1 (the gloo case ep2_fsdp_dp4_dim1)
+    (why,) = problems({**base, "dp": 6})  # edp = 3 neither divides the one expert per rank nor 64
+    assert "do not split over the 3 ranks sharing them" in why and "re-plan" in why
+    assert problems({**base, "dp": 6, "zero": 0}) == []  # DDP does not shard them

@@ -199,6 +199,7 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
     # the rules the search and runtime apply
     why = problems({**c.runnable_facts(plan.global_batch, seq=plan.seq), "compile": compile, "checkpointed": bool(ac),
                     "selective_ac": "selective" in ac.values(), "ep": c.ep, "experts": experts["experts"],
+                    "expert_dim1": experts["expert_dim1"],
                     "tp_unsplit": next(iter(tp_unsplit_linears(model)), "")})
     if why:
         raise ValueError(f"this plan cannot run: {why[0]}")

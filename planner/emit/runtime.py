@@ -120,7 +120,8 @@ def plan_problems(plan: dict) -> list:
     search and emitter apply too): a hand-edited ``PLAN`` fails here, before any collective."""
     facts = {key: plan[key] for key in ("dp", "tp", "pp", "vpp", "schedule", "zero", "sp", "grad_compress",
                                         "precision", "seq")}
-    facts.update({key: plan[key] for key in ("ep", "experts") if key in plan})  # (a PLAN from before ep has none)
+    # (a PLAN from before ep has none of these)
+    facts.update({key: plan[key] for key in ("ep", "experts", "expert_dim1") if key in plan})
     return problems({**facts, "micro_batches": plan["grad_accum"], "compile": plan["compile"],
                      "checkpointed": bool(plan["ac"]), "selective_ac": "selective" in plan["ac"].values()})
 

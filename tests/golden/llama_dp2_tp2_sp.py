@@ -55,6 +55,7 @@ PLAN = {
     "experts": 0,
     "ep_modules": [],
     "ep_interface": None,
+    "expert_dim1": 0,
     "vpp": 1,
     "schedule": "1f1b",
     "zero": 2,
@@ -435,6 +436,15 @@ def expert_problems(facts: dict) -> list:
         out.append(
             f"ep={ep} does not divide experts={f['experts']}; re-plan with --fix ep=<a divisor of {f['experts']}>"
         )
+    experts, dim1 = f.get("experts") or 0, f.get("expert_dim1")
+    edp = dp // ep if dp % ep == 0 else 1
+    if zero >= 2 and edp > 1 and experts and experts % ep == 0 and (experts // ep) % edp and dim1 and dim1 % edp:
+        out.append(
+            f"ep={ep} with zero={zero} and dp={dp}: the {experts // ep} experts a rank holds do not split over "
+            f"the {edp} ranks sharing them (dp/ep), nor do their weights' second dimensions (divisible by "
+            f"{dim1}), which torch's FSDP2 needs; re-plan with --fix ep=<a divisor of dp with (experts/ep) "
+            "divisible by dp/ep>"
+        )
     if zero == 1:
         out.append(
             f"ep={ep} with zero=1 is not supported (ZeroRedundancyOptimizer would broadcast one rank's experts "
@@ -496,7 +506,8 @@ def plan_problems(plan: dict) -> list:
         key: plan[key]
         for key in ("dp", "tp", "pp", "vpp", "schedule", "zero", "sp", "grad_compress", "precision", "seq")
     }
-    facts.update({key: plan[key] for key in ("ep", "experts") if key in plan})  # (a PLAN from before ep has none)
+    # (a PLAN from before ep has none of these)
+    facts.update({key: plan[key] for key in ("ep", "experts", "expert_dim1") if key in plan})
     return problems(
         {
             **facts,
