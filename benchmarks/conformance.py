@@ -30,9 +30,13 @@ MOE_MED = "moe:layers=4,hidden=1024,heads=16,kv_heads=8,ffn=2816,vocab=32000,seq
 HF_MED = ("hf:llama:num_hidden_layers=4,hidden_size=1024,intermediate_size=2816,num_attention_heads=16,"
           "num_key_value_heads=8,vocab_size=32000,seq=2048")
 H8 = "dgx-h100:nodes=1"
+DEEPSEEK = ("hf:deepseek_v3:hidden_size=2048,num_hidden_layers=27,num_attention_heads=16,num_key_value_heads=16,"
+            "intermediate_size=11264,moe_intermediate_size=1408,n_routed_experts=64,num_experts_per_tok=6,"
+            "n_shared_experts=2,first_k_dense_replace=1,n_group=1,topk_group=1,q_lora_rank=null,kv_lora_rank=512,"
+            "qk_nope_head_dim=128,qk_rope_head_dim=64,v_head_dim=128,vocab_size=163840,seq=4096")
 JOBS = [  # (model, cluster, global batch, --fix): DDP, ZeRO-1/2/3, TP+SP, every schedule, AC, compression, tied
-    # embeddings, MoE (ep = 1), a Hugging Face model, llama3-8b on 8 H100, and the searched plans of llama3-70b on
-    # 64 H100 and llama3-405b on 512
+    # embeddings, MoE (ep = 1, ep = 4, ep × tp × sp), a Hugging Face model, llama3-8b on 8 H100, and the searched
+    # plans of llama3-70b on 64 H100, llama3-405b on 512, mixtral-8x7b on 32 and a DeepSeek-style model on 16
     ("llama-tiny", "cpu-local", 8, "dp=2,zero=0"),
     ("llama-tiny", "cpu-local", 8, "dp=2,zero=0,mbs=1"),  # DDP with gradient accumulation (4 micro-batches)
     ("llama-tiny", "cpu-local", 8, "dp=2,zero=1"),
@@ -46,10 +50,14 @@ JOBS = [  # (model, cluster, global batch, --fix): DDP, ZeRO-1/2/3, TP+SP, every
     (MED, H8, 32, "dp=4,pp=2,vpp=2,zero=3,mbs=2,schedule=interleaved"),
     (GPT_MED, H8, 32, "dp=4,pp=2,zero=0,mbs=2,schedule=1f1b"),
     (MOE_MED, H8, 32, "dp=8,zero=3"),
+    (MOE_MED, H8, 32, "dp=8,ep=4,zero=2"),  # expert parallelism: all-to-alls, experts reduced over edp
+    (MOE_MED, H8, 32, "dp=4,tp=2,ep=2,zero=2,sp=on"),  # EP × TP × SP: the router and experts summed over tp
     (HF_MED, H8, 32, "dp=8,zero=3"),
     ("llama3-8b", H8, 8, "dp=8,zero=3,mbs=1"),
     ("llama3-70b", "dgx-h100:nodes=8", 512, ""),  # the README's job, as the search picks it
     ("llama3-405b", "dgx-h100:nodes=64", 512, ""),  # 512 GPUs, as the search picks it
+    ("mixtral-8x7b", "dgx-h100:nodes=4", 256, ""),  # MoE as the search picks it (ep = 8)
+    (DEEPSEEK, "dgx-h100:nodes=2", 128, ""),  # Hugging Face DeepSeek-V3 layout, Moonlight's shape, as searched
 ]
 
 

@@ -343,11 +343,15 @@ def _grouped_mm_at_trace_dtype():
     """Hugging Face MoE experts at the trace's fp32: transformers runs ``grouped_mm`` through torch's kernel wherever
     torch has one (CPU included, fp32 too), but torch 2.13's meta function for it accepts bf16 only, so on fake
     fp32 tensors it raises. There transformers' own fallback op (registered with a fake implementation; its FLOPs
-    counted by `profiler.zoo.hf`) runs instead: the same shapes and FLOPs, as a bf16 GPU run's kernel."""
+    counted by `profiler.zoo.hf.count_grouped_mm`, registered here too) runs instead: the same shapes and FLOPs, as a
+    bf16 GPU run's kernel."""
     moe = sys.modules.get("transformers.integrations.moe")
     if moe is None or not hasattr(moe, "_can_use_grouped_mm"):
         yield
         return
+    from profiler.zoo.hf import count_grouped_mm
+
+    count_grouped_mm()  # (an emitted script's model, built by its own code, never went through profiler.zoo.hf)
     saved = moe._can_use_grouped_mm
     moe._can_use_grouped_mm = lambda input, weight, offs: weight.dtype == torch.bfloat16 and saved(input, weight, offs)
     try:

@@ -188,7 +188,7 @@ def hf_arch(config) -> dict[str, int]:
     return arch
 
 
-def _count_grouped_mm() -> None:
+def count_grouped_mm() -> None:
     """Give FlopCounterMode the FLOPs of transformers' grouped-GEMM fallback (the custom op its ``grouped_mm``
     experts run where ``torch._grouped_mm`` cannot: fp32, CPU) and of its backward (the input's and the weights'
     gradients: twice the forward)."""
@@ -224,7 +224,7 @@ def _build_lm(config) -> HFCausalLMLoss:
     model = auto.from_config(config)
     if _is_moe(config) and model._can_set_experts_implementation():
         model.set_experts_implementation("grouped_mm")
-        _count_grouped_mm()
+        count_grouped_mm()
     return HFCausalLMLoss(model)
 
 
