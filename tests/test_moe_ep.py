@@ -1,11 +1,14 @@
-"""Expert parallelism and dropless routing for the zoo MoE (issue: EP in the runtime every emitted script inlines).
+"""Expert parallelism and dropless routing, for the zoo MoE and Hugging Face MoE models, and the tensor parallelism
+they run beside (issue: mixture-of-experts planned, costed and emitted).
 
 - dropless routing equals a per-token reference (one process);
-- the gloo matrix additions: every EP plan, through the emitted script and through `auto_parallelize`, against one
-  process on the same seed and data (3 SGD steps, losses and parameter updates ≤ 1e-4 relative), in two torchrun
-  launches (2 and 4 ranks; `tests.dist_util` runs all cases of a size in the same processes);
-- the collectives one step issues (`autopar check`'s trace on a fake world) include the all-to-alls over the ep group
-  that the cost model counts.
+- the gloo matrix additions: every EP plan (with DDP, FSDP, pipelining, TP and SP), and the TP plans whose gradients
+  each TP rank computes from its share only (per-head q/k norms, MoE feed-forwards under SP), through the emitted
+  script and through `auto_parallelize`, against one process on the same seed and data (3 SGD steps, losses and
+  parameter updates ≤ 1e-4 relative), in two torchrun launches (2 and 4 ranks; `tests.dist_util` runs all cases of
+  a size in the same processes);
+- the collectives, FLOPs and memory one step issues (`autopar check`'s trace on a fake world) against the cost model,
+  and the rules that refuse what the runtime cannot run.
 """
 
 from __future__ import annotations
@@ -102,7 +105,6 @@ CASES = {
     "ep2_fsdp_dp4": (4, lambda: make_plan(MOE, 2, dp=4, ep=2, zero=3)),
     "ep2_fsdp_dp4_dim1": (4, lambda: make_plan(MOE2, 2, dp=4, ep=2, zero=3)),
     "ep2_pp2": (4, lambda: make_plan(MOE, 2, pp=2, dp=2, ep=2, schedule="1f1b", ac={"layers.1": "full"})),
-    # Hugging Face transformers' experts (grouped_mm; its CPU fallback here), routed by Mixtral's own router
     # tensor parallelism for attention (experts whole on each TP rank, which all route the same tokens)
     "moe_tp2": (2, lambda: make_plan(MOE, 2, tp=2)),
     # with sequence parallelism the feed-forward runs on each TP rank's slice: router and experts summed over tp
@@ -116,6 +118,7 @@ CASES = {
     # a dense block and a MoE block (Qwen3-MoE, decoder_sparse_step=2): each takes its own TP layout
     "qwen3moe_tp2_sp": (2, lambda: _qwen3(tp=2, sp=True, spec=QWEN3_MOE)),
     "qwen3moe_ep2_tp2": (4, lambda: _qwen3(dp=2, tp=2, ep=2, spec=QWEN3_MOE)),
+    # Hugging Face transformers' experts (grouped_mm; its CPU fallback here), routed by Mixtral's own router
     "hf_ep2": (2, lambda: hf_moe_plan(dp=2, ep=2)),
     "hf_ep2_fsdp_dp4": (4, lambda: hf_moe_plan(dp=4, ep=2, zero=3)),
 }
