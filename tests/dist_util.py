@@ -79,6 +79,30 @@ def launch(cases: list[dict], nproc: int, workdir: Path, timeout: float = 300) -
     return wall, out
 
 
+def add_case(by_world: dict, work: Path, out: Path, name: str, world: int, plan, steps: int, *, resume: bool = False,
+             **emit) -> Path:
+    """Emit ``plan`` as ``work/name.py`` (``emit``: `planner.emit.script.write_script`'s options), save it beside,
+    and add the case to the launch of its world size in ``by_world``; returns the script."""
+    from planner.emit.script import write_script
+
+    script = write_script(plan, work / f"{name}.py", steps=steps, **emit)
+    plan.save(work / f"{name}.yaml")
+    case = {"name": name, "script": str(script), "plan": str(work / f"{name}.yaml"), "steps": steps, "out": str(out)}
+    by_world.setdefault(world, []).append(case | ({"resume": True} if resume else {}))
+    return script
+
+
+def launch_all(by_world: dict, work: Path) -> tuple[dict, dict]:
+    """One `launch` per world size: ({"launch_N_ranks_s": wall seconds}, {world size: the failure})."""
+    timing, failures = {}, {}
+    for world, cases in sorted(by_world.items()):
+        try:
+            timing[f"launch_{world}_ranks_s"], _ = launch(cases, world, work)
+        except RuntimeError as exc:
+            failures[world] = str(exc)
+    return timing, failures
+
+
 def merged(out_dir: Path, name: str, nproc: int) -> dict:
     """Losses of rank 0 and the union of every rank's parameters; copies held by several ranks (replicas, tied
     weights on the first and last pipeline stage) must agree."""

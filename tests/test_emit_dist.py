@@ -150,13 +150,10 @@ def matrix(tmp_path_factory):
     refs = {}
     start = time.perf_counter()
     for name, (world, make, _) in CASES.items():
-        plan = make()
         # PowerSGD from the second step (its default warm-up, 1000 steps, would leave these 3 uncompressed)
-        script = write_script(plan, work / f"{name}.py", steps=STEPS, optimizer="sgd", lr=0.5, powersgd_start_iter=2,
-                              compile="aot_eager" if name.startswith("compile_") else None)
-        plan.save(work / f"{name}.yaml")
-        by_world.setdefault(world, []).append({"name": name, "script": str(script), "plan": str(work / f"{name}.yaml"),
-                                               "steps": STEPS, "out": str(out)})
+        script = dist_util.add_case(by_world, work, out, name, world, make(), STEPS, optimizer="sgd", lr=0.5,
+                                    powersgd_start_iter=2,
+                                    compile="aot_eager" if name.startswith("compile_") else None)
         refs[name] = dist_util.reference(script, STEPS)
     for name, (world, make) in META_CASES.items():
         plan = make()
@@ -166,21 +163,13 @@ def matrix(tmp_path_factory):
                                                "steps": META_STEPS, "out": str(out), "meta": True})
         refs[name] = dist_util.reference(write_script(plan, work / f"{name}_full.py", init="full"), 0)
     for name, (world, make) in RESUME_CASES.items():
-        plan = make()
-        script = write_script(plan, work / f"{name}.py", steps=RESUME_STEPS, optimizer="adamw", lr=1e-2)
-        plan.save(work / f"{name}.yaml")
-        by_world.setdefault(world, []).append({"name": name, "script": str(script), "steps": RESUME_STEPS,
-                                               "out": str(out), "resume": True, "plan": str(work / f"{name}.yaml")})
-        refs[name] = script
+        refs[name] = dist_util.add_case(by_world, work, out, name, world, make(), RESUME_STEPS, resume=True,
+                                        optimizer="adamw", lr=1e-2)
     by_world[2].append({"name": "sp_comm", "out": str(out),
                         "comm": {name: str(work / f"{name}.py") for name in ("tp", "tp_sp")}})
     timing = {"emit_and_reference_s": time.perf_counter() - start}
-    failures = {}
-    for world, cases in sorted(by_world.items()):
-        try:
-            timing[f"launch_{world}_ranks_s"], _ = dist_util.launch(cases, world, work)
-        except RuntimeError as exc:
-            failures[world] = str(exc)
+    launched, failures = dist_util.launch_all(by_world, work)
+    timing |= launched
     print(f"\ndistributed matrix timing: {timing}")
     return out, refs, failures
 

@@ -13,13 +13,10 @@ they run beside (issue: mixture-of-experts planned, costed and emitted).
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from costmodel.config import ParallelConfig
-from planner.emit.script import write_script
 from planner.plan import LayerStrategy, Plan
 from profiler.zoo import moe
 from tests import dist_util
@@ -139,28 +136,13 @@ def matrix(tmp_path_factory):
     by_world: dict[int, list[dict]] = {}
     refs = {}
     for name, (world, make) in CASES.items():
-        plan = make()
-        script = write_script(plan, work / f"{name}.py", steps=STEPS, optimizer="sgd", lr=0.5)
-        plan.save(work / f"{name}.yaml")
-        by_world.setdefault(world, []).append({"name": name, "script": str(script), "plan": str(work / f"{name}.yaml"),
-                                               "steps": STEPS, "out": str(out)})
+        script = dist_util.add_case(by_world, work, out, name, world, make(), STEPS, optimizer="sgd", lr=0.5)
         refs[name] = dist_util.reference(script, STEPS)
     for name, (world, make) in RESUME_CASES.items():
-        plan = make()
-        script = write_script(plan, work / f"{name}.py", steps=RESUME_STEPS, optimizer="adamw", lr=1e-2)
-        plan.save(work / f"{name}.yaml")
-        by_world.setdefault(world, []).append({"name": name, "script": str(script), "steps": RESUME_STEPS,
-                                               "out": str(out), "resume": True, "plan": str(work / f"{name}.yaml")})
-        refs[name] = script
-    failures, timing = {}, {}
-    for world, cases in sorted(by_world.items()):
-        start = time.perf_counter()
-        try:
-            dist_util.launch(cases, world, work)
-        except RuntimeError as exc:
-            failures[world] = str(exc)
-        timing[world] = time.perf_counter() - start
-    print(f"\nexpert-parallel matrix: launch seconds by world size {timing}")
+        refs[name] = dist_util.add_case(by_world, work, out, name, world, make(), RESUME_STEPS, resume=True,
+                                        optimizer="adamw", lr=1e-2)
+    timing, failures = dist_util.launch_all(by_world, work)
+    print(f"\nexpert-parallel matrix: {timing}")
     return out, refs, failures
 
 
