@@ -343,7 +343,7 @@ class Evaluator:
         pipe = self.m * t_rank[bottleneck] + phi * (sum(t_rank) - t_rank[bottleneck])
 
         # data-parallel gradient reduction and the optimizer, per rank; the slowest rank finishes the step
-        dp_exp, opt, comp_cost, mems = [], [], [], []
+        dp_exp, opt, comp_cost, mems, partial = [], [], [], [], []
         for r in range(cfg.pp):
             idx = [i for c in range(n_stages) if rank_of[c] == r for i in stages[c]]
             rc = [costs[i] for i in idx]
@@ -353,10 +353,9 @@ class Evaluator:
             dp_exp.append(exposed)
             comp_cost.append(encode)
             opt.append(optimizer_time(params, self, extra))
+            partial.append(self.tp_partial_sync_time(rc))
             mems.append(self._rank_memory(r, rank_of, stages, costs, params, extra))
         tied = [self.tied_sync_time(r) for r in range(cfg.pp)]
-        partial = [self.tp_partial_sync_time([costs[i] for c in range(n_stages) if rank_of[c] == r
-                                              for i in stages[c]]) for r in range(cfg.pp)]
         finish = [dp_exp[r] + comp_cost[r] + opt[r] + tied[r] + partial[r] for r in range(cfg.pp)]
         last = max(range(cfg.pp), key=lambda r: finish[r])
         step = pipe + finish[last]

@@ -149,5 +149,5 @@ def tp_partial_bytes(rank_costs: list[LayerCost], cfg) -> float:
     experts = sum(c.tp_partial_expert_numel for c in rank_costs)
     rest = sum(c.tp_partial_numel for c in rank_costs) - experts
     if cfg.zero >= 2 and cfg.dp > 1:
-        rest, experts = rest / cfg.dp, experts / max(1, cfg.dp // max(1, cfg.ep))
+        rest, experts = rest / cfg.dp, experts / (cfg.dp // cfg.ep)  # (ep divides dp: costmodel.runnable)
     return 4.0 * (rest + experts)

@@ -51,12 +51,13 @@ def make_plan(spec: str, n_blocks: int, *, stages: list[int] | None = None, ac: 
                 config=config, layers=tuple(layers))
 
 
-def _hf_plan(**cfg) -> Plan:
-    """A hand-built plan for the two-layer Hugging Face Llama (blocks at ``model.model.layers``), one stage."""
+def _hf_plan(spec: str = HF_LLAMA, **cfg) -> Plan:
+    """A hand-built plan for a two-layer Hugging Face model ``spec`` (blocks at ``model.model.layers``; the Llama
+    by default), one stage, tensor parallelism (if any) on both blocks."""
     names = ["embed", "model.model.layers.0", "model.model.layers.1", "head"]
     config = ParallelConfig(precision="fp32", **cfg)
     layers = tuple(LayerStrategy(name=n, stage=0, tp=config.tp > 1 and n.startswith("model.")) for n in names)
-    return Plan(model=HF_LLAMA, fingerprint="hand-built", seq=32, global_batch=8, cluster="cpu-local",
+    return Plan(model=spec, fingerprint="hand-built", seq=32, global_batch=8, cluster="cpu-local",
                 config=config, layers=layers)
 
 

@@ -16,11 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from costmodel.config import ParallelConfig
-from planner.plan import LayerStrategy, Plan
 from profiler.zoo import moe
 from tests import dist_util
-from tests.test_emit_dist import EXACT, RESUME_STEPS, STEPS, make_plan
+from tests.test_emit_dist import EXACT, RESUME_STEPS, STEPS, _hf_plan, make_plan
 from tests.test_zoo import naive_moe
 
 MOE = "moe:layers=2,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=128,seq=32,experts=4,top_k=2"
@@ -28,33 +26,12 @@ MOE = "moe:layers=2,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=128,seq=32,experts
 MOE2 = "moe:layers=2,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=128,seq=32,experts=2,top_k=1"
 HF_MOE = ("hf:mixtral:num_hidden_layers=2,hidden_size=64,intermediate_size=64,num_attention_heads=4,"
           "num_key_value_heads=2,vocab_size=128,num_local_experts=4,num_experts_per_tok=2,seq=32")
-
-
-def hf_moe_plan(**cfg) -> Plan:
-    """A hand-built plan for the two-layer Hugging Face Mixtral (blocks at ``model.model.layers``), one stage."""
-    names = ["embed", "model.model.layers.0", "model.model.layers.1", "head"]
-    config = ParallelConfig(precision="fp32", **cfg)
-    layers = tuple(LayerStrategy(name=n, stage=0) for n in names)
-    return Plan(model=HF_MOE, fingerprint="hand-built", seq=32, global_batch=8, cluster="cpu-local", config=config,
-                layers=layers)
-
-
+#: per-head q/k norms; and with a dense first block beside a MoE one (decoder_sparse_step=2)
 QWEN3 = ("hf:qwen3:num_hidden_layers=2,hidden_size=64,intermediate_size=64,num_attention_heads=4,"
          "num_key_value_heads=2,head_dim=16,vocab_size=128,seq=32")
-
-
 QWEN3_MOE = ("hf:qwen3_moe:num_hidden_layers=2,hidden_size=64,intermediate_size=64,num_attention_heads=4,"
              "num_key_value_heads=2,head_dim=16,vocab_size=128,moe_intermediate_size=32,num_experts=4,"
              "num_experts_per_tok=2,decoder_sparse_step=2,seq=32")
-
-
-def _qwen3(spec: str = QWEN3, **cfg) -> Plan:
-    """A hand-built plan for a two-layer Hugging Face Qwen3 (per-head q/k norms), one stage, TP on both blocks."""
-    names = ["embed", "model.model.layers.0", "model.model.layers.1", "head"]
-    config = ParallelConfig(precision="fp32", **cfg)
-    layers = tuple(LayerStrategy(name=n, stage=0, tp="layers" in n) for n in names)
-    return Plan(model=spec, fingerprint="hand-built", seq=32, global_batch=8, cluster="cpu-local", config=config,
-                layers=layers)
 
 
 def test_dropless_routing_equals_the_per_token_reference():
@@ -110,14 +87,14 @@ CASES = {
     "ep2_tp2": (4, lambda: make_plan(MOE, 2, dp=2, tp=2, ep=2)),
     "ep2_tp2_fsdp": (4, lambda: make_plan(MOE, 2, dp=2, tp=2, ep=2, zero=3)),
     # per-head q/k norms on each TP rank's heads: their gradients summed over tp
-    "qwen3_tp2": (2, lambda: _qwen3(tp=2)),
-    "qwen3_tp2_sp": (2, lambda: _qwen3(tp=2, sp=True)),
+    "qwen3_tp2": (2, lambda: _hf_plan(QWEN3, tp=2)),
+    "qwen3_tp2_sp": (2, lambda: _hf_plan(QWEN3, tp=2, sp=True)),
     # a dense block and a MoE block (Qwen3-MoE, decoder_sparse_step=2): each takes its own TP layout
-    "qwen3moe_tp2_sp": (2, lambda: _qwen3(tp=2, sp=True, spec=QWEN3_MOE)),
-    "qwen3moe_ep2_tp2": (4, lambda: _qwen3(dp=2, tp=2, ep=2, spec=QWEN3_MOE)),
+    "qwen3moe_tp2_sp": (2, lambda: _hf_plan(QWEN3_MOE, tp=2, sp=True)),
+    "qwen3moe_ep2_tp2": (4, lambda: _hf_plan(QWEN3_MOE, dp=2, tp=2, ep=2)),
     # Hugging Face transformers' experts (grouped_mm; its CPU fallback here), routed by Mixtral's own router
-    "hf_ep2": (2, lambda: hf_moe_plan(dp=2, ep=2)),
-    "hf_ep2_fsdp_dp4": (4, lambda: hf_moe_plan(dp=4, ep=2, zero=3)),
+    "hf_ep2": (2, lambda: _hf_plan(HF_MOE, dp=2, ep=2)),
+    "hf_ep2_fsdp_dp4": (4, lambda: _hf_plan(HF_MOE, dp=4, ep=2, zero=3)),
 }
 
 #: checkpoint and resume with expert parallelism (AdamW, so its moments matter): name → (world, plan)

@@ -732,14 +732,19 @@ def expert_modules(part: nn.Module) -> list:
     return [m for m in part.modules() if getattr(m, "_autopar_experts", False)]
 
 
+def expert_param_ids(part: nn.Module) -> set:
+    """``id`` of each expert parameter of ``part`` (this rank's E/ep experts, as the part holds them now)."""
+    return {id(p) for m in expert_modules(part) for p in m.parameters()}
+
+
 def is_expert_parameter(part: nn.Module, p: torch.Tensor) -> bool:
     """Whether ``p`` is an expert parameter of ``part`` (this rank's E/ep experts)."""
-    return any(p is q for m in expert_modules(part) for q in m.parameters())
+    return id(p) in expert_param_ids(part)
 
 
 def expert_param_names(part: nn.Module) -> list:
     """Names in ``part`` of the expert parameters (DDP ignores them: they are reduced over edp)."""
-    ids = {id(p) for m in expert_modules(part) for p in m.parameters()}
+    ids = expert_param_ids(part)
     return [name for name, p in part.named_parameters() if id(p) in ids]
 
 
@@ -830,8 +835,7 @@ def expert_parallel_topk_forward(local_forward, group, ep: int, experts: int, hi
         if n == 0:  # nothing routed to this rank: stay in the graph (zero gradients for the experts), so that the
             # all-to-alls' backward runs here as on the other ranks (transformers' eager expert loops return a new
             # zeros tensor then, and the peers' reverse all-to-alls would wait for this rank for ever)
-            owner = getattr(local_forward, "__self__", None)
-            params = list(owner.parameters()) if owner is not None else []
+            params = local_forward.__self__.parameters()  # (apply_ep passes the experts module's bound forward)
             return rows + sum((p.reshape(-1)[:1].sum() * 0 for p in params), rows.new_zeros(()))
         sizes = local_counts if local_counts is not None else [n // local] * local
         ids = torch.repeat_interleave(torch.arange(local, device=rows.device),

@@ -25,7 +25,7 @@ from planner.emit.runtime import (
     DTYPES,
     Parallel,
     allreduce_in_buckets,
-    expert_modules,
+    expert_param_ids,
     is_expert_parameter,
     loss_context,
     reduce_expert_grads,
@@ -201,7 +201,7 @@ def allreduce_grads(part: nn.Module, dp: int) -> None:
     DTensor parameters; the zero-bubble schedule's hand-written weight gradients), in DDP's reverse parameter
     order and buckets (`allreduce_in_buckets`). Expert parameters (ep > 1) are left to `reduce_expert_grads`, over
     the ranks holding the same experts."""
-    experts = {id(p) for m in expert_modules(part) for p in m.parameters()}
+    experts = expert_param_ids(part)
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
              for p in reversed(list(part.parameters())) if p.grad is not None and id(p) not in experts]
     allreduce_in_buckets(grads, part._autopar_grad_group, divide=dp)
