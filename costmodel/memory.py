@@ -227,10 +227,14 @@ def zero_bubble_states(pp: int, vpp: int, rank: int, micro_batches: int) -> tupl
             pending[chunk] += 1
         elif kind == "W":
             pending[chunk] -= 1
-        states.add((tuple(full), tuple(pending)))
-    keep = [a for a in states if not any(b != a and all(x >= y for x, y in zip(b[0] + b[1], a[0] + a[1]))
-                                         for b in states)]
-    return tuple(sorted((tuple(float(x) for x in f), tuple(float(x) for x in p)) for f, p in keep))
+        states.add((*full, *pending))
+    # Pareto-maximal: a state another dominates has a smaller sum, so walking by falling sum each needs comparing
+    # with those kept only (the search asks for hundreds of ranks, with up to thousands of states each)
+    keep: list[tuple] = []
+    for state in sorted(states, key=sum, reverse=True):
+        if not any(all(x >= y for x, y in zip(kept, state)) for kept in keep):
+            keep.append(state)
+    return tuple(sorted((tuple(float(x) for x in s[:vpp]), tuple(float(x) for x in s[vpp:])) for s in keep))
 
 
 def inflight(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> float:

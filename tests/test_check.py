@@ -216,21 +216,30 @@ def _mixed(plan, plain: int):
                                    for lay in plan.layers))
 
 
-@pytest.mark.parametrize("layers, batch, config, plain", [
-    (8, 64, "dp=4,tp=2,zero=3,sp=on,mbs=2,ac=full", 0),  # 3 and 4 of 8 blocks, 3 of 8 micro-batches
-    (12, 32, "pp=2,dp=4,zero=0,mbs=2,schedule=zb", 0),  # each stage 6 blocks; zero-bubble's W actions
-    (20, 32, "pp=2,vpp=2,dp=4,zero=0,mbs=2,schedule=interleaved", 0),  # two chunks of 5 blocks per rank
-    (12, 16, "dp=8,zero=2,mbs=2", 5),  # runs of 5 plain and 7 checkpointed blocks: three traces
+@pytest.mark.parametrize("layers, batch, config, plain, width", [
+    (8, 64, "dp=4,tp=2,zero=3,sp=on,mbs=2,ac=full", 0, 2),  # 3 and 4 of 8 blocks, 2 of 8 micro-batches (ZeRO-3)
+    (8, 64, "dp=8,zero=2,mbs=2", 0, 2),  # 3 of 4 micro-batches: ZeRO-2 reshards after the last only
+    (12, 32, "pp=2,dp=4,zero=0,mbs=2,schedule=zb", 0, 4),  # each stage 6 blocks; zero-bubble's W actions
+    (20, 32, "pp=2,vpp=2,dp=4,zero=0,mbs=2,schedule=interleaved", 0, 8),  # two chunks of 5 blocks per rank
+    (12, 16, "dp=8,zero=2,mbs=2", 5, 3),  # runs of 5 plain and 7 checkpointed blocks: three traces side by side
+    (12, 16, "dp=8,zero=2,mbs=2", 5, 2),  # on two cores the run of 5 is traced whole: two traces
 ])
-def test_a_folded_trace_equals_the_whole_trace(layers, batch, config, plain):
-    """A deep plan is traced with each run of like blocks cut to 3 and 4 blocks (one run at a time) and 3
-    micro-batches, and extrapolated; every rank's peak, memory categories, collectives and FLOPs equal those of
-    tracing every block and micro-batch."""
+def test_a_folded_trace_equals_the_whole_trace(layers, batch, config, plain, width):
+    """A deep plan is traced with each run of like blocks it folds cut to 3 and 4 blocks (one run at a time) and
+    2 or 3 micro-batches, and extrapolated; every rank's peak, memory categories, collectives and FLOPs equal those
+    of tracing every block and micro-batch."""
+    from planner.check.tracers import Tracers
+
     plan = plan_from_config(FOLD_MODEL.format(layers), "dgx-h100:nodes=1", batch, config)
     if plain:
         plan = _mixed(plan, plain)
-    whole, folded = check_plan(plan, fold=False), check_plan(plan)
+    tracers = Tracers()
+    tracers.width = width
+    whole, folded = check_plan(plan, fold=False), check_plan(plan, tracers=tracers)
     assert "runs of like blocks extrapolated" in folded["traced_how"], folded["traced_how"]
+    if plain:
+        assert folded["traced_how"].startswith("traced at 6 and 7 and 7 of 12" if width == 3 else
+                                               "traced at 8 and 9 of 12"), folded["traced_how"]
     for w, f in zip(whole["roles"], folded["roles"]):
         w, f = w["traced"], f["traced"]
         for key, value in w["memory"].items():
@@ -244,19 +253,55 @@ def test_a_folded_trace_equals_the_whole_trace(layers, batch, config, plain):
 
 
 def test_folding_follows_runs_of_like_blocks():
-    """Each run of like blocks (same checkpointing and tensor-parallel choice, one chunk) is lengthened in a trace of
-    its own; runs of at most 4 blocks are traced whole; a plan with nothing to fold is traced whole."""
+    """Each run of like blocks (same checkpointing and tensor-parallel choice, one chunk) it folds is lengthened in
+    a trace of its own; runs of at most 4 blocks are traced whole, and so is a longer one where that ends the traces
+    sooner (one trace fewer, on the cores there are); a plan with nothing to fold is traced whole."""
     from planner.check.fold import fold_plan, traces_for
 
     plan = plan_from_config(FOLD_MODEL.format(12), "dgx-h100:nodes=1", 16, "dp=8,zero=2,mbs=2")
-    assert fold_plan(plan).traced == ({0: [3]}, {0: [4]})
-    assert fold_plan(_mixed(plan, 5)).traced == ({0: [3, 3]}, {0: [4, 3]}, {0: [3, 4]})
-    assert fold_plan(_mixed(plan, 4)).traced == ({0: [4, 3]}, {0: [4, 4]})
+    assert fold_plan(plan, width=2).traced == ({0: [3]}, {0: [4]})
+    assert fold_plan(plan, width=1) is None  # 12 blocks at once end sooner than 3 and then 4 with a start each
+    assert fold_plan(_mixed(plan, 5), width=3).traced == ({0: [3, 3]}, {0: [4, 3]}, {0: [3, 4]})
+    assert fold_plan(_mixed(plan, 5), width=2).traced == ({0: [5, 3]}, {0: [5, 4]})
+    assert fold_plan(_mixed(plan, 4), width=3).traced == ({0: [4, 3]}, {0: [4, 4]})
     interleaved = plan_from_config(FOLD_MODEL.format(20), "dgx-h100:nodes=1", 32,
                                    "pp=2,vpp=2,dp=4,zero=0,mbs=2,schedule=interleaved")
-    folding = fold_plan(interleaved)
+    folding = fold_plan(interleaved, width=8)
     assert [traces_for(folding, r) for r in (0, 1)] == [[0, 1, 2], [0, 1, 2]]  # each rank: two chunks of 5
     assert fold_plan(plan_from_config(FOLD_MODEL.format(3), "dgx-h100:nodes=1", 16, "dp=8,mbs=2")) is None
+
+
+def _fold_score(lengths: dict, rank_of: dict, micro: int, width: int, folded: set) -> tuple[int, int]:
+    """(when the last trace ends, their total cost) folding the (chunk, run)s in ``folded``, written out."""
+    from planner.check.fold import FOLD_BLOCKS, makespan, trace_cost
+
+    costs = []
+    for r in sorted(set(rank_of.values())):
+        mine = [x for x in folded if rank_of[x[0]] == r]
+        blocks = sum(n if (s, k) not in folded else FOLD_BLOCKS
+                     for s in lengths if rank_of[s] == r for k, n in enumerate(lengths[s]))
+        costs += [trace_cost(blocks, micro)] + [trace_cost(blocks + 1, micro)] * len(mine)
+    return makespan(costs, width), sum(costs)
+
+
+def test_folding_ends_the_traces_soonest():
+    """`choose_folds` against every choice: no other set of folded runs ends the traces sooner on the given cores
+    (then costs less in all); a rank's runs are folded or not on their own."""
+    import itertools
+
+    from planner.check.fold import FOLD_BLOCKS, choose_folds
+
+    cases = [({0: [6, 1, 73]}, {0: 0}, 2, 2), ({0: [5, 7]}, {0: 0}, 1, 3), ({0: [30, 30]}, {0: 0}, 3, 2),
+             ({0: [5, 9], 1: [12], 2: [2, 6], 3: [40]}, {0: 0, 1: 1, 2: 0, 3: 1}, 8, 2),
+             ({0: [6, 6], 1: [6, 6]}, {0: 0, 1: 1}, 4, 8)]
+    for lengths, rank_of, micro, width in cases:
+        long = [(s, k) for s in sorted(lengths) for k, n in enumerate(lengths[s]) if n > FOLD_BLOCKS + 1]
+        best = min(_fold_score(lengths, rank_of, micro, width, set(c))
+                   for n in range(len(long) + 1) for c in itertools.combinations(long, n))
+        chosen = choose_folds(lengths, rank_of, micro, width)
+        assert _fold_score(lengths, rank_of, micro, width, {x for runs in chosen.values() for x in runs}) == best, (
+            lengths, chosen)
+    assert choose_folds({0: [6, 1, 73]}, {0: 0}, 2, 2) == {0: [(0, 2)]}  # llama3-70b's: its run of 6 whole
 
 
 @pytest.mark.parametrize("mbs", [4, 1])

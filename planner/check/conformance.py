@@ -38,9 +38,8 @@ from costmodel.layercost import is_tp_layer, recompute_comm_bytes, tp_comm_bytes
 from costmodel.memory import FRAGMENTATION, runtime_reserved_bytes
 from costmodel.moe import COUNT_BYTES
 from costmodel.overlap import dp_step_bytes, tp_partial_bytes
-from planner.check.fold import MICRO_BATCHES as MICRO_BATCHES_FOLDED
-from planner.check.fold import extrapolate, fold_plan, traces_for
-from planner.check.tracers import Tracers, check_capture, trace_job
+from planner.check.fold import extrapolate, fold_plan, makespan, trace_cost, traces_for
+from planner.check.tracers import Tracers, check_capture, trace_job, tracer_width
 from planner.plan import Plan
 
 MEMORY_TOL = 0.05  #: on each role's peak memory (issue 12's acceptance)
@@ -142,16 +141,19 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
     return roles
 
 
-def check_work(plan: Plan, fold: bool = True) -> int:
-    """What `check_plan` traces, in blocks × micro-batches summed over its traces (each rank role, and under folding
-    every depth): the unit its time is proportional to (each block runs the same operators once per micro-batch)."""
+def check_work(plan: Plan, fold: bool = True, width: int | None = None) -> int:
+    """How long `check_plan` traces, in the unit of `planner.check.fold.trace_cost` (one block's forward and
+    backward for one micro-batch: its time is about proportional to this): when the last of its traces (each rank
+    role, and under folding every depth) ends, ``width`` of them running at once (the tracers' default: this
+    machine's cores)."""
     c = plan.config
-    folding = fold_plan(plan) if fold else None
+    width = width or tracer_width()
+    folding = fold_plan(plan, width) if fold else None
     if folding is None:
         per_rank = [sum(1 for lay in plan.layers if lay.stage % c.pp == r) for r in range(c.pp)]
-        return sum(per_rank) * plan.grad_accum
-    micro = min(plan.grad_accum, MICRO_BATCHES_FOLDED) if folding.micro_batches else plan.grad_accum
-    return sum(folding.blocks_traced(r)[w] * micro for r in range(c.pp) for w in traces_for(folding, r))
+        return makespan([trace_cost(n, plan.grad_accum) for n in per_rank], width)
+    return makespan([trace_cost(folding.blocks_traced(r)[w], folding.micro_traced)
+                     for r in range(c.pp) for w in traces_for(folding, r)], width)
 
 
 def _traced_collectives(trace) -> dict:
@@ -177,8 +179,8 @@ def check_plan(plan: Plan, *, prepare=None, fold: bool = True, tracers: Tracers 
         # a file that is not a script: one line here, not a failed trace per rank
         whole_init = load_script(script).PLAN.get("init") != "meta"
         fold = False
-    folding = fold_plan(plan) if fold else None
     tracers = tracers or Tracers()
+    folding = fold_plan(plan, tracers.width) if fold else None
     tracers.prepare = prepare
     if script is not None and whole_init:  # a real model per trace, and under a pipeline real activations too
         tracers.width = 1  # (a 170M-parameter model: 14 GB a trace)

@@ -8,9 +8,11 @@ blocks. What a rank traces (each memory category at its maximum, collective byte
 elements) grows by the same amount with each block a run holds. So does the memory at each *place* of the step
 (`planner.check.trace._CategoryPeaks.moments`: a schedule action or micro-batch, and the block or module running):
 
-- trace A gives each run ``min(L, FOLD_BLOCKS)`` of its ``L`` blocks (all of them when ``L ≤ FOLD_BLOCKS + 1``);
-  trace ``B_j`` gives the ``j``-th run of each rank that is longer one block more; each block keeps its run's
-  choices;
+- trace A gives each run it folds ``FOLD_BLOCKS`` of its ``L`` blocks, and every other run all of its blocks;
+  trace ``B_j`` gives the ``j``-th folded run of each rank one block more; each block keeps its run's choices.
+  A run of at most ``FOLD_BLOCKS + 1`` blocks is never folded; a longer one is folded when that makes the check
+  faster: each folded run costs a trace of its own, so a short run in a plan with another to fold is often
+  quicker traced whole (`choose_folds`, from `trace_cost` and the cores the traces run on);
 - a figure ``f`` at the real depth is ``A + Σ_j (L_j − FOLD_BLOCKS) · (B_j − A)``;
 - one count is not linear in the depth: the data-parallel reduction's gradient buckets (DDP's, and the runtime's
   post-step ones, `planner.emit.train.allreduce_grads`) close at a byte cap, not at a block's end, so their number
@@ -19,9 +21,10 @@ elements) grows by the same amount with each block a run holds. So does the memo
 - the peak is the highest place, each place on its own line: where a rank peaks can move with the depth (at three
   blocks the head's backward, with a big vocabulary, at eighty the first block's, with every gradient). A place in
   a block is named by the block's run and its position from the run's nearer end (`_places`);
-- with pp = 1 and more than `MICRO_BATCHES` micro-batches, each trace runs three (the first, one in the middle and
-  the last) and counts the middle one as many times as the step has (`planner.check.trace.trace_rank`). A pipeline
-  runs all of its micro-batches (the schedule's in-flight counts depend on them).
+- with pp = 1 and more micro-batches than `micro_batches_traced`, each trace runs that many (the first, one in the
+  middle and the last; under ZeRO-3 the first and the last) and counts the second as many times as the step has
+  the micro-batches it stands for (`planner.check.trace.trace_rank`). A pipeline runs all of its micro-batches
+  (the schedule's in-flight counts depend on them).
 
 Where a place that sets the peak in a folded trace has no counterpart in another (it cannot be followed), the rank is
 traced whole. So is a model whose depth cannot be changed (a user's file). ``tests/test_check.py`` checks folded
@@ -41,7 +44,35 @@ from profiler.api import block_count, with_blocks
 from profiler.zoo.registry import resolve_model
 
 FOLD_BLOCKS = 3  #: blocks of a run in trace A: its second block is then one in the middle (`_EDGE`)
-MICRO_BATCHES = 3  #: the first, one in the middle, the last
+
+#: a trace's fixed part (its process, model, sharding, optimizer state and step outside the blocks) in the unit of
+#: `trace_cost`, one block's forward and backward for one micro-batch: about 0.8-1.0 s against 0.12-0.15 s
+#: (llama3-70b's blocks, this 2-core machine, 1 to 11 blocks × 1 to 3 micro-batches). On fake tensors an operator
+#: costs its dispatch, not its size, so the ratio holds for any transformer's blocks.
+TRACE_START = 8
+
+
+def micro_batches_traced(zero: int) -> int:
+    """How many micro-batches a pp = 1 trace runs to stand for a step of more (`planner.check.trace.trace_rank`):
+    the first (it creates the gradients), one in the middle and the last, which alone synchronises DDP's gradients
+    and reshards ZeRO-2's parameters (`planner.emit.train._accumulate`). Under ZeRO-3 every micro-batch after the
+    first runs what the last runs (FSDP2 reduce-scatters each one), so the first and the last."""
+    return 2 if zero == 3 else 3
+
+
+def trace_cost(blocks: int, micro_batches: int) -> int:
+    """What a trace of ``blocks`` blocks and ``micro_batches`` micro-batches costs, in blocks × micro-batches
+    (`TRACE_START`)."""
+    return TRACE_START + blocks * micro_batches
+
+
+def makespan(costs: list[int], width: int) -> int:
+    """When the last of traces costing ``costs`` ends, run ``width`` at a time, longest first (as
+    `planner.check.tracers.Tracers` would, given them in that order)."""
+    cores = [0] * max(1, width)
+    for cost in sorted(costs, reverse=True):
+        cores[cores.index(min(cores))] += cost
+    return max(cores)
 
 
 @dataclass(frozen=True)
@@ -51,6 +82,7 @@ class Folding:
     plans: tuple[Plan, ...]  #: A, then B_1, B_2, …
     sources: tuple  #: their models (`profiler.zoo.registry.ModelSource`)
     micro_batches: int | None  #: the real count where fewer are traced (pp = 1), else None
+    micro_traced: int  #: micro-batches each trace runs
     runs: dict[int, list[int]]  #: chunk (stage index) → its runs' real lengths, in order
     traced: tuple[dict[int, list[int]], ...]  #: per trace, chunk → its runs' traced lengths
     varied: tuple[dict[int, tuple[int, int]], ...]  #: per trace B_j, pipeline rank → (chunk, run) it lengthens
@@ -63,7 +95,8 @@ class Folding:
         text = (f"traced at {' and '.join(map(str, shallow))} of {real} blocks (runs of like blocks extrapolated)"
                 if shallow[0] != real else "traced at full depth")
         if self.micro_batches:
-            text += f"; {MICRO_BATCHES} of {self.micro_batches} micro-batches traced, the middle one repeated"
+            text += (f"; {self.micro_traced} of {self.micro_batches} micro-batches traced, the "
+                     f"{'last' if self.micro_traced == 2 else 'middle'} one repeated")
         return text
 
     def blocks_traced(self, pp_rank: int) -> list[int]:
@@ -72,8 +105,9 @@ class Folding:
         return [sum(sum(t[c]) for c in mine) for t in self.traced]
 
 
-def fold_plan(plan: Plan) -> Folding | None:
-    """The folding of ``plan`` (see the module docstring), or None when it is traced whole."""
+def fold_plan(plan: Plan, width: int = 1) -> Folding | None:
+    """The folding of ``plan`` (see the module docstring) whose traces end soonest when ``width`` run at once, or
+    None when it is traced whole."""
     c = plan.config
     source = resolve_model(plan.model).with_seq(plan.seq)
     blocks = [lay for lay in plan.layers if lay.name not in ("embed", "head")]
@@ -92,21 +126,19 @@ def fold_plan(plan: Plan) -> Folding | None:
     else:
         rank_of = {s: s % c.pp for s in range(c.pp * c.vpp)}
     lengths = {stage: [len(run) for run in runs] for stage, runs in chunks.items()}
-    base = {stage: [n if n <= FOLD_BLOCKS + 1 else FOLD_BLOCKS for n in ns] for stage, ns in lengths.items()}
-    long_runs: dict[int, list[tuple[int, int]]] = {}  # pipeline rank → its (chunk, run) longer than the base
-    for stage in sorted(lengths):
-        for k, n in enumerate(lengths[stage]):
-            if n > base[stage][k]:
-                long_runs.setdefault(rank_of[stage], []).append((stage, k))
-    micro = plan.grad_accum if c.pp == 1 and plan.grad_accum > MICRO_BATCHES else None
-    if not long_runs and not micro:
+    micro = plan.grad_accum if c.pp == 1 and plan.grad_accum > micro_batches_traced(c.zero) else None
+    per_trace = micro_batches_traced(c.zero) if micro else plan.grad_accum
+    folds = choose_folds(lengths, rank_of, per_trace, width)  # pipeline rank → the (chunk, run)s it folds
+    if not any(folds.values()) and not micro:
         return None
-    batch = c.dp * c.mbs * MICRO_BATCHES if micro else plan.global_batch
+    base = {stage: [FOLD_BLOCKS if (stage, k) in folds[rank_of[stage]] else n for k, n in enumerate(ns)]
+            for stage, ns in lengths.items()}
+    batch = c.dp * c.mbs * per_trace if micro else plan.global_batch
     traced, varied = [base], []
-    for j in range(max((len(v) for v in long_runs.values()), default=0)):
+    for j in range(max(map(len, folds.values()), default=0)):
         counts = {stage: list(ns) for stage, ns in base.items()}
         chosen = {}
-        for rank, runs in long_runs.items():
+        for rank, runs in folds.items():
             if j < len(runs):
                 stage, k = runs[j]
                 counts[stage][k] = FOLD_BLOCKS + 1
@@ -120,7 +152,45 @@ def fold_plan(plan: Plan) -> Folding | None:
             return None
         plans.append(_shallow_plan(plan, chunks, counts, container, batch))
         sources.append(shallow)
-    return Folding(tuple(plans), tuple(sources), micro, lengths, tuple(traced), tuple(varied), rank_of, container)
+    return Folding(tuple(plans), tuple(sources), micro, per_trace, lengths, tuple(traced), tuple(varied), rank_of,
+                   container)
+
+
+def choose_folds(lengths: dict[int, list[int]], rank_of: dict[int, int], micro_batches: int,
+                 width: int) -> dict[int, list[tuple[int, int]]]:
+    """Per pipeline rank, the runs it folds (chunk, run index; in order), among those longer than
+    ``FOLD_BLOCKS + 1`` (``lengths``: chunk → its runs' lengths): those for which its traces (A and a B per folded
+    run, ``micro_batches`` each) end soonest, all ranks' traces run ``width`` at a time (`makespan`), and then cost
+    least in all. Each rank's choice is tried whole against the others' (a rank rarely has more than two runs)."""
+    ranks = sorted(set(rank_of.values()))
+    long = {r: [(stage, k) for stage in sorted(lengths) if rank_of[stage] == r
+                for k, n in enumerate(lengths[stage]) if n > FOLD_BLOCKS + 1] for r in ranks}
+    whole = {r: sum(sum(ns) for stage, ns in lengths.items() if rank_of[stage] == r) for r in ranks}
+
+    def jobs(r: int, folded: tuple) -> list[int]:
+        blocks = whole[r] - sum(lengths[stage][k] - FOLD_BLOCKS for stage, k in folded)
+        return [trace_cost(blocks, micro_batches)] + [trace_cost(blocks + 1, micro_batches)] * len(folded)
+
+    def score(choice: dict) -> tuple[int, int]:
+        costs = [cost for r in ranks for cost in jobs(r, choice[r])]
+        return makespan(costs, width), sum(costs)
+
+    def subsets(runs: list) -> list[tuple]:
+        if len(runs) > 8:  # (never met: 256 choices per rank at most; beyond, fold them all)
+            return [tuple(runs)]
+        return [tuple(run for i, run in enumerate(runs) if mask >> i & 1) for mask in range(1 << len(runs))]
+
+    choice = {r: tuple(long[r]) for r in ranks}  # everything folded: the fewest blocks
+    best = score(choice)
+    improved = True
+    while improved:
+        improved = False
+        for r in ranks:
+            for option in subsets(long[r]):
+                trial = choice | {r: option}
+                if (got := score(trial)) < best:
+                    choice, best, improved = trial, got, True
+    return {r: list(choice[r]) for r in ranks}
 
 
 def _shallow_plan(plan: Plan, chunks: dict[int, list[list[LayerStrategy]]], counts: dict[int, list[int]],

@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from planner.check.fold import micro_batches_traced
 from planner.check.record import Trace, memory_parts
 from planner.emit import runtime, train
 from planner.emit.config import runtime_config
@@ -399,10 +400,12 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
     docstring). Leaves no process group behind.
 
     ``source``: the model to build instead of ``plan.model``'s (`planner.check.fold` passes a shallower one).
-    ``micro_batches``: the step's real number of micro-batches when ``plan`` (pp = 1) runs fewer, at least three:
-    the first, one in the middle and the last. Every micro-batch in the middle of a step does the same thing (same
-    shapes, same collectives, no gradient synchronisation), so the middle one's collectives and FLOPs count
-    ``micro_batches − 2`` times; memory is the step's (the middle ones repeat the same states).
+    ``micro_batches``: the step's real number of micro-batches when ``plan`` (pp = 1) runs fewer, at least
+    `planner.check.fold.micro_batches_traced`: the first, one in the middle and the last (under ZeRO-3 the first
+    and the last, which does what a middle one does). Every micro-batch in the middle of a step does the same thing
+    (same shapes, same collectives, no gradient synchronisation), so the second one's collectives and FLOPs count
+    as many more times as the step has micro-batches beyond those traced; memory is the step's (the middle ones
+    repeat the same states).
     ``code``: an emitted script, loaded as a module (`planner.check.tracers.load_script`): its own ``PLAN``,
     ``build_model`` and runtime run instead of autopar's (as emitted, or as its user edited it). Its ``PLAN`` keeps
     its init: a model initialised whole is real on this machine (memory figures then count it twice: the check of
@@ -410,10 +413,11 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
     """
     rt, tr = (code, code) if code is not None else (runtime, train)
     source = source or resolve_model(plan.model).with_seq(plan.seq)
+    fewest = micro_batches_traced(plan.config.zero)
     if micro_batches is not None and micro_batches != plan.grad_accum and (
-            plan.config.pp > 1 or plan.grad_accum < 3 or micro_batches < plan.grad_accum):
+            plan.config.pp > 1 or plan.grad_accum < fewest or micro_batches < plan.grad_accum):
         raise ValueError(f"cannot count {micro_batches} micro-batches from a trace of {plan.grad_accum} "
-                         f"(pp={plan.config.pp}): trace pp = 1 plans with three or more")
+                         f"(pp={plan.config.pp}): trace pp = 1 plans with {fewest} or more")
 
     def build():  # what the emitted script's build_model() does; the runtime calls it under torch.device("meta")
         if source.family == "hf":  # (ModelSource.build(device="meta") would give fake tensors, for capture)
@@ -599,7 +603,7 @@ def _step_actions(par, tracker: _CategoryPeaks, counter: _Collectives, tr=train)
 
 def _real_micro_batch(place: str, traced: int, real: int) -> str:
     """A place in a step of ``traced`` micro-batches named in the step of ``real`` it stands for: the last is the
-    last, the middle one every one in the middle."""
+    last, the middle one every one in the middle (with two traced, the last stands for those too)."""
     def name(match):
         i = int(match.group(1))
         return f"micro-batch {real - 1}" if i == traced - 1 else f"micro-batch {i}" if i == 0 else (
@@ -609,7 +613,8 @@ def _real_micro_batch(place: str, traced: int, real: int) -> str:
 
 
 def _repeat_middle(counter: _Collectives, marks: list[tuple[int, float]], times: int) -> None:
-    """Count the second micro-batch's collectives and FLOPs ``times`` more times (see `trace_rank`)."""
+    """Count the second micro-batch's collectives and FLOPs ``times`` more times (see `trace_rank`): one in the
+    middle, or under ZeRO-3 the last (`planner.check.fold.micro_batches_traced`)."""
     (start, f0), (end, f1) = marks[2], marks[3]
     counter.log.extend(counter.log[start:end] * times)
     counter.flops += (f1 - f0) * times

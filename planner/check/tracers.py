@@ -46,6 +46,12 @@ def check_capture(model: str, seq: int | None):
 
 
 def _child(job, args: tuple, kwargs: dict, conn, prepare) -> None:
+    import gc
+
+    # what the fork server imported (torch: hundreds of thousands of objects) is never garbage; out of the
+    # collector's sight, the collections a trace runs (`planner.check.trace._no_cycle_collection`) walk the trace's
+    # own objects only
+    gc.freeze()
     try:
         if prepare is not None:
             prepare()
@@ -58,6 +64,14 @@ def _child(job, args: tuple, kwargs: dict, conn, prepare) -> None:
         conn.send(("bug", "".join(traceback.format_exception(exc))))
     finally:
         conn.close()
+
+
+def tracer_width() -> int:
+    """How many traces run at once by default: one per core this process may use, at most 8."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, 8))
 
 
 def _tracer_context():
@@ -90,12 +104,9 @@ class Tracers:
     waits for them (in the parent's time: the prediction is computed meanwhile)."""
 
     def __init__(self, prepare=None):
-        import os
-
         self.ctx = _tracer_context()
         self.prepare = prepare
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self.width = max(1, min(cores, 8))
+        self.width = tracer_width()
         self.queue: list[tuple] = []
         self.running: dict = {}  # connection → (key, process, what it is, for errors)
         self.done: dict = {}

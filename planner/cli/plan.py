@@ -218,10 +218,10 @@ def _baseline(text: str, lg, cluster, gb: int, plan_step_s: float) -> dict:
             "runs": f" (autopar's runtime would refuse it: {why[0]})" if why else ""}
 
 
-#: `--check auto` traces the winner when what `planner.check.conformance.check_work` counts (blocks × micro-batches
-#: traced, over every role and depth) stays at or under this: about ten seconds on 2 cores (llama3-70b's ZeRO-3
-#: winner on 64 H100s counts 21 and traces in 3.6 s; an unfolded 8-block, 8-micro-batch ZeRO-3 model, 64 units,
-#: in 12 s with start-up)
+#: `--check auto` traces the winner when `planner.check.conformance.check_work` (when its last trace ends, in one
+#: block's forward and backward for one micro-batch, `planner.check.fold.trace_cost`: about 0.13 s each on 2 cores)
+#: stays at or under this, about eight seconds of tracing beside the plan's own five (llama3-70b's ZeRO-3 winner on
+#: 64 H100s, the README's job, counts 30: two traces of 10 and 11 blocks × 2 micro-batches, side by side)
 CHECK_AUTO_WORK = 64
 
 
@@ -235,8 +235,8 @@ def _maybe_check(plan, mode: str, tracers=None):
     if mode == "off" or (mode == "auto" and work > CHECK_AUTO_WORK):
         if tracers is not None:
             tracers.close()
-        why = "--check off" if mode == "off" else (f"not traced automatically ({work} blocks × micro-batches to "
-                                                  f"trace > {CHECK_AUTO_WORK}; --check on forces it)")
+        why = "--check off" if mode == "off" else (f"not traced automatically (its traces count {work} block "
+                                                  f"passes > {CHECK_AUTO_WORK}; --check on forces it)")
         return plan, f"{why}; {how}"
     try:
         result = check_plan(plan, tracers=tracers)
