@@ -57,7 +57,7 @@ class ParallelConfig:
     dp: int = 1  #: data-parallel degree (replicas, or the sharding group under ZeRO/FSDP)
     tp: int = 1  #: tensor-parallel degree (inside a node)
     pp: int = 1  #: pipeline-parallel degree (ranks)
-    cp: int = 1  #: context-parallel degree (not searched yet; must be 1)
+    cp: int = 1  #: context-parallel degree: each sequence split over cp ranks (load-balanced causal attention)
     ep: int = 1  #: expert-parallel degree: experts split over ep ranks borrowed from the dp group (ep divides dp)
     mbs: int = 1  #: micro-batch size per data-parallel rank
     vpp: int = 1  #: virtual pipeline stages per pipeline rank (interleaved schedule)
@@ -93,8 +93,6 @@ class ParallelConfig:
             raise ValueError("sp=on needs tp > 1: sequence parallel splits along the tensor-parallel group")
         if self.grad_compress != "none" and self.zero == 3 and parse_grad_compress(self.grad_compress)[0] == "powersgd":
             raise ValueError("grad_compress=powersgd works with DDP (zero 0-2), not with FSDP (zero=3)")
-        if self.cp != 1:
-            raise ValueError(f"cp={self.cp}: context parallelism is not supported yet; use cp=1")
         if self.dp % self.ep:
             raise ValueError(f"ep={self.ep} must divide dp={self.dp}: expert-parallel groups are formed inside the "
                              "data-parallel group (dp = ep · expert-dp); choose an ep that divides dp")
@@ -104,9 +102,16 @@ class ParallelConfig:
         return self.dp * self.tp * self.pp * self.cp
 
     @property
+    def data_ranks(self) -> int:
+        """The ranks that hold the same parameters and reduce their gradients together (the gradient-reduction
+        group, over which ZeRO shards its states): data- and context-parallel, dp · cp (context-parallel ranks
+        compute their gradients from their part of each sequence only: torchtitan's FSDP over dp × cp)."""
+        return self.dp * self.cp
+
+    @property
     def reduces_after_step(self) -> bool:
         """Data-parallel gradients all-reduced after the whole backward (`costmodel.runnable.post_step_allreduce`)."""
-        return post_step_allreduce(self.dp, self.tp, self.zero, self.schedule.value, self.pp)
+        return post_step_allreduce(self.data_ranks, self.tp, self.zero, self.schedule.value, self.pp)
 
     @property
     def param_bytes(self) -> int:
@@ -116,7 +121,7 @@ class ParallelConfig:
     @property
     def fsdp_in_pipeline(self) -> bool:
         """FSDP inside torch's pipeline stages (`costmodel.runnable.pipelined_fsdp`)."""
-        return pipelined_fsdp(self.zero, self.dp, self.pp)
+        return pipelined_fsdp(self.zero, self.data_ranks, self.pp)
 
     def runnable_facts(self, global_batch: int, arch: dict | None = None, seq: int | None = None) -> dict:
         """The plain values `costmodel.runnable.problems` judges for this configuration of a job."""
@@ -127,7 +132,9 @@ class ParallelConfig:
                 "seq": seq or arch.get("seq"), "heads": arch.get("heads"), "kv_heads": arch.get("kv_heads"),
                 # the experts the runtime can split (the capture's `profiler.experts` rule), not the cost model's
                 "ep": self.ep, "experts": arch.get("ep_experts", 0), "expert_dim1": arch.get("ep_dim1"),
-                "tp_unsplit": arch.get("tp_unsplit", "")}
+                "tp_unsplit": arch.get("tp_unsplit", ""),
+                # whether the runtime can split the model's sequence (`profiler.layers.context_parallel_ready`)
+                "cp": self.cp, "cp_ready": arch.get("cp_ready")}
 
     def to_dict(self) -> dict:
         d = asdict(self)

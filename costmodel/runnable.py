@@ -27,7 +27,9 @@ This module imports nothing but the standard library: the emitter copies it into
 ``selective_ac`` (any block under selective AC), ``ep`` (expert-parallel degree, default 1), ``experts`` (experts
 per MoE layer; None or 0: not a MoE model the runtime can split), ``expert_dim1`` (the gcd of the expert weights'
 second dimensions; None: unknown) and ``tp_unsplit`` (a linear tensor parallelism
-cannot run, `profiler.layers.tp_unsplit_linears`; empty: none).
+cannot run, `profiler.layers.tp_unsplit_linears`; empty: none), ``cp`` (context-parallel degree, default 1) and
+``cp_ready`` (the model's attention and positions can be split over the sequence,
+`profiler.layers.context_parallel_ready`; None: unknown).
 """
 
 #: fp16 is not: its gradients underflow without loss scaling, which the runtime does not do yet (a GradScaler across
@@ -79,6 +81,7 @@ def problems(facts: dict) -> list:
     """Every reason the runtime cannot run ``facts`` as planned (empty when it can), one actionable line each."""
     f = facts
     dp, tp, pp, zero = f["dp"], f["tp"], f["pp"], f["zero"]
+    ranks = dp * f.get("cp", 1)  # those reducing gradients together: data- and context-parallel
     schedule = f["schedule"] if pp > 1 else "1f1b"
     out = []
     if f["precision"] == "fp16":
@@ -87,7 +90,7 @@ def problems(facts: dict) -> list:
     elif f["precision"] not in RUNNABLE_PRECISIONS:
         out.append(f"precision={f['precision']} is not supported by the runtime yet (float8 training needs torchao; "
                    "the cost model only predicts it); re-plan with --fix precision=bf16")
-    if zero == 1 and tp > 1 and dp > 1:
+    if zero == 1 and tp > 1 and ranks > 1:
         out.append("zero=1 with tp>1 is not supported yet (ZeroRedundancyOptimizer takes no DTensor parameters); "
                    "re-plan with --fix zero=2 or tp=1")
     if tp > 1 and f.get("tp_unsplit"):
@@ -116,16 +119,18 @@ def problems(facts: dict) -> list:
                    "2.13's AOTAutograd fails on a checkpointed block's DTensor inputs: it saves their DeviceMesh for "
                    "backward); drop --compile, or re-plan with --fix ac=none or tp=1")
     out += expert_problems(f)
+    out += context_problems(f)
     kind = f.get("grad_compress", "none")
     ep = f.get("ep", 1)
-    allowed = grad_compress_options(dp, tp, zero, schedule, pp, ep)
+    allowed = grad_compress_options(ranks, tp, zero, schedule, pp, ep)
     if kind not in allowed:
         why = ("FSDP2 (zero ≥ 2) reduces in bf16/fp16 only" if zero >= 2 else
                f"with ep={ep} the experts' gradients are all-reduced after the step, where no compression hook "
                "applies (part of the model only would be compressed)" if ep > 1 and zero == 0 else
                "gradients are all-reduced after the step here (tensor parallel or zero-bubble without FSDP), where "
                "no compression hook applies")
-        out.append(f"grad_compress={kind} cannot run with dp={dp} tp={tp} zero={zero} schedule={schedule}: {why}; "
+        cp = f" cp={f['cp']}" if f.get("cp", 1) > 1 else ""
+        out.append(f"grad_compress={kind} cannot run with dp={dp} tp={tp}{cp} zero={zero} schedule={schedule}: {why}; "
                    f"choose one of {', '.join(allowed)}")
     return out
 
@@ -166,4 +171,33 @@ def expert_problems(facts: dict) -> list:
     if f.get("compile"):
         out.append(f"torch.compile with ep={ep} is not supported yet (the dropless dispatch's split sizes depend on "
                    "the data); drop --compile, or re-plan with --fix ep=1")
+    return out
+
+
+def context_problems(facts: dict) -> list:
+    """Why context parallelism (``cp`` > 1) cannot run as planned: each sequence is cut into 2·cp chunks and a cp
+    rank holds chunks r and 2·cp − 1 − r, so that every rank does the same share of causal attention
+    (`planner.emit.runtime.apply_cp`); its gradients are reduced over dp × cp."""
+    f = facts
+    cp, tp, seq = f.get("cp", 1), f["tp"], f.get("seq")
+    if cp <= 1:
+        return []
+    out = []
+    if f.get("cp_ready") is False:
+        out.append(f"cp={cp} needs a model whose attention and positions the runtime can split along the sequence "
+                   "(the zoo llama: and gpt: models; Hugging Face and file.py models not yet); re-plan with --fix "
+                   "cp=1")
+    if seq and seq % (2 * cp):
+        out.append(f"cp={cp} cuts each sequence into 2·cp = {2 * cp} chunks (two per rank, for balanced causal "
+                   f"attention), which seq={seq} does not divide into; choose a cp with 2·cp dividing the sequence")
+    elif seq and f.get("sp") and tp > 1 and (seq // cp) % tp:
+        out.append(f"sequence parallel with cp={cp} needs each rank's {seq // cp} tokens divisible by tp={tp}; "
+                   "re-plan with --fix sp=off or another tp")
+    if f["pp"] > 1:
+        out.append(f"cp={cp} with pipeline parallelism is not supported yet (stages would have to pass each chunk's "
+                   "positions on); re-plan with --fix pp=1 or cp=1")
+    if f.get("ep", 1) > 1:
+        out.append(f"cp={cp} with expert parallelism is not supported yet; re-plan with --fix ep=1 or cp=1")
+    if f.get("compile"):
+        out.append(f"torch.compile with cp={cp} is not supported yet; drop --compile, or re-plan with --fix cp=1")
     return out

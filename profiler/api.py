@@ -13,7 +13,7 @@ from profiler.capture import capture
 from profiler.experts import expert_modules
 from profiler.fold import unfold
 from profiler.graph import LayerGraph
-from profiler.layers import group_layers, tp_unsplit_linears
+from profiler.layers import context_parallel_ready, group_layers, tp_unsplit_linears
 from profiler.zoo.registry import resolve_model
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -156,6 +156,8 @@ def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: s
         arch["ep_experts"], arch["ep_dim1"] = 0, 0
     unsplit = tp_unsplit_linears(model)  # linears tensor parallelism cannot run (`profiler.layers`)
     arch["tp_unsplit"] = unsplit[0] if unsplit else ""
+    arch["cp_ready"] = context_parallel_ready(model)  # (`costmodel.runnable.context_problems`)
+    arch["kernels"] = kernels  # whose attention kernels the capture replays (`profiler.capture`)
     graph = capture(model, inputs, name=spec, arch=arch, kernels=kernels)
     if depth:
         graph = unfold(graph, depth)

@@ -59,6 +59,16 @@ def _matches(path: str, names: tuple[str, ...]) -> bool:
     return any(path == n or path.endswith("." + n) for n in names)
 
 
+def context_parallel_ready(model: nn.Module) -> bool:
+    """Whether the runtime can split ``model``'s sequence over a context-parallel group
+    (`planner.emit.runtime.apply_cp`): the model reads its tokens' positions from ``context_positions`` (None:
+    0..s−1, set by the runtime to the global positions of the tokens a rank holds) and every attention computes its
+    core in an ``attend(q, k, v)`` method the runtime replaces (the zoo ``llama:`` and ``gpt:`` models). One rule for
+    the capture (the arch fact ``cp_ready``, which `costmodel.runnable.context_problems` judges) and the runtime."""
+    return (getattr(model, "context_positions", False) is None
+            and any(callable(getattr(m, "attend", None)) for m in model.modules()))
+
+
 def tp_unsplit_linears(model: nn.Module) -> list[str]:
     """The ``nn.Linear`` layers tensor parallelism cannot run: in a module that holds a column- or row-parallel
     linear (whose inputs and outputs the runtime makes DTensors or head slices, `planner.emit.runtime.apply_tp`) but

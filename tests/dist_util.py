@@ -164,6 +164,9 @@ def _main(manifest: str) -> None:
         if case.get("comm"):
             _comm_case(case, out)
             continue
+        if case.get("context"):
+            _context_case(case, out)
+            continue
         if case.get("resume"):
             _resume_case(case, out)
             continue
@@ -355,6 +358,34 @@ def _comm_case(case: dict, out: Path) -> None:
             mode.phase = "backward"
             loss.backward()
         result[name] = mode.log
+    torch.save(result, out / f"{case['name']}.rank{dist.get_rank()}.pt")
+    dist.barrier()
+
+
+def _context_case(case: dict, out: Path) -> None:
+    """For each context-parallel script in ``case["context"]`` (name → path): what its model sees (the shape of the
+    token batch entering it, its ``context_positions``) and the collectives of one forward and one backward of this
+    rank's rows, cut to its part of the sequence as the training step cuts them (`CollectiveLog` over as many ranks
+    as the plan's cp: its sizes are right for the cp group's collectives)."""
+    import torch.distributed as dist
+
+    result = {}
+    for name, script in case["context"].items():
+        mod = load_script(script, f"context_{name}")
+        mesh = mod.init_distributed(mod.PLAN)
+        par = mod.parallelize(mod.build_model, mod.PLAN, mesh)
+        inputs, labels = mod.get_batch(0, mod.data_rows(par))
+        x, y = mod.context_tokens(par, inputs), mod.context_tokens(par, labels)
+        seen = []
+        hook = par.parts[0].register_forward_pre_hook(lambda module, args, seen=seen: seen.append(tuple(args[0].shape)))
+        mode = CollectiveLog(mod.PLAN["cp"])
+        with mode, mod.loss_context(mod.PLAN):
+            loss = par.loss_fn(par.modules[0](x), y)
+            mode.phase = "backward"
+            loss.backward()
+        hook.remove()
+        result[name] = {"log": mode.log, "inputs": seen, "positions": par.parts[0].context_positions.tolist(),
+                        "cp_rank": mesh["cp"].get_local_rank()}
     torch.save(result, out / f"{case['name']}.rank{dist.get_rank()}.pt")
     dist.barrier()
 

@@ -14,7 +14,7 @@ from costmodel.compression import POWERSGD_START_ITER
 from costmodel.runnable import problems
 from planner.plan import AC, Plan, parse_grad_compress
 from profiler.experts import expert_modules
-from profiler.layers import COLUMN_NAMES, ROW_NAMES, tp_unsplit_linears
+from profiler.layers import COLUMN_NAMES, ROW_NAMES, context_parallel_ready, tp_unsplit_linears
 
 OPTIMIZERS = ("adamw", "sgd")
 INITS = ("full", "meta")
@@ -200,13 +200,15 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
     why = problems({**c.runnable_facts(plan.global_batch, seq=plan.seq), "compile": compile, "checkpointed": bool(ac),
                     "selective_ac": "selective" in ac.values(), "ep": c.ep, "experts": experts["experts"],
                     "expert_dim1": experts["expert_dim1"],
-                    "tp_unsplit": next(iter(tp_unsplit_linears(model)), "")})
+                    "tp_unsplit": next(iter(tp_unsplit_linears(model)), ""),
+                    "cp_ready": context_parallel_ready(model)})
     if why:
         raise ValueError(f"this plan cannot run: {why[0]}")
     sp_norms = sorted({n for block in blocks for n, m in block.named_children() if "norm" in type(m).__name__.lower()})
     sp_gather = sorted({rel.rpartition(".")[0] for rel, k in layout.items() if k == "colwise"} - {""})
     return {
-        "model": plan.model, "world": c.world, "pp": c.pp, "dp": c.dp, "tp": c.tp, "ep": c.ep, **experts, "vpp": c.vpp,
+        "model": plan.model, "world": c.world, "pp": c.pp, "dp": c.dp, "tp": c.tp, "cp": c.cp, "ep": c.ep, **experts,
+        "vpp": c.vpp,
         "schedule": c.schedule.value, "zero": c.zero, "sp": c.sp, "grad_compress": kind, "powersgd_rank": rank,
         "powersgd_start_iter": powersgd_start_iter, "pp_compress": c.pp_compress, "precision": c.precision,
         "mbs": c.mbs, "grad_accum": plan.grad_accum, "global_batch": plan.global_batch, "seq": plan.seq,

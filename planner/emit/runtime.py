@@ -26,6 +26,12 @@ keep only the branches and functions their plan uses):
    travel to them and back by all-to-all over the ep group. Their gradients are reduced over the edp group (the
    ranks holding the same experts), not dp: DDP ignores them (`reduce_expert_grads` after the backward), FSDP2
    shards them over edp in their own unit (`apply_fsdp_experts`), both dividing by dp (the loss convention);
+2c. context parallel (``plan["cp"]`` > 1, `apply_cp`): after tensor parallelism, whose local heads it attends
+   with, and before activation checkpointing, which then recomputes its all-gather inside the block; each sequence
+   is cut into 2·cp chunks and cp rank r keeps chunks r and 2·cp − 1 − r (the same share of causal attention on
+   every rank), the model reads these tokens' positions from its ``context_positions``, and each attention
+   all-gathers keys and values over the cp group. Gradients, ZeRO shards and the loss are then reduced over the
+   dp × cp ranks (`data_parallel_mesh`), batch rows still split by dp;
 3. activation checkpointing: after TP, before data parallel, so checkpoint wrappers sit inside FSDP units;
 4. pipeline boundaries: each tensor-parallel rank sends its 1/tp slice (Megatron's scatter/gather); bf16
    activations between stages when the plan compresses;
@@ -73,6 +79,7 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -94,7 +101,7 @@ def check_world(plan: dict) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     rank = os.environ.get("RANK", "0")
-    shape = f"pp={plan['pp']} × dp={plan['dp']} × tp={plan['tp']}"
+    shape = f"pp={plan['pp']} × dp={plan['dp']} × cp={plan['cp']} × tp={plan['tp']}"
     errors = []
     if world != plan["world"]:
         errors.append(
@@ -120,8 +127,8 @@ def plan_problems(plan: dict) -> list:
     search and emitter apply too): a hand-edited ``PLAN`` fails here, before any collective."""
     facts = {key: plan[key] for key in ("dp", "tp", "pp", "vpp", "schedule", "zero", "sp", "grad_compress",
                                         "precision", "seq")}
-    # (a PLAN from before ep has none of these)
-    facts.update({key: plan[key] for key in ("ep", "experts", "expert_dim1") if key in plan})
+    # (a PLAN from before ep, or before cp, has none of these)
+    facts.update({key: plan[key] for key in ("ep", "experts", "expert_dim1", "cp") if key in plan})
     return problems({**facts, "micro_batches": plan["grad_accum"], "compile": plan["compile"],
                      "checkpointed": bool(plan["ac"]), "selective_ac": "selective" in plan["ac"].values()})
 
@@ -132,7 +139,8 @@ PG_TIMEOUT_MIN = 30
 
 
 def init_distributed(plan: dict) -> DeviceMesh:
-    """Check the launch, start the process group (NCCL with CUDA, else gloo) and build the (pp, dp, tp) mesh."""
+    """Check the launch, start the process group (NCCL with CUDA, else gloo) and build the plan's mesh
+    (`build_mesh`)."""
     check_world(plan)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cuda":
@@ -142,10 +150,35 @@ def init_distributed(plan: dict) -> DeviceMesh:
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=PG_TIMEOUT_MIN)
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
+    return build_mesh(plan, device_type)
+
+
+def build_mesh(plan: dict, device_type: str) -> DeviceMesh:
+    """The plan's device mesh over the started process group: (pp, dp, tp), pp outermost and tp innermost (a
+    tensor-parallel group stays inside a node); with ep > 1 `expert_mesh`; with cp > 1 (pp, dp, cp, tp), cp between
+    dp and tp as the cost model orders ranks, and (dp, cp) flattened into ``dp_cp``: the ranks that hold the same
+    parameters and reduce their gradients together (`data_parallel_mesh`)."""
     if plan["ep"] > 1:
         return expert_mesh(plan, device_type)
-    shape = (plan["pp"], plan["dp"], plan["tp"])
-    return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "tp"))
+    if plan["cp"] == 1:
+        shape = (plan["pp"], plan["dp"], plan["tp"])
+        return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "tp"))
+    shape = (plan["pp"], plan["dp"], plan["cp"], plan["tp"])
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "cp", "tp"))
+    mesh["dp", "cp"]._flatten("dp_cp")
+    return mesh
+
+
+def data_parallel_mesh(plan: dict, mesh: DeviceMesh) -> DeviceMesh:
+    """The group over which gradients are averaged, ZeRO shards and the loss is averaged: the dp group, or with
+    context parallelism the dp × cp ranks (``dp_cp``: each cp rank computes its gradients from its part of every
+    sequence, as in torchtitan's FSDP over dp × cp). Batch rows are still split by the dp coordinate only
+    (`planner.emit.train.data_rows`)."""
+    if plan["cp"] > 1:
+        # the group `build_mesh` made: torch keeps flattened meshes by name and returns it (slicing ``mesh["dp_cp"]``
+        # works too, but torch 2.13 warns that slicing a flattened dimension from the root mesh is deprecated)
+        return mesh["dp", "cp"]._flatten("dp_cp")
+    return mesh["dp"]
 
 
 def expert_mesh(plan: dict, device_type: str) -> DeviceMesh:
@@ -170,7 +203,7 @@ class Parallel:
     """The model as this rank holds it after `parallelize`."""
 
     plan: dict  #: the runtime plan dict
-    mesh: DeviceMesh  #: the (pp, dp, tp) mesh; with ep > 1 (pp, edp, ep, tp) and dp flattened (`expert_mesh`)
+    mesh: DeviceMesh  #: (pp, dp, tp); ep > 1: (pp, edp, ep, tp), dp flattened; cp > 1: (pp, dp, cp, tp), dp_cp too
     parts: list  #: local model parts before data-parallel wrapping (one per local pipeline stage)
     modules: list  #: the same parts as trained (DDP/FSDP-wrapped where data parallel)
     stages: list = field(default_factory=list)  #: PipelineStage objects (empty without pipeline parallelism)
@@ -213,7 +246,10 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
         # 2b. Expert parallel: this rank's experts only, tokens sent to their experts by all-to-all.
         if plan["ep"] > 1:
             apply_ep(part, plan, mesh["ep"])
-        # 2c. The parameters whose gradients each TP rank computes from its share only (summed over tp per step).
+        # 2c. Context parallel: this rank's two chunks of every sequence, attending over all earlier tokens.
+        if plan["cp"] > 1:
+            apply_cp(part, plan, mesh["cp"])
+        # 2d. The parameters whose gradients each TP rank computes from its share only (summed over tp per step).
         part._autopar_tp_partial = tp_partial_params(part, plan)
         # 3. Activation checkpointing, per block as the plan says.
         if plan["ac"]:
@@ -230,19 +266,20 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
         if plan["pp"] > 1 and plan["pp_compress"] == "bf16":
             apply_pp_compress(part, index, plan)
         # 5. Data parallel, wrapping what the steps above built: DDP with a comm hook (ZeRO 0, and ZeRO 1 whose
-        #    optimizer state `build_optimizer` shards), or FSDP2 for ZeRO 2/3.
-        if post_step_allreduce(plan["dp"], plan["tp"], plan["zero"], plan["schedule"], plan["pp"]):
-            module = apply_dp_allreduce(part, plan, mesh["dp"])
-        elif plan["dp"] > 1 and plan["zero"] <= 1:
+        #    optimizer state `build_optimizer` shards), or FSDP2 for ZeRO 2/3; over dp × cp with context parallelism
+        #    (`data_parallel_mesh`), so a plan with dp = 1 and cp > 1 reduces too.
+        if post_step_allreduce(plan["dp"] * plan["cp"], plan["tp"], plan["zero"], plan["schedule"], plan["pp"]):
+            module = apply_dp_allreduce(part, plan, data_parallel_mesh(plan, mesh))
+        elif plan["dp"] * plan["cp"] > 1 and plan["zero"] <= 1:
             if plan["init"] == "meta":
                 materialize(part, index, plan, device)  # DDP takes real tensors (each dp rank holds the whole part)
             if plan["ep"] > 1:  # experts are reduced over edp by `reduce_expert_grads`, not by DDP over dp
                 DDP._set_params_and_buffers_to_ignore_for_model(part, expert_param_names(part))
-            module = apply_ddp(part, plan, mesh["dp"])
-        elif plan["dp"] > 1:
+            module = apply_ddp(part, plan, data_parallel_mesh(plan, mesh))
+        elif plan["dp"] * plan["cp"] > 1:
             if plan["ep"] > 1:  # experts first, in their own units over edp: the blocks' units then skip them
                 apply_fsdp_experts(part, plan, mesh["edp"])
-            module = apply_fsdp(part, plan, mesh["dp"])
+            module = apply_fsdp(part, plan, data_parallel_mesh(plan, mesh))
         # Meta init: allocate this rank's shards only, then initialise them (no-op when DDP already did).
         if plan["init"] == "meta":
             materialize(part, index, plan, device)
@@ -472,8 +509,9 @@ def apply_tp(part: nn.Module, plan: dict, tp_mesh: DeviceMesh) -> None:
     all-gathers its output.
     """
     sp = plan["sp"]
-    if sp and plan["seq"] % plan["tp"]:
-        raise ValueError(f"sequence parallel needs seq={plan['seq']} divisible by tp={plan['tp']}")
+    if sp and (plan["seq"] // plan["cp"]) % plan["tp"]:  # (each context-parallel rank's part of the sequence)
+        raise ValueError(f"sequence parallel needs the {plan['seq'] // plan['cp']} tokens of a rank's sequence "
+                         f"(seq={plan['seq']} / cp={plan['cp']}) divisible by tp={plan['tp']}")
     names = part._autopar_block_names
     blocks = block_list(part, plan)
     flags = [name in plan["tp_blocks"] for name in names]
@@ -572,6 +610,122 @@ class VocabLookup(TorchFunctionMode):
         rows = rows.masked_fill(outside.unsqueeze(-1), 0)
         return DTensor.from_local(rows, self.mesh, [Partial()], run_check=False).redistribute(
             self.mesh, [Replicate()]).to_local()
+
+
+def context_shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """Context-parallel rank ``rank``'s tokens of ``x`` along ``dim`` (the sequence): of 2·cp equal chunks, chunk
+    ``rank`` followed by chunk 2·cp − 1 − ``rank``. A causal query's work grows with its position, so pairing an
+    early chunk with a late one gives every rank the same share of the attention (Llama 3, Grattafiori et al. 2024
+    §3.3.2; Megatron-LM's ``get_batch_on_this_cp_rank``; torch 2.13's ``_HeadTailLoadBalancer`` in
+    torch/distributed/tensor/experimental/_context_parallel). The same cut serves the batch
+    (`planner.emit.train.context_tokens`) and the positions (`apply_cp`)."""
+    chunk, rest = divmod(x.shape[dim], 2 * cp)
+    if rest or not chunk:
+        raise ValueError(f"context parallelism cuts the sequence into 2·cp = {2 * cp} equal chunks, which its "
+                         f"{x.shape[dim]} tokens do not make; use a sequence length that 2·cp divides")
+    return torch.cat([x.narrow(dim, rank * chunk, chunk), x.narrow(dim, (2 * cp - 1 - rank) * chunk, chunk)], dim)
+
+
+def context_masks(seq: int, cp: int, rank: int) -> list:
+    """The causal masks of rank ``rank``'s two query chunks (global chunks a = rank and 2·cp − 1 − rank, c = seq /
+    (2·cp) tokens each) over the keys before and in their chunk, [0, (a+1)·c): torch's lower-right-aligned causal
+    bias, under which query i of the chunk sees keys up to a·c + i. Built once, when the model is parallelised:
+    torch 2.13 cannot create its ``CausalBias`` tensor subclass under a dispatch mode (a fake-tensor trace,
+    selective AC: "Creating a new Tensor subclass CausalBias but the raw Tensor object is already associated to a
+    python object"), but takes an existing one there. On CUDA SDPA runs it as a flash or memory-efficient kernel with
+    that alignment; on CPU it materialises the mask for its CPU kernel (torch/nn/attention/bias.py).
+
+    Not built with ``causal_lower_right``: ``CausalBias`` defines no ``__new__``, so torch 2.13's legacy
+    ``torch.Tensor(variant, seq_len_q, seq_len_kv)`` constructor allocates an uninitialised float32 tensor of that
+    shape, 2·c·(a+1)·c·4 bytes of host memory per mask (137 GB for llama3-8b at 1M tokens over cp = 32, which
+    `autopar check` failed to allocate). The bias carries no data (SDPA reads its variant and lengths), so it is
+    made here on an empty meta tensor."""
+    chunk = seq // (2 * cp)
+
+    def lower_right(seq_q: int, seq_kv: int) -> CausalBias:
+        bias = torch.Tensor._make_subclass(CausalBias, torch.empty(0, device="meta"))
+        bias.variant, bias.seq_len_q, bias.seq_len_kv = CausalVariant.LOWER_RIGHT, seq_q, seq_kv
+        return bias
+
+    return [lower_right(chunk, (a + 1) * chunk) for a in (rank, 2 * cp - 1 - rank)]
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, cp: int, rank: int,
+                               masks: list, dropout_p: float = 0.0) -> torch.Tensor:
+    """Exact causal attention of this context-parallel rank's queries over the whole sequence. ``q`` [b, s, heads,
+    d], ``k``, ``v`` [b, s, kv_heads, d] hold the rank's two chunks (`context_shard`, s = 2·c tokens); returns [b, s,
+    heads, d] for the same tokens.
+
+    1. all-gather keys and values over the cp group along the sequence, before grouped-query expansion (GQA's
+       smaller K/V is what travels), with torch's functional all-gather op, whose backward is a reduce-scatter
+       (sum): each rank's K/V gradient collects the other ranks' queries' share (torch 2.13 registers that
+       autograd formula on the op, torch/distributed/_functional_collectives.py). Selective AC caches ops'
+       outputs by their order per op, so the forward and its recomputation must issue the same ops: the op is
+       called directly, not through ``funcol.all_gather_single_autograd`` (its ``AsyncCollectiveTensor`` wrapper
+       waits by other ops in the recomputation), and waited on outside autograd (a custom op returning its input
+       adds a ``view`` under autograd, but not when selective AC serves it from the cache);
+    2. put the gathered chunks back in sequence order (rank r sent chunks r and 2·cp − 1 − r);
+    3. per local query chunk a, SDPA over keys [0, (a+1)·c) with a lower-right causal mask (`context_masks`).
+
+    Rank r's two chunks see (r + 1) + (2·cp − r) = 2·cp + 1 chunks of keys, the same on every rank. This is the
+    all-gather form of context parallelism (Llama 3's, Grattafiori et al. 2024 §3.3.2), in plain torch on every
+    device; torch's experimental ``context_parallel`` (ring attention) is not used yet: in torch 2.13 it replaces
+    only the CUDA SDPA kernels, so it would not run on CPU/gloo."""
+    b, s, heads, d = q.shape
+    kv_heads, chunk = k.shape[2], s // 2
+
+    def gather(x: torch.Tensor) -> torch.Tensor:  # [b, s, kv, d] → [b, 2·cp·c, kv, d] in sequence order
+        local = x.transpose(0, 1).contiguous()  # the sequence first: the all-gather concatenates along dim 0
+        full = torch.ops._c10d_functional.all_gather_into_tensor(local, cp, group.group_name)
+        with torch.no_grad():  # (in place: the result is ``full`` itself)
+            torch.ops._c10d_functional.wait_tensor(full)
+        full = full.view(cp, 2, chunk, *local.shape[1:])
+        ordered = torch.cat([full[:, 0], full[:, 1].flip(0)])  # chunks 0..cp−1, then cp..2·cp−1
+        return ordered.reshape(2 * cp * chunk, *local.shape[1:]).transpose(0, 1)
+
+    keys, values = gather(k), gather(v)
+    if kv_heads != heads:  # query head j reads kv head j // rep (repeat_interleave order, as the zoo models)
+        rep, total = heads // kv_heads, keys.shape[1]
+        keys = keys[:, :, :, None, :].expand(b, total, kv_heads, rep, d).reshape(b, total, heads, d)
+        values = values[:, :, :, None, :].expand(b, total, kv_heads, rep, d).reshape(b, total, heads, d)
+    out = []
+    for half, (a, mask) in enumerate(zip((rank, 2 * cp - 1 - rank), masks)):
+        query = q[:, half * chunk : (half + 1) * chunk].transpose(1, 2)
+        seen = (a + 1) * chunk
+        out.append(F.scaled_dot_product_attention(query, keys[:, :seen].transpose(1, 2),
+                                                  values[:, :seen].transpose(1, 2), attn_mask=mask,
+                                                  dropout_p=dropout_p).transpose(1, 2))
+    return torch.cat(out, dim=1)
+
+
+def attention_modules(part: nn.Module) -> list:
+    """The modules whose attention core `apply_cp` replaces: those with an ``attend(q, k, v)`` method (the zoo
+    models' protocol, `profiler.layers.context_parallel_ready`)."""
+    return [m for m in part.modules() if callable(getattr(m, "attend", None))]
+
+
+def apply_cp(part: nn.Module, plan: dict, cp_mesh: DeviceMesh) -> None:
+    """Context parallelism: the model sees this rank's two chunks of every sequence (`context_shard`; the training
+    step cuts the batch the same way) at their global positions (``part.context_positions``, read by the model's
+    RoPE or position embedding), and each attention's ``attend`` becomes `context_parallel_attention` over the cp
+    group. Tensor parallelism composes: the attention sees this rank's heads, and under sequence parallelism the
+    norms see a 1/tp slice of the rank's tokens, gathered back before the attention. Dropout on the attention
+    probabilities (the zoo GPT's ``dropout``, while training) is kept, drawn per rank."""
+    if getattr(part, "context_positions", False) is not None or not attention_modules(part):
+        raise ValueError(f"cp={plan['cp']}: {type(part).__name__} has no context_positions attribute (None) or no "
+                         "attention module with an attend(q, k, v) method, which context parallelism replaces; use "
+                         "a zoo llama: or gpt: model, or plan with cp=1")
+    cp, rank, group = plan["cp"], cp_mesh.get_local_rank(), cp_mesh.get_group()
+    part.context_positions = context_shard(torch.arange(plan["seq"], device=current_device()), cp, rank, dim=0)
+    masks = context_masks(plan["seq"], cp, rank)
+    for module in attention_modules(part):
+
+        def attend(q, k, v, module=module):
+            dropout = getattr(module, "dropout", 0.0)
+            p = dropout if module.training and isinstance(dropout, float) else 0.0
+            return context_parallel_attention(q, k, v, group, cp, rank, masks, dropout_p=p)
+
+        module.attend = attend
 
 
 def _submodule(part: nn.Module, name: str | None):

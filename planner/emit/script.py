@@ -73,15 +73,16 @@ def _merge_imports(statements: list[str], used: set[str]) -> tuple[list[str], li
 
 def _static_test(test: ast.expr, plan: dict) -> bool | None:
     """The value of an ``if`` test as far as ``plan`` decides it (``and``/``or`` short-circuit on a decided
-    operand); None when it depends on anything but ``plan[...]`` and constants."""
+    operand); None when it depends on anything but ``plan[...]`` and constants (and arithmetic on them: the
+    data-parallel size ``plan["dp"] * plan["cp"]``)."""
     if isinstance(test, ast.BoolOp):
         values = [_static_test(v, plan) for v in test.values]
         stop = isinstance(test.op, ast.Or)  # the operand value that decides the whole test
         if stop in values:
             return stop
         return None if None in values else not stop
-    allowed = (ast.Compare, ast.UnaryOp, ast.Subscript, ast.Constant, ast.Name, ast.Tuple, ast.List,
-               ast.expr_context, ast.cmpop, ast.unaryop, ast.Call)
+    allowed = (ast.Compare, ast.UnaryOp, ast.BinOp, ast.Subscript, ast.Constant, ast.Name, ast.Tuple, ast.List,
+               ast.expr_context, ast.cmpop, ast.unaryop, ast.operator, ast.Call)
     for node in ast.walk(test):
         if not isinstance(node, allowed) or (isinstance(node, ast.Name) and node.id != "plan"
                                              and node.id not in PURE_RULES):
@@ -292,7 +293,8 @@ def get_batch(step: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
     [rows, SEQ] int64, with labels[:, t] the token after input_ids[:, t] (-100: ignored).
 
     Each data-parallel rank asks for its own rows; every rank of one data-parallel replica for the same rows,
-    except middle pipeline stages, which read no batch (`feeds_data`).
+    except middle pipeline stages, which read no batch (`feeds_data`). Whole sequences: with context parallelism
+    (cp > 1) the training step keeps each rank's part of them.
     \"\"\"
     if DATA is not None:
         return token_file_batch(DATA, step, rows, batch=PLAN["global_batch"], seq=PLAN["seq"], dtype=DATA_DTYPE)
@@ -429,7 +431,8 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
     header = (
         f'"""Train a model on {plan.cluster} as autopar {__version__} planned it.\n\n'
         f"Model: {_doc_safe(plan.model)}\n"
-        f"Plan: dp={c.dp} tp={c.tp} pp={c.pp} (vpp={c.vpp}, {c.schedule.value}) zero={c.zero} "
+        f"Plan: dp={c.dp} tp={c.tp} {f'cp={c.cp} ' if c.cp > 1 else ''}pp={c.pp} (vpp={c.vpp}, {c.schedule.value}) "
+        f"zero={c.zero} "
         f"sp={'on' if c.sp else 'off'} grad_compress={c.grad_compress} pp_compress={c.pp_compress}.\n\n"
         f"Run: {launch_line(plan)}\n\n"
         "Needs only torch (and transformers for hf: models). Train on a token file with --data,\n"

@@ -25,6 +25,8 @@ from planner.emit.runtime import (
     DTYPES,
     Parallel,
     allreduce_in_buckets,
+    context_shard,
+    data_parallel_mesh,
     expert_param_ids,
     is_expert_parameter,
     loss_context,
@@ -37,7 +39,7 @@ from planner.emit.runtime import (
 
 def autocast(plan: dict, device: torch.device):
     """Mixed precision for DDP/pipeline runs on GPUs (FSDP casts through its policy; CPU runs stay fp32)."""
-    if device.type != "cuda" or plan["precision"] == "fp32" or (plan["dp"] > 1 and plan["zero"] >= 2):
+    if device.type != "cuda" or plan["precision"] == "fp32" or (plan["dp"] * plan["cp"] > 1 and plan["zero"] >= 2):
         return contextlib.nullcontext()
     return torch.autocast("cuda", dtype=DTYPES[plan["precision"]])
 
@@ -46,18 +48,18 @@ def build_optimizer(par: Parallel, plan: dict) -> torch.optim.Optimizer:
     """SGD or AdamW. Weight decay (``plan["weight_decay"]``, decoupled in AdamW) applies to matrices only:
     embeddings and linear weights, not norms' scales or biases (GPT-3, Llama). Under ZeRO-1 wrapped in
     `ZeroRedundancyOptimizer`, which keeps each dp rank's share of the optimizer state and broadcasts the updated
-    parameters after its step."""
+    parameters after its step (dp × cp ranks with context parallelism: `planner.emit.runtime.data_parallel_mesh`)."""
     seen = {id(p): p for module in par.modules for p in module.parameters()}
     matrices = [p for p in seen.values() if p.ndim >= 2]
     others = [p for p in seen.values() if p.ndim < 2]
     groups = [{"params": ps, "weight_decay": wd}
               for ps, wd in ((matrices, plan["weight_decay"]), (others, 0.0)) if ps]
     cls = torch.optim.SGD if plan["optimizer"] == "sgd" else torch.optim.AdamW
-    if plan["dp"] > 1 and plan["zero"] == 1:
+    if plan["zero"] == 1 and plan["dp"] * plan["cp"] > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=par.mesh["dp"].get_group(),
-                                       lr=plan["lr"])
+        group = data_parallel_mesh(plan, par.mesh).get_group()
+        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=group, lr=plan["lr"])
     return cls(groups, lr=plan["lr"])
 
 
@@ -85,12 +87,12 @@ def clip_grad_norm(par: Parallel, max_norm: float) -> torch.Tensor:
     scaled by ``min(1, max_norm / norm)``, as ``torch.nn.utils.clip_grad_norm_`` does in one process.
 
     Each rank sums the squares of its local gradients (a DTensor's local shard), weighting each by how many ranks
-    of its pipeline stage hold the same values: the stage's dp·tp ranks over the product of the mesh sizes the
+    of its pipeline stage hold the same values: the stage's dp·cp·tp ranks over the product of the mesh sizes the
     tensor is sharded along (a replica counts once, a shard once; an expert shard is also split over ep); a tied
     weight counts on its first stage only. One all-reduce over every rank adds the stages. Call after the
     data-parallel and tied-weight reductions."""
     plan = par.plan
-    stage_ranks = plan["dp"] * plan["tp"]
+    stage_ranks = plan["dp"] * plan["cp"] * plan["tp"]
     counted = {id(p) for tie in plan["tied"] for p in tied_copies(par, tie)[:1]} if 0 in par.stage_indices else set()
     tied = {id(p) for tie in plan["tied"] for p in tied_copies(par, tie)} - counted
     total = torch.zeros((), device=par.device, dtype=torch.float32)
@@ -130,6 +132,7 @@ def train_step(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Te
                labels: torch.Tensor | None) -> float:
     """One optimizer step on the global batch (the same on every rank; each dp rank takes its rows), or on this
     rank's rows of it (`data_rows`); None on the ranks that read no batch (`feeds_data`: middle pipeline stages).
+    With context parallelism each rank then keeps its part of every sequence (`context_tokens`).
 
     Returns the global mean loss, identical on every rank, as a Python float (`train_step_loss` has it as a tensor).
     """
@@ -151,6 +154,8 @@ def train_step_loss(par: Parallel, optimizer: torch.optim.Optimizer, inputs: tor
         elif inputs.shape[0] != plan["global_batch"] // plan["dp"]:
             raise ValueError(f"a batch of {inputs.shape[0]} rows: pass the global batch ({plan['global_batch']} "
                              f"rows) or this data-parallel rank's rows of it ({plan['global_batch'] // plan['dp']})")
+        if plan["cp"] > 1:  # this rank's two chunks of every sequence (the positions `apply_cp` gave the model)
+            inputs, labels = context_tokens(par, inputs), context_tokens(par, labels)
         x, y = inputs.to(device), labels.to(device)
     # DDP's gradients are views into its reduction buckets (gradient_as_bucket_view): zeroed in place they stay views;
     # set to None, the next no_sync micro-batches would build a second copy of every gradient beside the buckets
@@ -177,9 +182,9 @@ def train_step_loss(par: Parallel, optimizer: torch.optim.Optimizer, inputs: tor
                 sync = k == n - 1 or (attach and k == 0)
                 loss = _accumulate(module, par.loss_fn, xm, ym, n, sync, keep_gathered=plan["zero"] == 2)
                 local += loss.detach().float()
-    if post_step_allreduce(plan["dp"], plan["tp"], plan["zero"], plan["schedule"], plan["pp"]):
+    if post_step_allreduce(plan["dp"] * plan["cp"], plan["tp"], plan["zero"], plan["schedule"], plan["pp"]):
         for part in par.parts:
-            allreduce_grads(part, plan["dp"])
+            allreduce_grads(part, plan["dp"] * plan["cp"])
     if plan["ep"] > 1 and plan["zero"] == 0:  # the experts' gradients, which DDP left alone
         reduce_expert_grads(par)
     if plan["tp"] > 1:  # the gradients each TP rank computed from its heads or its slice of the sequence only
@@ -191,13 +196,27 @@ def train_step_loss(par: Parallel, optimizer: torch.optim.Optimizer, inputs: tor
     total = local.reshape(1).clone()
     if plan["pp"] > 1:
         dist.all_reduce(total, group=par.mesh["pp"].get_group())  # only the last stage holds the loss
-    if plan["dp"] > 1:
-        dist.all_reduce(total, group=par.mesh["dp"].get_group())
-    return total[0] / plan["dp"]
+    # each rank's loss is the mean over its tokens, and every data-parallel (and context-parallel) rank holds as
+    # many: their mean is the global batch's mean
+    if plan["dp"] * plan["cp"] > 1:
+        dist.all_reduce(total, group=data_parallel_mesh(plan, par.mesh).get_group())
+    return total[0] / (plan["dp"] * plan["cp"])
+
+
+def context_tokens(par: Parallel, x: torch.Tensor) -> torch.Tensor:
+    """This context-parallel rank's tokens of every row of ``x`` [rows, seq] (`planner.emit.runtime.context_shard`:
+    chunks r and 2·cp − 1 − r), for a batch of whole sequences of the planned length: the model's positions
+    (`planner.emit.runtime.apply_cp`) are those of these tokens."""
+    plan = par.plan
+    if x.shape[1] != plan["seq"]:
+        raise ValueError(f"a batch of sequences of {x.shape[1]} tokens: with cp={plan['cp']} pass whole sequences of "
+                         f"the planned {plan['seq']} tokens (each context-parallel rank keeps its part of them)")
+    return context_shard(x, plan["cp"], par.mesh["cp"].get_local_rank())
 
 
 def allreduce_grads(part: nn.Module, dp: int) -> None:
-    """Average the gradients over the data-parallel group after the backward, where DDP cannot (tensor-parallel
+    """Average the gradients over the data-parallel group (``dp`` ranks: dp · cp with context parallelism,
+    `planner.emit.runtime.data_parallel_mesh`) after the backward, where DDP cannot (tensor-parallel
     DTensor parameters; the zero-bubble schedule's hand-written weight gradients), in DDP's reverse parameter
     order and buckets (`allreduce_in_buckets`). Expert parameters (ep > 1) are left to `reduce_expert_grads`, over
     the ranks holding the same experts."""
@@ -398,7 +417,8 @@ def load_checkpoint(path: str, par: Parallel, optimizer: torch.optim.Optimizer, 
 
 
 def data_rows(par: Parallel) -> slice:
-    """The rows of the global batch this rank trains on: its data-parallel rank's share."""
+    """The rows of the global batch this rank trains on: its data-parallel rank's share (the context-parallel ranks
+    of one dp rank take the same rows, each its part of their sequences)."""
     rows = par.plan["global_batch"] // par.plan["dp"]
     first = par.mesh["dp"].get_local_rank() * rows
     return slice(first, first + rows)

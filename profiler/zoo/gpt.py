@@ -12,7 +12,10 @@ Megatron-LM" (SC'21), plus the final LayerNorm's 2h.
 This file imports only torch and the standard library: the code emitter copies it verbatim into a standalone
 training script. Everything here works on the meta device and under ``torch.export.export(..., strict=False)``
 (static shapes, no data-dependent control flow). Attention heads are derived from the projection's actual output
-width, so a tensor-parallel-sharded ``wq``/``wk``/``wv`` (fewer local heads) works unchanged.
+width, so a tensor-parallel-sharded ``wq``/``wk``/``wv`` (fewer local heads) works unchanged. For context
+parallelism the model reads its tokens' positions from ``GPT.context_positions`` (None: 0..s−1) and computes
+attention in ``Attention.attend``, which a runtime may replace (autopar's
+``profiler.layers.context_parallel_ready``).
 """
 
 import math
@@ -68,7 +71,11 @@ class GPTConfig:
 
 
 class Attention(nn.Module):
-    """Causal self-attention with separate q/k/v projections (column-parallel friendly) and biases."""
+    """Causal self-attention with separate q/k/v projections (column-parallel friendly) and biases.
+
+    The attention core is `attend`, a method of its own so that a context-parallel runtime can replace it per
+    instance (autopar's ``planner.emit.runtime.apply_cp`` gathers the other ranks' keys and values there).
+    """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -87,17 +94,23 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         heads = q.shape[-1] // self.head_dim  # local heads under tensor parallelism
-        q = q.view(b, s, heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, s, heads, self.head_dim).transpose(1, 2)
+        q = q.view(b, s, heads, self.head_dim)
+        k = k.view(b, s, heads, self.head_dim)
+        v = v.view(b, s, heads, self.head_dim)
+        out = self.attend(q, k, v).reshape(b, s, heads * self.head_dim)
+        return self.resid_dropout(self.wo(out))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of ``q``, ``k``, ``v`` [b, s, heads, head_dim], with dropout ``self.dropout`` on the
+        probabilities while training; returns [b, s, heads, head_dim]."""
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.use_sdpa:
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
             )
         else:
             out = self._math_attention(q, k, v)
-        out = out.transpose(1, 2).reshape(b, s, heads * self.head_dim)
-        return self.resid_dropout(self.wo(out))
+        return out.transpose(1, 2)
 
     def _math_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Megatron-LM (2022) core attention: baddbmm(QKᵀ)/√d, causal mask, softmax, dropout, ·V."""
@@ -153,6 +166,11 @@ class GPT(nn.Module):
     ``None`` on stages that do not own them (then the stage takes/returns hidden states), as in torchtitan.
     """
 
+    context_positions: torch.Tensor | None = None
+    """The global positions (a 1-D integer tensor, one per input token) of the tokens this model sees, for the
+    position embedding; None: 0..s−1. A context-parallel runtime (autopar's ``planner.emit.runtime.apply_cp``) sets
+    it on each rank to the positions of the part of the sequence that rank holds, on the device it computes on."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
@@ -187,7 +205,9 @@ class GPT(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if self.tok_embeddings is not None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            positions = self.context_positions
+            if positions is None:
+                positions = torch.arange(input_ids.shape[1], device=input_ids.device)
             h = self.dropout(self.tok_embeddings(input_ids) + self.pos_embeddings(positions))
         else:
             h = input_ids  # hidden states from the previous pipeline stage

@@ -127,11 +127,21 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(
-    seq: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
+    seq: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    dtype: torch.dtype,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape [seq, head_dim] for rotary embeddings (computed in float32, cast to ``dtype``)."""
+    """cos/sin tables of shape [seq, head_dim] for rotary embeddings (computed in float32, cast to ``dtype``), for
+    positions 0..seq−1, or for ``positions`` (seq integers) when given: the global positions of the tokens a
+    context-parallel rank holds (`Llama.context_positions`)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    positions = torch.arange(seq, device=device, dtype=torch.float32)
+    if positions is None:
+        positions = torch.arange(seq, device=device, dtype=torch.float32)
+    else:
+        positions = positions.to(device=device, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -145,7 +155,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention with RoPE, no biases, via ``F.scaled_dot_product_attention``."""
+    """Causal grouped-query attention with RoPE, no biases, via ``F.scaled_dot_product_attention``.
+
+    The attention core is `attend`, a method of its own so that a context-parallel runtime can replace it per
+    instance (autopar's ``planner.emit.runtime.apply_cp`` gathers the other ranks' keys and values there).
+    """
 
     def __init__(self, hidden: int, heads: int, kv_heads: int):
         super().__init__()
@@ -164,12 +178,21 @@ class Attention(nn.Module):
         q = apply_rope(q.view(b, s, heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(b, s, kv_heads, self.head_dim), cos, sin)
         v = v.view(b, s, kv_heads, self.head_dim)
+        out = self.attend(q, k, v)
+        return self.wo(out.reshape(b, s, heads * self.head_dim))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of ``q`` [b, s, heads, head_dim] over ``k``, ``v`` [b, s, kv_heads, head_dim] (after
+        RoPE, before the grouped-query expansion: a context-parallel replacement gathers the smaller tensors);
+        returns [b, s, heads, head_dim]."""
+        b, s, heads, _ = q.shape
+        kv_heads = k.shape[2]
         if kv_heads != heads:  # query head j reads kv head j // rep (repeat_interleave order)
             rep = heads // kv_heads
             k = k[:, :, :, None, :].expand(b, s, kv_heads, rep, self.head_dim).reshape(b, s, heads, self.head_dim)
             v = v[:, :, :, None, :].expand(b, s, kv_heads, rep, self.head_dim).reshape(b, s, heads, self.head_dim)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, heads * self.head_dim))
+        return out.transpose(1, 2)
 
 
 class GroupedExperts(nn.Module):

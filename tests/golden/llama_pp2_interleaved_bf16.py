@@ -47,6 +47,7 @@ PLAN = {
     "pp": 2,
     "dp": 1,
     "tp": 1,
+    "cp": 1,
     "ep": 1,
     "experts": 0,
     "ep_modules": [],
@@ -166,11 +167,21 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(
-    seq: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
+    seq: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    dtype: torch.dtype,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape [seq, head_dim] for rotary embeddings (computed in float32, cast to ``dtype``)."""
+    """cos/sin tables of shape [seq, head_dim] for rotary embeddings (computed in float32, cast to ``dtype``), for
+    positions 0..seq−1, or for ``positions`` (seq integers) when given: the global positions of the tokens a
+    context-parallel rank holds (`Llama.context_positions`)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    positions = torch.arange(seq, device=device, dtype=torch.float32)
+    if positions is None:
+        positions = torch.arange(seq, device=device, dtype=torch.float32)
+    else:
+        positions = positions.to(device=device, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -184,7 +195,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention with RoPE, no biases, via ``F.scaled_dot_product_attention``."""
+    """Causal grouped-query attention with RoPE, no biases, via ``F.scaled_dot_product_attention``.
+
+    The attention core is `attend`, a method of its own so that a context-parallel runtime can replace it per
+    instance (autopar's ``planner.emit.runtime.apply_cp`` gathers the other ranks' keys and values there).
+    """
 
     def __init__(self, hidden: int, heads: int, kv_heads: int):
         super().__init__()
@@ -203,12 +218,21 @@ class Attention(nn.Module):
         q = apply_rope(q.view(b, s, heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(b, s, kv_heads, self.head_dim), cos, sin)
         v = v.view(b, s, kv_heads, self.head_dim)
+        out = self.attend(q, k, v)
+        return self.wo(out.reshape(b, s, heads * self.head_dim))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of ``q`` [b, s, heads, head_dim] over ``k``, ``v`` [b, s, kv_heads, head_dim] (after
+        RoPE, before the grouped-query expansion: a context-parallel replacement gathers the smaller tensors);
+        returns [b, s, heads, head_dim]."""
+        b, s, heads, _ = q.shape
+        kv_heads = k.shape[2]
         if kv_heads != heads:  # query head j reads kv head j // rep (repeat_interleave order)
             rep = heads // kv_heads
             k = k[:, :, :, None, :].expand(b, s, kv_heads, rep, self.head_dim).reshape(b, s, heads, self.head_dim)
             v = v[:, :, :, None, :].expand(b, s, kv_heads, rep, self.head_dim).reshape(b, s, heads, self.head_dim)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, heads * self.head_dim))
+        return out.transpose(1, 2)
 
 
 class FeedForward(nn.Module):
@@ -246,6 +270,11 @@ class Llama(nn.Module):
     that do not own them (then the stage takes/returns hidden states), as in torchtitan.
     """
 
+    context_positions: torch.Tensor | None = None
+    """The global positions (a 1-D integer tensor, one per input token) of the tokens this model sees, for RoPE;
+    None: 0..s−1. A context-parallel runtime (autopar's ``planner.emit.runtime.apply_cp``) sets it on each rank to
+    the positions of the part of the sequence that rank holds, on the device it computes on."""
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
@@ -275,7 +304,9 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
-        cos, sin = rope_cos_sin(h.shape[1], self.config.head_dim, self.config.rope_theta, h.device, h.dtype)
+        cos, sin = rope_cos_sin(
+            h.shape[1], self.config.head_dim, self.config.rope_theta, h.device, h.dtype, self.context_positions
+        )
         for layer in self.layers:
             h = layer(h, cos, sin)
         if self.norm is not None:
@@ -337,6 +368,7 @@ def problems(facts: dict) -> list:
     """Every reason the runtime cannot run ``facts`` as planned (empty when it can), one actionable line each."""
     f = facts
     dp, tp, pp, zero = f["dp"], f["tp"], f["pp"], f["zero"]
+    ranks = dp * f.get("cp", 1)  # those reducing gradients together: data- and context-parallel
     schedule = f["schedule"] if pp > 1 else "1f1b"
     out = []
     if f["precision"] == "fp16":
@@ -349,7 +381,7 @@ def problems(facts: dict) -> list:
             f"precision={f['precision']} is not supported by the runtime yet (float8 training needs torchao; "
             "the cost model only predicts it); re-plan with --fix precision=bf16"
         )
-    if zero == 1 and tp > 1 and dp > 1:
+    if zero == 1 and tp > 1 and ranks > 1:
         out.append(
             "zero=1 with tp>1 is not supported yet (ZeroRedundancyOptimizer takes no DTensor parameters); "
             "re-plan with --fix zero=2 or tp=1"
@@ -390,9 +422,10 @@ def problems(facts: dict) -> list:
             "backward); drop --compile, or re-plan with --fix ac=none or tp=1"
         )
     out += expert_problems(f)
+    out += context_problems(f)
     kind = f.get("grad_compress", "none")
     ep = f.get("ep", 1)
-    allowed = grad_compress_options(dp, tp, zero, schedule, pp, ep)
+    allowed = grad_compress_options(ranks, tp, zero, schedule, pp, ep)
     if kind not in allowed:
         why = (
             "FSDP2 (zero ≥ 2) reduces in bf16/fp16 only"
@@ -403,8 +436,9 @@ def problems(facts: dict) -> list:
             else "gradients are all-reduced after the step here (tensor parallel or zero-bubble without FSDP), where "
             "no compression hook applies"
         )
+        cp = f" cp={f['cp']}" if f.get("cp", 1) > 1 else ""
         out.append(
-            f"grad_compress={kind} cannot run with dp={dp} tp={tp} zero={zero} schedule={schedule}: {why}; "
+            f"grad_compress={kind} cannot run with dp={dp} tp={tp}{cp} zero={zero} schedule={schedule}: {why}; "
             f"choose one of {', '.join(allowed)}"
         )
     return out
@@ -464,6 +498,43 @@ def expert_problems(facts: dict) -> list:
     return out
 
 
+def context_problems(facts: dict) -> list:
+    """Why context parallelism (``cp`` > 1) cannot run as planned: each sequence is cut into 2·cp chunks and a cp
+    rank holds chunks r and 2·cp − 1 − r, so that every rank does the same share of causal attention
+    (`planner.emit.runtime.apply_cp`); its gradients are reduced over dp × cp."""
+    f = facts
+    cp, tp, seq = f.get("cp", 1), f["tp"], f.get("seq")
+    if cp <= 1:
+        return []
+    out = []
+    if f.get("cp_ready") is False:
+        out.append(
+            f"cp={cp} needs a model whose attention and positions the runtime can split along the sequence "
+            "(the zoo llama: and gpt: models; Hugging Face and file.py models not yet); re-plan with --fix "
+            "cp=1"
+        )
+    if seq and seq % (2 * cp):
+        out.append(
+            f"cp={cp} cuts each sequence into 2·cp = {2 * cp} chunks (two per rank, for balanced causal "
+            f"attention), which seq={seq} does not divide into; choose a cp with 2·cp dividing the sequence"
+        )
+    elif seq and f.get("sp") and tp > 1 and (seq // cp) % tp:
+        out.append(
+            f"sequence parallel with cp={cp} needs each rank's {seq // cp} tokens divisible by tp={tp}; "
+            "re-plan with --fix sp=off or another tp"
+        )
+    if f["pp"] > 1:
+        out.append(
+            f"cp={cp} with pipeline parallelism is not supported yet (stages would have to pass each chunk's "
+            "positions on); re-plan with --fix pp=1 or cp=1"
+        )
+    if f.get("ep", 1) > 1:
+        out.append(f"cp={cp} with expert parallelism is not supported yet; re-plan with --fix ep=1 or cp=1")
+    if f.get("compile"):
+        out.append(f"torch.compile with cp={cp} is not supported yet; drop --compile, or re-plan with --fix cp=1")
+    return out
+
+
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -480,7 +551,7 @@ def check_world(plan: dict) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     rank = os.environ.get("RANK", "0")
-    shape = f"pp={plan['pp']} × dp={plan['dp']} × tp={plan['tp']}"
+    shape = f"pp={plan['pp']} × dp={plan['dp']} × cp={plan['cp']} × tp={plan['tp']}"
     errors = []
     if world != plan["world"]:
         errors.append(
@@ -510,8 +581,8 @@ def plan_problems(plan: dict) -> list:
         key: plan[key]
         for key in ("dp", "tp", "pp", "vpp", "schedule", "zero", "sp", "grad_compress", "precision", "seq")
     }
-    # (a PLAN from before ep has none of these)
-    facts.update({key: plan[key] for key in ("ep", "experts", "expert_dim1") if key in plan})
+    # (a PLAN from before ep, or before cp, has none of these)
+    facts.update({key: plan[key] for key in ("ep", "experts", "expert_dim1", "cp") if key in plan})
     return problems(
         {
             **facts,
@@ -527,7 +598,8 @@ PG_TIMEOUT_MIN = 30
 
 
 def init_distributed(plan: dict) -> DeviceMesh:
-    """Check the launch, start the process group (NCCL with CUDA, else gloo) and build the (pp, dp, tp) mesh."""
+    """Check the launch, start the process group (NCCL with CUDA, else gloo) and build the plan's mesh
+    (`build_mesh`)."""
     check_world(plan)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cuda":
@@ -537,6 +609,14 @@ def init_distributed(plan: dict) -> DeviceMesh:
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=PG_TIMEOUT_MIN)
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
+    return build_mesh(plan, device_type)
+
+
+def build_mesh(plan: dict, device_type: str) -> DeviceMesh:
+    """The plan's device mesh over the started process group: (pp, dp, tp), pp outermost and tp innermost (a
+    tensor-parallel group stays inside a node); with ep > 1 `expert_mesh`; with cp > 1 (pp, dp, cp, tp), cp between
+    dp and tp as the cost model orders ranks, and (dp, cp) flattened into ``dp_cp``: the ranks that hold the same
+    parameters and reduce their gradients together (`data_parallel_mesh`)."""
     shape = (plan["pp"], plan["dp"], plan["tp"])
     return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "tp"))
 
@@ -552,7 +632,7 @@ class Parallel:
     """The model as this rank holds it after `parallelize`."""
 
     plan: dict  #: the runtime plan dict
-    mesh: DeviceMesh  #: the (pp, dp, tp) mesh; with ep > 1 (pp, edp, ep, tp) and dp flattened (`expert_mesh`)
+    mesh: DeviceMesh  #: (pp, dp, tp); ep > 1: (pp, edp, ep, tp), dp flattened; cp > 1: (pp, dp, cp, tp), dp_cp too
     parts: list  #: local model parts before data-parallel wrapping (one per local pipeline stage)
     modules: list  #: the same parts as trained (DDP/FSDP-wrapped where data parallel)
     stages: list = field(default_factory=list)  #: PipelineStage objects (empty without pipeline parallelism)
@@ -576,7 +656,7 @@ def parallelize(build_model, plan: dict, mesh: DeviceMesh) -> Parallel:
     modules = []
     for index, part in zip(indices, parts):
         module = part  # what trains: the part itself, or its data-parallel wrapper
-        # 2c. The parameters whose gradients each TP rank computes from its share only (summed over tp per step).
+        # 2d. The parameters whose gradients each TP rank computes from its share only (summed over tp per step).
         part._autopar_tp_partial = tp_partial_params(part, plan)
         # 3b. torch.compile per block (the script's --compile), after AC and before data parallelism, as torchtitan
         #     does; in place, so parameter and checkpoint names do not change.
@@ -721,7 +801,7 @@ def build_optimizer(par: Parallel, plan: dict) -> torch.optim.Optimizer:
     """SGD or AdamW. Weight decay (``plan["weight_decay"]``, decoupled in AdamW) applies to matrices only:
     embeddings and linear weights, not norms' scales or biases (GPT-3, Llama). Under ZeRO-1 wrapped in
     `ZeroRedundancyOptimizer`, which keeps each dp rank's share of the optimizer state and broadcasts the updated
-    parameters after its step."""
+    parameters after its step (dp × cp ranks with context parallelism: `planner.emit.runtime.data_parallel_mesh`)."""
     seen = {id(p): p for module in par.modules for p in module.parameters()}
     matrices = [p for p in seen.values() if p.ndim >= 2]
     others = [p for p in seen.values() if p.ndim < 2]
@@ -754,12 +834,12 @@ def clip_grad_norm(par: Parallel, max_norm: float) -> torch.Tensor:
     scaled by ``min(1, max_norm / norm)``, as ``torch.nn.utils.clip_grad_norm_`` does in one process.
 
     Each rank sums the squares of its local gradients (a DTensor's local shard), weighting each by how many ranks
-    of its pipeline stage hold the same values: the stage's dp·tp ranks over the product of the mesh sizes the
+    of its pipeline stage hold the same values: the stage's dp·cp·tp ranks over the product of the mesh sizes the
     tensor is sharded along (a replica counts once, a shard once; an expert shard is also split over ep); a tied
     weight counts on its first stage only. One all-reduce over every rank adds the stages. Call after the
     data-parallel and tied-weight reductions."""
     plan = par.plan
-    stage_ranks = plan["dp"] * plan["tp"]
+    stage_ranks = plan["dp"] * plan["cp"] * plan["tp"]
     counted = {id(p) for tie in plan["tied"] for p in tied_copies(par, tie)[:1]} if 0 in par.stage_indices else set()
     tied = {id(p) for tie in plan["tied"] for p in tied_copies(par, tie)} - counted
     total = torch.zeros((), device=par.device, dtype=torch.float32)
@@ -800,6 +880,7 @@ def train_step(
 ) -> float:
     """One optimizer step on the global batch (the same on every rank; each dp rank takes its rows), or on this
     rank's rows of it (`data_rows`); None on the ranks that read no batch (`feeds_data`: middle pipeline stages).
+    With context parallelism each rank then keeps its part of every sequence (`context_tokens`).
 
     Returns the global mean loss, identical on every rank, as a Python float (`train_step_loss` has it as a tensor).
     """
@@ -841,7 +922,7 @@ def train_step_loss(
     optimizer.step()
     total = local.reshape(1).clone()
     dist.all_reduce(total, group=par.mesh["pp"].get_group())  # only the last stage holds the loss
-    return total[0] / plan["dp"]
+    return total[0] / (plan["dp"] * plan["cp"])
 
 
 @contextlib.contextmanager
@@ -1004,7 +1085,8 @@ def load_checkpoint(path: str, par: Parallel, optimizer: torch.optim.Optimizer, 
 
 
 def data_rows(par: Parallel) -> slice:
-    """The rows of the global batch this rank trains on: its data-parallel rank's share."""
+    """The rows of the global batch this rank trains on: its data-parallel rank's share (the context-parallel ranks
+    of one dp rank take the same rows, each its part of their sequences)."""
     rows = par.plan["global_batch"] // par.plan["dp"]
     first = par.mesh["dp"].get_local_rank() * rows
     return slice(first, first + rows)
@@ -1069,7 +1151,8 @@ def get_batch(step: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
     [rows, SEQ] int64, with labels[:, t] the token after input_ids[:, t] (-100: ignored).
 
     Each data-parallel rank asks for its own rows; every rank of one data-parallel replica for the same rows,
-    except middle pipeline stages, which read no batch (`feeds_data`).
+    except middle pipeline stages, which read no batch (`feeds_data`). Whole sequences: with context parallelism
+    (cp > 1) the training step keeps each rank's part of them.
     """
     if DATA is not None:
         return token_file_batch(DATA, step, rows, batch=PLAN["global_batch"], seq=PLAN["seq"], dtype=DATA_DTYPE)
