@@ -3,6 +3,7 @@
     python -m costmodel.calibrate            # fit, write costmodel/data/fitted.yaml, print the tables
     python -m costmodel.calibrate --check    # no fit: print the tables with the constants in fitted.yaml
     python -m costmodel.calibrate --cv       # leave-one-table-out and anchored cross-validation (no file written)
+    python -m costmodel.calibrate --cp       # torchtitan's context-parallel rows, predicted (never fitted)
 
 Data: costmodel/data/published_runs.json, a copy of shared/calibration/published_runs.json (each record: source,
 model, cluster, configuration, measured result). Rows used:
@@ -16,7 +17,10 @@ model, cluster, configuration, measured result). Rows used:
 - torchtitan's Llama 3.1 runs on Grand Teton H100s (96 GB HBM2e, 500 W; the ``grand-teton`` preset): FSDP and
   FSDP + TP, eager, compiled (priced by `costmodel.layercost.compiled_bytes`) and float8 tensorwise; its selective
   checkpointing is the per-op policy (`costmodel.layercost.CostContext.selective`). Rows the cost model cannot
-  describe yet are left out (`_torchtitan_row`).
+  describe yet are left out (`_torchtitan_row`). Its context-parallel rows (Table 2: Llama 3.1 8B on 8 GPUs, 32K-256K
+  tokens, cp 2-8) are held out of every fit and predicted by `context_parallel_rows` / ``--cp``: torchtitan's
+  context parallelism (``context_parallel_rotate_method = "allgather"``, its default) all-gathers each attention's
+  keys and values, as autopar's runtime does (`costmodel.layercost.context_parallel_comm`).
 
 Each row belongs to a software stack (`costmodel.stacks`): Megatron-LM (Korthikanti), Composer (llm-foundry),
 torch-native (torchtitan). A device kind's own constants are fitted on its Megatron and Composer rows; a stack
@@ -121,13 +125,21 @@ def load_rows(path: Path = DATA) -> list[Row]:
     return rows
 
 
-def _torchtitan_row(r: dict) -> Row | None:
+def context_parallel_rows(path: Path = DATA) -> list[Row]:
+    """torchtitan's context-parallel rows (cp > 1, no pipeline), which no fit sees (see the module docstring)."""
+    recs = json.loads(path.read_text())["records"]
+    return [row for r in recs if r["id"].startswith("torchtitan_") and r["config"].get("cp", 1) > 1
+            and (row := _torchtitan_row(r, context=True)) is not None]
+
+
+def _torchtitan_row(r: dict, context: bool = False) -> Row | None:
     """A torchtitan row on Grand Teton H100s in our terms, or None for what the cost model cannot describe yet:
     context parallelism, asynchronous TP (the vanilla-TP column of the async-TP report is used), float8 rowwise
     (another recipe than tensorwise), pipelined rows (all of them async TP) and the H200 rows (float8 all-gather).
     "selective" is torchtitan's per-op policy (``selective_ac_option = "op"`` in its Llama 3 configs)."""
     rid, m, c, meas = r["id"], r["model"], r["config"], r["measured"]
-    if (c.get("cp", 1) > 1 or c["p"] > 1 or "trainy" in rid or "rowwise" in rid
+    cp = c.get("cp", 1)
+    if ((cp > 1) != context or c["p"] > 1 or "trainy" in rid or "rowwise" in rid
             or "AsyncTP" in c.get("techniques", "")):
         return None
     tps = meas.get("tokens_per_s_per_gpu") or meas.get("tokens_per_s_vanilla_tp")
@@ -136,10 +148,10 @@ def _torchtitan_row(r: dict) -> Row | None:
     spec = (f"llama:layers={m['layers']},hidden={m['hidden']},ffn={m['ffn']},heads={m['heads']},"
             f"kv_heads={m['kv_heads']},vocab={m['vocab']},seq={m['seq']}")
     dp, tp = c["fsdp"], c["t"]
-    n, gb = dp * tp, c.get("global_batch") or c["local_batch"] * dp
+    n, gb = dp * tp * cp, c.get("global_batch") or c["local_batch"] * dp
     fp8 = "float8" in (c.get("precision", "") + c.get("quantization", "")).lower()
     selective = c["recompute"].startswith("selective")
-    cfg = ParallelConfig(dp=dp, tp=tp, mbs=c["local_batch"], zero=3, sp=tp > 1,
+    cfg = ParallelConfig(dp=dp, tp=tp, cp=cp, mbs=c["local_batch"], zero=3, sp=tp > 1,
                          ac=AC.SELECTIVE if selective else AC.FULL, precision="fp8" if fp8 else "bf16")
     compiled = bool(c.get("compile")) or "compile" in c.get("techniques", "")
     return Row(id=rid, source="torchtitan", kind="h100", model=spec, cluster=f"grand-teton:nodes={max(1, n // 8)}",
@@ -437,7 +449,12 @@ def main(argv=None) -> int:
     ap.add_argument("--cv", action="store_true",
                     help="cross-validate instead: each table predicted by constants fitted without it, and anchored "
                          "on one of its rows (minutes)")
+    ap.add_argument("--cp", action="store_true",
+                    help="predict torchtitan's context-parallel rows with the constants in fitted.yaml (no fit)")
     args = ap.parse_args(argv)
+    if args.cp:
+        report(context_parallel_rows())
+        return 0
     rows = load_rows()
     if args.cv:
         cross_validate(rows)

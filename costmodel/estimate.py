@@ -185,10 +185,14 @@ class Evaluator:
         self.act_scale = (4 if cfg.precision == "fp32" else 2) / captured
         gpn = cluster.gpus_per_node
         self.tp_span = group_span(cluster, cfg.tp, 1) if cfg.tp > 1 else None
-        self.dp_span = group_span(cluster, cfg.dp, cfg.tp * cfg.cp)
+        # the gradient-reduction group: dp × cp consecutive ranks of stride tp (`ParallelConfig.data_ranks`)
+        self.dp_span = group_span(cluster, cfg.data_ranks, cfg.tp)
         # expert parallelism borrows consecutive dp ranks (`costmodel.moe`): stride tp·cp, like the dp group's
         self.ep_span = group_span(cluster, cfg.ep, cfg.tp * cfg.cp) if cfg.ep > 1 else None
         self.pp_cross_node = cfg.pp > 1 and cfg.dp * cfg.tp * cfg.cp >= gpn
+        self.cp_span = group_span(cluster, cfg.cp, cfg.tp) if cfg.cp > 1 else None  # inside a node first, after tp
+        arch = lg.model.arch
+        heads = int(arch.get("heads") or 0)
         shared = cache if cache is not None else {}
         measured = measured if measured is not None else shared.get("measured")
         compiled = compiled or bool(shared.get("compiled"))  # (a search's candidates, `planner.search.outer`)
@@ -200,7 +204,10 @@ class Evaluator:
                                selective=selective, experts=int(lg.model.arch.get("experts") or 0),
                                top_k=int(lg.model.arch.get("top_k") or 0), tokens=lg.model.seq,
                                hidden=int(lg.model.arch.get("hidden") or 0), ep=cfg.ep, ep_span=self.ep_span,
-                               imbalance=cluster.moe_imbalance)
+                               imbalance=cluster.moe_imbalance, cp=cfg.cp, cp_span=self.cp_span,
+                               kv_width=int(arch.get("kv_heads") or heads) * int(arch.get("hidden") or 0) // heads
+                               if heads else 0, q_width=int(arch.get("hidden") or 0) if heads else 0,
+                               native_kernels=arch.get("kernels") == "native")
         pipelined = cfg.pp > 1  # tied embedding/head weights have a copy on each end of the pipeline
         if ("owned", pipelined) not in shared:
             shared["owned", pipelined] = owned_params(lg, pipelined=pipelined)
@@ -208,7 +215,7 @@ class Evaluator:
         self._tied_numel: float | None = None  # elements of the embedding/head tied weight per rank (pp > 1)
         self._cache: dict[tuple[str, str, AC], LayerCost] = shared.setdefault(
             ("layer_costs", cfg.tp, cfg.sp, cfg.mbs, cfg.precision, bool(measured), in_place_loss,
-             gathered_column_inputs, compiled, selective, pipelined, cfg.ep), {})
+             gathered_column_inputs, compiled, selective, pipelined, cfg.ep, cfg.cp), {})
         self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
 
     # -- per-layer and per-boundary pieces (the ILP's coefficients) ------------------------------------------
@@ -296,7 +303,7 @@ class Evaluator:
         """(parameter, gradient, optimizer) bytes of ``params`` parameters after the backward (ZeRO's model
         states, `state_bytes_per_param`); ``extra``: expert parameters ZeRO 2/3 shards beyond those
         (`LayerCost.expert_shard_extra`), whose fp32 shards, gradient shards and moments are held 1/dp each."""
-        p, g, k = state_bytes_per_param(self.cfg.precision, self.cfg.zero, self.cfg.dp, self.cfg.pp)
+        p, g, k = state_bytes_per_param(self.cfg.precision, self.cfg.zero, self.cfg.data_ranks, self.cfg.pp)
         xp, xg, xk = self.extra_bytes_per_param()
         return params * p + extra * xp, params * g + extra * xg, params * k + extra * xk
 
@@ -329,13 +336,14 @@ class Evaluator:
             rec = sum(costs[i].recompute_s for i in idx)
             tpc = sum(costs[i].tp_comm_s for i in idx)
             epc = sum(costs[i].ep_comm_s for i in idx)
+            cpc = sum(costs[i].cp_comm_s for i in idx)
             p2p = self.p2p_time(idx[0]) if c > 0 else 0.0
             fsdp = 0.0
-            if cfg.zero == 3 and cfg.dp > 1:
+            if cfg.zero == 3 and cfg.data_ranks > 1:
                 fsdp = fsdp_exposed([costs[i] for i in idx], self)
-            t_stage.append(comp + rec + tpc + epc + p2p + fsdp)
-            parts.append({"compute": comp, "recompute": rec, "tp_comm": tpc, "ep_comm": epc, "pp_comm": p2p,
-                          "fsdp": fsdp})
+            t_stage.append(comp + rec + tpc + epc + cpc + p2p + fsdp)
+            parts.append({"compute": comp, "recompute": rec, "tp_comm": tpc, "ep_comm": epc, "cp_comm": cpc,
+                          "pp_comm": p2p, "fsdp": fsdp})
         rank_of = [c % cfg.pp for c in range(n_stages)]
         t_rank = [sum(t for c, t in enumerate(t_stage) if rank_of[c] == r) for r in range(cfg.pp)]
         bottleneck = max(range(cfg.pp), key=lambda r: t_rank[r])
@@ -364,7 +372,7 @@ class Evaluator:
         agg = {k: sum(parts[c][k] for c in b) for k in parts[0]}
         breakdown = {
             "compute": self.m * agg["compute"], "recompute": self.m * agg["recompute"],
-            "tp_comm": self.m * agg["tp_comm"] + partial[last], "cp_comm": 0.0,
+            "tp_comm": self.m * agg["tp_comm"] + partial[last], "cp_comm": self.m * agg["cp_comm"],
             "pp_comm": self.m * agg["pp_comm"] + tied[last],
             "dp_comm_exposed": self.m * agg["fsdp"] + dp_exp[last], "bubble": pipe - self.m * t_rank[bottleneck],
             "optimizer": opt[last], "compression": comp_cost[last],
@@ -421,7 +429,7 @@ class Evaluator:
                 else:
                     edge_peak = max(edge_peak, costs[i].backward_peak_bytes)
         held = [(self.lg.layers[i].kind, costs[i].param_numel) for idx in mine for i in idx]
-        if cfg.zero == 3 and cfg.dp > 1:
+        if cfg.zero == 3 and cfg.data_ranks > 1:
             in_block, in_loss = fsdp_gathered_bytes(cfg, held)
             block_peak += in_block
             edge_peak += in_loss
@@ -432,7 +440,7 @@ class Evaluator:
             temp = max(block_peak + building_peak, edge_peak)
         else:
             temp = max(block_peak - head_act if block_peak else 0.0, edge_peak)
-        if self.grad_kind == "powersgd" and cfg.dp > 1:
+        if self.grad_kind == "powersgd" and cfg.data_ranks > 1:
             temp += 4 * params  # error feedback: one fp32 copy of the local gradients
         # a peak after the backward: every gradient, and the reduction's copy of the last bucket
         after_backward += dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params)

@@ -19,6 +19,17 @@ sequence parallelism the runtime (`planner.emit.runtime.apply_tp`) slices the em
 block (backward: an all-gather) and all-gathers the last block's output for the head (forward), each half an
 all-reduce's payload.
 
+Context parallelism (``cp`` ranks share each sequence; `planner.emit.runtime.apply_cp`): the sequence is cut into
+2·cp chunks and a rank holds chunks r and 2·cp − 1 − r (torchtitan's and Megatron-LM's load balancing), so every
+token-wise op does 1/cp of its work and saves 1/cp of its activations, and so does causal attention: a rank's two
+query chunks attend to (r + 1)·c and (2·cp − r)·c keys, (2·cp + 1)·c² score blocks in all, of which the
+lower-right-aligned causal kernels skip half of the two diagonal blocks: 2·cp·c² = S²/(2·cp), the causal S²/2 over
+cp. The runtime's attention all-gathers each block's keys and values (their grouped-query heads only) over the cp
+group before it and reduce-scatters their gradients after the backward (Llama 3's all-gather context parallelism,
+Dubey et al. 2024 §3.3.2), on the critical path; a fully checkpointed block gathers again when it recomputes.
+FLOPs as torch's counter counts them (whole score rectangles, as for the capture's causal attention) are
+(2·cp + 1)·c² per rank against the capture's S² = 4·cp²·c².
+
 A measured profile (`profiler.measure` on the cluster's device) replaces the roofline's absolute level layer by
 layer: the measured forward and backward at the measured batch, times the roofline's ratio between the
 configuration and that reference (so TP, SP and the micro-batch still scale as the roofline says).
@@ -38,7 +49,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 from costmodel.cluster import Cluster, GroupSpan
-from costmodel.collectives import all_reduce_time, all_to_all_time
+from costmodel.collectives import all_gather_time, all_reduce_time, all_to_all_time, reduce_scatter_time
 from costmodel.config import AC
 from costmodel.moe import COUNT_BYTES, a2a_calls, is_expert_param, moe_modules
 from profiler.graph import Layer, LayerGraph, NodeInfo, ParamInfo
@@ -97,6 +108,16 @@ class LayerCost:
     #: the block's own children (a MoE feed-forward's router and experts; the norms SP runs are its children)
     tp_partial_numel: float = 0.0
     tp_partial_expert_numel: float = 0.0  #: the experts among them (a rank's 1/ep)
+    #: context parallelism: the keys' and values' all-gathers of the forward (and of a full recomputation), their
+    #: gradients' reduce-scatters in the backward, not overlapped (see the module docstring)
+    cp_comm_fwd_s: float = 0.0
+    cp_comm_bwd_s: float = 0.0
+    cp_gather_bytes: float = 0.0  #: gathered bytes (outputs) of those all-gathers per micro-batch on a rank
+    cp_scatter_bytes: float = 0.0  #: input bytes of those reduce-scatters per micro-batch on a rank
+
+    @property
+    def cp_comm_s(self) -> float:
+        return self.cp_comm_fwd_s + self.cp_comm_bwd_s
 
     @property
     def tp_comm_s(self) -> float:
@@ -108,8 +129,9 @@ class LayerCost:
 
     @property
     def comm_s(self) -> float:
-        """Communication on the layer's critical path: tensor-parallel collectives and expert all-to-alls."""
-        return self.tp_comm_s + self.ep_comm_s
+        """Communication on the layer's critical path: tensor- and context-parallel collectives and expert
+        all-to-alls."""
+        return self.tp_comm_s + self.ep_comm_s + self.cp_comm_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,10 +175,19 @@ class CostContext:
     ep: int = 1
     ep_span: GroupSpan | None = None
     imbalance: float = 1.0
+    cp: int = 1  #: context-parallel degree: ranks sharing each sequence (see the module docstring)
+    cp_span: GroupSpan | None = None  #: placement of the context-parallel group (None when cp == 1)
+    kv_width: int = 0  #: features of one token's keys (as of its values): kv_heads · head_dim, before TP
+    q_width: int = 0  #: features of one token's queries: heads · head_dim, before TP
+    #: the capture replays this machine's CPU kernels (`profiler.capture`, ``kernels="native"``: what `autopar check`
+    #: predicts from), whose attention materialises a lower-right causal mask (`context_parallel_comm`)
+    native_kernels: bool = False
 
     @property
     def scale(self) -> float:
-        return self.mbs / self.captured_batch
+        """A rank's tokens of one micro-batch over the capture's: the micro-batch over the captured batch, each
+        sequence shared by ``cp`` ranks."""
+        return self.mbs / self.captured_batch / self.cp
 
 
 def _node_time(flops: float, nbytes: float, ctx: CostContext, *, attention: bool = False) -> float:
@@ -328,7 +359,8 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     if tp_layer is None:
         tp_layer = is_tp_layer(layer)
     tp = ctx.tp if tp_layer else 1
-    k = ctx.scale
+    cp = ctx.cp
+    k = ctx.scale  # (a context-parallel rank runs 1/cp of every sequence's tokens, and of its causal attention)
     fwd = bwd = core_fwd = 0.0
     act_sharded = act_repl = core_act = 0.0
     fwd_flops = core_flops = 0.0
@@ -359,12 +391,14 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         t_f = busy * _node_time(n.fwd_flops * k * f, b_f * k * f * ctx.act_scale, ctx, attention=attn)
         fwd += t_f
         bwd += busy * _node_time(n.bwd_flops * k * f, b_b * k * f * ctx.act_scale, ctx, attention=attn)
-        fwd_flops += n.fwd_flops * k
-        rank_fb += (n.fwd_flops + n.bwd_flops) * k * f
+        fwd_flops += n.fwd_flops * k * cp  # model FLOPs: the whole layer, all TP and CP ranks
+        # torch's counter charges a rank's two chunks of attention (2·cp + 1)·c² score blocks, not S²/cp
+        counted = (2 * cp + 1) / (4 * cp) if attn and cp > 1 else 1.0
+        rank_fb += (n.fwd_flops + n.bwd_flops) * k * f * counted
         if j < stop:
             rec_fwd += t_f
-            rec_full_flops += n.fwd_flops * k
-            rank_rec_full += n.fwd_flops * k * f
+            rec_full_flops += n.fwd_flops * k * cp
+            rank_rec_full += n.fwd_flops * k * f * counted
         whole = n.tp_role == "column" and ctx.gathered_column_inputs  # its saved input is not split
         saved = n.saved_bytes * k * (1.0 if whole else f) * ctx.act_scale
         if n.tp_role in _SHARDED_ROLES and tp_layer and not whole:
@@ -378,18 +412,19 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
                 op_act += n.output_bytes * k * f * ctx.act_scale
             else:
                 op_rec += t_f
-                op_rec_flops += n.fwd_flops * k
+                op_rec_flops += n.fwd_flops * k * cp
                 rank_op_rec += n.fwd_flops * k * f
         if n.is_attention_core:
             core_fwd += t_f
-            core_flops += n.fwd_flops * k
+            core_flops += n.fwd_flops * k * cp
             rank_core += n.fwd_flops * k * f
             core_act += n.saved_square_bytes * k * f * ctx.act_scale
-    act_none = act_sharded + act_repl
+    cp_f, cp_b, cp_gather, cp_scatter, kv_held = context_parallel_comm(layer, ac, ctx, tp)
+    act_none = act_sharded + act_repl + kv_held
     if ctx.measured and layer.name in ctx.measured:
         # measured times anchor the level; the roofline supplies how it changes with TP, SP and micro-batch
         m_fwd, m_bwd = ctx.measured[layer.name]
-        ref = replace(ctx, tp=1, sp=False, mbs=ctx.measured_batch, measured=None, tp_span=None)
+        ref = replace(ctx, tp=1, sp=False, mbs=ctx.measured_batch, measured=None, tp_span=None, cp=1, cp_span=None)
         r = layer_cost(layer, AC.NONE, ref, owned, tp_layer=False)
         s_f = m_fwd / r.fwd_s if r.fwd_s > 0 else 1.0
         s_b = m_bwd / r.bwd_s if r.bwd_s > 0 else 1.0
@@ -478,8 +513,38 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         weight_output_bytes=weight_outputs, ep_comm_fwd_s=ep_f, ep_comm_bwd_s=ep_b, a2a_bytes=a2a_bytes,
         a2a_calls=calls, a2a_count_calls=count_calls, expert_shard_extra=shard_extra,
         expert_numel=expert_numel, rank_flops=rank_fb + rank_rec, tp_partial_numel=partial_numel,
-        tp_partial_expert_numel=partial_experts,
+        tp_partial_expert_numel=partial_experts, cp_comm_fwd_s=cp_f, cp_comm_bwd_s=cp_b, cp_gather_bytes=cp_gather,
+        cp_scatter_bytes=cp_scatter,
     )
+
+
+def context_parallel_comm(layer: Layer, ac: AC, ctx: CostContext, tp: int) -> tuple[float, ...]:
+    """(forward seconds, backward seconds, all-gathered bytes, reduce-scattered bytes, kept bytes) of a layer's
+    context-parallel attention for one micro-batch on one rank (see the module docstring): each attention gathers
+    the whole sequence's keys and values (this TP rank's grouped-query heads) over the cp group, and reduce-scatters
+    their gradients; a full recomputation gathers them again. The runtime then expands them to the query heads for
+    the whole sequence (`planner.emit.runtime.context_parallel_attention`), and the attention saves views of those:
+    a rank keeps the whole sequence's expanded keys and values for the backward, where without context parallelism
+    it keeps its own tokens' (the capture's, scaled by 1/cp). On CPU, torch 2.13 has no attention kernel for a
+    lower-right causal mask of more keys than queries (torch/nn/attention/bias.py, ``CausalBias._dispatch``: flash
+    and memory-efficient kernels are CUDA's), so it materialises the mask in the queries' dtype and the attention
+    saves it: a rank r > 0 keeps c·(r + 1)·c + c·(2·cp − r)·c = (2·cp + 1)·c² elements per attention (rank 0's first
+    chunk sees as many keys as queries and runs as plain causal attention). Zero without context parallelism."""
+    calls = sum(1 for n in layer.nodes if n.kind == "attention")
+    if ctx.cp == 1 or not calls or ctx.cp_span is None or not ctx.kv_width:
+        return 0.0, 0.0, 0.0, 0.0, 0.0
+    elt = 4 if ctx.precision == "fp32" else 2
+    kv = ctx.mbs * ctx.tokens * ctx.kv_width / tp * elt  # one of K and V, the whole sequence
+    gathers = 2 * calls * (2 if ac == AC.FULL else 1)
+    gather = all_gather_time(kv, ctx.cp_span, ctx.cluster)
+    scatter = reduce_scatter_time(kv, ctx.cp_span, ctx.cluster)
+    forward = 2 * calls * gather
+    backward = (gathers - 2 * calls) * gather + 2 * calls * scatter
+    kept = 2 * ctx.mbs * ctx.tokens * (ctx.q_width or ctx.kv_width) / tp * elt * (1 - 1 / ctx.cp)
+    if ctx.native_kernels:  # the materialised masks (one per query chunk, broadcast over the batch and heads)
+        chunk = ctx.tokens / (2 * ctx.cp)
+        kept += (2 * ctx.cp + 1) * chunk * chunk * elt
+    return forward, backward, gathers * kv, 2 * calls * kv, calls * kept
 
 
 def owned_params(lg: LayerGraph, *, pipelined: bool = False) -> dict[str, tuple[ParamInfo, ...]]:

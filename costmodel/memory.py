@@ -72,7 +72,7 @@ def dp_reduction_temp_bytes(cfg, grad_kind: str, grad_bytes: float = math.inf) -
     flight during the backward, within the allocator's allowance at the sizes where it could. Traced (gpt-tiny,
     dp = 2, ZeRO-1, bf16 reduction): the copy after the backward, not at the peak (charged there: 6.4 % over).
     FSDP (ZeRO 2/3) is costed apart."""
-    if cfg.dp == 1 or cfg.zero >= 2:
+    if cfg.data_ranks == 1 or cfg.zero >= 2:
         return 0.0
     bucket = min(float(DDP_BUCKET_BYTES), grad_bytes)
     if cfg.reduces_after_step:
@@ -106,7 +106,7 @@ def grads_held_at_peak(cfg, micro_batches: int) -> bool:
     micro-batch and no pipeline, and under GPipe (every forward before any backward), no backward has run at the
     peak (traced: llama3-8b ZeRO-3 on 8 ranks, one micro-batch, peaks in the last block's backward holding the
     head's gradient only). Elsewhere an earlier micro-batch's backward allocated them: held."""
-    if cfg.dp > 1 and cfg.zero <= 1 and not cfg.reduces_after_step:  # DDP
+    if cfg.data_ranks > 1 and cfg.zero <= 1 and not cfg.reduces_after_step:  # DDP
         return True
     return not ((cfg.pp == 1 and micro_batches == 1) or (cfg.pp > 1 and cfg.schedule == Schedule.GPIPE))
 
@@ -115,7 +115,7 @@ def head_grad_bytes(cfg, layers: list[tuple[str, float]], micro_batches: int) ->
     """The head's gradient a rank holding ``layers`` ((kind, parameters) pairs) has at a block's backward when its
     gradients are not otherwise held (`grads_held_at_peak`): the head's backward ran first. ZeRO 3 counts it with
     the root's unsharded state (`fsdp_gathered_bytes`)."""
-    if grads_held_at_peak(cfg, micro_batches) or (cfg.zero == 3 and cfg.dp > 1):
+    if grads_held_at_peak(cfg, micro_batches) or (cfg.zero == 3 and cfg.data_ranks > 1):
         return 0.0
     return cfg.param_bytes * sum(n for kind, n in layers if kind == "head")
 
@@ -145,7 +145,7 @@ def fsdp_reduce_bytes(cfg, layers: list[tuple[str, float]]) -> float:
     still in flight (reduce dtype: fp32 unless the plan compresses), which torch 2.13 frees only when the next
     block reduces (``reduce_scatter_max_input_buffers`` = 1, ``FSDPParamGroup.post_backward``). Traced: llama with
     0.81 GiB blocks and small activations, ZeRO-3 on 8 ranks, holds both at its peak."""
-    if cfg.zero < 2 or cfg.dp == 1 or cfg.fsdp_in_pipeline:
+    if cfg.zero < 2 or cfg.data_ranks == 1 or cfg.fsdp_in_pipeline:
         return 0.0
     reduce = 2 if parse_grad_compress(cfg.grad_compress)[0] in ("bf16", "fp16") else 4
     blocks = [n for kind, n in layers if kind == "block"]
@@ -275,11 +275,13 @@ def communicators(cfg) -> list[int]:
     """The sizes of the process groups a rank of ``cfg``'s runtime runs collectives on, each one NCCL communicator:
     the default group (the step's loss and the start's checks), and each mesh dimension of more than one rank
     (`planner.emit.runtime`: a (pp, dp, tp) DeviceMesh, one group per dimension, even one spanning every rank;
-    with expert parallelism its ep and edp sub-dimensions too)."""
+    with expert parallelism its ep and edp sub-dimensions too; with context parallelism a cp dimension and the
+    flattened dp × cp group the gradients reduce over)."""
     sizes = [cfg.world] if cfg.world > 1 else []
     # expert parallelism adds the ep group and the ranks holding the same experts (costmodel.moe)
     experts = (cfg.ep, cfg.dp // cfg.ep) if getattr(cfg, "ep", 1) > 1 else ()
-    return sizes + [n for n in (cfg.dp, cfg.tp, cfg.pp, *experts) if n > 1]
+    context = (cfg.cp, cfg.dp * cfg.cp) if getattr(cfg, "cp", 1) > 1 else ()
+    return sizes + [n for n in (cfg.dp, cfg.tp, cfg.pp, *experts, *context) if n > 1]
 
 
 def runtime_reserved_bytes(cfg, device) -> float:

@@ -49,7 +49,7 @@ def _hidden(comm: float, window: float, slowdown: float) -> tuple[float, float]:
 def dp_exposed(rank_costs: list[LayerCost], ev: SyncView) -> tuple[float, float]:
     """(exposed data-parallel communication after the last backward, compression encode/decode) of one rank."""
     cfg = ev.cfg
-    if cfg.dp == 1 or not rank_costs:
+    if cfg.data_ranks == 1 or not rank_costs:
         return 0.0, 0.0
     span, cluster = ev.dp_span, ev.cluster
     slow = cluster.device.overlap_slowdown
@@ -111,7 +111,7 @@ def optimizer_time(params: float, ev: SyncView, extra: float = 0.0) -> float:
     moments (16 bytes), writes weight and moments (12) and the 16-bit copy (2): 30 bytes (fp32 training: 28).
     ``extra``: expert parameters FSDP shards beyond the rank's own (`LayerCost.expert_shard_extra`, ZeRO 2/3)."""
     cfg = ev.cfg
-    local = (params + (extra if cfg.zero >= 2 else 0.0)) / (cfg.dp if cfg.zero >= 1 else 1)
+    local = (params + (extra if cfg.zero >= 2 else 0.0)) / (cfg.data_ranks if cfg.zero >= 1 else 1)
     per = 28 if cfg.precision == "fp32" else 30
     dev = ev.cluster.device
     return local * per / (dev.hbm_bw * dev.memory_eff)
@@ -125,7 +125,7 @@ def dp_step_bytes(cfg, params: float, m: int) -> dict[str, float]:
     """
     pbytes = cfg.param_bytes
     kind = cfg.grad_compress.split("-")[0]
-    if cfg.dp == 1:
+    if cfg.data_ranks == 1:
         return {}
     rs = 1 if cfg.fsdp_in_pipeline else m  # reduce-scatters per step
     if cfg.zero == 3:  # fsdp_exposed: per micro-batch, gathered for forward and again for backward
@@ -148,6 +148,6 @@ def tp_partial_bytes(rank_costs: list[LayerCost], cfg) -> float:
         return 0.0
     experts = sum(c.tp_partial_expert_numel for c in rank_costs)
     rest = sum(c.tp_partial_numel for c in rank_costs) - experts
-    if cfg.zero >= 2 and cfg.dp > 1:
-        rest, experts = rest / cfg.dp, experts / (cfg.dp // cfg.ep)  # (ep divides dp: costmodel.runnable)
+    if cfg.zero >= 2 and cfg.data_ranks > 1:
+        rest, experts = rest / cfg.data_ranks, experts / (cfg.dp // cfg.ep)  # (ep divides dp: costmodel.runnable)
     return 4.0 * (rest + experts)

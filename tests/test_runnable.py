@@ -116,8 +116,11 @@ def test_sp_off_stays_when_sp_cannot_run(odd_seq):
     cluster = load_cluster("dgx-h100:nodes=1")
     cands = candidates(odd_seq, cluster, 16, {"tp": 8})
     assert cands and all(not c.sp for c in cands)
-    tp4 = candidates(odd_seq, cluster, 16, {"tp": 4})  # 36 % 4 == 0: sp=off dominated by sp=on again
+    tp4 = candidates(odd_seq, cluster, 16, {"tp": 4, "cp": 1})  # 36 % 4 == 0: sp=off dominated by sp=on again
     assert tp4 and all(c.sp for c in tp4)
+    # with cp = 2 a rank holds 18 tokens, which tp = 4 does not divide: sp=on cannot run there
+    cp2 = candidates(odd_seq, cluster, 16, {"tp": 4, "cp": 2})
+    assert cp2 and all(not c.sp for c in cp2)
 
 
 def test_zero_bubble_does_not_dominate_ddp_1f1b(odd_seq):
@@ -165,10 +168,12 @@ def test_emitter_refuses_an_unrunnable_plan():
 
 
 def test_irregular_groups_are_not_offered():
-    """tp = 6 on 8-GPU nodes: half the TP groups would straddle two nodes while the cost model prices rank 0's."""
+    """tp = 6 on 8-GPU nodes: half the TP groups would straddle two nodes while the cost model prices rank 0's (and
+    likewise the cp groups, stride tp, and the dp × cp gradient groups)."""
     lg = profile_model("llama:layers=4,hidden=96,heads=6,kv_heads=6,ffn=192,vocab=256,seq=36")
     cluster = load_cluster("dgx-h100:nodes=3")  # 24 GPUs: tp = 6 and tp = 3 divide the world, not a node's 8
     cands = candidates(lg, cluster, 48, {})
     assert cands
-    assert all(8 % c.tp == 0 and (8 % (c.dp * c.tp) == 0 or (c.dp * c.tp) % 8 == 0) for c in cands)
+    assert all(8 % c.tp == 0 and 8 % (c.cp * c.tp) == 0 for c in cands)
+    assert all(8 % (c.dp * c.cp * c.tp) == 0 or (c.dp * c.cp * c.tp) % 8 == 0 for c in cands)
     assert {c.tp for c in cands} <= {1, 2}

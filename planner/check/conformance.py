@@ -13,6 +13,8 @@ Predicted (all from `costmodel`, at the precision the traced runtime runs: fp32 
 - collectives per step, by kind and group: the data-parallel terms of `costmodel.overlap.dp_step_bytes`, the
   tensor-parallel all-reduce payload of `costmodel.layercost.tp_comm_bytes` (traced sequence-parallel
   all-gather + reduce-scatter pairs count as the all-reduce they replace: (AG + RS)/2);
+- context parallelism: the keys' and values' all-gathers and their gradients' reduce-scatters of every attention on
+  the cp group (`costmodel.layercost.context_parallel_comm`); the gradients reduce over dp × cp, named ``dp``;
 - expert parallelism: the token all-to-alls and count exchanges of `costmodel.moe` on the ep group, and the
   experts' data-parallel terms on the edp group (the ranks holding the same experts);
 - pipeline sends and receives: `costmodel.estimate.Evaluator.p2p_bytes` at each of the rank's stage boundaries,
@@ -38,7 +40,7 @@ from costmodel.layercost import is_tp_layer, recompute_comm_bytes, tp_comm_bytes
 from costmodel.memory import FRAGMENTATION, runtime_reserved_bytes
 from costmodel.moe import COUNT_BYTES
 from costmodel.overlap import dp_step_bytes, tp_partial_bytes
-from planner.check.fold import extrapolate, fold_plan, makespan, trace_cost, traces_for
+from planner.check.fold import TP_TRACE_FACTOR, extrapolate, fold_plan, makespan, trace_cost, traces_for
 from planner.check.tracers import Tracers, check_capture, trace_job, tracer_width
 from planner.plan import Plan
 
@@ -95,14 +97,21 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
         costs = [ev.cost(i, acs[i]) for i in mine]
         flops = ev.m * sum(c.rank_flops for c in costs)
         collectives = {}
-        if cfg.dp > 1:  # with expert parallelism the experts reduce over the ranks holding the same ones (edp)
+        if cfg.data_ranks > 1:  # with ep the experts reduce over the ranks holding the same ones (edp)
             experts = sum(c.expert_numel for c in costs) if cfg.ep > 1 else 0.0
             params = sum(c.param_numel for c in costs) - experts
+            # the gradient-reduction group is dp × cp: named after cp where it is the cp group (dp = 1), as the
+            # trace names a group by its ranks (`planner.check.trace._mesh_groups`)
+            group = "cp" if cfg.dp == 1 else "dp"
             for k, nbytes in dp_step_bytes(cfg, params, ev.m).items():
-                collectives[f"{k}@dp"] = nbytes
+                collectives[f"{k}@{group}"] = collectives.get(f"{k}@{group}", 0.0) + nbytes
             if experts and cfg.dp > cfg.ep:
                 for k, nbytes in dp_step_bytes(replace(cfg, dp=cfg.dp // cfg.ep, ep=1), experts, ev.m).items():
                     collectives[f"{k}@edp"] = nbytes
+        if cfg.cp > 1:  # every attention's keys and values, and their gradients (costmodel.layercost)
+            for kind, nbytes in (("all_gather", sum(c.cp_gather_bytes for c in costs)),
+                                 ("reduce_scatter", sum(c.cp_scatter_bytes for c in costs))):
+                collectives[f"{kind}@cp"] = collectives.get(f"{kind}@cp", 0.0) + ev.m * nbytes
         if cfg.ep > 1:  # the token all-to-alls and the per-expert count exchanges (costmodel.moe)
             a2a = sum(c.a2a_bytes for c in costs) + COUNT_BYTES * ev.ctx.experts * sum(c.a2a_count_calls
                                                                                         for c in costs)
@@ -145,15 +154,16 @@ def check_work(plan: Plan, fold: bool = True, width: int | None = None) -> int:
     """How long `check_plan` traces, in the unit of `planner.check.fold.trace_cost` (one block's forward and
     backward for one micro-batch: its time is about proportional to this): when the last of its traces (each rank
     role, and under folding every depth) ends, ``width`` of them running at once (the tracers' default: this
-    machine's cores)."""
+    machine's cores); a tensor-parallel block counts `planner.check.fold.TP_TRACE_FACTOR` units."""
     c = plan.config
     width = width or tracer_width()
     folding = fold_plan(plan, width) if fold else None
+    slower = TP_TRACE_FACTOR if c.tp > 1 else 1.0
     if folding is None:
         per_rank = [sum(1 for lay in plan.layers if lay.stage % c.pp == r) for r in range(c.pp)]
-        return makespan([trace_cost(n, plan.grad_accum) for n in per_rank], width)
-    return makespan([trace_cost(folding.blocks_traced(r)[w], folding.micro_traced)
-                     for r in range(c.pp) for w in traces_for(folding, r)], width)
+        return round(slower * makespan([trace_cost(n, plan.grad_accum) for n in per_rank], width))
+    return round(slower * makespan([trace_cost(folding.blocks_traced(r)[w], folding.micro_traced)
+                                    for r in range(c.pp) for w in traces_for(folding, r)], width))
 
 
 def _traced_collectives(trace) -> dict:

@@ -51,6 +51,12 @@ FOLD_BLOCKS = 3  #: blocks of a run in trace A: its second block is then one in 
 #: costs its dispatch, not its size, so the ratio holds for any transformer's blocks.
 TRACE_START = 8
 
+#: how much slower a block traces under tensor parallelism (every op a DTensor op, dispatched through its sharding
+#: propagation before the fake kernel): llama3-70b dp=16 tp=2 cp=2 sp ZeRO-3 traced its 42 units in 19 s, 0.45 s a
+#: unit, against 0.13 without TP (this 2-core machine). The same for every trace of a plan, so it changes how long
+#: a check takes (`planner.check.conformance.check_work`), not which runs are folded
+TP_TRACE_FACTOR = 3.5
+
 
 def micro_batches_traced(zero: int) -> int:
     """How many micro-batches a pp = 1 trace runs to stand for a step of more (`planner.check.trace.trace_rank`):

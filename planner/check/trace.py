@@ -304,11 +304,20 @@ class _CategoryPeaks(MemTracker):
 
 
 def _mesh_groups(mesh) -> dict[tuple, str]:
-    """This rank's group of each mesh dimension (ranks tuple → dimension name), and the whole world."""
+    """This rank's group of each mesh dimension (ranks tuple → dimension name), and the whole world. With context
+    parallelism the gradients reduce over the flattened dp × cp group (`planner.emit.runtime.data_parallel_mesh`),
+    which is named ``dp`` as the cost model names the gradient-reduction group; the batch's own dp dimension is
+    ``dp rows``."""
     out = {}
-    names = ("tp", "dp", "pp", "edp", "ep") if "ep" in (mesh.mesh_dim_names or ()) else ("tp", "dp", "pp")
+    dims = mesh.mesh_dim_names or ()
+    names = (("tp", "dp", "pp", "edp", "ep") if "ep" in dims else
+             ("tp", "cp", ("dp_cp", "dp"), ("dp", "dp rows"), "pp") if "cp" in dims else ("tp", "dp", "pp"))
     for name in names:  # a 1-sized dimension's group is this rank alone
-        out.setdefault(tuple(dist.get_process_group_ranks(mesh[name].get_group())), name)
+        dim, label = name if isinstance(name, tuple) else (name, name)
+        # (the flattened group as the runtime takes it, `data_parallel_mesh`: slicing it off the root mesh is
+        # deprecated in torch 2.13)
+        sub = mesh["dp", "cp"]._flatten("dp_cp") if dim == "dp_cp" else mesh[dim]
+        out.setdefault(tuple(dist.get_process_group_ranks(sub.get_group())), label)
     out.setdefault(tuple(range(dist.get_world_size())), "world")
     return out
 
@@ -438,7 +447,9 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=config["world"])
     try:
-        if config.get("ep", 1) > 1:
+        if hasattr(rt, "build_mesh"):  # the runtime's own mesh (a script emitted before it has none)
+            mesh = rt.build_mesh(config, "cpu")
+        elif config.get("ep", 1) > 1:
             mesh = rt.expert_mesh(config, "cpu")
         else:
             mesh = init_device_mesh("cpu", (config["pp"], config["dp"], config["tp"]),

@@ -141,7 +141,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"{args.model} on {args.cluster} ({cluster.world_size} GPUs), global batch {gb}: "
           f"dp={c.dp} tp={c.tp} pp={c.pp} vpp={c.vpp} schedule={c.schedule.value} mbs={c.mbs} zero={c.zero} "
           f"sp={'on' if c.sp else 'off'} grad_compress={c.grad_compress} pp_compress={c.pp_compress}"
-          + (f" ep={c.ep}" if c.ep > 1 else ""))
+          + (f" ep={c.ep}" if c.ep > 1 else "") + (f" cp={c.cp}" if c.cp > 1 else ""))
     acs = {}
     for lay in plan.layers:
         acs[lay.ac.value] = acs.get(lay.ac.value, 0) + 1

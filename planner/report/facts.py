@@ -301,6 +301,8 @@ def mesh_facts(plan: Plan, cluster) -> dict:
         ("tp", cfg.tp, 1),
         ("cp", cfg.cp, cfg.tp),
         ("dp", cfg.dp, cfg.tp * cfg.cp),
+        # context parallelism: the gradients reduce over dp × cp (`ParallelConfig.data_ranks`)
+        *((("dp×cp", cfg.dp * cfg.cp, cfg.tp),) if cfg.cp > 1 else ()),
         # expert parallelism: consecutive dp ranks (costmodel.moe); edp: the ranks holding the same experts
         *((("ep", cfg.ep, cfg.tp * cfg.cp), ("edp", cfg.dp // cfg.ep, cfg.tp * cfg.cp * cfg.ep))
           if cfg.ep > 1 else ()),

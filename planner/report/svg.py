@@ -265,7 +265,7 @@ def mesh_coords(rank: int, cfg: dict) -> dict[str, int]:
 
 
 #: the coordinates a group of each kind varies (the rest identify the group)
-_VARIES = {"ep": ("ep",), "edp": ("edp",), "dp": ("dp", "ep", "edp")}
+_VARIES = {"ep": ("ep",), "edp": ("edp",), "dp": ("dp", "ep", "edp"), "dp×cp": ("dp", "cp")}
 
 
 def group_id(rank: int, kind: str, cfg: dict) -> int:
@@ -297,7 +297,7 @@ def mesh_svg(rep: dict, width: int = 1300) -> str:
             f"{g['size']} (stride {g['stride']}) — {escape(link)}"
             f"{' (crosses nodes)' if net else ''}</text>"
         )
-        body.append(f'<g class="mesh-{kind}">')
+        body.append(f'<g class="mesh-{kind.replace("×", "x")}">')
         for rank in range(world):
             node, local = divmod(rank, gpn)
             gx = 10 + (node % per_row) * node_w + local * cell

@@ -89,15 +89,15 @@ class Bounds:
         self.post = list(range(self.blocks[-1] + 1, len(lg.layers))) if self.blocks else []
 
     def _ev(self, cfg: ParallelConfig) -> Evaluator:
-        key = (cfg.dp, cfg.tp, cfg.pp, cfg.mbs, cfg.sp, cfg.precision, cfg.ep)
+        key = (cfg.dp, cfg.tp, cfg.pp, cfg.mbs, cfg.sp, cfg.precision, cfg.ep, cfg.cp)
         if key not in self._evs:
             base = ParallelConfig(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, mbs=cfg.mbs, sp=cfg.sp, precision=cfg.precision,
-                                  schedule=Schedule.ONE_F_ONE_B, ep=cfg.ep)
+                                  schedule=Schedule.ONE_F_ONE_B, ep=cfg.ep, cp=cfg.cp)
             self._evs[key] = Evaluator(self.lg, self.cluster, base, self.gb, cache=self.cache)
         return self._evs[key]
 
     def _group(self, cfg: ParallelConfig) -> _Group:
-        key = (cfg.tp, cfg.sp, cfg.mbs, cfg.precision, cfg.ep)
+        key = (cfg.tp, cfg.sp, cfg.mbs, cfg.precision, cfg.ep, cfg.cp)
         if key not in self._groups:
             self._groups[key] = _Group.build(self, self._ev(cfg))
         return self._groups[key]
@@ -119,10 +119,11 @@ class Bounds:
         fixed = g.pre_t + g.post_t + (S - 1) * p2p + self._fsdp(cfg, g, ev)
         best = INF
         # PowerSGD keeps a 4-byte error buffer per parameter: its memory differs from the other options'
-        psgd = any(parse_grad_compress(k)[0] == "powersgd" for k in self.grad_opts) and cfg.dp > 1 and cfg.zero < 2
+        psgd = (any(parse_grad_compress(k)[0] == "powersgd" for k in self.grad_opts) and cfg.data_ranks > 1
+                and cfg.zero < 2)
         for extra in ((0.0, 4.0) if psgd else (0.0,)):
             kinds = [k for k in self.grad_opts if (parse_grad_compress(k)[0] == "powersgd") == (extra > 0)]
-            if not kinds and cfg.dp > 1 and cfg.zero < 2:
+            if not kinds and cfg.data_ranks > 1 and cfg.zero < 2:
                 continue
             work = self._block_work(cfg, g, m, extra)
             if work == INF:
@@ -168,7 +169,7 @@ class Bounds:
         cap = (self.cluster.memory_budget_bytes - runtime_reserved_bytes(cfg, dev)) / (1 + FRAGMENTATION)
         per = _state_at_peak(cfg, m) + extra
         temp = dp_reduction_temp_bytes(cfg, "none", 0.0)  # a lower bound: the least over compressions and ranks
-        if cfg.zero == 3 and cfg.dp > 1:  # at least the gathered block (every rank holds one)
+        if cfg.zero == 3 and cfg.data_ranks > 1:  # at least the gathered block (every rank holds one)
             temp = g.block_params * cfg.param_bytes
         return cap, per, temp
 
@@ -252,7 +253,7 @@ class Bounds:
         return lo
 
     def _fsdp(self, cfg: ParallelConfig, g: _Group, ev: Evaluator) -> float:
-        if not (cfg.zero == 3 and cfg.dp > 1):
+        if not (cfg.zero == 3 and cfg.data_ranks > 1):
             return 0.0
         sl = self.cluster.device.overlap_slowdown
         S = cfg.pp * cfg.vpp
@@ -272,7 +273,7 @@ class Bounds:
         pipelined = cfg.fsdp_in_pipeline
         if cfg.zero == 3 and pipelined:  # one exposed reduce-scatter of the average rank's gradients (affine: ≤ max)
             return finish + reduce_scatter_time(P * GRAD_REDUCE_BYTES, ev.dp_span, self.affine_cluster)
-        if cfg.dp == 1 or cfg.zero == 3:
+        if cfg.data_ranks == 1 or cfg.zero == 3:
             return finish
         span, cl, sl = ev.dp_span, self.affine_cluster, self.cluster.device.overlap_slowdown
         pbytes = cfg.param_bytes
@@ -327,14 +328,14 @@ class Bounds:
         if cfg.pp == 1:
             n = len(self.blocks)
             first = per * g.params + g.pre_act + g.post_act + n * block_act
-        after = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp, cfg.pp))  # every gradient
+        after = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.data_ranks, cfg.pp))  # every gradient
         allocated = max(first, last, after * g.params / cfg.pp) + temp
         return (1 + FRAGMENTATION) * allocated + runtime_reserved_bytes(cfg, self.cluster.device)
 
 
 def _state_at_peak(cfg: ParallelConfig, m: int) -> float:
     """Model-state bytes per parameter at the activation peak (`costmodel.memory.grads_held_at_peak`)."""
-    p, g, k = state_bytes_per_param(cfg.precision, cfg.zero, cfg.dp, cfg.pp)
+    p, g, k = state_bytes_per_param(cfg.precision, cfg.zero, cfg.data_ranks, cfg.pp)
     return p + k + (g if grads_held_at_peak(cfg, m) else 0.0)
 
 

@@ -234,7 +234,7 @@ class Model:
             # boundary transfers into its stages (all but stage 0), with the chosen pp compression
             n_in = sum(1 for c in stages if c > 0)
             t += n_in * sum(self._t(d.p2p[k]) * self.compress["pp", k] for k in d.pp_opts)
-            if d.cfg.zero == 3 and d.cfg.dp > 1:
+            if d.cfg.zero == 3 and d.cfg.data_ranks > 1:
                 t += self._fsdp(u)
             s.Add(self.stage_time[u] == t)
 
@@ -292,7 +292,7 @@ class Model:
                 + d.ev.tp_partial_sync_time(_rank_layer_costs(d, r, n))))
             tied = self._t(d.ev.tied_sync_time(r))  # the embedding group's all-reduce, exposed (first/last rank)
             opt, opt_hi = opt + tied, opt_hi + tied
-            if d.cfg.dp == 1 or (d.cfg.zero == 3 and not d.cfg.fsdp_in_pipeline):
+            if d.cfg.data_ranks == 1 or (d.cfg.zero == 3 and not d.cfg.fsdp_in_pipeline):
                 s.Add(self.finish >= opt)
             elif d.cfg.zero == 3:  # pipelined: one reduce-scatter after the last backward, nothing hides it
                 rs, _, _ = self.tab(r, lambda n, r=r: self._t(reduce_scatter_time(
@@ -447,7 +447,7 @@ class Model:
             block = ev.cost(d.blocks[0], AC.NONE).param_numel if d.blocks else 0.0
             gathered = held = 0.0  # ZeRO-3 (costmodel.memory.fsdp_gathered_bytes): what a block's backward adds
             # (gathered blocks, the root's unsharded parameters and gradients) and what the loss's backward does
-            if cfg.zero == 3 and cfg.dp > 1:
+            if cfg.zero == 3 and cfg.data_ranks > 1:
 
                 def fsdp(n, edges=edges, block=block):
                     return fsdp_gathered_bytes(cfg, [("block", block)] * n + edges)
@@ -486,7 +486,7 @@ class Model:
             allocated += x_at_peak
             for k in d.grad_opts:
                 kind = parse_grad_compress(k)[0]
-                extra = self._b(4.0) * params if kind == "powersgd" and cfg.dp > 1 else 0.0  # error feedback
+                extra = self._b(4.0) * params if kind == "powersgd" and cfg.data_ranks > 1 else 0.0  # error feedback
                 # the step's other peak, after the backward: every gradient and the reduction's copy of a bucket
                 copy, _, copy_hi = self.tab(r, lambda n, r=r, kind=kind: self._b(dp_reduction_temp_bytes(
                     cfg, kind, 4.0 * self._params(r, n))))

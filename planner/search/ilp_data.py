@@ -84,7 +84,7 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
     # offer a compression option only when it can change some coefficient
     if grad_opts is None:  # among those the runtime can apply to this sharding (costmodel.runnable) and the
         # compression policy allows (costmodel.compression.COMPRESSION_POLICIES)
-        runnable = grad_compress_options(cfg.dp, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp, cfg.ep)
+        runnable = grad_compress_options(cfg.data_ranks, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp, cfg.ep)
         grad_opts = ("none",) if cfg.zero >= 2 else tuple(k for k in allowed_options(policy, GRAD_OPTIONS)
                                                           if parse_grad_compress(k)[0] in runnable)
     if pp_opts is None:
@@ -107,7 +107,7 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
     fixed_rank = {i: 0 for i in pre} | {i: (S - 1) % cfg.pp for i in post}
     # Only a rank's totals matter (T_r, memory, dp) unless ZeRO-3's per-stage overlap applies: then count blocks
     # per rank (vpp stages each, split evenly on decode) which removes the symmetry between a rank's stages
-    if cfg.zero == 3 and cfg.dp > 1:
+    if cfg.zero == 3 and cfg.data_ranks > 1:
         units = [(c,) for c in range(S)]
     else:
         units = [tuple(range(r, S, cfg.pp)) for r in range(cfg.pp)]

@@ -133,12 +133,14 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
             continue
         if not _regular(tp, gpn):
             continue  # some TP groups would straddle nodes: the cost model prices the group at rank 0 only
-        for pp in _divisors(world // tp):
+        for pp, cp in itertools.product(_divisors(world // tp), _divisors(world // tp)):
             if pp > 1 and (not uniform or pp > n_blocks):
                 continue
-            dp = world // (tp * pp)
-            if not _regular(dp * tp, gpn):
-                continue  # likewise for the data-parallel groups (stride tp) and the pipeline's (stride dp·tp)
+            if (world // tp) % (pp * cp) or (cp > 1 and not arch.get("cp_ready")):
+                continue  # (context parallelism only where the capture says the runtime can split the sequence)
+            dp = world // (tp * pp * cp)
+            if not (_regular(cp * tp, gpn) and _regular(dp * cp * tp, gpn)):
+                continue  # likewise for the cp groups (stride tp), dp × cp (stride tp) and the pipeline's
             if global_batch % dp:
                 continue
             mbss = [b for b in _divisors(global_batch // dp) if b <= MAX_MBS]
@@ -150,13 +152,13 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
             eps = [e for e in _divisors(dp) if experts % e == 0] if experts > 1 else [1]
             runnable = {}  # configuration key → the configuration, for those the runtime can run
             for (sched, vpp), mbs, zero, sp, ep in itertools.product(
-                    scheds, mbss, (0, 1, 2, 3) if dp > 1 else (0,), (False, True) if tp > 1 else (False,), eps):
+                    scheds, mbss, (0, 1, 2, 3) if dp * cp > 1 else (0,), (False, True) if tp > 1 else (False,), eps):
                 key = {"dp": dp, "tp": tp, "pp": pp, "vpp": vpp, "schedule": sched.value, "mbs": mbs,
-                       "zero": zero, "sp": sp, "ep": ep}
+                       "zero": zero, "sp": sp, "ep": ep, "cp": cp}
                 if any(k in fix and _norm(fix[k]) != _norm(v) for k, v in key.items()):
                     continue
                 cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=sched, mbs=mbs, zero=zero, sp=sp,
-                                     precision=precision, ep=ep)
+                                     precision=precision, ep=ep, cp=cp)
                 facts = cfg.runnable_facts(global_batch, arch, lg.model.seq)
                 facts["grad_compress"] = parse_grad_compress(fix.get("grad_compress", "none"))[0]
                 facts["selective_ac"] = getattr(fix.get("ac"), "value", fix.get("ac")) == "selective"  # (pinned)
@@ -180,7 +182,7 @@ def _regular(span: int, gpus_per_node: int) -> bool:
 
 
 def _key(cfg: ParallelConfig) -> tuple:
-    return (cfg.dp, cfg.tp, cfg.pp, cfg.vpp, cfg.schedule, cfg.mbs, cfg.zero, cfg.sp, cfg.ep)
+    return (cfg.dp, cfg.tp, cfg.pp, cfg.vpp, cfg.schedule, cfg.mbs, cfg.zero, cfg.sp, cfg.ep, cfg.cp)
 
 
 def _dominated(cfg: ParallelConfig, runnable: dict, fix: dict) -> bool:
@@ -206,7 +208,7 @@ def _norm(v):
 
 
 def _order_key(cfg: ParallelConfig) -> tuple:
-    return (cfg.dp, cfg.tp, cfg.pp, cfg.vpp, SCHEDULES.index(cfg.schedule), cfg.mbs, cfg.zero, cfg.sp, cfg.ep)
+    return (cfg.dp, cfg.tp, cfg.pp, cfg.vpp, SCHEDULES.index(cfg.schedule), cfg.mbs, cfg.zero, cfg.sp, cfg.ep, cfg.cp)
 
 
 # ---------------------------------------------------------------------------------------------------- search
@@ -262,7 +264,7 @@ def check_fix(fix: dict) -> None:
         free["tp"] = 2
     if int(fix.get("ep", 1)) > 1 and "dp" not in fix:
         free["dp"] = int(fix["ep"])  # ep borrows dp ranks: dp is a multiple of it
-    ParallelConfig.from_dict(free | fix)  # validates values (cp must be 1, enums, …)
+    ParallelConfig.from_dict(free | fix)  # validates values (enums, ranges, …)
 
 
 def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | None = None, top_k: int = 3,
@@ -455,7 +457,7 @@ def _greedy(lg, cluster, cfg, global_batch, cache, lb, fix, acs=None) -> ilp.Sol
     grad, ppc = fix.get("grad_compress", "none"), fix.get("pp_compress", "none")
     if cfg.pp == 1:
         ppc = "none"
-    if cfg.dp == 1 or cfg.zero >= 2:
+    if cfg.data_ranks == 1 or cfg.zero >= 2:
         grad = "none" if "grad_compress" not in fix else grad
     acs = acs or ((AC(fix["ac"]),) if "ac" in fix else ilp.AC_ORDER)
     try:
@@ -563,7 +565,7 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
     times the world size; other keywords go to `search` (fix, top_k, time_limit)."""
     from costmodel.cluster import load_cluster
     from profiler.capture import capture
-    from profiler.layers import group_layers
+    from profiler.layers import context_parallel_ready, group_layers
 
     cl = load_cluster(cluster)
     if world_size is not None and world_size != cl.world_size:
@@ -573,7 +575,8 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
             raise ValueError(f"world size {world_size} but cluster {cluster} has {cl.world_size} GPUs; pass a "
                              "cluster with that many GPUs")
     name = f"module:{type(model).__name__}"
-    lg = group_layers(capture(model, example_inputs, name=name))
+    # (the arch fact the rules read: whether the runtime can split this module's sequence)
+    lg = group_layers(capture(model, example_inputs, name=name, arch={"cp_ready": context_parallel_ready(model)}))
     batch = lg.model.batch or 1
     gb = global_batch or batch * cl.world_size
     result = search(lg, cl, gb, **kw)
