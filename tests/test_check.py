@@ -234,7 +234,7 @@ def test_a_folded_trace_equals_the_whole_trace(layers, batch, config, plain, wid
     if plain:
         plan = _mixed(plan, plain)
     tracers = Tracers()
-    tracers.width = width
+    tracers.cores = width
     whole, folded = check_plan(plan, fold=False), check_plan(plan, tracers=tracers)
     assert "runs of like blocks extrapolated" in folded["traced_how"], folded["traced_how"]
     if plain:
@@ -259,14 +259,14 @@ def test_folding_follows_runs_of_like_blocks():
     from planner.check.fold import fold_plan, traces_for
 
     plan = plan_from_config(FOLD_MODEL.format(12), "dgx-h100:nodes=1", 16, "dp=8,zero=2,mbs=2")
-    assert fold_plan(plan, width=2).traced == ({0: [3]}, {0: [4]})
-    assert fold_plan(plan, width=1) is None  # 12 blocks at once end sooner than 3 and then 4 with a start each
-    assert fold_plan(_mixed(plan, 5), width=3).traced == ({0: [3, 3]}, {0: [4, 3]}, {0: [3, 4]})
-    assert fold_plan(_mixed(plan, 5), width=2).traced == ({0: [5, 3]}, {0: [5, 4]})
-    assert fold_plan(_mixed(plan, 4), width=3).traced == ({0: [4, 3]}, {0: [4, 4]})
+    assert fold_plan(plan, cores=2).traced == ({0: [3]}, {0: [4]})
+    assert fold_plan(plan, cores=1) is None  # 12 blocks at once end sooner than 3 and then 4 with a start each
+    assert fold_plan(_mixed(plan, 5), cores=3).traced == ({0: [3, 3]}, {0: [4, 3]}, {0: [3, 4]})
+    assert fold_plan(_mixed(plan, 5), cores=2).traced == ({0: [5, 3]}, {0: [5, 4]})
+    assert fold_plan(_mixed(plan, 4), cores=3).traced == ({0: [4, 3]}, {0: [4, 4]})
     interleaved = plan_from_config(FOLD_MODEL.format(20), "dgx-h100:nodes=1", 32,
                                    "pp=2,vpp=2,dp=4,zero=0,mbs=2,schedule=interleaved")
-    folding = fold_plan(interleaved, width=8)
+    folding = fold_plan(interleaved, cores=8)
     assert [traces_for(folding, r) for r in (0, 1)] == [[0, 1, 2], [0, 1, 2]]  # each rank: two chunks of 5
     assert fold_plan(plan_from_config(FOLD_MODEL.format(3), "dgx-h100:nodes=1", 16, "dp=8,mbs=2")) is None
 

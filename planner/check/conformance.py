@@ -40,8 +40,8 @@ from costmodel.layercost import is_tp_layer, recompute_comm_bytes, tp_comm_bytes
 from costmodel.memory import FRAGMENTATION, runtime_reserved_bytes
 from costmodel.moe import COUNT_BYTES
 from costmodel.overlap import dp_step_bytes, tp_partial_bytes
-from planner.check.fold import TP_TRACE_FACTOR, extrapolate, fold_plan, makespan, trace_cost, traces_for
-from planner.check.tracers import Tracers, check_capture, trace_job, tracer_width
+from planner.check.fold import extrapolate, fold_plan, makespan, trace_cost, traces_for
+from planner.check.tracers import Tracers, check_capture, trace_job, tracer_cores
 from planner.plan import Plan
 
 MEMORY_TOL = 0.05  #: on each role's peak memory (issue 12's acceptance)
@@ -150,20 +150,19 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
     return roles
 
 
-def check_work(plan: Plan, fold: bool = True, width: int | None = None) -> int:
+def check_work(plan: Plan, fold: bool = True, cores: int | None = None) -> float:
     """How long `check_plan` traces, in the unit of `planner.check.fold.trace_cost` (one block's forward and
     backward for one micro-batch: its time is about proportional to this): when the last of its traces (each rank
-    role, and under folding every depth) ends, ``width`` of them running at once (the tracers' default: this
-    machine's cores); a tensor-parallel block counts `planner.check.fold.TP_TRACE_FACTOR` units."""
+    role, and under folding every depth) ends, all run side by side on ``cores`` cores (default: this machine's),
+    as `check_plan` runs them."""
     c = plan.config
-    width = width or tracer_width()
-    folding = fold_plan(plan, width) if fold else None
-    slower = TP_TRACE_FACTOR if c.tp > 1 else 1.0
+    cores = cores or tracer_cores()
+    folding = fold_plan(plan, cores) if fold else None
     if folding is None:
         per_rank = [sum(1 for lay in plan.layers if lay.stage % c.pp == r) for r in range(c.pp)]
-        return round(slower * makespan([trace_cost(n, plan.grad_accum) for n in per_rank], width))
-    return round(slower * makespan([trace_cost(folding.blocks_traced(r)[w], folding.micro_traced)
-                                    for r in range(c.pp) for w in traces_for(folding, r)], width))
+        return makespan([trace_cost(n, plan.grad_accum) for n in per_rank], cores)
+    return makespan([trace_cost(folding.blocks_traced(r)[w], folding.micro_traced)
+                     for r in range(c.pp) for w in traces_for(folding, r)], cores)
 
 
 def _traced_collectives(trace) -> dict:
@@ -190,7 +189,7 @@ def check_plan(plan: Plan, *, prepare=None, fold: bool = True, tracers: Tracers 
         whole_init = load_script(script).PLAN.get("init") != "meta"
         fold = False
     tracers = tracers or Tracers()
-    folding = fold_plan(plan, tracers.width) if fold else None
+    folding = fold_plan(plan, tracers.cores) if fold else None
     tracers.prepare = prepare
     if script is not None and whole_init:  # a real model per trace, and under a pipeline real activations too
         tracers.width = 1  # (a 170M-parameter model: 14 GB a trace)

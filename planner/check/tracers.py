@@ -66,12 +66,15 @@ def _child(job, args: tuple, kwargs: dict, conn, prepare) -> None:
         conn.close()
 
 
-def tracer_width() -> int:
-    """How many traces run at once by default: one per core this process may use, at most 8."""
+#: traces run side by side at most (each a process of a few hundred MB to a few GB, on fake tensors)
+AT_ONCE = 8
+
+
+def tracer_cores() -> int:
+    """The cores traces share: those this process may use."""
     import os
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cores, 8))
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
 def _tracer_context():
@@ -96,17 +99,18 @@ def start_tracers() -> Tracers:
 
 
 class Tracers:
-    """Jobs in child processes (`trace_job`: `trace_rank`; `check_capture`), as many at a time as this machine has
-    cores (``width``): each trace gets a fresh fake process group (torch keeps process-group names and DTensor's
-    mesh caches per process, so a second world in one process resolves stale groups). Children come from a fork
-    server that has imported the tracer once, so a trace costs itself, not another ``import torch``; not forked from
-    this process, whose threads (a test runner's, torch's) may hold locks. ``submit`` queues a job, ``results``
+    """Jobs in child processes (`trace_job`: `trace_rank`; `check_capture`), up to `AT_ONCE` at a time (``width``),
+    sharing this machine's cores: each trace gets a fresh fake process group (torch keeps process-group names and
+    DTensor's mesh caches per process, so a second world in one process resolves stale groups). Children come from a
+    fork server that has imported the tracer once, so a trace costs itself, not another ``import torch``; not forked
+    from this process, whose threads (a test runner's, torch's) may hold locks. ``submit`` queues a job, ``results``
     waits for them (in the parent's time: the prediction is computed meanwhile)."""
 
     def __init__(self, prepare=None):
         self.ctx = _tracer_context()
         self.prepare = prepare
-        self.width = tracer_width()
+        self.width = AT_ONCE  #: jobs running at once (the operating system shares the cores among them)
+        self.cores = tracer_cores()  #: what they share (`planner.check.fold.makespan`)
         self.queue: list[tuple] = []
         self.running: dict = {}  # connection → (key, process, what it is, for errors)
         self.done: dict = {}

@@ -220,8 +220,9 @@ def _baseline(text: str, lg, cluster, gb: int, plan_step_s: float) -> dict:
 
 #: `--check auto` traces the winner when `planner.check.conformance.check_work` (when its last trace ends, in one
 #: block's forward and backward for one micro-batch, `planner.check.fold.trace_cost`: about 0.13 s each on 2 cores)
-#: stays at or under this, about eight seconds of tracing beside the plan's own five (llama3-70b's ZeRO-3 winner on
-#: 64 H100s, the README's job, counts 30: two traces of 10 and 11 blocks × 2 micro-batches, side by side)
+#: stays at or under this, about eight seconds of tracing beside the plan's own five (the README's job, llama3-70b
+#: on 64 H100s: its dp=16 tp=2 cp=2 winner counts 32, three traces of 6, 7 and 7 blocks × 2 micro-batches side by
+#: side on two cores; the ZeRO-3 winner it had before the search offered cp, 30: two of 10 and 11 blocks)
 CHECK_AUTO_WORK = 64
 
 
@@ -235,7 +236,7 @@ def _maybe_check(plan, mode: str, tracers=None):
     if mode == "off" or (mode == "auto" and work > CHECK_AUTO_WORK):
         if tracers is not None:
             tracers.close()
-        why = "--check off" if mode == "off" else (f"not traced automatically (its traces count {work} block "
+        why = "--check off" if mode == "off" else (f"not traced automatically (its traces count {work:.0f} block "
                                                   f"passes > {CHECK_AUTO_WORK}; --check on forces it)")
         return plan, f"{why}; {how}"
     try:
