@@ -58,7 +58,7 @@ from costmodel.compression import allowed_options
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.estimate import ConfigError, Evaluator, even_stages
 from costmodel.layercost import is_tp_layer
-from costmodel.runnable import checkpoint_modes
+from costmodel.runnable import checkpoint_modes, context_problems
 from costmodel.runnable import problems as runnable_problems
 from planner.plan import Plan
 from planner.search import ilp
@@ -136,8 +136,9 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
         for pp, cp in itertools.product(_divisors(world // tp), _divisors(world // tp)):
             if pp > 1 and (not uniform or pp > n_blocks):
                 continue
-            if (world // tp) % (pp * cp) or (cp > 1 and not arch.get("cp_ready")):
-                continue  # (context parallelism only where the capture says the runtime can split the sequence)
+            if (world // tp) % (pp * cp) or (cp > 1 and context_problems(
+                    {"cp": cp, "tp": tp, "pp": pp, "seq": lg.model.seq, "cp_ready": bool(arch.get("cp_ready"))})):
+                continue  # (the rules on context parallelism that hold whatever the rest: once, not per candidate)
             dp = world // (tp * pp * cp)
             if not (_regular(cp * tp, gpn) and _regular(dp * cp * tp, gpn)):
                 continue  # likewise for the cp groups (stride tp), dp × cp (stride tp) and the pipeline's
