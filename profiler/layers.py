@@ -63,10 +63,14 @@ def context_parallel_ready(model: nn.Module) -> bool:
     """Whether the runtime can split ``model``'s sequence over a context-parallel group
     (`planner.emit.runtime.apply_cp`): the model reads its tokens' positions from ``context_positions`` (None:
     0..s−1, set by the runtime to the global positions of the tokens a rank holds) and every attention computes its
-    core in an ``attend(q, k, v)`` method the runtime replaces (the zoo ``llama:`` and ``gpt:`` models). One rule for
-    the capture (the arch fact ``cp_ready``, which `costmodel.runnable.context_problems` judges) and the runtime."""
-    return (getattr(model, "context_positions", False) is None
-            and any(callable(getattr(m, "attend", None)) for m in model.modules()))
+    core in an ``attend(q, k, v)`` method the runtime replaces (the zoo ``llama:`` and ``gpt:`` models). The
+    replacement runs scaled-dot-product attention, which is what the cost model prices it from (the capture's fused
+    attention nodes): a model whose attention is captured otherwise (the zoo GPT's ``attention=math``, Megatron's
+    unfused kernels: ``use_sdpa`` False) would run other than it is costed, so it is not ready. One rule for the
+    capture (the arch fact ``cp_ready``, which `costmodel.runnable.context_problems` judges) and the runtime."""
+    attends = [m for m in model.modules() if callable(getattr(m, "attend", None))]
+    return (getattr(model, "context_positions", False) is None and bool(attends)
+            and all(getattr(m, "use_sdpa", True) for m in attends))
 
 
 def tp_unsplit_linears(model: nn.Module) -> list[str]:

@@ -234,3 +234,28 @@ def test_runtime_refuses_an_edited_plan_and_short_sequences():
     par = SimpleNamespace(plan=config, mesh=None)
     with pytest.raises(ValueError, match="whole sequences of the planned 32 tokens"):
         train.context_tokens(par, torch.zeros(8, 16, dtype=torch.long))
+
+
+def test_context_parallel_attention_under_autocast():
+    """DDP plans run under autocast on GPUs, where RoPE's fp32 tables leave q and k in fp32 and v in the autocast
+    dtype; SDPA would cast them, but a lower-right causal mask dispatches before autocast and refuses mixed dtypes.
+    The context-parallel attention casts first (CPU autocast stands in for CUDA's here; one gloo rank)."""
+    import subprocess
+    import sys
+
+    code = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+from planner.emit.runtime import context_parallel_attention, context_masks
+q = torch.randn(1, 16, 4, 8, requires_grad=True)
+k = torch.randn(1, 16, 2, 8, requires_grad=True)
+v = torch.randn(1, 16, 2, 8).bfloat16().requires_grad_()
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    out = context_parallel_attention(q, k, v, dist.group.WORLD, 1, 0, context_masks(16, 1, 0))
+out.float().sum().backward()
+print(out.dtype, q.grad.dtype, v.grad.dtype)
+dist.destroy_process_group()
+"""
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.split() == ["torch.bfloat16", "torch.float32", "torch.bfloat16"]

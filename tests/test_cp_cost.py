@@ -113,3 +113,19 @@ def test_a_context_parallel_plan_runs_as_costed(config):
     role = result["roles"][0]
     assert result["ok"], (result["memory_error_max"], role["errors"])
     assert role["traced"]["collectives"]["all_gather@cp"]["bytes"] > 0
+
+
+def test_attention_the_runtime_cannot_replace_as_costed_is_not_split():
+    """The zoo GPT with ``attention=math`` (Megatron's unfused kernels, as captured) would run its context-parallel
+    attention as SDPA, which the capture has no node of: not ready, so never offered (no cp traffic would be
+    priced)."""
+    from planner.search.outer import candidates
+    from profiler.layers import context_parallel_ready
+    from profiler.zoo.registry import resolve_model
+
+    math, _ = resolve_model("gpt-tiny:attention=math").build(batch=1, seq=32, device="meta")
+    sdpa, _ = resolve_model("gpt-tiny").build(batch=1, seq=32, device="meta")
+    assert not context_parallel_ready(math) and context_parallel_ready(sdpa)
+    lg = profile_model("gpt-tiny:attention=math")
+    assert all(c.cp == 1 for c in candidates(lg, load_cluster("dgx-h100:nodes=1"), 16, {}))
+    assert any(c.cp > 1 for c in candidates(profile_model("gpt-tiny"), load_cluster("dgx-h100:nodes=1"), 16, {}))

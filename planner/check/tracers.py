@@ -71,10 +71,11 @@ AT_ONCE = 8
 
 
 def tracer_cores() -> int:
-    """The cores traces share: those this process may use."""
+    """The cores traces share: those this process may use, at most `AT_ONCE` (no more traces run at once)."""
     import os
 
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, AT_ONCE))
 
 
 def _tracer_context():

@@ -673,6 +673,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     only the CUDA SDPA kernels, so it would not run on CPU/gloo."""
     b, s, heads, d = q.shape
     kv_heads, chunk = k.shape[2], s // 2
+    if torch.is_autocast_enabled(q.device.type):  # (DDP under autocast: RoPE's fp32 tables leave q and k in fp32
+        # while v is in the autocast dtype; SDPA's autocast would cast them, but a CausalBias mask dispatches
+        # before autocast and refuses mixed dtypes: torch/nn/attention/_utils.py, _validate_sdpa_input)
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
 
     def gather(x: torch.Tensor) -> torch.Tensor:  # [b, s, kv, d] → [b, 2·cp·c, kv, d] in sequence order
         local = x.transpose(0, 1).contiguous()  # the sequence first: the all-gather concatenates along dim 0
