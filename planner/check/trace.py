@@ -316,7 +316,8 @@ def _mesh_groups(mesh) -> dict[tuple, str]:
         dim, label = name if isinstance(name, tuple) else (name, name)
         # (the flattened group as the runtime takes it, `data_parallel_mesh`: slicing it off the root mesh is
         # deprecated in torch 2.13)
-        sub = mesh["dp", "cp"]._flatten("dp_cp") if dim == "dp_cp" else mesh[dim]
+        sub = (mesh["dp", "cp"]._flatten("dp_cp") if dim == "dp_cp" else
+               mesh["edp", "ep"]._flatten("dp") if dim == "dp" and "ep" in dims else mesh[dim])
         out.setdefault(tuple(dist.get_process_group_ranks(sub.get_group())), label)
     out.setdefault(tuple(range(dist.get_world_size())), "world")
     return out
@@ -454,7 +455,8 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         else:
             mesh = init_device_mesh("cpu", (config["pp"], config["dp"], config["tp"]),
                                     mesh_dim_names=("pp", "dp", "tp"))
-        coords = {name: mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
+        coords = {name: (rt.batch_mesh(config, mesh) if name == "dp" and hasattr(rt, "batch_mesh") else
+                         mesh[name]).get_local_rank() for name in ("pp", "dp", "tp")}
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with _shapes_only(fake, rt), contextlib.redirect_stdout(sys.stderr):  # (the runtime's notes)
             par = rt.parallelize(build, config, mesh)

@@ -178,6 +178,15 @@ def data_parallel_mesh(plan: dict, mesh: DeviceMesh) -> DeviceMesh:
         # the group `build_mesh` made: torch keeps flattened meshes by name and returns it (slicing ``mesh["dp_cp"]``
         # works too, but torch 2.13 warns that slicing a flattened dimension from the root mesh is deprecated)
         return mesh["dp", "cp"]._flatten("dp_cp")
+    return batch_mesh(plan, mesh)
+
+
+def batch_mesh(plan: dict, mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel dimension that splits the batch's rows: ``dp``, with expert parallelism the flattened
+    (edp, ep) `expert_mesh` made (taken as made: torch 2.13 warns that slicing a flattened dimension from the root
+    mesh is deprecated)."""
+    if plan["ep"] > 1:
+        return mesh["edp", "ep"]._flatten("dp")
     return mesh["dp"]
 
 

@@ -25,6 +25,7 @@ from planner.emit.runtime import (
     DTYPES,
     Parallel,
     allreduce_in_buckets,
+    batch_mesh,
     context_shard,
     data_parallel_mesh,
     expert_param_ids,
@@ -420,7 +421,7 @@ def data_rows(par: Parallel) -> slice:
     """The rows of the global batch this rank trains on: its data-parallel rank's share (the context-parallel ranks
     of one dp rank take the same rows, each its part of their sequences)."""
     rows = par.plan["global_batch"] // par.plan["dp"]
-    first = par.mesh["dp"].get_local_rank() * rows
+    first = batch_mesh(par.plan, par.mesh).get_local_rank() * rows
     return slice(first, first + rows)
 
 

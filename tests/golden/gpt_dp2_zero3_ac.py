@@ -586,6 +586,13 @@ def data_parallel_mesh(plan: dict, mesh: DeviceMesh) -> DeviceMesh:
     context parallelism the dp × cp ranks (``dp_cp``: each cp rank computes its gradients from its part of every
     sequence, as in torchtitan's FSDP over dp × cp). Batch rows are still split by the dp coordinate only
     (`planner.emit.train.data_rows`)."""
+    return batch_mesh(plan, mesh)
+
+
+def batch_mesh(plan: dict, mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel dimension that splits the batch's rows: ``dp``, with expert parallelism the flattened
+    (edp, ep) `expert_mesh` made (taken as made: torch 2.13 warns that slicing a flattened dimension from the root
+    mesh is deprecated)."""
     return mesh["dp"]
 
 
@@ -1057,7 +1064,7 @@ def data_rows(par: Parallel) -> slice:
     """The rows of the global batch this rank trains on: its data-parallel rank's share (the context-parallel ranks
     of one dp rank take the same rows, each its part of their sequences)."""
     rows = par.plan["global_batch"] // par.plan["dp"]
-    first = par.mesh["dp"].get_local_rank() * rows
+    first = batch_mesh(par.plan, par.mesh).get_local_rank() * rows
     return slice(first, first + rows)
 
 

@@ -621,6 +621,13 @@ def build_mesh(plan: dict, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "tp"))
 
 
+def batch_mesh(plan: dict, mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel dimension that splits the batch's rows: ``dp``, with expert parallelism the flattened
+    (edp, ep) `expert_mesh` made (taken as made: torch 2.13 warns that slicing a flattened dimension from the root
+    mesh is deprecated)."""
+    return mesh["dp"]
+
+
 def current_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -1088,7 +1095,7 @@ def data_rows(par: Parallel) -> slice:
     """The rows of the global batch this rank trains on: its data-parallel rank's share (the context-parallel ranks
     of one dp rank take the same rows, each its part of their sequences)."""
     rows = par.plan["global_batch"] // par.plan["dp"]
-    first = par.mesh["dp"].get_local_rank() * rows
+    first = batch_mesh(par.plan, par.mesh).get_local_rank() * rows
     return slice(first, first + rows)
 
 
