@@ -69,8 +69,8 @@ def trace_cost(blocks: int, micro_batches: int) -> int:
 def makespan(costs: list[int], cores: int) -> float:
     """When the last of traces costing ``costs`` ends, all started at once on ``cores`` cores
     (`planner.check.tracers.Tracers` runs them side by side, the operating system sharing the cores): the later of
-    their total over the cores and the longest one. Three traces on two cores end a third sooner so than two at a
-    time (llama3-70b's check: 5.1 s against 6.9 s)."""
+    their total over the cores and the longest one. Three traces on two cores end sooner so than two at a time and
+    then the third (llama3-70b's check: 5.1 s against 6.9 s)."""
     return max(sum(costs) / max(1, cores), max(costs, default=0))
 
 
@@ -170,7 +170,7 @@ def choose_folds(lengths: dict[int, list[int]], rank_of: dict[int, int], micro_b
         blocks = whole[r] - sum(lengths[stage][k] - FOLD_BLOCKS for stage, k in folded)
         return [trace_cost(blocks, micro_batches)] + [trace_cost(blocks + 1, micro_batches)] * len(folded)
 
-    def score(choice: dict) -> tuple[int, int]:
+    def score(choice: dict) -> tuple[float, int]:
         costs = [cost for r in ranks for cost in jobs(r, choice[r])]
         return makespan(costs, cores), sum(costs)
 
