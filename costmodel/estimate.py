@@ -133,6 +133,15 @@ def check_config(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_b
         raise ConfigError(f"pp·vpp = {stages} stages but the model has only {len(lg.layers)} layers")
 
 
+def _attention_widths(arch: dict) -> tuple[int, int]:
+    """(query, key) features per token from the capture's architecture facts: hidden, and kv_heads · hidden / heads
+    (grouped-query attention; heads where there is no kv_heads); (0, 0) where the heads are unknown."""
+    heads, hidden = int(arch.get("heads") or 0), int(arch.get("hidden") or 0)
+    if not heads:
+        return 0, 0
+    return hidden, int(arch.get("kv_heads") or heads) * hidden // heads
+
+
 def even_stages(lg: LayerGraph, n_stages: int) -> list[int]:
     """Megatron's split: blocks divided evenly (extra ones to the middle stages), embed on the first stage and
     the head on the last."""
@@ -192,7 +201,7 @@ class Evaluator:
         self.pp_cross_node = cfg.pp > 1 and cfg.dp * cfg.tp * cfg.cp >= gpn
         self.cp_span = group_span(cluster, cfg.cp, cfg.tp) if cfg.cp > 1 else None  # inside a node first, after tp
         arch = lg.model.arch
-        heads = int(arch.get("heads") or 0)
+        q_width, kv_width = _attention_widths(arch)
         shared = cache if cache is not None else {}
         measured = measured if measured is not None else shared.get("measured")
         compiled = compiled or bool(shared.get("compiled"))  # (a search's candidates, `planner.search.outer`)
@@ -205,9 +214,7 @@ class Evaluator:
                                top_k=int(lg.model.arch.get("top_k") or 0), tokens=lg.model.seq,
                                hidden=int(lg.model.arch.get("hidden") or 0), ep=cfg.ep, ep_span=self.ep_span,
                                imbalance=cluster.moe_imbalance, cp=cfg.cp, cp_span=self.cp_span,
-                               kv_width=int(arch.get("kv_heads") or heads) * int(arch.get("hidden") or 0) // heads
-                               if heads else 0, q_width=int(arch.get("hidden") or 0) if heads else 0,
-                               native_kernels=arch.get("kernels") == "native")
+                               kv_width=kv_width, q_width=q_width, native_kernels=arch.get("kernels") == "native")
         pipelined = cfg.pp > 1  # tied embedding/head weights have a copy on each end of the pipeline
         if ("owned", pipelined) not in shared:
             shared["owned", pipelined] = owned_params(lg, pipelined=pipelined)

@@ -103,6 +103,43 @@ def launch_all(by_world: dict, work: Path) -> tuple[dict, dict]:
     return timing, failures
 
 
+def run_matrix(work: Path, label: str, cases: dict, resume_cases: dict, steps: int, resume_steps: int,
+               extra: dict | None = None) -> tuple[Path, dict, dict]:
+    """A gloo matrix: each of ``cases`` (name → (world, make plan)) emitted for ``steps`` SGD steps and run in one
+    process for its reference, each of ``resume_cases`` for ``resume_steps`` AdamW steps with a resume, ``extra``
+    (world → more launch entries: probes) beside them, one launch per world size. Returns (the output directory,
+    name → reference, world → the launch's failure)."""
+    out = work / "out"
+    out.mkdir()
+    by_world: dict[int, list[dict]] = {}
+    refs = {}
+    for name, (world, make) in cases.items():
+        script = add_case(by_world, work, out, name, world, make(), steps, optimizer="sgd", lr=0.5)
+        refs[name] = reference(script, steps)
+    for name, (world, make) in resume_cases.items():
+        refs[name] = add_case(by_world, work, out, name, world, make(), resume_steps, resume=True,
+                              optimizer="adamw", lr=1e-2)
+    for world, entries in (extra or {}).items():
+        by_world[world].extend(entry | {"out": str(out)} for entry in entries)
+    timing, failures = launch_all(by_world, work)
+    print(f"\n{label} matrix: {timing}")
+    return out, refs, failures
+
+
+def assert_matches(matrix: tuple[Path, dict, dict], name: str, world: int, mode: str, exact: tuple) -> None:
+    """The case ``name`` of a `run_matrix` matrix, run through ``mode`` (``emit``: its script; ``apply``:
+    ``auto_parallelize``), equals its one-process reference: losses and updates within ``exact`` (relative), the
+    gradient norm within 1e-5."""
+    import pytest
+
+    out, refs, failures = matrix
+    if world in failures:
+        pytest.fail(failures[world])
+    got = merged(out, f"{name}.{mode}", world)
+    problems = compare(got, refs[name], loss_rtol=exact[0], delta_rtol=exact[1], norm_rtol=1e-5)
+    assert not problems, f"{name} via {mode}:\n" + "\n".join(problems[:10])
+
+
 def merged(out_dir: Path, name: str, nproc: int) -> dict:
     """Losses of rank 0 and the union of every rank's parameters; copies held by several ranks (replicas, tied
     weights on the first and last pipeline stage) must agree."""

@@ -125,35 +125,16 @@ RESUME_CASES = {
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     work = tmp_path_factory.mktemp("cp_matrix")
-    out = work / "out"
-    out.mkdir()
-    by_world: dict[int, list[dict]] = {}
-    refs = {}
-    for name, (world, make) in CASES.items():
-        script = dist_util.add_case(by_world, work, out, name, world, make(), STEPS, optimizer="sgd", lr=0.5)
-        refs[name] = dist_util.reference(script, STEPS)
-    for name, (world, make) in RESUME_CASES.items():
-        refs[name] = dist_util.add_case(by_world, work, out, name, world, make(), RESUME_STEPS, resume=True,
-                                        optimizer="adamw", lr=1e-2)
-    for world, names in PROBED.items():
-        by_world[world].append({"name": f"context_probe_{world}", "out": str(out),
-                                "context": {name: str(work / f"{name}.py") for name in names}})
-    timing, failures = dist_util.launch_all(by_world, work)
-    print(f"\ncontext-parallel matrix: {timing}")
-    return out, refs, failures
+    probes = {world: [{"name": f"context_probe_{world}", "context": {name: str(work / f"{name}.py") for name in names}}]
+              for world, names in PROBED.items()}
+    return dist_util.run_matrix(work, "context-parallel", CASES, RESUME_CASES, STEPS, RESUME_STEPS, extra=probes)
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("mode", ["emit", "apply"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_context_parallel_matches_one_process(matrix, name, mode):
-    out, refs, failures = matrix
-    world, _ = CASES[name]
-    if world in failures:
-        pytest.fail(failures[world])
-    got = dist_util.merged(out, f"{name}.{mode}", world)
-    problems = dist_util.compare(got, refs[name], loss_rtol=EXACT[0], delta_rtol=EXACT[1], norm_rtol=1e-5)
-    assert not problems, f"{name} via {mode}:\n" + "\n".join(problems[:10])
+    dist_util.assert_matches(matrix, name, CASES[name][0], mode, EXACT)
 
 
 @pytest.mark.dist

@@ -107,33 +107,15 @@ RESUME_CASES = {
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
-    work = tmp_path_factory.mktemp("ep_matrix")
-    out = work / "out"
-    out.mkdir()
-    by_world: dict[int, list[dict]] = {}
-    refs = {}
-    for name, (world, make) in CASES.items():
-        script = dist_util.add_case(by_world, work, out, name, world, make(), STEPS, optimizer="sgd", lr=0.5)
-        refs[name] = dist_util.reference(script, STEPS)
-    for name, (world, make) in RESUME_CASES.items():
-        refs[name] = dist_util.add_case(by_world, work, out, name, world, make(), RESUME_STEPS, resume=True,
-                                        optimizer="adamw", lr=1e-2)
-    timing, failures = dist_util.launch_all(by_world, work)
-    print(f"\nexpert-parallel matrix: {timing}")
-    return out, refs, failures
+    return dist_util.run_matrix(tmp_path_factory.mktemp("ep_matrix"), "expert-parallel", CASES, RESUME_CASES, STEPS,
+                                RESUME_STEPS)
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("mode", ["emit", "apply"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_expert_parallel_matches_one_process(matrix, name, mode):
-    out, refs, failures = matrix
-    world, _ = CASES[name]
-    if world in failures:
-        pytest.fail(failures[world])
-    got = dist_util.merged(out, f"{name}.{mode}", world)
-    problems = dist_util.compare(got, refs[name], loss_rtol=EXACT[0], delta_rtol=EXACT[1], norm_rtol=1e-5)
-    assert not problems, f"{name} via {mode}:\n" + "\n".join(problems[:10])
+    dist_util.assert_matches(matrix, name, CASES[name][0], mode, EXACT)
 
 
 @pytest.mark.dist
