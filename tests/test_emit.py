@@ -275,6 +275,42 @@ def test_weight_decay_on_matrices_only():
                      id(model[2].weight): 0.1, id(model[2].bias): 0.0}
 
 
+def test_optimizer_is_fused_and_grouped_by_mesh():
+    """AdamW runs fused (the traffic `costmodel.overlap.optimizer_time` prices) in groups whose tensors share a kind
+    and a mesh: torch's foreach and fused steps take a group's tensors in one call, which DTensor refuses when plain
+    tensors and DTensors, or DTensors of two meshes, meet (a tensor-parallel layer beside a replicated one, the
+    default foreach path on CUDA). Stepped on a fake process group with a 1-D and a 2-D mesh and a plain tensor."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from planner.emit.runtime import Parallel
+    from planner.emit.train import build_optimizer
+
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+        model[0].weight = torch.nn.Parameter(distribute_tensor(model[0].weight.detach(), mesh["tp"], [Shard(0)]))
+        model[1].weight = torch.nn.Parameter(distribute_tensor(model[1].weight.detach(), mesh, [Shard(0), Shard(0)]))
+        plan = {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1, "dp": 1, "zero": 0, "cp": 1}
+        opt = build_optimizer(Parallel(plan=plan, mesh=mesh, parts=[model], modules=[model]), plan)
+        assert all(g["fused"] for g in opt.param_groups)
+        for g in opt.param_groups:
+            kinds = {(type(p), getattr(p, "device_mesh", None)) for p in g["params"]}
+            assert len(kinds) == 1, kinds
+        assert len(opt.param_groups) == 3  # the 1-D and the 2-D sharded matrices, the plain vectors
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()  # one fused call per group
+        with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):  # what one group would do
+            torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True).step()
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("spec", ["dgx-h100:nodes=2", "cpu-local"])
 def test_header_gives_the_launch_for_the_plans_nodes(spec):
     """Multi-node plans: --nnodes, GPUs per node and a rendezvous, not one standalone node of the whole world."""
