@@ -585,8 +585,8 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
         if eff > 1:
             raise ctx.error(f"device.{key} must be in (0, 1], got {eff!r}")
     slowdown = value.get("overlap_slowdown", 0.0)
-    if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not 0 <= slowdown < 1:
-        raise ctx.error(f"device.overlap_slowdown must be a number in [0, 1), got {slowdown!r}")
+    if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not 0 <= slowdown <= 1:
+        raise ctx.error(f"device.overlap_slowdown must be a number in [0, 1], got {slowdown!r}")
     reserved = None
     if "runtime_reserved_GiB" in value:  # measured: what the CUDA context and NCCL hold outside torch's allocator
         reserved = _get(ctx, value, "runtime_reserved_GiB", float, "device")

@@ -97,7 +97,8 @@ class DeviceSpec:
     #: scaling/casting work), in (0, 1].
     fp8_eff: float = 1.0
     #: fractional slowdown of compute while a collective overlaps it (the collective's kernels take SMs and HBM
-    #: bandwidth): overlapped compute time is multiplied by ``1 + overlap_slowdown``. ≥ 0.
+    #: bandwidth): overlapped compute time is multiplied by ``1 + overlap_slowdown``, in [0, 1]. 1: the collectives
+    #: run on the cores that compute (gloo's threads on a CPU whose every core runs a rank), so nothing hides them
     overlap_slowdown: float = 0.0
     #: bytes the runtime holds outside torch's caching allocator (CUDA context, NCCL buffers) when measured (a
     #: cluster file's ``runtime_reserved_GiB``); None: modelled per plan (`costmodel.memory.runtime_reserved_bytes`)
@@ -124,8 +125,8 @@ class DeviceSpec:
         for key in ("attention_eff", "fp8_eff"):
             if not 0.0 < getattr(self, key) <= 1.0:
                 raise ValueError(f"device {self.name!r}: {key} must be in (0, 1], got {getattr(self, key)!r}")
-        if not 0.0 <= self.overlap_slowdown < 1.0:
-            raise ValueError(f"device {self.name!r}: overlap_slowdown must be in [0, 1), got {self.overlap_slowdown!r}")
+        if not 0.0 <= self.overlap_slowdown <= 1.0:
+            raise ValueError(f"device {self.name!r}: overlap_slowdown must be in [0, 1], got {self.overlap_slowdown!r}")
         if self.runtime_reserved is not None and not self.runtime_reserved >= 0:
             raise ValueError(f"device {self.name!r}: runtime_reserved must be ≥ 0 bytes, got {self.runtime_reserved!r}")
         object.__setattr__(self, "peak_flops", _frozen_map(self.peak_flops))
@@ -243,6 +244,12 @@ def _cpu_cache_file() -> Path:
     return root / "devices" / f"cpu-{''.join(c if c.isalnum() or c in '.-' else '_' for c in key)}.json"
 
 
+#: The CPU device's ``overlap_slowdown``: a ``cpu-local`` rank is one thread on its own core and gloo moves its
+#: bytes on CPU threads of the same ranks (ProcessGroupGloo's worker threads), so a collective takes the cycles of
+#: the compute it overlaps: none of it is hidden. Not measured: the structure of the machine.
+CPU_OVERLAP_SLOWDOWN = 1.0
+
+
 @functools.lru_cache(maxsize=1)
 def measure_cpu_device() -> DeviceSpec:
     """This machine's CPU as a device, measured once per machine and cached on disk (``$AUTOPAR_CACHE/devices``),
@@ -253,7 +260,7 @@ def measure_cpu_device() -> DeviceSpec:
     if path.exists():
         d = json.loads(path.read_text())
         curve = EfficiencyCurve(**d.pop("matmul_eff"))
-        return DeviceSpec(**d, matmul_eff=curve)
+        return DeviceSpec(**d, matmul_eff=curve, overlap_slowdown=CPU_OVERLAP_SLOWDOWN)
     dev = _measure_cpu_device()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -308,6 +315,7 @@ def _measure_cpu_device() -> DeviceSpec:
         hbm_bw=mem_bw,
         matmul_eff=EfficiencyCurve(e_max=1.0, f_half=1e7, source="prior: unfitted (peak measured at 1024³ fp32)"),
         memory_eff=1.0,
+        overlap_slowdown=CPU_OVERLAP_SLOWDOWN,
         source=f"measured on this machine, 1 thread, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}",
     )
 

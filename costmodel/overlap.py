@@ -16,7 +16,9 @@
   overlaps is exposed, plus the first layer's all-gather, which nothing hides. Under pipelining the gradients are
   reduce-scattered once per step and the parameters gathered m + 1 times, not 2m (`fsdp_gather_share`).
 - While communication overlaps compute, the compute slows down by the device's ``overlap_slowdown`` (the
-  collective kernels take SMs and memory bandwidth); that cost is added to the exposed time.
+  collective kernels take SMs and memory bandwidth); that cost is added to the exposed time. On a device whose
+  collectives run on the computing cores (the CPU: `costmodel.hardware.CPU_OVERLAP_SLOWDOWN` = 1) nothing is
+  hidden. (DDP then charges its last bucket twice, once as the tail and once as slowed compute: ≤ 25 MB.)
 """
 
 from __future__ import annotations

@@ -165,6 +165,27 @@ def test_compression_helps_exposed_communication(gpt):
         assert estimate(gpt, slow, cfg(f"dp=16,grad_compress={comp}"), 16).step_time_s < base.step_time_s
 
 
+def test_communication_on_the_compute_cores_is_not_hidden(gpt):
+    """A device whose collectives run on the cores that compute (``overlap_slowdown`` 1: the CPU, each core a
+    gloo rank) hides nothing: ZeRO-3's gathers and reduce-scatters, and ZeRO-2's reduce-scatter, cost their whole
+    time, where a GPU with s = 0 hides them under compute. A device property, read by the one overlap formula."""
+    from costmodel.collectives import all_gather_time, reduce_scatter_time
+    from costmodel.overlap import GRAD_REDUCE_BYTES
+
+    assert load_cluster("cpu-local").device.overlap_slowdown == 1.0
+    cl = _cluster(nodes=1)
+    serial = dataclasses.replace(cl, device=dataclasses.replace(cl.device, overlap_slowdown=1.0))
+    c = cfg("dp=8,zero=3")
+    hid, ser = Evaluator(gpt, cl, c, 8), Evaluator(gpt, serial, c, 8)
+    e_hid, e_ser = hid.evaluate(), ser.evaluate()
+    rank = [ser.cost(i, AC.NONE) for i in range(len(gpt.layers))]
+    span = ser.dp_span
+    comm = sum(all_gather_time(x.param_numel * 2, span, serial) * 2
+               + reduce_scatter_time(x.param_numel * GRAD_REDUCE_BYTES, span, serial) for x in rank)
+    assert e_ser.breakdown_s["dp_comm_exposed"] == pytest.approx(comm, rel=1e-9)
+    assert e_hid.breakdown_s["dp_comm_exposed"] < 0.5 * comm
+
+
 def test_tensor_parallel_across_nodes_is_slower(gpt):
     """Same model, tp=8 inside a node vs tp=16 spanning two: the second pays the network on every layer."""
     cl = _cluster(nodes=2)
