@@ -29,7 +29,8 @@ per MoE layer; None or 0: not a MoE model the runtime can split), ``expert_dim1`
 second dimensions; None: unknown) and ``tp_unsplit`` (a linear tensor parallelism
 cannot run, `profiler.layers.tp_unsplit_linears`; empty: none), ``cp`` (context-parallel degree, default 1) and
 ``cp_ready`` (the model's attention and positions can be split over the sequence,
-`profiler.layers.context_parallel_ready`; None: unknown).
+`profiler.layers.context_parallel_ready`; None: unknown), ``pp_split`` (why the runtime cannot cut the model into
+pipeline stages, `profiler.layers.pipeline_split_problem`; empty or None: it can, or unknown).
 """
 
 #: fp16 is not: its gradients underflow without loss scaling, which the runtime does not do yet (a GradScaler across
@@ -67,12 +68,13 @@ def grad_compress_options(dp: int, tp: int, zero: int, schedule: str = "1f1b", p
     return ("none", "bf16", "fp16", "powersgd")
 
 
-def checkpoint_modes(tp: int, ep: int = 1, compiled: bool = False) -> tuple[str, ...]:
+def checkpoint_modes(tp: int, ep: int = 1, compiled: bool = False, zero_bubble: bool = False) -> tuple[str, ...]:
     """The activation-checkpointing modes a block may take (`problems` refuses the others): none under torch.compile
-    with tensor parallelism, no selective AC with expert parallelism (the search offers the ILP only these)."""
+    with tensor parallelism, no selective AC with expert parallelism or under the zero-bubble schedule (the search
+    offers the ILP only these)."""
     if compiled and tp > 1:
         return ("none",)
-    if ep > 1:
+    if ep > 1 or zero_bubble:
         return ("none", "full")
     return ("none", "selective", "full")
 
@@ -103,6 +105,8 @@ def problems(facts: dict) -> list:
     if f.get("sp") and tp > 1 and f.get("seq") and f["seq"] % tp:
         out.append(f"sequence parallel needs seq={f['seq']} divisible by tp={tp}; re-plan with --fix sp=off or a "
                    "tp that divides the sequence")
+    if pp > 1 and f.get("pp_split"):  # (`profiler.layers.pipeline_split_problem`: "" when the model splits)
+        out.append(f"pp={pp}: {f['pp_split']}")
     m = f["micro_batches"]
     # torch runs GPipe and the interleaved schedules with fewer micro-batches than ranks (1F1B refuses), but the cost
     # model prices a full pipeline: m ≥ pp for every schedule
@@ -114,6 +118,11 @@ def problems(facts: dict) -> list:
         out.append(f"schedule={schedule} runs the {m} micro-batches per step in {rounds} equal rounds (torch's "
                    f"ScheduleInterleaved*: m divisible by max(1, m // pp)), which {m} is not; change --global-batch "
                    "or mbs")
+    if pp > 1 and schedule == "zb" and f.get("selective_ac"):
+        out.append("selective activation checkpointing with the zero-bubble schedule is not supported (torch 2.13's "
+                   "selective checkpoint lets autograd through a region once, and the schedule's weight-gradient pass "
+                   "goes through it a second time: 'Trying to backward an extra time', torch/utils/checkpoint.py); "
+                   "re-plan with --fix ac=full or schedule=1f1b")
     if f.get("compile") and tp > 1 and f.get("checkpointed"):
         out.append("torch.compile with tensor parallelism and activation checkpointing is not supported yet (torch "
                    "2.13's AOTAutograd fails on a checkpointed block's DTensor inputs: it saves their DeviceMesh for "

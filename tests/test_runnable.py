@@ -84,11 +84,14 @@ def test_expert_parallel_rules():
         assert len(found) == 1 and needle in found[0], (needle, found)
         assert "\n" not in found[0] and ("re-plan" in found[0] or "choose" in found[0] or "drop" in found[0])
     # the AC modes the ILP is offered are those `problems` lets through
-    for tp, ep, compiled, mode in itertools.product((1, 2), (1, 2), (False, True), ("none", "selective", "full")):
-        f = facts(dp=4, tp=tp, ep=ep, experts=4, compile="inductor" if compiled else None,
-                  checkpointed=mode != "none", selective_ac=mode == "selective")
+    for tp, ep, compiled, zb, mode in itertools.product((1, 2), (1, 2), (False, True), (False, True),
+                                                        ("none", "selective", "full")):
+        f = facts(**{"dp": 4, "tp": tp, "ep": ep, "experts": 4, "compile": "inductor" if compiled else None,
+                     "checkpointed": mode != "none", "selective_ac": mode == "selective"}
+                  | ({"pp": 2, "schedule": "zb", "dp": 2} if zb else {}))
         ac_rules = [p for p in problems(f) if "checkpoint" in p]
-        assert (mode in checkpoint_modes(tp, ep, compiled)) == (not ac_rules), (tp, ep, compiled, mode, ac_rules)
+        assert (mode in checkpoint_modes(tp, ep, compiled, zb)) == (not ac_rules), (tp, ep, compiled, zb, mode,
+                                                                                     ac_rules)
     assert grad_compress_options(2, 1, 0, ep=2) == ("none",)
     assert grad_compress_options(4, 1, 3, ep=2) == ("none", "bf16", "fp16")
     assert problems(facts(ep=2, experts=4, zero=2, grad_compress="bf16")) == []

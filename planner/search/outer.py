@@ -444,8 +444,8 @@ GREEDY = "greedy"  #: the backend name of an incumbent that no ILP improved (tim
 def _candidate_options(kw: dict, cfg: ParallelConfig, compiled: bool) -> dict:
     """The ILP's options for one candidate: the search's, and the AC modes the runtime can run with it
     (`costmodel.runnable`): with torch.compile and tensor parallelism none (torch 2.13 cannot compile a checkpointed
-    block's DTensor inputs), with expert parallelism no selective AC."""
-    modes = checkpoint_modes(cfg.tp, cfg.ep, compiled)
+    block's DTensor inputs), with expert parallelism or the zero-bubble schedule no selective AC."""
+    modes = checkpoint_modes(cfg.tp, cfg.ep, compiled, zero_bubble=cfg.pp > 1 and cfg.schedule.value == "zb")
     if "acs" in kw or len(modes) == len(AC):
         return kw
     return kw | {"acs": tuple(a for a in ilp.AC_ORDER if a.value in modes)}
