@@ -134,7 +134,9 @@ class ParallelConfig:
                 "ep": self.ep, "experts": arch.get("ep_experts", 0), "expert_dim1": arch.get("ep_dim1"),
                 "tp_unsplit": arch.get("tp_unsplit", ""),
                 # whether the runtime can split the model's sequence (`profiler.layers.context_parallel_ready`)
-                "cp": self.cp, "cp_ready": arch.get("cp_ready")}
+                "cp": self.cp, "cp_ready": arch.get("cp_ready"),
+                # whether the runtime can cut it into pipeline stages (`profiler.layers.pipeline_split_problem`)
+                "pp_split": arch.get("pp_split", "")}
 
     def to_dict(self) -> dict:
         d = asdict(self)

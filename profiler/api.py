@@ -13,7 +13,7 @@ from profiler.capture import capture
 from profiler.experts import expert_modules
 from profiler.fold import unfold
 from profiler.graph import LayerGraph
-from profiler.layers import context_parallel_ready, group_layers, tp_unsplit_linears
+from profiler.layers import context_parallel_ready, group_layers, pipeline_split_problem, tp_unsplit_linears
 from profiler.zoo.registry import resolve_model
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -161,4 +161,7 @@ def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: s
     graph = capture(model, inputs, name=spec, arch=arch, kernels=kernels)
     if depth:
         graph = unfold(graph, depth)
-    return group_layers(graph)
+    lg = group_layers(graph)
+    # whether the runtime can cut it into pipeline stages (`costmodel.runnable.problems`)
+    lg.model.arch["pp_split"] = pipeline_split_problem(model, lg.block_container)
+    return lg

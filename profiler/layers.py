@@ -73,6 +73,90 @@ def context_parallel_ready(model: nn.Module) -> bool:
             and all(getattr(m, "use_sdpa", True) for m in attends))
 
 
+def pipeline_split_problem(model: nn.Module, container: str) -> str:
+    """Why the runtime cannot cut ``model`` into pipeline stages at its blocks (``planner.emit.runtime.split_pipeline``),
+    or ``''`` when it can. Two shapes split:
+
+    - the zoo convention: the blocks in a top-level ``nn.ModuleList``, and a forward that skips an embedding or head
+      set to None;
+    - a Hugging Face causal LM (`profiler.zoo.hf.HFCausalLMLoss`): each stage is the real model with the blocks it
+      does not own removed, its base model's forward run on token ids (the first stage) or on the hidden states the
+      previous stage sent as ``inputs_embeds`` (positions, rotary tables and masks are then made by the model's own
+      code on every stage), the final norm replaced by an identity and the logits not computed before the last.
+      That is exact only when the base model passes the embedding's output to its first block untouched and the
+      last block's output straight to its final norm: a fake forward checks both (Gemma scales the embedding by
+      √hidden, GPT-2 adds position embeddings; a later stage would do it again).
+
+    One rule for the capture (the arch fact ``pp_split``, which `costmodel.runnable.problems` judges for the search),
+    the emitter and the runtime."""
+    parent, _, leaf = container.rpartition(".")
+    if not container:
+        return "the model has no list of blocks to cut into pipeline stages; plan it with pp=1"
+    if not parent:
+        return ""
+    base = getattr(getattr(model, "model", None), "base_model", None)
+    if not (callable(getattr(model, "pipeline_stage", None)) and base is not None
+            and model.get_submodule(parent) is base):
+        return (f"pipeline parallelism cuts models whose blocks sit in a top-level nn.ModuleList (the zoo convention) "
+                f"or Hugging Face causal LMs; {type(model).__name__} keeps them at {container!r}; plan it with pp=1")
+    names = [name for name, _ in base.named_children()]
+    before = [getattr(base, n) for n in names[: names.index(leaf)] if any(True for _ in getattr(base, n).parameters())]
+    if len(before) != 1 or not isinstance(before[0], nn.Embedding):
+        return (f"{type(base).__name__} has {len(before)} modules with parameters before its blocks, not one "
+                "embedding, so a later pipeline stage cannot take hidden states as inputs_embeds; plan it with pp=1")
+    after = [getattr(base, n) for n in names[names.index(leaf) + 1 :] if any(True for _ in getattr(base, n).parameters())]
+    problem = _split_trace(base, leaf, before[0], after)  # (parameter-free modules, rotary tables: every stage)
+    return f"{type(base).__name__}: {problem}; plan it with pp=1" if problem else ""
+
+
+def _split_trace(base: nn.Module, leaf: str, embedding: nn.Module, after: list) -> str:
+    """Run ``base`` on fake tensors with its first and last blocks only and say what breaks `pipeline_split_problem`'s
+    condition ('' if nothing)."""
+    import torch
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    blocks = getattr(base, leaf)
+    seen: dict = {}
+
+    def keep(key, first=True):  # a hook recording one tensor it sees (returns None: changes nothing)
+        def hook(module, args, *rest):
+            value = rest[-1] if key in ("embedding", "block_out", "norm_out") else (
+                args[0] if args else rest[0].get("hidden_states"))
+            if not first or key not in seen:
+                seen[key] = value
+        return hook
+
+    hooks = [embedding.register_forward_hook(keep("embedding")),
+             blocks[0].register_forward_pre_hook(keep("block_in"), with_kwargs=True),
+             blocks[-1].register_forward_hook(keep("block_out", first=False))]
+    if after:
+        hooks.append(after[0].register_forward_pre_hook(keep("norm_in"), with_kwargs=True))
+        hooks.append(after[-1].register_forward_hook(keep("norm_out", first=False)))
+    ends = nn.ModuleList([blocks[0], blocks[-1]] if len(blocks) > 1 else [blocks[0]])
+    setattr(base, leaf, ends)
+    try:
+        tensors = dict(base.named_parameters()) | dict(base.named_buffers())
+        mode = detect_fake_mode(tuple(tensors.values())) or FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            fakes = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in tensors.items()}
+            ids = torch.zeros(1, 8, dtype=torch.long)
+            out = functional_call(base, fakes, (), {"input_ids": ids, "use_cache": False}).last_hidden_state
+    finally:
+        setattr(base, leaf, blocks)
+        for h in hooks:
+            h.remove()
+    if seen.get("block_in") is not seen.get("embedding"):
+        return "its forward changes the embedding's output before the first block, and a later stage would again"
+    last = seen.get("block_out")
+    if after and (seen.get("norm_in") is not last or out is not seen.get("norm_out")):
+        return "its forward does more than its final norm between the last block and its output"
+    if not after and out is not last:
+        return "its forward changes the last block's output before returning it"
+    return ""
+
+
 def tp_unsplit_linears(model: nn.Module) -> list[str]:
     """The ``nn.Linear`` layers tensor parallelism cannot run: in a module that holds a column- or row-parallel
     linear (whose inputs and outputs the runtime makes DTensors or head slices, `planner.emit.runtime.apply_tp`) but

@@ -14,7 +14,7 @@ from costmodel.compression import POWERSGD_START_ITER
 from costmodel.runnable import problems
 from planner.plan import AC, Plan, parse_grad_compress
 from profiler.experts import expert_modules
-from profiler.layers import COLUMN_NAMES, ROW_NAMES, context_parallel_ready, tp_unsplit_linears
+from profiler.layers import COLUMN_NAMES, ROW_NAMES, context_parallel_ready, pipeline_split_problem, tp_unsplit_linears
 
 OPTIMIZERS = ("adamw", "sgd")
 INITS = ("full", "meta")
@@ -163,9 +163,8 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
         blocks = model.get_submodule(container)
     except AttributeError:
         raise ValueError(f"plan for {plan.model} expects blocks at {container!r}, which this model lacks") from None
-    if c.pp > 1 and "." in container:
-        raise ValueError(f"pp={c.pp}: pipeline splitting needs the blocks in a top-level ModuleList with None-able "
-                         f"embedding/head (the zoo convention); {plan.model} keeps them at {container!r}; use pp=1")
+    if c.pp > 1 and (why := pipeline_split_problem(model, container)):
+        raise ValueError(f"pp={c.pp}: {why}")
     names = {lay.name for lay in plan.layers}
     expected = {"embed", "head"} | {f"{container}.{i}" for i in range(len(blocks))}
     if names != expected:
@@ -201,7 +200,7 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
                     "selective_ac": "selective" in ac.values(), "ep": c.ep, "experts": experts["experts"],
                     "expert_dim1": experts["expert_dim1"],
                     "tp_unsplit": next(iter(tp_unsplit_linears(model)), ""),
-                    "cp_ready": context_parallel_ready(model)})
+                    "cp_ready": context_parallel_ready(model), "pp_split": ""})  # (judged above)
     if why:
         raise ValueError(f"this plan cannot run: {why[0]}")
     sp_norms = sorted({n for block in blocks for n, m in block.named_children() if "norm" in type(m).__name__.lower()})

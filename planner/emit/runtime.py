@@ -427,34 +427,66 @@ def block_list(part: nn.Module, plan: dict) -> nn.ModuleList:
 
 
 def split_pipeline(model: nn.Module, plan: dict, pp_rank: int) -> tuple[list, list]:
-    """This rank's (virtual) stages: copies of ``model`` keeping only the blocks, embedding and head they own.
+    """This rank's (virtual) stages: copies of ``model`` keeping only the blocks, embedding and head they own (a
+    Hugging Face causal LM: `_hf_stage`).
 
     A weight tied between the embedding and the head stays in both copies (identical: every rank built the model from
     the same seed); summing their gradients after each backward keeps them equal.
     """
     container = plan["block_container"]
-    if "." in container or not isinstance(getattr(model, container, None), nn.ModuleList):
-        raise ValueError(
-            f"pipeline parallelism needs the blocks in a top-level nn.ModuleList and None-able embedding/head "
-            f"attributes (the zoo convention); this model keeps them at {container!r}; plan it with pp=1"
-        )
-    children = [name for name, _ in model.named_children()]
-    at = children.index(container)
+    parent, _, leaf = container.rpartition(".")
+    if parent and not callable(getattr(model, "pipeline_stage", None)):  # (the emitter judged the rest of the rule:
+        # `profiler.layers.pipeline_split_problem`)
+        raise ValueError(f"pipeline parallelism cuts models whose blocks sit in a top-level nn.ModuleList or Hugging "
+                         f"Face causal LMs; this model keeps them at {container!r}; plan it with pp=1")
+    base = model.get_submodule(parent) if parent else model
+    children = [name for name, _ in base.named_children()]
+    at = children.index(leaf)
     owner = {name: plan["stage_of"]["embed"] for name in children[:at]}
     owner.update({name: plan["stage_of"]["head"] for name in children[at + 1 :]})
     mine = [s for s, r in enumerate(plan["stage_rank"]) if r == pp_rank]
     parts = []
     for k, stage in enumerate(mine):
         part = model if k == len(mine) - 1 else copy.deepcopy(model)
-        blocks = getattr(part, container)
+        host = part.get_submodule(parent) if parent else part
+        blocks = getattr(host, leaf)
         keep = [i for i in range(len(blocks)) if plan["stage_of"][f"{container}.{i}"] == stage]
-        setattr(part, container, nn.ModuleList(blocks[i] for i in keep))
+        setattr(host, leaf, nn.ModuleList(blocks[i] for i in keep))
         part._autopar_block_names = [f"{container}.{i}" for i in keep]
+        if parent:  # a Hugging Face causal LM (`profiler.layers.pipeline_split_problem`)
+            _hf_stage(part, host, plan, stage, keep, len(blocks))
+            parts.append(part)
+            continue
         for name, s in owner.items():
             if s != stage:
                 setattr(part, name, None)
         parts.append(part)
     return mine, parts
+
+
+def _hf_stage(part: nn.Module, base: nn.Module, plan: dict, stage: int, keep: list, n_blocks: int) -> None:
+    """Make ``part`` (a `HFCausalLMLoss` whose base model ``base`` holds only this stage's blocks) one stage: the
+    embedding dropped unless the stage owns it, the final norm an identity and the output head dropped unless it
+    owns the head; parameter-free modules (rotary tables) stay, since every stage's base model makes its own
+    positions, rotary tables and masks. A per-layer config list the base model indexes by a block's position in its
+    list (Qwen2's ``layer_types[i]``) is cut to the blocks kept."""
+    first, last = stage == plan["stage_of"]["embed"], stage == plan["stage_of"]["head"]
+    names = [name for name, _ in base.named_children()]
+    at = names.index(plan["block_container"].rpartition(".")[2])
+    for i, name in enumerate(names):
+        if i == at or not any(True for _ in getattr(base, name).parameters()):
+            continue
+        if i < at and not first:
+            setattr(base, name, None)
+        elif i > at and not last:
+            setattr(base, name, nn.Identity())
+    config = getattr(base, "config", None)
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, list) and len(types) == n_blocks:
+        config.layer_types = [types[i] for i in keep]
+    if not last:
+        part.model.lm_head = None
+    part.pipeline_stage(first=first, last=last)
 
 
 def _to_replicate(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

@@ -40,9 +40,21 @@ class HFCausalLMLoss(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+        self.takes_tokens = True  # a pipeline stage after the first takes hidden states (`pipeline_stage`)
+        self.gives_logits = True  # a pipeline stage before the last returns hidden states
+
+    def pipeline_stage(self, first: bool, last: bool) -> None:
+        """Make this (copy of the) model one pipeline stage: it runs its base model's own forward on token ids (the
+        first stage) or on the previous stage's hidden states as ``inputs_embeds``, and returns the logits (the
+        last stage) or its last block's hidden states. The caller has removed the blocks it does not own
+        (`planner.emit.runtime.split_pipeline`; `profiler.layers.pipeline_split_problem` says when this is exact)."""
+        self.takes_tokens, self.gives_logits = first, last
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.model(input_ids=input_ids, use_cache=False).logits
+        inputs = {"input_ids" if self.takes_tokens else "inputs_embeds": input_ids}
+        if not self.gives_logits:
+            return self.model.base_model(**inputs, use_cache=False).last_hidden_state
+        logits = self.model(**inputs, use_cache=False).logits
         if labels is None:
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))

@@ -404,6 +404,8 @@ def problems(facts: dict) -> list:
             f"sequence parallel needs seq={f['seq']} divisible by tp={tp}; re-plan with --fix sp=off or a "
             "tp that divides the sequence"
         )
+    if pp > 1 and f.get("pp_split"):  # (`profiler.layers.pipeline_split_problem`: "" when the model splits)
+        out.append(f"pp={pp}: {f['pp_split']}")
     m = f["micro_batches"]
     # torch runs GPipe and the interleaved schedules with fewer micro-batches than ranks (1F1B refuses), but the cost
     # model prices a full pipeline: m ≥ pp for every schedule
@@ -418,6 +420,13 @@ def problems(facts: dict) -> list:
             f"schedule={schedule} runs the {m} micro-batches per step in {rounds} equal rounds (torch's "
             f"ScheduleInterleaved*: m divisible by max(1, m // pp)), which {m} is not; change --global-batch "
             "or mbs"
+        )
+    if pp > 1 and schedule == "zb" and f.get("selective_ac"):
+        out.append(
+            "selective activation checkpointing with the zero-bubble schedule is not supported (torch 2.13's "
+            "selective checkpoint lets autograd through a region once, and the schedule's weight-gradient pass "
+            "goes through it a second time: 'Trying to backward an extra time', torch/utils/checkpoint.py); "
+            "re-plan with --fix ac=full or schedule=1f1b"
         )
     if f.get("compile") and tp > 1 and f.get("checkpointed"):
         out.append(
