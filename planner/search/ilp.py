@@ -411,7 +411,23 @@ class Model:
             pending_sum = building_sum = None  # zero-bubble only
             zero_bubble = cfg.schedule == Schedule.ZERO_BUBBLE and d.pp > 1
             v = cfg.vpp
-            for full, pend in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, d.m):
+            # each chunk counted on its own (ZeRO-3's per-stage units: its chunks may hold different numbers of
+            # blocks): every chunk's layers at that chunk's own weights, exactly as `_rank_memory` sums them
+            per_chunk = v > 1 and len(stages) == v
+            for full, pend in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, d.m) if per_chunk else ():
+                eligible = [f >= 1 and not (r == 0 and j == 0) for j, f in enumerate(full)]
+                expr = 0.0 * self.bottleneck
+                for j, u in enumerate(stages):
+                    own = r == 0 and j == 0  # the first stage: its pending micro-batches hold full activations
+                    expr += (full[j] + (pend[j] if own else 0.0)) * self.layer_sum([u], lambda x: self._b(x.act_bytes))
+                    if pend[j] and not own:
+                        expr += pend[j] * self.layer_sum([u], lambda x: self._b(x.pending_bytes))
+                s.Add(act >= expr)
+                s.Add(act_building >= expr)
+                for j, u in enumerate(stages):
+                    if zero_bubble and eligible[j]:
+                        s.Add(act_building >= expr + self.layer_sum([u], lambda x: self._b(x.weight_output_bytes)))
+            for full, pend in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, d.m) if not per_chunk else ():
                 k, w = sum(full) / len(full), sum(pend) / len(pend)
                 first = pend[0] / v if r == 0 else 0.0  # the first stage's share, held as full activations
                 expr = (k + first) * full_sum
