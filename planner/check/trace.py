@@ -641,7 +641,8 @@ def _static_stages(par, config: dict, build) -> None:
     "static" without the group. A real run would infer the same shapes through the group (DYNAMIC mode)."""
     from torch.distributed.pipelining._utils import _StageMeta, extract_tensor_metas
 
-    model = build()
+    with torch.device("meta"):  # (as the runtime builds it: no weights)
+        model = build()
     container = config["block_container"]
     blocks = model.get_submodule(container)
     first = {}  # stage -> index of its first block
@@ -656,7 +657,17 @@ def _static_stages(par, config: dict, build) -> None:
 
     hooks = [blocks[i].register_forward_pre_hook(keep(i)) for i in first.values()]
     tokens = torch.zeros(config["mbs"], config["seq"], dtype=torch.long, device="meta")
-    output = model(tokens)  # with autograd on: what needs a gradient sent back says so (requires_grad)
+    if callable(getattr(model, "pipeline_stage", None)):  # a Hugging Face model: its mask utilities call .item(),
+        # which meta tensors cannot answer; fake ones (fresh parameters, gradients required as the model's) can
+        from torch.func import functional_call
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            state = {n: torch.empty(t.shape, dtype=t.dtype).requires_grad_(t.requires_grad)
+                     for n, t in [*model.named_parameters(), *model.named_buffers()]}
+            tokens = torch.zeros(config["mbs"], config["seq"], dtype=torch.long)
+            output = functional_call(model, state, (tokens,))
+    else:
+        output = model(tokens)  # with autograd on: what needs a gradient sent back says so (requires_grad)
     for h in hooks:
         h.remove()
     n_stages = config["pp"] * config["vpp"]
