@@ -84,8 +84,9 @@ def pipeline_split_problem(model: nn.Module, container: str) -> str:
       previous stage sent as ``inputs_embeds`` (positions, rotary tables and masks are then made by the model's own
       code on every stage), the final norm replaced by an identity and the logits not computed before the last.
       That is exact only when the base model passes the embedding's output to its first block untouched and the
-      last block's output straight to its final norm: a fake forward checks both (Gemma scales the embedding by
-      √hidden, GPT-2 adds position embeddings; a later stage would do it again).
+      last block's output straight to its final norm: a fake forward checks both (Granite multiplies the embedding
+      in its base model's forward and GPT-2 adds position embeddings there, which a later stage would do again;
+      Gemma's √hidden scaling lives in its embedding module, so Gemma splits).
 
     One rule for the capture (the arch fact ``pp_split``, which `costmodel.runnable.problems` judges for the search),
     the emitter and the runtime."""
