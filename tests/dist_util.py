@@ -56,7 +56,7 @@ def reference(script: str | Path, steps: int) -> dict:
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def launch(cases: list[dict], nproc: int, workdir: Path, timeout: float = 300) -> tuple[float, str]:
+def launch(cases: list[dict], nproc: int, workdir: Path, timeout: float = 900) -> tuple[float, str]:
     """Run ``cases`` in one torchrun launch of ``nproc`` gloo ranks; returns (wall seconds, output)."""
     manifest = workdir / f"cases_{nproc}.json"
     manifest.write_text(json.dumps(cases))
