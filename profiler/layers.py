@@ -74,8 +74,8 @@ def context_parallel_ready(model: nn.Module) -> bool:
 
 
 def pipeline_split_problem(model: nn.Module, container: str) -> str:
-    """Why the runtime cannot cut ``model`` into pipeline stages at its blocks (``planner.emit.runtime.split_pipeline``),
-    or ``''`` when it can. Two shapes split:
+    """Why the runtime cannot cut ``model`` into pipeline stages at its blocks
+    (``planner.emit.runtime.split_pipeline``), or ``''`` when it can. Two shapes split:
 
     - the zoo convention: the blocks in a top-level ``nn.ModuleList``, and a forward that skips an embedding or head
       set to None;
@@ -101,11 +101,12 @@ def pipeline_split_problem(model: nn.Module, container: str) -> str:
         return (f"pipeline parallelism cuts models whose blocks sit in a top-level nn.ModuleList (the zoo convention) "
                 f"or Hugging Face causal LMs; {type(model).__name__} keeps them at {container!r}; plan it with pp=1")
     names = [name for name, _ in base.named_children()]
-    before = [getattr(base, n) for n in names[: names.index(leaf)] if any(True for _ in getattr(base, n).parameters())]
+    weighted = [n for n in names if any(True for _ in getattr(base, n).parameters())]  # (rotary tables: none)
+    before = [getattr(base, n) for n in weighted if names.index(n) < names.index(leaf)]
     if len(before) != 1 or not isinstance(before[0], nn.Embedding):
         return (f"{type(base).__name__} has {len(before)} modules with parameters before its blocks, not one "
                 "embedding, so a later pipeline stage cannot take hidden states as inputs_embeds; plan it with pp=1")
-    after = [getattr(base, n) for n in names[names.index(leaf) + 1 :] if any(True for _ in getattr(base, n).parameters())]
+    after = [getattr(base, n) for n in weighted if names.index(n) > names.index(leaf)]
     problem = _split_trace(base, leaf, before[0], after)  # (parameter-free modules, rotary tables: every stage)
     return f"{type(base).__name__}: {problem}; plan it with pp=1" if problem else ""
 
