@@ -101,12 +101,13 @@ def pipeline_split_problem(model: nn.Module, container: str) -> str:
         return (f"pipeline parallelism cuts models whose blocks sit in a top-level nn.ModuleList (the zoo convention) "
                 f"or Hugging Face causal LMs; {type(model).__name__} keeps them at {container!r}; plan it with pp=1")
     names = [name for name, _ in base.named_children()]
-    weighted = [n for n in names if any(True for _ in getattr(base, n).parameters())]  # (rotary tables: none)
-    before = [getattr(base, n) for n in weighted if names.index(n) < names.index(leaf)]
+    at = names.index(leaf)
+    weighted = [i for i, n in enumerate(names) if any(True for _ in getattr(base, n).parameters())]  # (no rotary)
+    before = [getattr(base, names[i]) for i in weighted if i < at]
     if len(before) != 1 or not isinstance(before[0], nn.Embedding):
         return (f"{type(base).__name__} has {len(before)} modules with parameters before its blocks, not one "
                 "embedding, so a later pipeline stage cannot take hidden states as inputs_embeds; plan it with pp=1")
-    after = [getattr(base, n) for n in weighted if names.index(n) > names.index(leaf)]
+    after = [getattr(base, names[i]) for i in weighted if i > at]
     problem = _split_trace(base, leaf, before[0], after)  # (parameter-free modules, rotary tables: every stage)
     return f"{type(base).__name__}: {problem}; plan it with pp=1" if problem else ""
 
