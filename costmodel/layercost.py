@@ -367,6 +367,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     widest = 0.0  # the largest output of any node: its gradient, and the gradient of its input, meet in backward
     weight_outputs = 0.0
     tail = 0.0  # saved by the nodes after the last one reading a parameter (a head's loss)
+    after_attention = 0.0  # saved by the nodes after the last attention: freed when the attention's backward runs
     stop = recompute_stop(layer)
     rec_fwd = rec_full_flops = 0.0  # the forward full recomputation repeats (up to `recompute_stop`)
     # this rank's FLOPs (each node's share under tensor parallelism: a replicated node runs whole without sequence
@@ -406,6 +407,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         else:
             act_repl += saved
         tail = 0.0 if n.params else tail + saved
+        after_attention = 0.0 if n.kind == "attention" else after_attention + saved
         if op_policy and n.kind != "view":
             matmuls += n.kind == "matmul"
             if n.kind == "attention" or (n.kind == "matmul" and matmuls % 2 == 1):
@@ -419,7 +421,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
             core_flops += n.fwd_flops * k * cp
             rank_core += n.fwd_flops * k * f
             core_act += n.saved_square_bytes * k * f * ctx.act_scale
-    cp_f, cp_b, cp_gather, cp_scatter, kv_held = context_parallel_comm(layer, ac, ctx, tp)
+    cp_f, cp_b, cp_gather, cp_scatter, kv_held, kv_grads = context_parallel_comm(layer, ac, ctx, tp)
     act_none = act_sharded + act_repl + kv_held
     if ctx.measured and layer.name in ctx.measured:
         # measured times anchor the level; the roofline supplies how it changes with TP, SP and micro-batch
@@ -490,6 +492,9 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         # multiple of this rank's slice: traced (autopar check, llama, dp=2 sp zero3 at mbs 1 and 4) 4.0× the slice
         # at tp = 2 and 8.0× at tp = 4, i.e. 2·tp× ("widest" is the slice)
         grad_working_set = 2 * tp * widest
+    # a context-parallel attention's backward: whole-sequence key and value gradients, once the saved tensors of
+    # the nodes after it are freed
+    grad_working_set = max(grad_working_set, kv_grads - after_attention)
     # expert parallelism: the token all-to-alls (dispatch and combine) of each MoE feed-forward, and the counts
     ep_f = ep_b = a2a_bytes = 0.0
     calls = count_calls = 0
@@ -519,32 +524,53 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
 
 
 def context_parallel_comm(layer: Layer, ac: AC, ctx: CostContext, tp: int) -> tuple[float, ...]:
-    """(forward seconds, backward seconds, all-gathered bytes, reduce-scattered bytes, kept bytes) of a layer's
-    context-parallel attention for one micro-batch on one rank (see the module docstring): each attention gathers
-    the whole sequence's keys and values (this TP rank's grouped-query heads) over the cp group, and reduce-scatters
-    their gradients; a full recomputation gathers them again. The runtime then expands them to the query heads for
-    the whole sequence (`planner.emit.runtime.context_parallel_attention`), and the attention saves views of those:
-    a rank keeps the whole sequence's expanded keys and values for the backward, where without context parallelism
-    it keeps its own tokens' (the capture's, scaled by 1/cp). On CPU, torch 2.13 has no attention kernel for a
-    lower-right causal mask of more keys than queries (torch/nn/attention/bias.py, ``CausalBias._dispatch``: flash
-    and memory-efficient kernels are CUDA's), so it materialises the mask in the queries' dtype and the attention
-    saves it: a rank r > 0 keeps c·(r + 1)·c + c·(2·cp − r)·c = (2·cp + 1)·c² elements per attention (rank 0's first
-    chunk sees as many keys as queries and runs as plain causal attention). Zero without context parallelism."""
+    """(forward seconds, backward seconds, all-gathered bytes, reduce-scattered bytes, kept bytes, backward working
+    set) of a layer's context-parallel attention for one micro-batch on one rank (see the module docstring): each
+    attention gathers the whole sequence's keys and values (this TP rank's grouped-query heads) over the cp group,
+    and reduce-scatters their gradients; a full recomputation gathers them again. Zero without context
+    parallelism.
+
+    Memory, as the runtime computes it (`planner.emit.runtime.context_parallel_attention`: rank r's query chunks
+    see the first (r + 1)·c and (2·cp − r)·c keys, (2·cp + 1)·c in all; S = 2·cp·c):
+    - kept: where SDPA takes grouped-query keys as they are (torch's flash kernel: the cost model's GPU kernels in
+      fp16/bf16), the attention saves views of the gathered keys and values, 2·S kv-features; elsewhere each
+      chunk's keys and values expanded to the query heads, 2·(2·cp + 1)·c q-features. The capture (scaled by 1/cp)
+      already counts this rank's own tokens' expanded keys and values, 2·S/cp q-features, which the runtime does
+      not make: "kept" is the difference. On CPU, torch 2.13 has no attention kernel for a lower-right causal mask
+      of more keys than queries (torch/nn/attention/bias.py, ``CausalBias._dispatch``: flash and memory-efficient
+      kernels are CUDA's), so it materialises the mask in the queries' dtype and the attention saves it:
+      c·(r + 1)·c + c·(2·cp − r)·c = (2·cp + 1)·c² elements per attention;
+    - backward working set, the largest on any rank (traced with torch's memory tracker on a fake process group,
+      every rank of cp = 4 and 8: `tests/test_cp.py`). With grouped-query heads it is the first attention backward
+      to run, the later chunk's over (2·cp − r)·c keys: rank 0's, over all S, makes the keys' and values'
+      gradients at the query heads, 2·S q-features, beside the chunk's query gradient, c q-features (flash expands
+      them inside its kernel and sums them to the kv heads after: 2·S kv-features more). Without (as many kv heads
+      as query heads) rank cp − 1's second chunk sets it: the two whole-sequence gradients the first chunk's
+      backward left (2·S), the queries' gradients (3·c) and the chunk's key and value gradients over cp·c keys
+      (2·cp·c = S), 3·S + 3·c kv-features."""
     calls = sum(1 for n in layer.nodes if n.kind == "attention")
     if ctx.cp == 1 or not calls or ctx.cp_span is None or not ctx.kv_width:
-        return 0.0, 0.0, 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     elt = 4 if ctx.precision == "fp32" else 2
-    kv = ctx.mbs * ctx.tokens * ctx.kv_width / tp * elt  # one of K and V, the whole sequence
+    row = ctx.mbs * elt / tp  # bytes per feature of one position over the micro-batch, this TP rank's heads
+    seq, chunk = ctx.tokens, ctx.tokens / (2 * ctx.cp)
+    q_width = ctx.q_width or ctx.kv_width
+    kv = seq * ctx.kv_width * row  # one of K and V, the whole sequence
     gathers = 2 * calls * (2 if ac == AC.FULL else 1)
     gather = all_gather_time(kv, ctx.cp_span, ctx.cluster)
     scatter = reduce_scatter_time(kv, ctx.cp_span, ctx.cluster)
     forward = 2 * calls * gather
     backward = (gathers - 2 * calls) * gather + 2 * calls * scatter
-    kept = 2 * ctx.mbs * ctx.tokens * (ctx.q_width or ctx.kv_width) / tp * elt * (1 - 1 / ctx.cp)
+    grouped = q_width != ctx.kv_width and not ctx.native_kernels and ctx.precision in ("bf16", "fp16", "fp8")
+    own = 2 * seq / ctx.cp * q_width * row
+    kept = (2 * kv if grouped or q_width == ctx.kv_width else 2 * (2 * ctx.cp + 1) * chunk * q_width * row) - own
     if ctx.native_kernels:  # the materialised masks (one per query chunk, broadcast over the batch and heads)
-        chunk = ctx.tokens / (2 * ctx.cp)
         kept += (2 * ctx.cp + 1) * chunk * chunk * elt
-    return forward, backward, gathers * kv, 2 * calls * kv, calls * kept
+    if q_width == ctx.kv_width:
+        grads = (3 * seq + 3 * chunk) * q_width * row
+    else:
+        grads = (2 * seq + chunk) * q_width * row + (2 * kv if grouped else 0.0)
+    return forward, backward, gathers * kv, 2 * calls * kv, calls * kept, grads
 
 
 def owned_params(lg: LayerGraph, *, pipelined: bool = False) -> dict[str, tuple[ParamInfo, ...]]:

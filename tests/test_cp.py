@@ -240,3 +240,58 @@ dist.destroy_process_group()
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert ran.stdout.split() == ["torch.bfloat16", "torch.float32", "torch.bfloat16"]
+
+
+@pytest.mark.parametrize("cp, kv_heads", [(8, 2), (8, 8), (4, 1)])
+def test_context_parallel_attention_memory_is_what_the_cost_model_prices(cp, kv_heads):
+    """The attention's memory as `costmodel.layercost.context_parallel_comm` prices it on this machine's kernels,
+    every rank of cp on a fake process group: the keys and values saved for the backward are each query chunk's,
+    expanded to the query heads ((2·cp + 1)·c positions of the S = 2·cp·c; without grouped-query heads, views of
+    the gathered keys: S positions), besides the materialised lower-right mask of each chunk with more keys than
+    queries (this counts those chunks only: a chunk's queries are indistinguishable from its keys by shape); the
+    temporaries torch's memory tracker sees at their peak in the backward are the priced working set on the worst
+    rank (rank 0 with grouped-query heads, rank cp − 1 without), and no more on any other."""
+    import subprocess
+    import sys
+
+    code = f"""
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from planner.emit.runtime import context_parallel_attention, context_masks
+cp, seq, heads, kv, d = {cp}, 1024, 8, {kv_heads}, 16
+for rank in range(cp):
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
+    q = torch.randn(1, seq // cp, heads, d, requires_grad=True)
+    k, v = (torch.randn(1, seq // cp, kv, d, requires_grad=True) for _ in range(2))
+    masks = context_masks(seq, cp, rank)
+    saved = dict()
+    def pack(t):
+        if t.dim() == 4 and t.shape[1] == heads and t.shape[2] > seq // (2 * cp):  # keys and values, many positions
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        elif t.dim() == 2 and t.shape[1] > t.shape[0]:  # a materialised mask
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    tracker = MemTracker()
+    with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = context_parallel_attention(q, k, v, dist.group.WORLD, cp, rank, masks)
+        out.sum().backward()
+    temp = tracker.get_tracker_snapshot("peak")[torch.device("cpu")][_MemRefType.TEMP]
+    print(sum(saved.values()), temp)
+    dist.destroy_process_group()
+"""
+    seq, heads, d, elt = 1024, 8, 16, 4
+    c, width = seq // (2 * cp), heads * d
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    temps = []
+    for rank, line in enumerate(ran.stdout.splitlines()):
+        saved, temp = map(int, line.split())
+        seen = [n * c for n in (rank + 1, 2 * cp - rank) if n > 1]  # the chunks with more keys than queries
+        # (rank 0's first chunk, as many keys as queries, runs as plain causal attention: neither counted nor masked)
+        keys = 2 * sum(seen) * width if kv_heads != heads else 2 * seq * width
+        assert saved == (keys + c * sum(seen)) * elt, rank
+        temps.append(temp)
+    assert len(temps) == cp
+    priced = (2 * seq + c) * width * elt if kv_heads != heads else (3 * seq + 3 * c) * width * elt
+    assert max(temps) == priced, temps

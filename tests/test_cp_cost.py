@@ -23,6 +23,12 @@ def _evaluator(lg, **kv) -> Evaluator:
     return Evaluator(lg, load_cluster("dgx-h100:nodes=1"), ParallelConfig(**kv), 16)
 
 
+def _after_attention(layer) -> float:
+    """What a block's nodes after its attention save, at the capture's batch."""
+    last = max(i for i, n in enumerate(layer.nodes) if n.kind == "attention")
+    return sum(n.saved_bytes for n in layer.nodes[last + 1:])
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 def test_a_cp_rank_computes_and_keeps_its_share_of_each_sequence(tiny, cp):
     """Token-wise ops run 1/cp of the tokens; attention is load-balanced (chunks r and 2cp − 1 − r), and torch's
@@ -41,8 +47,19 @@ def test_a_cp_rank_computes_and_keeps_its_share_of_each_sequence(tiny, cp):
     kv = split.ctx.mbs * 64 * 2 * 16 * 2  # one of K and V: mbs · seq · kv_heads · head_dim · bf16
     assert (b.cp_gather_bytes, b.cp_scatter_bytes) == (2 * kv, 2 * kv)
     assert split.cost(block, AC.FULL).cp_gather_bytes == 4 * kv  # the recomputation gathers again
-    # the whole sequence's keys and values, expanded to the 4 query heads, saved by the attention
-    assert b.act_bytes == pytest.approx(a.act_bytes / cp + 2 * 2 * kv * (1 - 1 / cp), rel=1e-12)
+    # flash takes the grouped-query heads: the attention saves the whole sequence's gathered keys and values, not
+    # the rank's own tokens' keys and values expanded to the 4 query heads (which the capture, over cp, counts)
+    assert b.act_bytes == pytest.approx(a.act_bytes / cp + 2 * kv - 2 * (2 * kv) / cp, rel=1e-12)
+    # its backward: the keys' and values' gradients over the whole sequence at the query heads (and their sum to
+    # the kv heads), beside the later chunk's query gradient, once what the block saved after it is freed
+    grads = 2 * (2 * kv) + (2 * kv) / (2 * cp) + 2 * kv
+    assert b.backward_peak_bytes == pytest.approx(max(a.backward_peak_bytes / cp, grads - _after_attention(layer)
+                                                      * split.ctx.scale * split.ctx.act_scale), rel=1e-12)
+    # fp32 (no flash): each query chunk's keys and values expanded, (2·cp + 1)·c of the 2·cp·c positions
+    one32, split32 = _evaluator(tiny, dp=8, precision="fp32"), _evaluator(tiny, dp=8 // cp, cp=cp, precision="fp32")
+    a32, b32 = one32.cost(block, AC.NONE), split32.cost(block, AC.NONE)
+    assert b32.act_bytes == pytest.approx(a32.act_bytes / cp + 2 * 2 * (2 * kv) * (2 * cp + 1) / (2 * cp)
+                                          - 2 * 2 * (2 * kv) / cp, rel=1e-12)
     assert b.cp_comm_fwd_s > 0 and b.cp_comm_bwd_s > 0 and a.cp_comm_s == 0
 
 

@@ -691,22 +691,81 @@ def context_masks(seq: int, cp: int, rank: int) -> list:
     return [lower_right(chunk, (a + 1) * chunk) for a in (rank, 2 * cp - 1 - rank)]
 
 
+class ContextGather(torch.autograd.Function):
+    """The cp group's keys or values in sequence order: ``x`` [b, 2·c, kv, d] holds this rank's two chunks
+    (`context_shard`); returns [b, kv, 2·cp·c, d] (SDPA's layout), chunks 0 … 2·cp − 1. Forward: one all-gather
+    (torch's functional op, waited on at once) and one copy that puts the chunks in order and in that layout (rank
+    r sent chunks r and 2·cp − 1 − r). Backward: one copy of the gradient back into the order the ranks sent their
+    chunks, and one reduce-scatter (sum): each rank's gradient collects the other ranks' queries' share.
+
+    A function of its own, not the all-gather op's registered autograd formula followed by views: torch's autograd
+    turns each ``select``, ``flip`` or ``permute`` of the gathered tensor into whole-sequence gradients of its own;
+    here the backward holds the incoming gradient and one reordered copy. Under selective AC the ops inside run
+    without autograd in the forward and in its recomputation alike, so the policy sees the same ops both times (it
+    caches outputs by their order per op; the all-gather's among them, so a recomputation does not gather again).
+    The collective ops are called directly, not through ``funcol``'s wrappers, whose ``AsyncCollectiveTensor``
+    would wait at whichever op reads it first, another op in the recomputation."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group_name: str, cp: int) -> torch.Tensor:
+        ctx.group_name, ctx.cp = group_name, cp
+        local = x.permute(1, 0, 2, 3).contiguous()  # the sequence first: the all-gather concatenates along dim 0
+        full = torch.ops._c10d_functional.all_gather_into_tensor(local, cp, group_name)
+        torch.ops._c10d_functional.wait_tensor(full)  # (in place: the result is ``full`` itself)
+        sent = full.view(2 * cp, x.shape[1] // 2, *local.shape[1:])  # rank r's chunks r, 2·cp − 1 − r: 2r, 2r + 1
+        # (one out-of-place copy: selective AC caches the views it reads, which must not be written to)
+        return torch.cat([sent[k].permute(1, 2, 0, 3) for k in _sent_index(cp)], dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cp = ctx.cp
+        b, kv, total, d = grad.shape
+        chunks = grad.view(b, kv, 2 * cp, total // (2 * cp), d)
+        order = _sent_index(cp)  # chunk j came from position order[j] of the gathered tensor
+        where = sorted(range(2 * cp), key=order.__getitem__)  # position k holds chunk where[k]
+        sent = torch.cat([chunks[:, :, j].permute(2, 0, 1, 3) for j in where])
+        mine = torch.ops._c10d_functional.reduce_scatter_tensor(sent, "sum", cp, ctx.group_name)
+        torch.ops._c10d_functional.wait_tensor(mine)
+        return mine.permute(1, 0, 2, 3), None, None
+
+
+def _sent_index(cp: int) -> list:
+    """Where sequence chunk j (0 … 2·cp − 1) sits in the cp group's all-gathered chunks: rank r sends chunks r and
+    2·cp − 1 − r, which land at 2r and 2r + 1."""
+    return [2 * j if j < cp else 2 * (2 * cp - 1 - j) + 1 for j in range(2 * cp)]
+
+
+def _gqa_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float) -> bool:
+    """Whether SDPA takes these grouped-query keys and values [b, kv_heads, s, d] as they are: torch 2.13's flash
+    kernel does (CUDA, fp16/bf16; ``check_batch_size_and_num_heads_dense<true>`` in its sdp_utils), and
+    ``CausalBias`` picks it first for a lower-right mask (torch/nn/attention/bias.py). Its memory-efficient kernel
+    does not, and on CPU or under it the mask would be materialised, so elsewhere the keys are expanded to the
+    query heads first."""
+    if query.device.type != "cuda" or key.shape[1] == query.shape[1]:
+        return False
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    return can_use_flash_attention(SDPAParams(query, key, value, None, dropout_p, False, True))
+
+
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, cp: int, rank: int,
                                masks: list, dropout_p: float = 0.0) -> torch.Tensor:
     """Exact causal attention of this context-parallel rank's queries over the whole sequence. ``q`` [b, s, heads,
     d], ``k``, ``v`` [b, s, kv_heads, d] hold the rank's two chunks (`context_shard`, s = 2·c tokens); returns [b, s,
     heads, d] for the same tokens.
 
-    1. all-gather keys and values over the cp group along the sequence, before grouped-query expansion (GQA's
-       smaller K/V is what travels), with torch's functional all-gather op, whose backward is a reduce-scatter
-       (sum): each rank's K/V gradient collects the other ranks' queries' share (torch 2.13 registers that
-       autograd formula on the op, torch/distributed/_functional_collectives.py). Selective AC caches ops'
-       outputs by their order per op, so the forward and its recomputation must issue the same ops: the op is
-       called directly, not through ``funcol.all_gather_single_autograd`` (its ``AsyncCollectiveTensor`` wrapper
-       waits by other ops in the recomputation), and waited on outside autograd (a custom op returning its input
-       adds a ``view`` under autograd, but not when selective AC serves it from the cache);
-    2. put the gathered chunks back in sequence order (rank r sent chunks r and 2·cp − 1 − r);
-    3. per local query chunk a, SDPA over keys [0, (a+1)·c) with a lower-right causal mask (`context_masks`).
+    1. gather keys and values over the cp group in sequence order (`ContextGather`), before grouped-query
+       expansion: GQA's smaller K/V is what travels;
+    2. per local query chunk a, SDPA over keys [0, (a+1)·c) with a lower-right causal mask (`context_masks`): the
+       keys are a view of the gathered ones, given to the kernel as grouped-query heads where it takes them
+       (`_gqa_kernel`: flash on CUDA), else expanded to the query heads for that chunk only (query head j reads kv
+       head j // rep, repeat_interleave order, as the zoo models).
+
+    Memory (`costmodel.layercost.context_parallel_comm` prices it, `tests/test_cp.py` traces it): the attention
+    saves the chunks' keys and values: views of the gathered kv-head tensors with the flash kernel, the chunks'
+    expanded copies elsewhere ((2·cp + 1)·c positions of query heads). Its backward makes each chunk's key and value
+    gradients at the query heads (flash expands them inside its kernel too) and sums the two chunks' into
+    whole-sequence kv-head buffers.
 
     Rank r's two chunks see (r + 1) + (2·cp − r) = 2·cp + 1 chunks of keys, the same on every rank. This is the
     all-gather form of context parallelism (Llama 3's, Grattafiori et al. 2024 §3.3.2), in plain torch on every
@@ -719,28 +778,20 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         # before autocast and refuses mixed dtypes: torch/nn/attention/_utils.py, _validate_sdpa_input)
         dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-
-    def gather(x: torch.Tensor) -> torch.Tensor:  # [b, s, kv, d] → [b, 2·cp·c, kv, d] in sequence order
-        local = x.transpose(0, 1).contiguous()  # the sequence first: the all-gather concatenates along dim 0
-        full = torch.ops._c10d_functional.all_gather_into_tensor(local, cp, group.group_name)
-        with torch.no_grad():  # (in place: the result is ``full`` itself)
-            torch.ops._c10d_functional.wait_tensor(full)
-        full = full.view(cp, 2, chunk, *local.shape[1:])
-        ordered = torch.cat([full[:, 0], full[:, 1].flip(0)])  # chunks 0..cp−1, then cp..2·cp−1
-        return ordered.reshape(2 * cp * chunk, *local.shape[1:]).transpose(0, 1)
-
-    keys, values = gather(k), gather(v)
-    if kv_heads != heads:  # query head j reads kv head j // rep (repeat_interleave order, as the zoo models)
-        rep, total = heads // kv_heads, keys.shape[1]
-        keys = keys[:, :, :, None, :].expand(b, total, kv_heads, rep, d).reshape(b, total, heads, d)
-        values = values[:, :, :, None, :].expand(b, total, kv_heads, rep, d).reshape(b, total, heads, d)
+    keys, values = (ContextGather.apply(x, group.group_name, cp) for x in (k, v))  # [b, kv, 2·cp·c, d]
     out = []
     for half, (a, mask) in enumerate(zip((rank, 2 * cp - 1 - rank), masks)):
         query = q[:, half * chunk : (half + 1) * chunk].transpose(1, 2)
         seen = (a + 1) * chunk
-        out.append(F.scaled_dot_product_attention(query, keys[:, :seen].transpose(1, 2),
-                                                  values[:, :seen].transpose(1, 2), attn_mask=mask,
-                                                  dropout_p=dropout_p).transpose(1, 2))
+        key, value = keys[:, :, :seen], values[:, :, :seen]
+        gqa = kv_heads != heads and _gqa_kernel(query, key, value, dropout_p)
+        if kv_heads != heads and not gqa:
+            rep = heads // kv_heads  # (a copy, also for one kv head, where a reshape would make a stride-0 view
+            # that SDPA copies inside, out of the cost model's sight)
+            key = key[:, :, None].expand(b, kv_heads, rep, seen, d).contiguous().view(b, heads, seen, d)
+            value = value[:, :, None].expand(b, kv_heads, rep, seen, d).contiguous().view(b, heads, seen, d)
+        out.append(F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p,
+                                                  enable_gqa=gqa).transpose(1, 2))
     return torch.cat(out, dim=1)
 
 
