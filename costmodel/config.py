@@ -136,7 +136,9 @@ class ParallelConfig:
                 # whether the runtime can split the model's sequence (`profiler.layers.context_parallel_ready`)
                 "cp": self.cp, "cp_ready": arch.get("cp_ready"),
                 # whether the runtime can cut it into pipeline stages (`profiler.layers.pipeline_split_problem`)
-                "pp_split": arch.get("pp_split", "")}
+                "pp_split": arch.get("pp_split", ""),
+                # whether the training step can call it for logits (`profiler.layers.forward_problem`)
+                "forward": arch.get("forward", "")}
 
     def to_dict(self) -> dict:
         d = asdict(self)

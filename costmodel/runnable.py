@@ -30,7 +30,8 @@ second dimensions; None: unknown) and ``tp_unsplit`` (a linear tensor parallelis
 cannot run, `profiler.layers.tp_unsplit_linears`; empty: none), ``cp`` (context-parallel degree, default 1) and
 ``cp_ready`` (the model's attention and positions can be split over the sequence,
 `profiler.layers.context_parallel_ready`; None: unknown), ``pp_split`` (why the runtime cannot cut the model into
-pipeline stages, `profiler.layers.pipeline_split_problem`; empty or None: it can, or unknown).
+pipeline stages, `profiler.layers.pipeline_split_problem`; empty or None: it can, or unknown), ``forward`` (why the
+training step cannot call the model for its logits, `profiler.layers.forward_problem`; empty or None: it can).
 """
 
 #: fp16 is not: its gradients underflow without loss scaling, which the runtime does not do yet (a GradScaler across
@@ -105,6 +106,8 @@ def problems(facts: dict) -> list:
     if f.get("sp") and tp > 1 and f.get("seq") and f["seq"] % tp:
         out.append(f"sequence parallel needs seq={f['seq']} divisible by tp={tp}; re-plan with --fix sp=off or a "
                    "tp that divides the sequence")
+    if f.get("forward"):  # (`profiler.layers.forward_problem`: "" when the training step can call the model)
+        out.append(f["forward"])
     if pp > 1 and f.get("pp_split"):  # (`profiler.layers.pipeline_split_problem`: "" when the model splits)
         out.append(f"pp={pp}: {f['pp_split']}")
     m = f["micro_batches"]

@@ -1,10 +1,18 @@
-"""A model of your own for autopar: ``autopar profile examples/custom_model.py:factory``.
+"""A model of your own for autopar: ``autopar profile examples/custom_model.py:factory``, ``autopar plan
+examples/custom_model.py:factory --cluster cpu-local --global-batch 8 --emit train.py``.
 
 autopar calls ``factory(batch=…, seq=…)`` (each keyword only if the factory takes it) under the meta device, so
-the model costs no memory however large it is, and captures ``model(*example_inputs)`` with ``torch.export``. Two
-rules make a model capturable: ``forward`` returns the scalar training loss, and no Python ``if`` looks at a
-tensor's *values* (shapes are fine; use ``torch.where`` for value-dependent choices). Keep the repeated blocks in
-an ``nn.ModuleList``: autopar groups the graph into embed, one layer per block, and head.
+the model costs no memory however large it is, and captures ``model(*example_inputs)`` with ``torch.export``. Three
+rules make a model capturable and trainable:
+
+- ``forward(input_ids, labels=None)`` returns the scalar training loss when given labels (what the capture
+  costs) and the logits [batch, seq, vocab] when not (what the emitted training step calls, taking the cross
+  entropy itself: labels[:, t] is the token after input_ids[:, t]);
+- no Python ``if`` looks at a tensor's *values* (shapes are fine; use ``torch.where`` for value-dependent choices);
+- the repeated blocks sit in an ``nn.ModuleList`` attribute of the model: autopar groups the graph into embed, one
+  layer per block, and head. For pipeline parallelism each stage is this model with the blocks it does not hold
+  removed and the modules before or after them set to None, so ``forward`` skips a None embedding (its input is
+  then the previous stage's hidden states) and a None norm or head (it returns the hidden states).
 """
 
 import torch
@@ -43,11 +51,17 @@ class TinyLM(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        x = self.embed(input_ids)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(input_ids) if self.embed is not None else input_ids  # (a later pipeline stage: hidden states)
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.norm(x))
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.lm_head is None:  # (an earlier pipeline stage)
+            return x
+        logits = self.lm_head(x)
+        if labels is None:
+            return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 

@@ -13,7 +13,13 @@ from profiler.capture import capture
 from profiler.experts import expert_modules
 from profiler.fold import unfold
 from profiler.graph import LayerGraph
-from profiler.layers import context_parallel_ready, group_layers, pipeline_split_problem, tp_unsplit_linears
+from profiler.layers import (
+    context_parallel_ready,
+    forward_problem,
+    group_layers,
+    pipeline_split_problem,
+    tp_unsplit_linears,
+)
 from profiler.zoo.registry import resolve_model
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -158,6 +164,8 @@ def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: s
     arch["tp_unsplit"] = unsplit[0] if unsplit else ""
     arch["cp_ready"] = context_parallel_ready(model)  # (`costmodel.runnable.context_problems`)
     arch["kernels"] = kernels  # whose attention kernels the capture replays (`profiler.capture`)
+    # whether the training step can call it for logits (zoo and Hugging Face models: by construction)
+    arch["forward"] = forward_problem(model, inputs[0]) if source.family == "file" else ""
     graph = capture(model, inputs, name=spec, arch=arch, kernels=kernels)
     if depth:
         graph = unfold(graph, depth)

@@ -78,7 +78,8 @@ def pipeline_split_problem(model: nn.Module, container: str) -> str:
     (``planner.emit.runtime.split_pipeline``), or ``''`` when it can. Two shapes split:
 
     - the zoo convention: the blocks in a top-level ``nn.ModuleList``, and a forward that skips an embedding or head
-      set to None;
+      set to None (each stage is the model with the modules it does not own set to None: a forward on meta tensors
+      of the first, a middle and the last stage checks it, `_stage_trace`);
     - a Hugging Face causal LM (`profiler.zoo.hf.HFCausalLMLoss`): each stage is the real model with the blocks it
       does not own removed, its base model's forward run on token ids (the first stage) or on the hidden states the
       previous stage sent as ``inputs_embeds`` (positions, rotary tables and masks are then made by the model's own
@@ -94,7 +95,7 @@ def pipeline_split_problem(model: nn.Module, container: str) -> str:
     if not container:
         return "the model has no list of blocks to cut into pipeline stages; plan it with pp=1"
     if not parent:
-        return ""
+        return _stage_trace(model, leaf)
     base = getattr(getattr(model, "model", None), "base_model", None)
     if not (callable(getattr(model, "pipeline_stage", None)) and base is not None
             and model.get_submodule(parent) is base):
@@ -110,6 +111,82 @@ def pipeline_split_problem(model: nn.Module, container: str) -> str:
     after = [getattr(base, names[i]) for i in weighted if i > at]
     problem = _split_trace(base, leaf, before[0], after)  # (parameter-free modules, rotary tables: every stage)
     return f"{type(base).__name__}: {problem}; plan it with pp=1" if problem else ""
+
+
+def forward_problem(model: nn.Module, input_ids) -> str:
+    """Why the runtime cannot train ``model`` (``''`` when it can): it calls ``model(input_ids)`` for the logits
+    [batch, seq, vocab] and takes the loss itself (`planner.emit.train`, with the label and loss conventions of
+    shared/DESIGN.md), while the capture calls ``model(input_ids, labels)`` for the loss. A forward whose labels have
+    no default, or that returns something else without them, is refused with this line. Checked by a forward on the
+    meta device (``input_ids`` there): one rule for the capture (the arch fact ``forward``, judged by
+    `costmodel.runnable.problems`) and the emitter."""
+    import inspect
+
+    import torch
+
+    name = type(model).__name__
+    try:
+        inspect.signature(model.forward).bind(input_ids)
+    except TypeError:
+        return (f"{name}.forward needs more than the token ids, but the training step calls it as model(input_ids) "
+                "for the logits; give labels a default of None and return the logits when none are given (see "
+                "examples/custom_model.py)")
+    try:
+        with torch.no_grad():
+            out = model(input_ids.to("meta"))
+    except Exception as e:  # noqa: BLE001 (the user's code: any failure is the answer)
+        return f"{name}(input_ids) failed on the meta device ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    if not isinstance(out, torch.Tensor) or out.dim() != 3 or tuple(out.shape[:2]) != tuple(input_ids.shape):
+        what = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        return (f"{name}(input_ids) returns {what}, not the logits [batch, seq, vocab] the training step takes its "
+                "loss from; return the logits when no labels are given (see examples/custom_model.py)")
+    return ""
+
+
+def _stage_trace(model: nn.Module, leaf: str) -> str:
+    """Run the stages the runtime would make of ``model`` (the zoo convention: `pipeline_split_problem`) on the meta
+    device, the model's blocks cut to its first one: the first stage on token ids, a middle stage (no modules
+    before or after the blocks) and the last stage on hidden states. Each is a shallow copy with the modules it does
+    not own set to None, as `planner.emit.runtime.split_pipeline` makes them. '' when every stage runs and the
+    first and middle ones return the hidden states the next one takes."""
+    import copy
+
+    import torch
+
+    names = [name for name, _ in model.named_children()]
+    at = names.index(leaf)
+    blocks = getattr(model, leaf)
+    if not len(blocks):
+        return ""
+    before, after = names[:at], names[at + 1:]  # (all of them, as the runtime sets them to None)
+
+    def stage(drop: list):
+        part = copy.copy(model)
+        part._modules = dict(model._modules)
+        part._modules[leaf] = nn.ModuleList([blocks[0]])
+        for n in drop:
+            part._modules[n] = None
+        return part
+
+    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    kind = type(model).__name__
+    hidden = None
+    for what, drop, x in (("first", after, ids), ("middle", before + after, None), ("last", before, None)):
+        x = hidden if x is None else x
+        try:
+            with torch.no_grad():
+                out = stage(drop)(x)
+        except Exception as e:  # noqa: BLE001 (the user's code: any failure is the answer)
+            skipped = " or ".join(repr(n) for n in drop) or "nothing"
+            return (f"{kind}: its {what} pipeline stage (with {skipped} set to None) fails on the meta device "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:100]}); skip the embedding and the head when "
+                    "they are None in forward, as the zoo models do, or plan it with pp=1")
+        if what == "first":
+            hidden = out
+        elif what == "middle" and (not isinstance(out, torch.Tensor) or out.shape != hidden.shape):
+            return (f"{kind}: a middle pipeline stage returns {getattr(out, 'shape', type(out).__name__)}, not the "
+                    f"hidden states {tuple(hidden.shape)} it takes; return them when the head is None")
+    return ""
 
 
 def _split_trace(base: nn.Module, leaf: str, embedding: nn.Module, after: list) -> str:

@@ -1,4 +1,4 @@
-"""Pipeline parallelism for Hugging Face causal LMs (issue 18): stages cut from the real model.
+"""Pipeline parallelism for Hugging Face causal LMs and user models (issue 18): stages cut from the real model.
 
 - the rule (`profiler.layers.pipeline_split_problem`): a base model that hands its embedding's output to its first
   block untouched and its last block's output straight to its final norm splits (Llama, Qwen2, GPT-NeoX, Gemma,
@@ -8,10 +8,16 @@
   full AC), with DDP and with FSDP beside the pipeline, with tensor parallelism inside the stages, and Qwen2
   and GPT-NeoX (another family: parallel attention and MLP, partial rotary) with 1F1B, and a checkpoint that
   resumes, each through the emitted script and `auto_parallelize` against one
-  process (3 SGD steps, losses and updates ≤ 1e-4 relative).
+  process (3 SGD steps, losses and updates ≤ 1e-4 relative);
+- a user's ``file.py:factory`` model (examples/custom_model.py, the zoo convention: blocks in a top-level
+  ``nn.ModuleList``, a forward that skips a None embedding, norm or head) with pp = 2 and pp × dp in the same
+  matrix; one whose forward needs labels, or calls its embedding unconditionally, is refused by the search and the
+  emitter with the reason (`profiler.layers.forward_problem`, `pipeline_split_problem`).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +32,7 @@ NEOX = ("hf:gpt_neox:num_hidden_layers=2,hidden_size=64,intermediate_size=128,nu
 QWEN2 = ("hf:qwen2:num_hidden_layers=4,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
          "num_key_value_heads=2,vocab_size=128,seq=32")
 SMALL = "num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,vocab_size=128"
+EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "custom_model.py") + ":factory"
 
 
 def _plan(spec: str, container: str, n_blocks: int, *, ac: dict | None = None, **cfg) -> Plan:
@@ -56,6 +63,8 @@ CASES = {
     "hf_pp2_dp2": (4, lambda: _llama(pp=2, dp=2)),
     "hf_pp2_dp2_zero3": (4, lambda: _llama(pp=2, dp=2, zero=3)),
     "hf_pp2_tp2": (4, lambda: _llama(pp=2, tp=2)),
+    "file_pp2_1f1b": (2, lambda: _plan(EXAMPLE, "blocks", 3, pp=2)),
+    "file_pp2_dp2": (4, lambda: _plan(EXAMPLE, "blocks", 3, pp=2, dp=2)),
 }
 RESUME_CASES = {"hf_pp2_resume": (2, lambda: _llama(pp=2))}
 
@@ -148,3 +157,62 @@ def test_hf_pipeline_checkpoint_resumes(matrix):
         pytest.fail(failures[2])
     got = torch.load(out / "hf_pp2_resume.resume.rank0.pt")
     assert got["resumed"] == pytest.approx(got["straight"], rel=1e-6), (got["resumed"], got["straight"])
+
+
+BROKEN = {
+    "labels": ("needs more than the token ids", """
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.lm_head(x).flatten(0, 1), labels.flatten())
+"""),
+    "embedding": ("its middle pipeline stage (with 'embed' or 'lm_head' set to None) fails", """
+    def forward(self, input_ids, labels=None):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return x if self.lm_head is None else self.lm_head(x)
+"""),
+}
+
+
+@pytest.mark.parametrize("what", list(BROKEN))
+def test_a_user_model_the_runtime_cannot_call_is_refused_with_the_reason(what, tmp_path):
+    """The training step calls ``model(input_ids)`` for logits, and a pipeline stage is the model with the modules
+    it does not own set to None: a user model whose forward needs labels is refused for every plan, one that calls
+    its embedding unconditionally for pp > 1, by the search (exit 2, no plan written) and the emitter alike."""
+    import subprocess
+    import sys
+
+    words, forward = BROKEN[what]
+    source = f"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+        self.lm_head = nn.Linear(32, 64)
+{forward}
+
+def factory(batch=1, seq=16):
+    return Model(), (torch.randint(0, 64, (batch, seq)), torch.randint(0, 64, (batch, seq)))
+"""
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    cmd = [sys.executable, "-m", "planner", "plan", f"{path}:factory", "--cluster", "cpu-local", "--global-batch",
+           "4", "--fix", "pp=2", "--out", str(tmp_path / "p.yaml")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and words in proc.stderr and not (tmp_path / "p.yaml").exists(), proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1, proc.stderr  # one line
+    from planner.emit.config import runtime_config
+    from profiler.zoo.registry import resolve_model
+
+    model, _ = resolve_model(f"{path}:factory").build(batch=1, seq=16, device="meta")
+    with pytest.raises(ValueError, match=words.split("(")[0]):
+        runtime_config(_plan(f"{path}:factory", "blocks", 2, pp=2), model)

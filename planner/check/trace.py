@@ -56,6 +56,7 @@ from planner.check.fold import micro_batches_traced
 from planner.check.record import Trace, memory_parts
 from planner.emit import runtime, train
 from planner.emit.config import runtime_config
+from planner.emit.script import vocab_size
 from planner.plan import Plan
 from profiler.zoo.registry import resolve_model
 
@@ -465,7 +466,7 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         if config["pp"] > 1:
             _static_stages(par, config, build)
         optimizer = tr.build_optimizer(par, config)
-        vocab = source.vocab if getattr(source, "vocab", None) else _vocab(par)
+        vocab = source.vocab if getattr(source, "vocab", None) else _vocab(source, plan.seq)
         inputs, labels = tr.synthetic_batch(0, batch=plan.global_batch, seq=plan.seq, vocab=vocab, seed=0)
         # this rank's rows, as a script's data loader gives them (the global batch is never on a GPU)
         inputs, labels = inputs[tr.data_rows(par)].clone(), labels[tr.data_rows(par)].clone()
@@ -755,8 +756,8 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-def _vocab(par) -> int:
-    for m in par.parts[0].modules():
-        if isinstance(m, torch.nn.Embedding):
-            return m.num_embeddings
-    raise ValueError("cannot tell the vocabulary size (no nn.Embedding on this rank)")
+def _vocab(source, seq: int) -> int:
+    """The vocabulary of a model whose spec does not say it (a ``file.py`` model), read from the whole model on the
+    meta device as the emitted script reads it (a pipeline rank's own part may hold no embedding)."""
+    model, _ = source.build(batch=1, seq=seq, device="meta")
+    return vocab_size(source, model)

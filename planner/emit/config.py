@@ -14,7 +14,15 @@ from costmodel.compression import POWERSGD_START_ITER
 from costmodel.runnable import problems
 from planner.plan import AC, Plan, parse_grad_compress
 from profiler.experts import expert_modules
-from profiler.layers import COLUMN_NAMES, ROW_NAMES, context_parallel_ready, pipeline_split_problem, tp_unsplit_linears
+from profiler.layers import (
+    COLUMN_NAMES,
+    ROW_NAMES,
+    context_parallel_ready,
+    forward_problem,
+    pipeline_split_problem,
+    tp_unsplit_linears,
+)
+from profiler.zoo.registry import resolve_model
 
 OPTIMIZERS = ("adamw", "sgd")
 INITS = ("full", "meta")
@@ -163,6 +171,9 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
         blocks = model.get_submodule(container)
     except AttributeError:
         raise ValueError(f"plan for {plan.model} expects blocks at {container!r}, which this model lacks") from None
+    ids = torch.zeros(1, plan.seq, dtype=torch.long, device="meta")
+    if resolve_model(plan.model).family == "file" and (why := forward_problem(model, ids)):
+        raise ValueError(f"this plan cannot run: {why}")
     if c.pp > 1 and (why := pipeline_split_problem(model, container)):
         raise ValueError(f"pp={c.pp}: {why}")
     names = {lay.name for lay in plan.layers}
@@ -200,7 +211,7 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
                     "selective_ac": "selective" in ac.values(), "ep": c.ep, "experts": experts["experts"],
                     "expert_dim1": experts["expert_dim1"],
                     "tp_unsplit": next(iter(tp_unsplit_linears(model)), ""),
-                    "cp_ready": context_parallel_ready(model), "pp_split": ""})  # (judged above)
+                    "cp_ready": context_parallel_ready(model), "pp_split": "", "forward": ""})  # (judged above)
     if why:
         raise ValueError(f"this plan cannot run: {why[0]}")
     sp_norms = sorted({n for block in blocks for n, m in block.named_children() if "norm" in type(m).__name__.lower()})

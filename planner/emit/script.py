@@ -272,7 +272,7 @@ def _model_section(source: ModelSource) -> tuple[list[str], str]:
     return imports + ["from torch import nn"], body
 
 
-def _vocab(source: ModelSource, model) -> int:
+def vocab_size(source: ModelSource, model) -> int:
     if source.vocab is not None:
         return int(source.vocab)
     from torch import nn
@@ -406,7 +406,7 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
     init_mode, init_why = choose_init(plan, model, init)
     config = runtime_config(plan, model, seed=seed, optimizer=optimizer, lr=lr, init=init_mode,
                             powersgd_start_iter=powersgd_start_iter, compile=compile or plan.compile)
-    vocab = _vocab(source, model)
+    vocab = vocab_size(source, model)
     model_imports, model_body = _model_section(source)
     runtime_imports, runtime_body = [], []
     for module in (runnable, runtime, train):  # one body, in dependency order; imports between them dropped

@@ -415,8 +415,8 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
     stats["pruned"] += stats["pruned_memory"]
     if not known and not stats["candidates"] and refused:
         cfg, why = refused[0]
-        raise NoPlanFits(f"no configuration that satisfies --fix {','.join(f'{k}={v}' for k, v in fix.items())} "
-                         f"can run: e.g. {_short(cfg)}: {why}")
+        which = f"that satisfies --fix {','.join(f'{k}={v}' for k, v in fix.items())} " if fix else ""
+        raise NoPlanFits(f"no configuration {which}can run: e.g. {_short(cfg)}: {why}")
     if not known and not stats["candidates"]:
         raise NoPlanFits(f"no configuration satisfies --fix {','.join(f'{k}={v}' for k, v in fix.items())} for "
                          f"{lg.model.name} on {cluster.world_size} GPUs with global batch {global_batch} (dp·tp·pp "
