@@ -63,6 +63,8 @@ CASES = {
     "hf_pp2_dp2": (4, lambda: _llama(pp=2, dp=2)),
     "hf_pp2_dp2_zero3": (4, lambda: _llama(pp=2, dp=2, zero=3)),
     "hf_pp2_tp2": (4, lambda: _llama(pp=2, tp=2)),
+    "hf_tied_pp2": (2, lambda: _plan(LLAMA.replace("vocab_size=128", "vocab_size=128,tie_word_embeddings=True"),
+                                      "model.model.layers", 4, pp=2)),
     "file_pp2_1f1b": (2, lambda: _plan(EXAMPLE, "blocks", 3, pp=2)),
     "file_pp2_dp2": (4, lambda: _plan(EXAMPLE, "blocks", 3, pp=2, dp=2)),
 }

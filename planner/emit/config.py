@@ -79,8 +79,6 @@ def tied_parameters(model: nn.Module, plan: Plan, container: str, stage_rank: li
     As in Megatron-LM, a tie between the embedding (first stage) and the head (last stage) is kept as one copy per
     stage whose gradients the runtime sums; a tie inside the blocks across pipeline ranks is refused.
     """
-    children = [name for name, _ in model.named_children()]
-    at = children.index(container.partition(".")[0])
     stage_of = {lay.name: lay.stage for lay in plan.layers}
     shared: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -89,17 +87,29 @@ def tied_parameters(model: nn.Module, plan: Plan, container: str, stage_rank: li
     for names in (n for n in shared.values() if len(n) > 1):
         stages = set()
         for name in names:
-            top = name.partition(".")[0]
             if name.startswith(container + "."):
                 stages.add(stage_of[".".join(name.split(".")[: container.count(".") + 2])])
             else:
-                stages.add(stage_of["embed" if children.index(top) < at else "head"])
+                stages.add(stage_of[_side(model, container, name)])
         ranks = sorted({stage_rank[s] for s in stages})
         if len(ranks) > 1 and any(n.startswith(container + ".") for n in names):
             raise ValueError(f"tied parameters {names} would live on pipeline ranks {ranks}; only a tie between the "
                              f"embedding and the head may span pipeline ranks; put those blocks on one stage")
         tied.append({"names": names, "pp_ranks": ranks})
     return tied
+
+
+def _side(model: nn.Module, container: str, name: str) -> str:
+    """``"embed"`` or ``"head"``: whether parameter ``name`` (outside the blocks) comes before or after the block
+    list ``container`` in module order, judged in the deepest module holding both (a Hugging Face causal LM's
+    ``lm_head`` sits beside its base model, the embedding inside it, next to the blocks)."""
+    path, mine = container.split("."), name.split(".")
+    depth = 0
+    while depth < len(path) - 1 and mine[depth] == path[depth]:
+        depth += 1
+    holder = model.get_submodule(".".join(path[:depth])) if depth else model
+    order = [child for child, _ in holder.named_children()]
+    return "embed" if order.index(mine[depth]) < order.index(path[depth]) else "head"
 
 
 def param_bytes(model: nn.Module) -> int:
