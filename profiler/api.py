@@ -171,5 +171,5 @@ def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: s
         graph = unfold(graph, depth)
     lg = group_layers(graph)
     # whether the runtime can cut it into pipeline stages (`costmodel.runnable.problems`)
-    lg.model.arch["pp_split"] = pipeline_split_problem(model, lg.block_container)
+    lg.model.arch["pp_split"] = pipeline_split_problem(model, lg.block_container, seq=inputs[0].shape[1])
     return lg

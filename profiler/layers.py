@@ -73,7 +73,7 @@ def context_parallel_ready(model: nn.Module) -> bool:
             and all(getattr(m, "use_sdpa", True) for m in attends))
 
 
-def pipeline_split_problem(model: nn.Module, container: str) -> str:
+def pipeline_split_problem(model: nn.Module, container: str, seq: int = 8) -> str:
     """Why the runtime cannot cut ``model`` into pipeline stages at its blocks
     (``planner.emit.runtime.split_pipeline``), or ``''`` when it can. Two shapes split:
 
@@ -90,12 +90,12 @@ def pipeline_split_problem(model: nn.Module, container: str) -> str:
       Gemma's √hidden scaling lives in its embedding module, so Gemma splits).
 
     One rule for the capture (the arch fact ``pp_split``, which `costmodel.runnable.problems` judges for the search),
-    the emitter and the runtime."""
+    the emitter and the runtime. ``seq``: the sequence length the stages are tried at (the plan's)."""
     parent, _, leaf = container.rpartition(".")
     if not container:
         return "the model has no list of blocks to cut into pipeline stages; plan it with pp=1"
     if not parent:
-        return _stage_trace(model, leaf)
+        return _stage_trace(model, leaf, seq)
     base = getattr(getattr(model, "model", None), "base_model", None)
     if not (callable(getattr(model, "pipeline_stage", None)) and base is not None
             and model.get_submodule(parent) is base):
@@ -125,6 +125,8 @@ def forward_problem(model: nn.Module, input_ids) -> str:
     import torch
 
     name = type(model).__name__
+    if not _on_meta(model):  # (a model with real weights, given to `auto_parallelize`: not run here)
+        return ""
     try:
         inspect.signature(model.forward).bind(input_ids)
     except TypeError:
@@ -135,7 +137,7 @@ def forward_problem(model: nn.Module, input_ids) -> str:
         with torch.no_grad():
             out = model(input_ids.to("meta"))
     except Exception as e:  # noqa: BLE001 (the user's code: any failure is the answer)
-        return f"{name}(input_ids) failed on the meta device ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        return f"{name}(input_ids) failed on the meta device ({_first_line(e)})"
     if not isinstance(out, torch.Tensor) or out.dim() != 3 or tuple(out.shape[:2]) != tuple(input_ids.shape):
         what = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
         return (f"{name}(input_ids) returns {what}, not the logits [batch, seq, vocab] the training step takes its "
@@ -143,12 +145,25 @@ def forward_problem(model: nn.Module, input_ids) -> str:
     return ""
 
 
-def _stage_trace(model: nn.Module, leaf: str) -> str:
+def _on_meta(model: nn.Module) -> bool:
+    """Whether every parameter and buffer of ``model`` is on the meta device (as the capture and the emitter build
+    zoo and ``file.py`` models): only such a model is run by the rules here, at no cost."""
+    return all(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def _first_line(e: Exception) -> str:
+    """``Type: first line of the message`` (at most 100 characters of it; the message may be empty)."""
+    lines = str(e).splitlines()
+    return f"{type(e).__name__}: {lines[0][:100]}" if lines else type(e).__name__
+
+
+def _stage_trace(model: nn.Module, leaf: str, seq: int) -> str:
     """Run the stages the runtime would make of ``model`` (the zoo convention: `pipeline_split_problem`) on the meta
     device, the model's blocks cut to its first one: the first stage on token ids, a middle stage (no modules
     before or after the blocks) and the last stage on hidden states. Each is a shallow copy with the modules it does
     not own set to None, as `planner.emit.runtime.split_pipeline` makes them. '' when every stage runs and the
-    first and middle ones return the hidden states the next one takes."""
+    first and middle ones return the hidden states the next one takes. A model with real weights (given to
+    `auto_parallelize`) is not run: ''."""
     import copy
 
     import torch
@@ -156,7 +171,7 @@ def _stage_trace(model: nn.Module, leaf: str) -> str:
     names = [name for name, _ in model.named_children()]
     at = names.index(leaf)
     blocks = getattr(model, leaf)
-    if not len(blocks):
+    if not len(blocks) or not _on_meta(model):
         return ""
     before, after = names[:at], names[at + 1:]  # (all of them, as the runtime sets them to None)
 
@@ -168,7 +183,7 @@ def _stage_trace(model: nn.Module, leaf: str) -> str:
             part._modules[n] = None
         return part
 
-    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     kind = type(model).__name__
     hidden = None
     for what, drop, x in (("first", after, ids), ("middle", before + after, None), ("last", before, None)):
@@ -179,7 +194,7 @@ def _stage_trace(model: nn.Module, leaf: str) -> str:
         except Exception as e:  # noqa: BLE001 (the user's code: any failure is the answer)
             skipped = " or ".join(repr(n) for n in drop) or "nothing"
             return (f"{kind}: its {what} pipeline stage (with {skipped} set to None) fails on the meta device "
-                    f"({type(e).__name__}: {str(e).splitlines()[0][:100]}); skip the embedding and the head when "
+                    f"({_first_line(e)}); skip the embedding and the head when "
                     "they are None in forward, as the zoo models do, or plan it with pp=1")
         if what == "first":
             hidden = out
@@ -226,7 +241,7 @@ def _split_trace(base: nn.Module, leaf: str, embedding: nn.Module, after: list) 
                 out = functional_call(base, fakes, (), {"input_ids": ids, "use_cache": False}).last_hidden_state
             except (RuntimeError, TypeError, ValueError) as e:  # unverified: not split (torch 2.13's meta
                 # grouped_mm takes bf16 only, so an fp32-routed MoE block fails here)
-                return f"its first and last blocks did not run on fake tensors ({str(e).splitlines()[0][:120]})"
+                return f"its first and last blocks did not run on fake tensors ({_first_line(e)})"
     finally:
         setattr(base, leaf, blocks)
         for h in hooks:
