@@ -368,6 +368,8 @@ def problems(facts: dict) -> list:
             f"sequence parallel needs seq={f['seq']} divisible by tp={tp}; re-plan with --fix sp=off or a "
             "tp that divides the sequence"
         )
+    if f.get("forward"):  # (`profiler.layers.forward_problem`: "" when the training step can call the model)
+        out.append(f["forward"])
     if pp > 1 and f.get("pp_split"):  # (`profiler.layers.pipeline_split_problem`: "" when the model splits)
         out.append(f"pp={pp}: {f['pp_split']}")
     m = f["micro_batches"]
@@ -689,10 +691,14 @@ def _is_square(t) -> bool:
 
 def _selective_policy(ctx, op, *args, **kwargs):
     """Selective AC (Korthikanti et al. 2022 §4.2): recompute the attention core, i.e. the ops that read or make
-    the seq×seq scores and probabilities (QKᵀ, mask, softmax, dropout, ·V); keep everything else. A fused
-    attention kernel materialises no such tensor, so it is kept like any other op. Random ops (dropout masks)
-    allocations and in-place ops are recomputed too: with the RNG state preserved they replay identically, and
-    a tensor filled in place must not be served from the cache."""
+    the seq×seq scores and probabilities (QKᵀ, mask, softmax, dropout, ·V); keep everything else. Random ops
+    (dropout masks), allocations and in-place ops are recomputed too: with the RNG state preserved they replay
+    identically, and a tensor filled in place must not be served from the cache. Note: torch 2.13 tags its fused
+    attention kernels (flash, memory-efficient, flash for CPU) ``nondeterministic_seeded`` (they take a dropout),
+    so a fused attention is recomputed here as well, while the cost model reads selective AC as a no-op on a fused
+    kernel (`profiler.graph.NodeInfo.is_attention_core`). `autopar check` of a forced selective plan diverges
+    (llama:layers=2,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=512,seq=512 on dgx-h100, dp=8 ac=selective:
+    FLOPs 4 %, peak memory 27 %); the search does not offer selective AC where it costs the same as none. Open."""
     if torch.Tag.nondeterministic_seeded in op.tags or op.name().startswith("aten::empty") or op._schema.is_mutable:
         return CheckpointPolicy.PREFER_RECOMPUTE
     if any(_is_square(a) for a in args):

@@ -404,6 +404,8 @@ def problems(facts: dict) -> list:
             f"sequence parallel needs seq={f['seq']} divisible by tp={tp}; re-plan with --fix sp=off or a "
             "tp that divides the sequence"
         )
+    if f.get("forward"):  # (`profiler.layers.forward_problem`: "" when the training step can call the model)
+        out.append(f["forward"])
     if pp > 1 and f.get("pp_split"):  # (`profiler.layers.pipeline_split_problem`: "" when the model splits)
         out.append(f"pp={pp}: {f['pp_split']}")
     m = f["micro_batches"]
