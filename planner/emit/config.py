@@ -22,6 +22,7 @@ from profiler.layers import (
     pipeline_split_problem,
     tp_unsplit_linears,
 )
+from profiler.zoo.registry import is_file_spec
 
 OPTIMIZERS = ("adamw", "sgd")
 INITS = ("full", "meta")
@@ -182,9 +183,8 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
         raise ValueError(f"plan for {plan.model} expects blocks at {container!r}, which this model lacks") from None
     # (a user's file.py model: the zoo's and Hugging Face's follow the contract; `auto_parallelize` names its plans
     # module:<class>, and judges the module it was given)
-    user_file = plan.model.rpartition(":")[0].endswith(".py")
     ids = torch.zeros(1, plan.seq, dtype=torch.long, device="meta")
-    if user_file and (why := forward_problem(model, ids)):
+    if is_file_spec(plan.model) and (why := forward_problem(model, ids)):
         raise ValueError(f"this plan cannot run: {why}")
     if c.pp > 1 and (why := pipeline_split_problem(model, container, seq=plan.seq)):
         raise ValueError(f"pp={c.pp}: {why}")

@@ -219,6 +219,11 @@ def list_models() -> list[tuple[str, str]]:
     return rows
 
 
+def is_file_spec(spec: str) -> bool:
+    """Whether ``spec`` names a user's ``path/to/file.py:factory`` (the form `resolve_model` resolves by path)."""
+    return spec.strip().partition(":")[0].endswith(".py")
+
+
 def resolve_model(spec: str) -> ModelSource:
     """Parse a model spec (see the module docstring) into a :class:`ModelSource`; ValueError on a bad spec."""
     spec = spec.strip()
@@ -228,7 +233,7 @@ def resolve_model(spec: str) -> ModelSource:
     if head in _ZOO:
         config = _make_config(head, lambda cls, **kw: cls(**kw), _ZOO[head][0], **_parse_kv(head, rest, _ZOO[head][0]))
         return ModelSource(spec=spec, family=head, config=config, seq=config.seq, vocab=config.vocab)
-    if head.endswith(".py"):
+    if is_file_spec(spec):
         return _resolve_file(spec, head, rest)
     if head in MODEL_PRESETS:
         config = MODEL_PRESETS[head]
