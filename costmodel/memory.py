@@ -180,6 +180,26 @@ def _inflight_chunks(schedule: Schedule, pp: int, vpp: int, rank: int, micro_bat
     return (float(min(n, micro_batches)),) * vpp
 
 
+def pipeline_buffers(micro_batches: int, received: list[float], sent: list[float],
+                     input_is_buffer: bool) -> tuple[float, list[float]]:
+    """What torch.distributed.pipelining itself holds on one pipeline rank beyond its layers' activations, as
+    ``(static, per_micro_batch)``; ``received[j]``/``sent[j]`` are the bytes per micro-batch of the activation the
+    rank's j-th chunk receives / sends (0 for the first / the last stage), the gradients going back as many.
+
+    torch 2.13's ``PipelineStage`` (stage.py) allocates its receive buffers once, for every micro-batch of the step,
+    and keeps them: ``_setup_forward_recv_info`` one activation buffer per micro-batch in every stage but the
+    first, ``_setup_backward_recv_info`` one output-gradient buffer per micro-batch in every stage but the last
+    (``static``: m of each). A non-last stage's output stays in ``fwd_cache`` from its forward to its backward,
+    where nothing inside the stage saves it (its last op, the residual add, saves nothing): ``sent[j]`` per
+    micro-batch in flight. A received buffer is itself the stage's input, which its first layer saves (and the
+    capture counts as that layer's activation), unless something runs between them (the tensor-parallel gather of
+    Megatron's scatter/gather, a bf16 cast back): ``input_is_buffer`` then takes ``received[j]`` off per micro-batch
+    in flight, as the static buffers hold it already. Traced: `autopar check` of 1F1B and interleaved plans."""
+    static = micro_batches * (sum(received) + sum(sent))
+    per = [out - (into if input_is_buffer else 0.0) for into, out in zip(received, sent)]
+    return static, per
+
+
 def held_states(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> list[tuple[tuple, tuple]]:
     """The states of the rank's chunks that can set its activation peak, each ``(full, pending)``: per chunk, the
     micro-batches holding all their activations, and (zero-bubble only) those whose input gradient is done but not

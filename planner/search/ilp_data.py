@@ -44,6 +44,7 @@ class Data:
     grad_opts: tuple[str, ...]
     pp_opts: tuple[str, ...]
     p2p: dict  #: pp option → per-micro-batch boundary time
+    buffers: dict  #: (pp option, rank) → torch's pipelining buffers: (static, per micro-batch of each chunk)
     n_range: dict  #: rank → (lowest, highest) block count
     fixed_rank: dict  #: fixed layer → rank
     units: list  #: groups of stages counted together: one per rank, or one per stage under ZeRO-3
@@ -91,12 +92,15 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
         pp_opts = ("none",) if S == 1 else allowed_options(policy, PP_OPTIONS)
     evs = {k: (ev if k == "none" else _evaluator(lg, cluster, replace(base, grad_compress=k), global_batch,
                                                    cost_cache)) for k in grad_opts}
-    p2p = {}
+    p2p, buffers = {}, {}
     for k in pp_opts:
         e = ev if k == "none" else _evaluator(lg, cluster, replace(base, pp_compress=k), global_batch, cost_cache)
         vals = {e.p2p_time(i) for i in blocks[1:]} if S > 1 else {0.0}
         assert len(vals) == 1, "identical blocks must have identical boundary transfers"
         p2p[k] = vals.pop()
+        # every stage after the first starts at a block (each holds one), all alike: any block stands for its first
+        firsts = [0] + [blocks[-1]] * (S - 1) if S > 1 else [0]
+        buffers |= {(k, r): e.pipeline_buffers(r, firsts) for r in range(cfg.pp)}
     if len(p2p) > 1 and p2p.get("bf16") == p2p["none"]:
         del p2p["bf16"]  # bf16 boundary casts change nothing when activations are already 16-bit
     pp_opts = tuple(p2p)
@@ -116,8 +120,8 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
     return Data(ev=ev, cfg=cfg, S=S, pp=cfg.pp, m=ev.m, phi=pipeline_factor(cfg.schedule, cfg.vpp),
                 slow=cluster.device.overlap_slowdown, pre=pre, post=post, blocks=blocks, acs=block_acs,
                 fixed_acs=fixed_acs,
-                grad_opts=tuple(grad_opts), pp_opts=pp_opts, p2p=p2p, n_range=n_range, fixed_rank=fixed_rank,
-                units=units,
+                grad_opts=tuple(grad_opts), pp_opts=pp_opts, p2p=p2p, buffers=buffers, n_range=n_range,
+                fixed_rank=fixed_rank, units=units,
                 time_unit=max(t_ref, 1e-12) / 1000.0, mem_unit=cluster.memory_budget_bytes / 1000.0, evs=evs)
 
 
