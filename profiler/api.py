@@ -20,6 +20,7 @@ from profiler.layers import (
     pipeline_split_problem,
     tp_unsplit_linears,
 )
+from profiler.zoo.hf import masks_as_trained
 from profiler.zoo.registry import resolve_model
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -166,10 +167,11 @@ def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: s
     arch["kernels"] = kernels  # whose attention kernels the capture replays (`profiler.capture`)
     # whether the training step can call it for logits (zoo and Hugging Face models: by construction)
     arch["forward"] = forward_problem(model, inputs[0]) if source.family == "file" else ""
-    graph = capture(model, inputs, name=spec, arch=arch, kernels=kernels)
-    if depth:
-        graph = unfold(graph, depth)
-    lg = group_layers(graph)
-    # whether the runtime can cut it into pipeline stages (`costmodel.runnable.problems`)
-    lg.model.arch["pp_split"] = pipeline_split_problem(model, lg.block_container, seq=inputs[0].shape[1])
+    with masks_as_trained():  # the masks a training step makes on real tensors (`profiler.zoo.hf`)
+        graph = capture(model, inputs, name=spec, arch=arch, kernels=kernels)
+        if depth:
+            graph = unfold(graph, depth)
+        lg = group_layers(graph)
+        # whether the runtime can cut it into pipeline stages (`costmodel.runnable.problems`)
+        lg.model.arch["pp_split"] = pipeline_split_problem(model, lg.block_container, seq=inputs[0].shape[1])
     return lg

@@ -58,6 +58,7 @@ from planner.emit import runtime, train
 from planner.emit.config import runtime_config
 from planner.emit.script import vocab_size
 from planner.plan import Plan
+from profiler.zoo.hf import masks_as_trained
 from profiler.zoo.registry import resolve_model
 
 #: collective ops (c10d and functional) → the kind they are, and which tensor argument carries the bytes moved
@@ -464,7 +465,8 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         if config["grad_compress"] == "none":
             _python_allreduce_hooks(par)
         if config["pp"] > 1:
-            _static_stages(par, config, build)
+            with masks_as_trained():
+                _static_stages(par, config, build)
         optimizer = tr.build_optimizer(par, config)
         vocab = source.vocab if getattr(source, "vocab", None) else _vocab(source, plan.seq)
         inputs, labels = tr.synthetic_batch(0, batch=plan.global_batch, seq=plan.seq, vocab=vocab, seed=0)
@@ -484,7 +486,7 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         tracker.mirrors = {id(st) for t in mirrors for st in get_untyped_storages(t)}
         tracker.track_external(*par.modules, getattr(optimizer, "optim", optimizer))  # ZeRO-1: its local optim
         with (_no_cycle_collection(), _module_hooks_any(), fake, tracker, counter, _inner_collectives(counter),
-              _grouped_mm_at_trace_dtype(), _step_actions(par, tracker, counter, tr) as marks):
+              _grouped_mm_at_trace_dtype(), masks_as_trained(), _step_actions(par, tracker, counter, tr) as marks):
             tracker.hold_buckets(_ddp_bucket_sizes(par))
             tr.train_step_loss(par, optimizer, inputs, labels)
         if micro_batches is not None and micro_batches > plan.grad_accum:

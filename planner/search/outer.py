@@ -567,6 +567,7 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
     from costmodel.cluster import load_cluster
     from profiler.capture import capture
     from profiler.layers import context_parallel_ready, group_layers
+    from profiler.zoo.hf import masks_as_trained
 
     cl = load_cluster(cluster)
     if world_size is not None and world_size != cl.world_size:
@@ -577,7 +578,9 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
                              "cluster with that many GPUs")
     name = f"module:{type(model).__name__}"
     # (the arch fact the rules read: whether the runtime can split this module's sequence)
-    lg = group_layers(capture(model, example_inputs, name=name, arch={"cp_ready": context_parallel_ready(model)}))
+    with masks_as_trained():  # (a Hugging Face module: the masks a training step makes, not export's)
+        graph = capture(model, example_inputs, name=name, arch={"cp_ready": context_parallel_ready(model)})
+    lg = group_layers(graph)
     batch = lg.model.batch or 1
     gb = global_batch or batch * cl.world_size
     result = search(lg, cl, gb, **kw)

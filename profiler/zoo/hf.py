@@ -17,6 +17,8 @@ from them; to run other code on them, re-enter it with ``torch._guards.detect_fa
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -217,6 +219,46 @@ def count_grouped_mm() -> None:
         if bwd not in flop_registry:
             register_flop_formula(bwd)(
                 lambda a, b, offs, grad, *_, out_shape=None, **__: 4 * a[0] * a[1] * b[-1])
+
+
+@contextlib.contextmanager
+def masks_as_trained():
+    """Run Hugging Face forwards on fake tensors (and under ``torch.export``) with the attention masks a training
+    step makes on real ones: none for plain causal attention.
+
+    A training step calls the model on token ids alone (the batch contract: no positions, no padding mask), so the
+    base model derives positions ``arange(seq)``. With real tensors transformers 5 then finds no packed sequences
+    (``masking_utils.find_packed_sequence_indices`` reads the positions and returns None) and leaves causality to
+    SDPA's ``is_causal`` (``_ignore_causal_mask_sdpa``), so no mask exists. On fake tensors it cannot read the
+    positions (``is_tracing`` is true for a FakeTensor) and under export it declines to skip
+    (``is_torchdynamo_exporting``): it materialises a [batch, 1, seq, seq] boolean mask that every attention reads
+    and saves, and SDPA runs a masked kernel instead of the causal one. Inside this context both decisions are taken
+    as on real tensors of the contract's shape: positions one sequence per row, and not exporting. Masks a real run
+    makes (sliding windows, chunked attention) are still made: they do not depend on either decision.
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:  # no Hugging Face models without transformers
+        yield
+        return
+    find = getattr(masking_utils, "find_packed_sequence_indices", None)
+    exporting = getattr(masking_utils, "is_torchdynamo_exporting", None)
+    if find is None or exporting is None:  # a transformers without these decisions: nothing to take
+        yield
+        return
+
+    def one_sequence_per_row(position_ids):
+        if masking_utils.is_tracing(position_ids):
+            return None  # what the real positions arange(seq) give: no packing
+        return find(position_ids)
+
+    masking_utils.find_packed_sequence_indices = one_sequence_per_row
+    masking_utils.is_torchdynamo_exporting = lambda: False
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = find
+        masking_utils.is_torchdynamo_exporting = exporting
 
 
 def _is_moe(config) -> bool:
