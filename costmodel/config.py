@@ -138,7 +138,9 @@ class ParallelConfig:
                 # whether the runtime can cut it into pipeline stages (`profiler.layers.pipeline_split_problem`)
                 "pp_split": arch.get("pp_split", ""),
                 # whether the training step can call it for logits (`profiler.layers.forward_problem`)
-                "forward": arch.get("forward", "")}
+                "forward": arch.get("forward", ""),
+                # whether its blocks make seq×seq scores for selective AC to recompute (`has_attention_core`)
+                "attention_core": arch.get("attention_core")}
 
     def to_dict(self) -> dict:
         d = asdict(self)

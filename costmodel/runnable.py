@@ -31,7 +31,9 @@ cannot run, `profiler.layers.tp_unsplit_linears`; empty: none), ``cp`` (context-
 ``cp_ready`` (the model's attention and positions can be split over the sequence,
 `profiler.layers.context_parallel_ready`; None: unknown), ``pp_split`` (why the runtime cannot cut the model into
 pipeline stages, `profiler.layers.pipeline_split_problem`; empty or None: it can, or unknown), ``forward`` (why the
-training step cannot call the model for its logits, `profiler.layers.forward_problem`; empty or None: it can).
+training step cannot call the model for its logits, `profiler.layers.forward_problem`; empty or None: it can),
+``attention_core`` (the blocks make seq×seq attention scores that selective AC can recompute,
+`profiler.layers.has_attention_core`; None: unknown).
 """
 
 #: fp16 is not: its gradients underflow without loss scaling, which the runtime does not do yet (a GradScaler across
@@ -121,6 +123,11 @@ def problems(facts: dict) -> list:
         out.append(f"schedule={schedule} runs the {m} micro-batches per step in {rounds} equal rounds (torch's "
                    f"ScheduleInterleaved*: m divisible by max(1, m // pp)), which {m} is not; change --global-batch "
                    "or mbs")
+    if f.get("selective_ac") and f.get("attention_core") is False:
+        out.append("selective activation checkpointing recomputes the attention core (the seq×seq scores, Korthikanti "
+                   "et al. 2022 §4.2), and this model's blocks have none: their attention is a fused kernel, so it "
+                   "would recompute nothing while torch's selective checkpoint keeps every op's output (more than "
+                   "ac=none keeps); re-plan with --fix ac=none or ac=full")
     if pp > 1 and schedule == "zb" and f.get("selective_ac"):
         out.append("selective activation checkpointing with the zero-bubble schedule is not supported (torch 2.13's "
                    "selective checkpoint lets autograd through a region once, and the schedule's weight-gradient pass "

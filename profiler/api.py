@@ -17,6 +17,7 @@ from profiler.layers import (
     context_parallel_ready,
     forward_problem,
     group_layers,
+    has_attention_core,
     pipeline_split_problem,
     tp_unsplit_linears,
 )
@@ -172,6 +173,7 @@ def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: s
         if depth:
             graph = unfold(graph, depth)
         lg = group_layers(graph)
+        lg.model.arch["attention_core"] = has_attention_core(lg)  # what selective AC recomputes (`runnable`)
         # whether the runtime can cut it into pipeline stages (`costmodel.runnable.problems`)
         lg.model.arch["pp_split"] = pipeline_split_problem(model, lg.block_container, seq=inputs[0].shape[1])
     return lg

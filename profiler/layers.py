@@ -372,6 +372,12 @@ def _signature(kind: str, prefix: str, nodes: list[NodeInfo], param_shapes: dict
     return h.hexdigest()[:12]
 
 
+def has_attention_core(lg: LayerGraph) -> bool:
+    """Whether the blocks make seq×seq attention scores (`profiler.graph.NodeInfo.is_attention_core`): what selective
+    activation checkpointing recomputes. A fused attention kernel makes none (`costmodel.runnable.problems`)."""
+    return any(n.is_attention_core for layer in lg.layers if layer.kind == "block" for n in layer.nodes)
+
+
 def group_layers(graph: ModelGraph) -> LayerGraph:
     """Group ``graph``'s nodes into embed, blocks and head (see the module docstring)."""
     container = find_block_container(graph)

@@ -180,3 +180,30 @@ def test_irregular_groups_are_not_offered():
     assert all(8 % c.tp == 0 and 8 % (c.cp * c.tp) == 0 for c in cands)
     assert all(8 % (c.dp * c.cp * c.tp) == 0 or (c.dp * c.cp * c.tp) % 8 == 0 for c in cands)
     assert {c.tp for c in cands} <= {1, 2}
+
+
+def test_selective_ac_is_offered_only_where_there_is_an_attention_core(tmp_path):
+    """Selective AC recomputes the seq×seq attention core; a model whose attention is a fused kernel has none, and
+    torch's selective checkpoint would keep every op's output there (more than no AC). The capture records which
+    (`profiler.layers.has_attention_core`); pinning selective on a fused model exits 2 with the reason, one line, no
+    plan written; on Megatron's unfused attention it plans. (seq = 48: the core is told by its seq×seq shape, which a
+    [batch, seq, width] tensor shares where width = seq.)"""
+    import subprocess
+    import sys
+
+    fused = profile_model("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=192,vocab=128,seq=48")
+    math = profile_model("gpt:layers=2,hidden=64,heads=4,vocab=128,seq=48,attention=math,dropout=0")
+    assert (fused.model.arch["attention_core"], math.model.arch["attention_core"]) == (False, True)
+    found = problems(facts(checkpointed=True, selective_ac=True, attention_core=False))
+    assert len(found) == 1 and "fused kernel" in found[0] and "ac=none or ac=full" in found[0]
+    assert problems(facts(checkpointed=True, selective_ac=True, attention_core=None)) == []  # unknown: not judged
+    for spec, rc in (("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=192,vocab=128,seq=48", 2),
+                     ("gpt:layers=2,hidden=64,heads=4,vocab=128,seq=48,attention=math,dropout=0", 0)):
+        out = tmp_path / f"{rc}.yaml"
+        cmd = [sys.executable, "-m", "planner", "plan", spec, "--cluster", "cpu-local", "--global-batch", "4",
+               "--fix", "dp=2,ac=selective", "--check", "off", "--out", str(out)]
+        proc = subprocess.run(cmd,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == rc and out.exists() == (rc == 0), proc.stderr[-2000:]
+        if rc:
+            assert proc.stderr.count("\n") == 1 and "fused kernel" in proc.stderr, proc.stderr

@@ -31,3 +31,31 @@ def test_full_and_selective_checkpointing_match_no_checkpointing(attention):
     for mode in ("full", "selective"):
         assert results[mode][0] == results["none"][0]
         torch.testing.assert_close(results[mode][1], results["none"][1], rtol=0, atol=0)
+
+
+def test_selective_checkpointing_keeps_a_fused_attention_kernel():
+    """A fused attention kernel makes no seq×seq tensor: selective AC keeps its outputs (as the cost model reads it,
+    `profiler.graph.NodeInfo.is_attention_core`), though torch 2.13 tags it ``nondeterministic_seeded``; the backward
+    runs it no second time."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.fused = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.fused += func in runtime._FUSED_ATTENTION
+            return func(*args, **(kwargs or {}))
+
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in runtime._FUSED_ATTENTION
+    model, _ = resolve_model("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128,attention=sdpa,dropout=0") \
+        .build(batch=2, device="cpu")
+    model._autopar_block_names = ["layers.0", "layers.1"]
+    runtime.apply_ac(model, {"block_container": "layers", "ac": {"layers.0": "selective", "layers.1": "selective"}})
+    x, y = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))
+    with Count() as forward:
+        loss = model(x, y)
+    with Count() as backward:
+        loss.backward()
+    assert (forward.fused, backward.fused) == (2, 0)

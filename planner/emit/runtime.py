@@ -841,16 +841,24 @@ def _is_square(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[-1] == t.shape[-2] > 1
 
 
+#: torch's fused attention kernels: saved whole by selective AC (their outputs, log-sum-exp and RNG state are all their
+#: backward needs), as torchtitan's op-level policy saves them
+_FUSED_ATTENTION = {getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_fused_attention_overrideable") if hasattr(torch.ops.aten, name)}
+
+
 def _selective_policy(ctx, op, *args, **kwargs):
     """Selective AC (Korthikanti et al. 2022 §4.2): recompute the attention core, i.e. the ops that read or make
     the seq×seq scores and probabilities (QKᵀ, mask, softmax, dropout, ·V); keep everything else. Random ops
     (dropout masks), allocations and in-place ops are recomputed too: with the RNG state preserved they replay
-    identically, and a tensor filled in place must not be served from the cache. Note: torch 2.13 tags its fused
-    attention kernels (flash, memory-efficient, flash for CPU) ``nondeterministic_seeded`` (they take a dropout),
-    so a fused attention is recomputed here as well, while the cost model reads selective AC as a no-op on a fused
-    kernel (`profiler.graph.NodeInfo.is_attention_core`). `autopar check` of a forced selective plan diverges
-    (llama:layers=2,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=512,seq=512 on dgx-h100, dp=8 ac=selective:
-    FLOPs 4 %, peak memory 27 %); the search does not offer selective AC where it costs the same as none. Open."""
+    identically, and a tensor filled in place must not be served from the cache. A fused attention kernel makes no
+    seq×seq tensor and is kept (`_FUSED_ATTENTION`): torch 2.13 tags those kernels ``nondeterministic_seeded`` (they
+    take a dropout), which would otherwise recompute them, where the cost model reads selective AC on a fused
+    kernel as keeping everything (`profiler.graph.NodeInfo.is_attention_core`)."""
+    if op in _FUSED_ATTENTION:
+        return CheckpointPolicy.MUST_SAVE
     if torch.Tag.nondeterministic_seeded in op.tags or op.name().startswith("aten::empty") or op._schema.is_mutable:
         return CheckpointPolicy.PREFER_RECOMPUTE
     if any(_is_square(a) for a in args):

@@ -566,7 +566,7 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
     times the world size; other keywords go to `search` (fix, top_k, time_limit)."""
     from costmodel.cluster import load_cluster
     from profiler.capture import capture
-    from profiler.layers import context_parallel_ready, group_layers
+    from profiler.layers import context_parallel_ready, group_layers, has_attention_core
     from profiler.zoo.hf import masks_as_trained
 
     cl = load_cluster(cluster)
@@ -581,6 +581,7 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
     with masks_as_trained():  # (a Hugging Face module: the masks a training step makes, not export's)
         graph = capture(model, example_inputs, name=name, arch={"cp_ready": context_parallel_ready(model)})
     lg = group_layers(graph)
+    lg.model.arch["attention_core"] = has_attention_core(lg)
     batch = lg.model.batch or 1
     gb = global_batch or batch * cl.world_size
     result = search(lg, cl, gb, **kw)
