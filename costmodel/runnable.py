@@ -41,6 +41,22 @@ training step cannot call the model for its logits, `profiler.layers.forward_pro
 RUNNABLE_PRECISIONS = ("fp32", "bf16")
 
 
+def attention_scores(shape, batch: int, seq: int) -> bool:
+    """Whether a tensor of ``shape`` holds attention scores or probabilities: what selective activation
+    checkpointing recomputes, for the capture (`profiler.graph.NodeInfo.is_attention_core`) and the runtime's policy
+    alike. Scores are [..., seq, seq] with leading dimensions other than the batch alone ([batch, heads, seq, seq],
+    or [batch·heads, seq, seq] in Megatron's baddbmm attention): a trailing square is not enough, since a [batch,
+    seq, width] activation has one wherever width = seq (llama3-70b's hidden states at seq 8192). ``seq`` 0: not
+    known, any trailing square with such leading dimensions. A model with one attention head per rank is read as
+    having none."""
+    if len(shape) < 3 or shape[-1] != shape[-2] or shape[-1] <= 1 or (seq and shape[-1] != seq):
+        return False
+    lead = 1
+    for d in shape[:-2]:
+        lead *= d
+    return lead != batch
+
+
 def post_step_allreduce(dp: int, tp: int, zero: int, schedule: str, pp: int) -> bool:
     """True where data-parallel gradients are averaged by an explicit all-reduce after the whole backward instead of
     DDP's overlapped bucket hooks: tensor parallelism without FSDP (DDP takes no DTensor parameters), and the

@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from costmodel.runnable import attention_scores
 from profiler.graph import ModelGraph, NodeInfo, ParamInfo
 
 
@@ -296,7 +297,10 @@ def capture(
     first_name: dict[int, str] = {}
     for fqn, t in named_params.items():
         canonical[fqn] = first_name.setdefault(id(t), fqn)
-    replay = _Replay(gm, method, mapping, fake, canonical, inputs, mode, constant_storages, kernels, model)
+    first = example_inputs[0] if example_inputs else None
+    batch = int(first.shape[0]) if first is not None and first.dim() >= 1 else 1
+    seq = int(first.shape[1]) if first is not None and first.dim() >= 2 else 0
+    replay = _Replay(gm, method, mapping, fake, canonical, inputs, mode, constant_storages, kernels, model, batch, seq)
     nodes = replay.run()
 
     seen: set[int] = set()
@@ -307,9 +311,6 @@ def capture(
         seen.add(id(t))
         params.append(ParamInfo(fqn=fqn, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
                                 numel=t.numel(), is_buffer=fqn in named_buffers))
-    first = example_inputs[0] if example_inputs else None
-    batch = int(first.shape[0]) if first is not None and first.dim() >= 1 else 1
-    seq = int(first.shape[1]) if first is not None and first.dim() >= 2 else 0
     float_params = [p for p in named_params.values() if p.is_floating_point()]
     dtype = str(float_params[0].dtype).removeprefix("torch.") if float_params else "float32"
     return ModelGraph(name=name or type(model).__name__, method=method, batch=batch, seq=seq, dtype=dtype,
@@ -319,8 +320,10 @@ def capture(
 class _Replay:
     """Runs the captured graph node by node on fake tensors and records each node's costs."""
 
-    def __init__(self, gm, method, mapping, fake, canonical, inputs, mode, constant_storages, kernels, model):
+    def __init__(self, gm, method, mapping, fake, canonical, inputs, mode, constant_storages, kernels, model,
+                 batch=1, seq=0):
         self.gm, self.method, self.mapping = gm, method, mapping
+        self.batch, self.seq = batch, seq
         self.fake, self.canonical, self.inputs, self.mode = fake, canonical, inputs, mode
         self.constant_storages = constant_storages
         self.gpu_kernels = kernels == "gpu"
@@ -331,6 +334,10 @@ class _Replay:
         self.param_of: dict[torch.fx.Node, str] = {}  # node → FQN of the parameter it is (a view of)
         self._charged = 0
 
+    def scores(self, shape) -> bool:
+        """Whether a tensor of this shape holds attention scores: what selective AC recomputes."""
+        return attention_scores(tuple(shape), self.batch, self.seq)
+
     def _pack(self, t: torch.Tensor):
         ref = StorageWeakRef(t.untyped_storage())
         if ref in self.constant_storages:
@@ -338,9 +345,9 @@ class _Replay:
         if ref not in self.storage_ids:
             self.storage_ids[ref] = len(self.storage_ids)
             self._charged += t.untyped_storage().nbytes()
-            if t.dim() >= 2 and t.shape[-1] == t.shape[-2] > 1:
+            if self.scores(t.shape):
                 self._square_charged += t.untyped_storage().nbytes()
-        square = t.dim() >= 2 and t.shape[-1] == t.shape[-2] > 1  # seq×seq attention scores/probabilities
+        square = self.scores(t.shape)  # seq×seq attention scores/probabilities
         self._saved.append((self.storage_ids[ref], t.untyped_storage().nbytes(), bool(square)))
         return t
 
@@ -466,6 +473,7 @@ class _Replay:
             fwd_flops=int(fwd_flops), bwd_flops=int(bwd_flops), fwd_bytes=int(fwd_bytes), bwd_bytes=int(bwd_bytes),
             output_bytes=sum(_nbytes(t) for t in out_t), params=tuple(params), saved_bytes=int(saved),
             saved_square_bytes=int(self._square_charged),
+            attention_core=any(self.scores(s) for s in (*(t.shape for t in in_t), *(t.shape for t in out_t))),
             saved=tuple(dict.fromkeys(self._saved)),
             inputs=tuple(a.name for a in node.all_input_nodes if a.op not in ("placeholder", "get_attr")),
         )

@@ -44,6 +44,8 @@ class NodeInfo:
     inputs: tuple[str, ...] = ()  #: names of the call nodes whose outputs this node reads
     saved: tuple[tuple[int, int, bool], ...] = ()  #: (storage id, bytes, is seq×seq) of every storage it saves
     saved_square_bytes: int = 0  #: the part of saved_bytes in seq×seq tensors (attention scores/probabilities)
+    #: whether it reads or makes attention scores (`costmodel.runnable.attention_scores`, judged by the capture)
+    attention_core: bool = False
     saved_bytes: int  #: activation bytes first saved for backward by this node
     tp_role: str = "none"  #: ``column`` | ``row`` | ``sharded`` | ``replicated`` | ``vocab`` | ``none``
 
@@ -53,9 +55,7 @@ class NodeInfo:
         (QKᵀ, mask, softmax, dropout, ·V). Selective recomputation (Korthikanti et al. 2022 §4.2) recomputes
         them and drops their seq×seq saved tensors. A fused attention kernel exposes none, so selective
         recomputation leaves it alone."""
-        return self.kind != "attention" and any(
-            len(s) >= 3 and s[-1] == s[-2] and s[-1] > 1 for s in self.output_shapes + self.input_shapes
-        )
+        return self.kind != "attention" and self.attention_core
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -186,8 +186,7 @@ def test_selective_ac_is_offered_only_where_there_is_an_attention_core(tmp_path)
     """Selective AC recomputes the seq×seq attention core; a model whose attention is a fused kernel has none, and
     torch's selective checkpoint would keep every op's output there (more than no AC). The capture records which
     (`profiler.layers.has_attention_core`); pinning selective on a fused model exits 2 with the reason, one line, no
-    plan written; on Megatron's unfused attention it plans. (seq = 48: the core is told by its seq×seq shape, which a
-    [batch, seq, width] tensor shares where width = seq.)"""
+    plan written; on Megatron's unfused attention it plans."""
     import subprocess
     import sys
 
@@ -207,3 +206,22 @@ def test_selective_ac_is_offered_only_where_there_is_an_attention_core(tmp_path)
         assert proc.returncode == rc and out.exists() == (rc == 0), proc.stderr[-2000:]
         if rc:
             assert proc.stderr.count("\n") == 1 and "fused kernel" in proc.stderr, proc.stderr
+
+
+def test_attention_scores_are_told_from_activations_as_wide_as_the_sequence():
+    """The one rule for what selective AC recomputes (`costmodel.runnable.attention_scores`), used by the capture and
+    the runtime's policy: [batch, heads, seq, seq] and [batch·heads, seq, seq] are scores; [batch, seq, hidden] is
+    not, even where hidden = seq (llama3-70b at seq 8192 had 29 of its 66 block ops, its linears among them, read
+    as attention core)."""
+    from costmodel.runnable import attention_scores
+
+    assert attention_scores((2, 16, 512, 512), 2, 512) and attention_scores((32, 512, 512), 2, 512)
+    assert not attention_scores((2, 512, 512), 2, 512)  # hidden = seq
+    assert not attention_scores((2, 16, 256, 256), 2, 512)  # not the sequence
+    assert not attention_scores((512, 512), 1, 512)  # a 2-D causal mask is made, not recomputed as scores
+    wide = profile_model("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=128,seq=64")
+    assert not any(n.is_attention_core for n in wide.model.nodes) and wide.model.arch["attention_core"] is False
+    math = profile_model("gpt:layers=2,hidden=64,heads=4,vocab=128,seq=64,attention=math,dropout=0")
+    block = next(layer for layer in math.layers if layer.kind == "block")
+    assert sorted({n.op.split(".")[1] for n in block.nodes if n.is_attention_core}) == [
+        "baddbmm", "bmm", "dropout", "empty", "masked_fill", "softmax"]

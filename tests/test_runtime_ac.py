@@ -23,7 +23,8 @@ def test_full_and_selective_checkpointing_match_no_checkpointing(attention):
     for mode in ("none", "full", "selective"):
         m = copy.deepcopy(model).train()
         m._autopar_block_names = ["layers.0", "layers.1"]
-        runtime.apply_ac(m, {"block_container": "layers", "ac": {"layers.0": mode, "layers.1": mode}})
+        runtime.apply_ac(m, {"block_container": "layers", "ac": {"layers.0": mode, "layers.1": mode},
+                             "mbs": 2, "seq": 32})
         torch.manual_seed(123)
         loss = m(x, y)
         loss.backward()
@@ -52,7 +53,8 @@ def test_selective_checkpointing_keeps_a_fused_attention_kernel():
     model, _ = resolve_model("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128,attention=sdpa,dropout=0") \
         .build(batch=2, device="cpu")
     model._autopar_block_names = ["layers.0", "layers.1"]
-    runtime.apply_ac(model, {"block_container": "layers", "ac": {"layers.0": "selective", "layers.1": "selective"}})
+    runtime.apply_ac(model, {"block_container": "layers", "ac": {"layers.0": "selective", "layers.1": "selective"},
+                             "mbs": 2, "seq": 32})
     x, y = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))
     with Count() as forward:
         loss = model(x, y)

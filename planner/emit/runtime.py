@@ -85,7 +85,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from costmodel.runnable import post_step_allreduce, problems
+from costmodel.runnable import attention_scores, post_step_allreduce, problems
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -837,10 +837,6 @@ def _submodule(part: nn.Module, name: str | None):
     return module
 
 
-def _is_square(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[-1] == t.shape[-2] > 1
-
-
 #: torch's fused attention kernels: saved whole by selective AC (their outputs, log-sum-exp and RNG state are all their
 #: backward needs), as torchtitan's op-level policy saves them
 _FUSED_ATTENTION = {getattr(torch.ops.aten, name).default for name in (
@@ -849,25 +845,34 @@ _FUSED_ATTENTION = {getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_fused_attention_overrideable") if hasattr(torch.ops.aten, name)}
 
 
-def _selective_policy(ctx, op, *args, **kwargs):
-    """Selective AC (Korthikanti et al. 2022 §4.2): recompute the attention core, i.e. the ops that read or make
-    the seq×seq scores and probabilities (QKᵀ, mask, softmax, dropout, ·V); keep everything else. Random ops
-    (dropout masks), allocations and in-place ops are recomputed too: with the RNG state preserved they replay
-    identically, and a tensor filled in place must not be served from the cache. A fused attention kernel makes no
-    seq×seq tensor and is kept (`_FUSED_ATTENTION`): torch 2.13 tags those kernels ``nondeterministic_seeded`` (they
-    take a dropout), which would otherwise recompute them, where the cost model reads selective AC on a fused
-    kernel as keeping everything (`profiler.graph.NodeInfo.is_attention_core`)."""
-    if op in _FUSED_ATTENTION:
-        return CheckpointPolicy.MUST_SAVE
-    if torch.Tag.nondeterministic_seeded in op.tags or op.name().startswith("aten::empty") or op._schema.is_mutable:
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    if any(_is_square(a) for a in args):
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    if op in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default) and len(args) >= 2:
-        a, b = args[-2], args[-1]  # batched Q·Kᵀ makes [batch, seq, seq]
-        if a.dim() == 3 and b.dim() == 3 and a.shape[-2] == b.shape[-1] > 1:
+def _selective_policy(batch: int, seq: int):
+    """Selective AC (Korthikanti et al. 2022 §4.2) for micro-batches of ``batch`` sequences of ``seq`` tokens (this
+    rank's): recompute the attention core, i.e. the ops that read or make the seq×seq scores and probabilities (QKᵀ,
+    mask, softmax, dropout, ·V: `costmodel.runnable.attention_scores`, the capture's rule); keep everything else.
+    Random ops (dropout masks), allocations and in-place ops are recomputed too: with the RNG state preserved they
+    replay identically, and a tensor filled in place must not be served from the cache. A fused attention kernel
+    makes no seq×seq tensor and is kept (`_FUSED_ATTENTION`): torch 2.13 tags those kernels
+    ``nondeterministic_seeded`` (they take a dropout), which would otherwise recompute them, where the cost model
+    reads selective AC on a fused kernel as keeping everything (`profiler.graph.NodeInfo.is_attention_core`)."""
+
+    def scores(t) -> bool:
+        return isinstance(t, torch.Tensor) and attention_scores(tuple(t.shape), batch, seq)
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in _FUSED_ATTENTION:
+            return CheckpointPolicy.MUST_SAVE
+        if torch.Tag.nondeterministic_seeded in op.tags or op.name().startswith("aten::empty") or \
+                op._schema.is_mutable:
             return CheckpointPolicy.PREFER_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE
+        if any(scores(a) for a in args):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if op in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default) and len(args) >= 2:
+            a, b = args[-2], args[-1]  # batched Q·Kᵀ makes [batch·heads, seq, seq]
+            if a.dim() == 3 and b.dim() == 3 and attention_scores((a.shape[0], a.shape[-2], b.shape[-1]), batch, seq):
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    return policy
 
 
 def apply_ac(part: nn.Module, plan: dict) -> None:
@@ -879,7 +884,9 @@ def apply_ac(part: nn.Module, plan: dict) -> None:
         if mode == "full":
             blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=True)
         elif mode == "selective":
-            context_fn = partial(create_selective_checkpoint_contexts, _selective_policy)
+            # (this rank's sequence: context parallelism splits it)
+            policy = _selective_policy(plan.get("mbs", 1), plan.get("seq", 0) // plan.get("cp", 1))
+            context_fn = partial(create_selective_checkpoint_contexts, policy)
             blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=True, context_fn=context_fn)
 
 

@@ -310,6 +310,22 @@ def build_model() -> nn.Module:
 RUNNABLE_PRECISIONS = ("fp32", "bf16")
 
 
+def attention_scores(shape, batch: int, seq: int) -> bool:
+    """Whether a tensor of ``shape`` holds attention scores or probabilities: what selective activation
+    checkpointing recomputes, for the capture (`profiler.graph.NodeInfo.is_attention_core`) and the runtime's policy
+    alike. Scores are [..., seq, seq] with leading dimensions other than the batch alone ([batch, heads, seq, seq],
+    or [batch·heads, seq, seq] in Megatron's baddbmm attention): a trailing square is not enough, since a [batch,
+    seq, width] activation has one wherever width = seq (llama3-70b's hidden states at seq 8192). ``seq`` 0: not
+    known, any trailing square with such leading dimensions. A model with one attention head per rank is read as
+    having none."""
+    if len(shape) < 3 or shape[-1] != shape[-2] or shape[-1] <= 1 or (seq and shape[-1] != seq):
+        return False
+    lead = 1
+    for d in shape[:-2]:
+        lead *= d
+    return lead != batch
+
+
 def post_step_allreduce(dp: int, tp: int, zero: int, schedule: str, pp: int) -> bool:
     """True where data-parallel gradients are averaged by an explicit all-reduce after the whole backward instead of
     DDP's overlapped bucket hooks: tensor parallelism without FSDP (DDP takes no DTensor parameters), and the
@@ -386,6 +402,13 @@ def problems(facts: dict) -> list:
             f"schedule={schedule} runs the {m} micro-batches per step in {rounds} equal rounds (torch's "
             f"ScheduleInterleaved*: m divisible by max(1, m // pp)), which {m} is not; change --global-batch "
             "or mbs"
+        )
+    if f.get("selective_ac") and f.get("attention_core") is False:
+        out.append(
+            "selective activation checkpointing recomputes the attention core (the seq×seq scores, Korthikanti "
+            "et al. 2022 §4.2), and this model's blocks have none: their attention is a fused kernel, so it "
+            "would recompute nothing while torch's selective checkpoint keeps every op's output (more than "
+            "ac=none keeps); re-plan with --fix ac=none or ac=full"
         )
     if pp > 1 and schedule == "zb" and f.get("selective_ac"):
         out.append(
@@ -685,10 +708,6 @@ def block_list(part: nn.Module, plan: dict) -> nn.ModuleList:
     return part.get_submodule(plan["block_container"])
 
 
-def _is_square(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[-1] == t.shape[-2] > 1
-
-
 _FUSED_ATTENTION = {
     getattr(torch.ops.aten, name).default
     for name in (
@@ -702,25 +721,33 @@ _FUSED_ATTENTION = {
 }
 
 
-def _selective_policy(ctx, op, *args, **kwargs):
-    """Selective AC (Korthikanti et al. 2022 §4.2): recompute the attention core, i.e. the ops that read or make
-    the seq×seq scores and probabilities (QKᵀ, mask, softmax, dropout, ·V); keep everything else. Random ops
-    (dropout masks), allocations and in-place ops are recomputed too: with the RNG state preserved they replay
-    identically, and a tensor filled in place must not be served from the cache. A fused attention kernel makes no
-    seq×seq tensor and is kept (`_FUSED_ATTENTION`): torch 2.13 tags those kernels ``nondeterministic_seeded`` (they
-    take a dropout), which would otherwise recompute them, where the cost model reads selective AC on a fused
-    kernel as keeping everything (`profiler.graph.NodeInfo.is_attention_core`)."""
-    if op in _FUSED_ATTENTION:
-        return CheckpointPolicy.MUST_SAVE
-    if torch.Tag.nondeterministic_seeded in op.tags or op.name().startswith("aten::empty") or op._schema.is_mutable:
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    if any(_is_square(a) for a in args):
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    if op in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default) and len(args) >= 2:
-        a, b = args[-2], args[-1]  # batched Q·Kᵀ makes [batch, seq, seq]
-        if a.dim() == 3 and b.dim() == 3 and a.shape[-2] == b.shape[-1] > 1:
+def _selective_policy(batch: int, seq: int):
+    """Selective AC (Korthikanti et al. 2022 §4.2) for micro-batches of ``batch`` sequences of ``seq`` tokens (this
+    rank's): recompute the attention core, i.e. the ops that read or make the seq×seq scores and probabilities (QKᵀ,
+    mask, softmax, dropout, ·V: `costmodel.runnable.attention_scores`, the capture's rule); keep everything else.
+    Random ops (dropout masks), allocations and in-place ops are recomputed too: with the RNG state preserved they
+    replay identically, and a tensor filled in place must not be served from the cache. A fused attention kernel
+    makes no seq×seq tensor and is kept (`_FUSED_ATTENTION`): torch 2.13 tags those kernels
+    ``nondeterministic_seeded`` (they take a dropout), which would otherwise recompute them, where the cost model
+    reads selective AC on a fused kernel as keeping everything (`profiler.graph.NodeInfo.is_attention_core`)."""
+
+    def scores(t) -> bool:
+        return isinstance(t, torch.Tensor) and attention_scores(tuple(t.shape), batch, seq)
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in _FUSED_ATTENTION:
+            return CheckpointPolicy.MUST_SAVE
+        if torch.Tag.nondeterministic_seeded in op.tags or op.name().startswith("aten::empty") or op._schema.is_mutable:
             return CheckpointPolicy.PREFER_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE
+        if any(scores(a) for a in args):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if op in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default) and len(args) >= 2:
+            a, b = args[-2], args[-1]  # batched Q·Kᵀ makes [batch·heads, seq, seq]
+            if a.dim() == 3 and b.dim() == 3 and attention_scores((a.shape[0], a.shape[-2], b.shape[-1]), batch, seq):
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    return policy
 
 
 def apply_ac(part: nn.Module, plan: dict) -> None:
@@ -732,7 +759,9 @@ def apply_ac(part: nn.Module, plan: dict) -> None:
         if mode == "full":
             blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=True)
         elif mode == "selective":
-            context_fn = partial(create_selective_checkpoint_contexts, _selective_policy)
+            # (this rank's sequence: context parallelism splits it)
+            policy = _selective_policy(plan.get("mbs", 1), plan.get("seq", 0) // plan.get("cp", 1))
+            context_fn = partial(create_selective_checkpoint_contexts, policy)
             blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=True, context_fn=context_fn)
 
 

@@ -423,6 +423,13 @@ def problems(facts: dict) -> list:
             f"ScheduleInterleaved*: m divisible by max(1, m // pp)), which {m} is not; change --global-batch "
             "or mbs"
         )
+    if f.get("selective_ac") and f.get("attention_core") is False:
+        out.append(
+            "selective activation checkpointing recomputes the attention core (the seq×seq scores, Korthikanti "
+            "et al. 2022 §4.2), and this model's blocks have none: their attention is a fused kernel, so it "
+            "would recompute nothing while torch's selective checkpoint keeps every op's output (more than "
+            "ac=none keeps); re-plan with --fix ac=none or ac=full"
+        )
     if pp > 1 and schedule == "zb" and f.get("selective_ac"):
         out.append(
             "selective activation checkpointing with the zero-bubble schedule is not supported (torch 2.13's "
