@@ -44,13 +44,15 @@ RUNNABLE_PRECISIONS = ("fp32", "bf16")
 def attention_scores(shape, batch: int, seq: int) -> bool:
     """Whether a tensor of ``shape`` holds attention scores or probabilities: what selective activation
     checkpointing recomputes, for the capture (`profiler.graph.NodeInfo.is_attention_core`) and the runtime's policy
-    alike. Scores are [..., seq, seq] with leading dimensions other than the batch alone ([batch, heads, seq, seq],
-    or [batch·heads, seq, seq] in Megatron's baddbmm attention): a trailing square is not enough, since a [batch,
-    seq, width] activation has one wherever width = seq (llama3-70b's hidden states at seq 8192). ``seq`` 0: not
-    known, any trailing square with such leading dimensions. A model with one attention head per rank is read as
-    having none."""
+    alike. Scores are [batch, heads, seq, seq], or [batch·heads, seq, seq] in Megatron's baddbmm attention: a
+    trailing square is not enough, since a [batch, seq, width] activation has one wherever width = seq (llama3-70b's
+    hidden states at seq 8192), so a 3-D one counts only with leading dimension other than the batch. ``seq`` 0:
+    not known. Read wrongly: Megatron's 3-D scores with one head per tensor-parallel rank (as activations), and
+    [batch, heads, seq, head_dim] queries where head_dim = seq (as scores)."""
     if len(shape) < 3 or shape[-1] != shape[-2] or shape[-1] <= 1 or (seq and shape[-1] != seq):
         return False
+    if len(shape) >= 4:
+        return True
     lead = 1
     for d in shape[:-2]:
         lead *= d

@@ -216,6 +216,7 @@ def test_attention_scores_are_told_from_activations_as_wide_as_the_sequence():
     from costmodel.runnable import attention_scores
 
     assert attention_scores((2, 16, 512, 512), 2, 512) and attention_scores((32, 512, 512), 2, 512)
+    assert attention_scores((2, 1, 512, 512), 2, 512)  # one head per tensor-parallel rank
     assert not attention_scores((2, 512, 512), 2, 512)  # hidden = seq
     assert not attention_scores((2, 16, 256, 256), 2, 512)  # not the sequence
     assert not attention_scores((512, 512), 1, 512)  # a 2-D causal mask is made, not recomputed as scores

@@ -61,3 +61,18 @@ def test_selective_checkpointing_keeps_a_fused_attention_kernel():
     with Count() as backward:
         loss.backward()
     assert (forward.fused, backward.fused) == (2, 0)
+
+
+def test_a_fused_attention_with_dropout_is_recomputed():
+    """A kept kernel is not run again in the recomputation, which replays the block's random draws from its start:
+    one that draws dropout would shift every later draw (torch/utils/checkpoint.py), so only dropout-free fused
+    kernels are kept."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    policy = runtime._selective_policy(2, 32)
+    q = torch.zeros(2, 4, 32, 16)
+    for op, args in ((torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q)),
+                     (torch.ops.aten._scaled_dot_product_efficient_attention.default, (q, q, q, None, True))):
+        assert policy(None, op, *args) == CheckpointPolicy.MUST_SAVE
+        assert policy(None, op, *args, dropout_p=0.1) == CheckpointPolicy.PREFER_RECOMPUTE
+        assert policy(None, op, *args, 0.1) == CheckpointPolicy.PREFER_RECOMPUTE

@@ -845,21 +845,31 @@ _FUSED_ATTENTION = {getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_fused_attention_overrideable") if hasattr(torch.ops.aten, name)}
 
 
+def _dropout_p(op, args, kwargs) -> float:
+    """The ``dropout_p`` an attention op is called with (its schema's argument, by name)."""
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name == "dropout_p":
+            return kwargs.get("dropout_p", args[i] if i < len(args) else arg.default_value or 0.0)
+    return 0.0
+
+
 def _selective_policy(batch: int, seq: int):
     """Selective AC (Korthikanti et al. 2022 §4.2) for micro-batches of ``batch`` sequences of ``seq`` tokens (this
     rank's): recompute the attention core, i.e. the ops that read or make the seq×seq scores and probabilities (QKᵀ,
     mask, softmax, dropout, ·V: `costmodel.runnable.attention_scores`, the capture's rule); keep everything else.
     Random ops (dropout masks), allocations and in-place ops are recomputed too: with the RNG state preserved they
     replay identically, and a tensor filled in place must not be served from the cache. A fused attention kernel
-    makes no seq×seq tensor and is kept (`_FUSED_ATTENTION`): torch 2.13 tags those kernels
-    ``nondeterministic_seeded`` (they take a dropout), which would otherwise recompute them, where the cost model
-    reads selective AC on a fused kernel as keeping everything (`profiler.graph.NodeInfo.is_attention_core`)."""
+    makes no seq×seq tensor and is kept (`_FUSED_ATTENTION`) where it draws no dropout: torch 2.13 tags those
+    kernels ``nondeterministic_seeded``, which would otherwise recompute them, where the cost model reads selective
+    AC on a fused kernel as keeping everything (`profiler.graph.NodeInfo.is_attention_core`). With dropout it is
+    recomputed: the recomputation replays the block's random draws from its start (preserve_rng_state), and a kept
+    kernel would skip its own, so every later dropout would draw other masks (torch/utils/checkpoint.py)."""
 
     def scores(t) -> bool:
         return isinstance(t, torch.Tensor) and attention_scores(tuple(t.shape), batch, seq)
 
     def policy(ctx, op, *args, **kwargs):
-        if op in _FUSED_ATTENTION:
+        if op in _FUSED_ATTENTION and not _dropout_p(op, args, kwargs):
             return CheckpointPolicy.MUST_SAVE
         if torch.Tag.nondeterministic_seeded in op.tags or op.name().startswith("aten::empty") or \
                 op._schema.is_mutable:
