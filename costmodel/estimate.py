@@ -252,7 +252,7 @@ class Evaluator:
         nbytes = self.lg.layers[i].input_bytes * self.ctx.scale * self.act_scale / self.cfg.tp
         return nbytes / 2 if self._pp_cast() else nbytes
 
-    def pipeline_buffers(self, rank: int, firsts: list[int]) -> tuple[float, list[float]]:
+    def pipeline_buffers(self, rank: int, firsts: list[int]) -> tuple[float, list[float], float]:
         """torch's pipelining buffers on pipeline rank ``rank`` (`costmodel.memory.pipeline_buffers`), for stages
         starting at layers ``firsts``: each boundary carries `p2p_bytes` of its next stage's first layer. The
         received buffer is the first layer's saved input unless a tensor-parallel gather or a bf16 cast runs
@@ -261,7 +261,8 @@ class Evaluator:
         mine = range(rank, n_stages, pp)
         received = [self.p2p_bytes(firsts[c]) if c > 0 else 0.0 for c in mine]
         sent = [self.p2p_bytes(firsts[c + 1]) if c < n_stages - 1 else 0.0 for c in mine]
-        return pipeline_buffers(self.m, received, sent, self.cfg.tp == 1 and not self._pp_cast())
+        return pipeline_buffers(self.m, received, sent, self.cfg.tp == 1 and not self._pp_cast(),
+                                zero_bubble=self.cfg.schedule == Schedule.ZERO_BUBBLE and pp > 1)
 
     def _pp_cast(self) -> bool:
         return self.cfg.pp_compress == "bf16" and self.act_scale * dtype_bytes(self.lg.model.dtype) > 2
@@ -424,7 +425,7 @@ class Evaluator:
         cfg = self.cfg
         p_b, g_b, o_b = self.peak_static_bytes(params, extra)
         after_backward = sum(self.static_bytes(params, extra))  # every gradient, no activation left
-        after_backward += self.pipeline_buffers(r, [idx[0] for idx in stages])[0]  # (kept from step to step)
+        after_backward += self.pipeline_buffers(r, [idx[0] for idx in stages])[2]  # (kept from step to step)
         chunks = [c for c in range(len(stages)) if rank_of[c] == r]  # the rank's chunks, in order
         mine = [stages[c] for c in chunks]
         full = [sum(costs[i].act_bytes for i in idx) for idx in mine]
@@ -437,9 +438,10 @@ class Evaluator:
         zero_bubble = cfg.schedule == Schedule.ZERO_BUBBLE and cfg.pp > 1
         states = held_states(cfg.schedule, cfg.pp, cfg.vpp, r, self.m)
         # torch's own receive buffers (static) and the outputs its stages keep for their backward (per micro-batch
-        # with all its activations; one whose input pass is done has given its output up)
-        buffers, per_micro_batch = self.pipeline_buffers(r, [idx[0] for idx in stages])
-        held_by = [buffers + sum(f * (a + x) + p * b for f, p, a, b, x in zip(fs, ps, full, pending, per_micro_batch))
+        # in flight, pending a weight pass included)
+        buffers, per_micro_batch, _ = self.pipeline_buffers(r, [idx[0] for idx in stages])
+        held_by = [buffers + sum(f * a + p * b + (f + p) * x
+                                 for f, p, a, b, x in zip(fs, ps, full, pending, per_micro_batch))
                    for fs, ps in states]
         act = max(held_by)
         # ...and while a block's input pass runs, those gradients built so far on top (all of them at the last)

@@ -181,9 +181,10 @@ def _inflight_chunks(schedule: Schedule, pp: int, vpp: int, rank: int, micro_bat
 
 
 def pipeline_buffers(micro_batches: int, received: list[float], sent: list[float],
-                     input_is_buffer: bool) -> tuple[float, list[float]]:
+                     input_is_buffer: bool, zero_bubble: bool = False) -> tuple[float, list[float], float]:
     """What torch.distributed.pipelining itself holds on one pipeline rank beyond its layers' activations, as
-    ``(static, per_micro_batch)``; ``received[j]``/``sent[j]`` are the bytes per micro-batch of the activation the
+    ``(static, per_micro_batch, after_backward)``; ``received[j]``/``sent[j]`` are the bytes per micro-batch of the
+    activation the
     rank's j-th chunk receives / sends (0 for the first / the last stage), the gradients going back as many.
 
     torch 2.13's ``PipelineStage`` (stage.py) allocates its receive buffers once, for every micro-batch of the step,
@@ -194,10 +195,16 @@ def pipeline_buffers(micro_batches: int, received: list[float], sent: list[float
     micro-batch in flight. A received buffer is itself the stage's input, which its first layer saves (and the
     capture counts as that layer's activation), unless something runs between them (the tensor-parallel gather of
     Megatron's scatter/gather, a bf16 cast back): ``input_is_buffer`` then takes ``received[j]`` off per micro-batch
-    in flight, as the static buffers hold it already. Traced: `autopar check` of 1F1B and interleaved plans."""
+    in flight, as the static buffers hold it already. Under zero-bubble ``per_micro_batch`` applies to the
+    micro-batches pending a weight pass as well (``backward_state`` keeps the stage output until then), and the input
+    pass leaves each received buffer its gradient (``stage_backward_input`` sets ``.grad``, cleared at the next
+    step's ``clear_runtime_states``): m more of them in every stage but the first after the backward
+    (``after_backward``); at the activations' peak only those of the micro-batches past their input pass exist,
+    which the held states do not count, and none is charged there. Traced: `autopar check` of 1F1B, interleaved and
+    zero-bubble plans."""
     static = micro_batches * (sum(received) + sum(sent))
     per = [out - (into if input_is_buffer else 0.0) for into, out in zip(received, sent)]
-    return static, per
+    return static, per, static + (micro_batches * sum(received) if zero_bubble else 0.0)
 
 
 def held_states(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> list[tuple[tuple, tuple]]:

@@ -177,11 +177,14 @@ def test_the_last_stage_keeps_no_outputs():
 PP_BUFFER_MODEL = "llama:layers=8,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=256,seq=1024"
 
 
-@pytest.mark.parametrize("config", [
-    "pp=2,dp=4,vpp=4,mbs=1,schedule=interleaved,zero=1",  # the buffer is the stage's input
-    "pp=2,dp=2,tp=2,mbs=1,schedule=1f1b,pp_compress=bf16,zero=0",  # a gather and a cast between them
+@pytest.mark.parametrize("config, terms, tolerance", [
+    ("pp=2,dp=4,vpp=4,mbs=1,schedule=interleaved,zero=1", ("activations", "peak"), 0.045),  # the buffer is the input
+    ("pp=2,dp=2,tp=2,mbs=1,schedule=1f1b,pp_compress=bf16,zero=0", ("activations", "peak"), 0.045),  # gather, cast
+    # zero-bubble: the peak, over-predicted as reached (the last rank's pending micro-batches, ~11 % of its
+    # activations, are over-counted, and not by the buffers)
+    ("pp=2,dp=4,vpp=4,mbs=1,schedule=zb,zero=1", ("peak",), 0.06),
 ])
-def test_torchs_pipelining_buffers_are_priced(config, monkeypatch):
+def test_torchs_pipelining_buffers_are_priced(config, terms, tolerance, monkeypatch):
     """torch 2.13's PipelineStage keeps a receive buffer per micro-batch for every activation and every output
     gradient of the step, and each stage's outputs until their backward (`costmodel.memory.pipeline_buffers`). Priced,
     each pipeline rank's activations and peak match the trace; without them, interleaving's 4 micro-batches of
@@ -195,10 +198,11 @@ def test_torchs_pipelining_buffers_are_priced(config, monkeypatch):
     plan = plan_from_config(PP_BUFFER_MODEL, "dgx-h100:nodes=1", 16, config)
     result = check_plan(plan)
     for role in result["roles"]:
-        for term in ("activations", "peak"):
-            assert role["errors"]["memory"][term] <= 0.045, (config, role["stage"], role["errors"]["memory"])
+        for term in terms:
+            assert role["errors"]["memory"][term] <= tolerance, (config, role["stage"], role["errors"]["memory"])
     if "interleaved" in config:  # the term is what makes them match
-        monkeypatch.setattr(est, "pipeline_buffers", lambda m, received, sent, kept: (0.0, [0.0] * len(sent)))
+        monkeypatch.setattr(est, "pipeline_buffers",
+                            lambda m, received, sent, kept, **_: (0.0, [0.0] * len(sent), 0.0))
         unpriced = predicted_roles(plan)[0]["memory"]["activations"]
         traced = result["roles"][0]["traced"]["memory"]["activations"]
         assert (traced - unpriced) / traced > 0.08, (traced, unpriced)

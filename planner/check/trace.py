@@ -699,12 +699,15 @@ def _as_views(retrieve):
     """A stage's received activations as views of the receive buffers (no copy): torch's MemTracker hooks the
     stage module's inputs with a multi-grad hook, which autograd.grad() (the zero-bubble schedule's input
     gradients, which it returns rather than reading ``.grad``) refuses on a leaf tensor; a view is not a leaf, and
-    its gradient is the buffer's."""
+    its gradient is the buffer's. The views live as long as the buffers: torch's input pass leaves its gradient in
+    the buffer's ``.grad`` (``stage_backward_input``) until the next step, and here in the view's."""
+    kept = []
 
     def call(*args, **kwargs):
-        received = retrieve(*args, **kwargs)
-        return tuple(t.view_as(t) if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad else t
-                     for t in received)
+        received = tuple(t.view_as(t) if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad else t
+                         for t in retrieve(*args, **kwargs))
+        kept.append(received)
+        return received
 
     return call
 

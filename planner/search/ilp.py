@@ -415,12 +415,13 @@ class Model:
             # blocks): every chunk's layers at that chunk's own weights, exactly as `_rank_memory` sums them
             per_chunk = v > 1 and len(stages) == v
 
-            def buffers(full, r=r):  # torch's pipelining buffers in this state, by the chosen boundary precision
-                return sum(self._b(d.buffers[k, r][0] + sum(f * x for f, x in zip(full, d.buffers[k, r][1])))
+            def buffers(full, pend, r=r):  # torch's pipelining buffers in this state, by the chosen boundary precision
+                return sum(self._b(d.buffers[k, r][0] + sum((f + p) * x for f, p, x in zip(full, pend,
+                                                                                             d.buffers[k, r][1])))
                            * self.compress["pp", k] for k in d.pp_opts)
             for full, pend in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, d.m) if per_chunk else ():
                 eligible = [f >= 1 and not (r == 0 and j == 0) for j, f in enumerate(full)]
-                expr = buffers(full) + 0.0 * self.bottleneck
+                expr = buffers(full, pend) + 0.0 * self.bottleneck
                 for j, u in enumerate(stages):
                     own = r == 0 and j == 0  # the first stage: its pending micro-batches hold full activations
                     expr += (full[j] + (pend[j] if own else 0.0)) * self.layer_sum([u], lambda x: self._b(x.act_bytes))
@@ -434,7 +435,7 @@ class Model:
             for full, pend in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, d.m) if not per_chunk else ():
                 k, w = sum(full) / len(full), sum(pend) / len(pend)
                 first = pend[0] / v if r == 0 else 0.0  # the first stage's share, held as full activations
-                expr = (k + first) * full_sum + buffers(full)
+                expr = (k + first) * full_sum + buffers(full, pend)
                 if w - first:
                     if pending_sum is None:
                         pending_sum = self.layer_sum(stages, lambda x: self._b(x.pending_bytes))
@@ -511,9 +512,9 @@ class Model:
                 copy, _, copy_hi = self.tab(r, lambda n, r=r, kind=kind: self._b(dp_reduction_temp_bytes(
                     cfg, kind, 4.0 * self._params(r, n))))
                 moments = [(1 + FRAGMENTATION) * (allocated + extra) + reserve]
-                if after_backward > per_param or copy_hi > 0 or x_after > x_peak:
-                    moments.append((1 + FRAGMENTATION) * (self._b(after_backward) * params + x_at_after + copy
-                                                          + buffers([0.0] * len(d.buffers[d.pp_opts[0], r][1])))
+                if after_backward > per_param or copy_hi > 0 or x_after > x_peak or d.pp > 1:
+                    kept = sum(self._b(d.buffers[o, r][2]) * self.compress["pp", o] for o in d.pp_opts)  # (torch's)
+                    moments.append((1 + FRAGMENTATION) * (self._b(after_backward) * params + x_at_after + copy + kept)
                                    + reserve)
                 for lhs in moments:
                     if len(d.grad_opts) == 1:
