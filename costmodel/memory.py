@@ -184,8 +184,8 @@ def pipeline_buffers(micro_batches: int, received: list[float], sent: list[float
                      input_is_buffer: bool, zero_bubble: bool = False) -> tuple[float, list[float], float]:
     """What torch.distributed.pipelining itself holds on one pipeline rank beyond its layers' activations, as
     ``(static, per_micro_batch, after_backward)``; ``received[j]``/``sent[j]`` are the bytes per micro-batch of the
-    activation the
-    rank's j-th chunk receives / sends (0 for the first / the last stage), the gradients going back as many.
+    activation the rank's j-th chunk receives / sends (0 for the first / the last stage), the gradients going back
+    as many.
 
     torch 2.13's ``PipelineStage`` (stage.py) allocates its receive buffers once, for every micro-batch of the step,
     and keeps them: ``_setup_forward_recv_info`` one activation buffer per micro-batch in every stage but the

@@ -44,7 +44,7 @@ class Data:
     grad_opts: tuple[str, ...]
     pp_opts: tuple[str, ...]
     p2p: dict  #: pp option → per-micro-batch boundary time
-    buffers: dict  #: (pp option, rank) → torch's pipelining buffers: (static, per micro-batch of each chunk)
+    buffers: dict  #: (pp option, rank) → torch's pipelining buffers (`Evaluator.pipeline_buffers`)
     n_range: dict  #: rank → (lowest, highest) block count
     fixed_rank: dict  #: fixed layer → rank
     units: list  #: groups of stages counted together: one per rank, or one per stage under ZeRO-3
