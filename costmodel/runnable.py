@@ -43,8 +43,9 @@ RUNNABLE_PRECISIONS = ("fp32", "bf16")
 
 def attention_scores(shape, batch: int, seq: int) -> bool:
     """Whether a tensor of ``shape`` holds attention scores or probabilities: what selective activation
-    checkpointing recomputes, for the capture (`profiler.graph.NodeInfo.is_attention_core`) and the runtime's policy
-    alike. Scores are [batch, heads, seq, seq], or [batch·heads, seq, seq] in Megatron's baddbmm attention: a
+    checkpointing recomputes, in the runtime's policy; the capture applies the same rule (`profiler.graph.
+    attention_scores`, a copy: neither side imports the other's package; tests/test_runnable.py pins them equal).
+    Scores are [batch, heads, seq, seq], or [batch·heads, seq, seq] in Megatron's baddbmm attention: a
     trailing square is not enough, since a [batch, seq, width] activation has one wherever width = seq (llama3-70b's
     hidden states at seq 8192), so a 3-D one counts only with leading dimension other than the batch. ``seq`` 0:
     not known. Read wrongly: Megatron's 3-D scores with one head per tensor-parallel rank (as activations), and

@@ -39,8 +39,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from costmodel.runnable import attention_scores
-from profiler.graph import ModelGraph, NodeInfo, ParamInfo
+from profiler.graph import ModelGraph, NodeInfo, ParamInfo, attention_scores
 
 
 class CaptureError(ValueError):

@@ -22,6 +22,23 @@ from dataclasses import asdict, dataclass, field
 Shape = tuple[int, ...]
 
 
+def attention_scores(shape, batch: int, seq: int) -> bool:
+    """Whether a tensor of ``shape`` holds attention scores or probabilities (what selective AC recomputes), in a
+    capture of ``batch`` sequences of ``seq`` tokens: [batch, heads, seq, seq], or [batch·heads, seq, seq] in
+    Megatron's baddbmm attention. A trailing square is not enough: a [batch, seq, width] activation has one wherever
+    width = seq (llama3-70b's hidden states at seq 8192). The runtime's selective policy applies the same rule,
+    `costmodel.runnable.attention_scores` (the profiler imports nothing of the cost model, and the runtime nothing
+    of the profiler); tests/test_runnable.py pins the two equal."""
+    if len(shape) < 3 or shape[-1] != shape[-2] or shape[-1] <= 1 or (seq and shape[-1] != seq):
+        return False
+    if len(shape) >= 4:
+        return True
+    lead = 1
+    for d in shape[:-2]:
+        lead *= d
+    return lead != batch
+
+
 @dataclass(frozen=True, kw_only=True)
 class NodeInfo:
     """One operation of the captured forward graph, with its forward and backward costs."""
@@ -44,7 +61,7 @@ class NodeInfo:
     inputs: tuple[str, ...] = ()  #: names of the call nodes whose outputs this node reads
     saved: tuple[tuple[int, int, bool], ...] = ()  #: (storage id, bytes, is seq×seq) of every storage it saves
     saved_square_bytes: int = 0  #: the part of saved_bytes in seq×seq tensors (attention scores/probabilities)
-    #: whether it reads or makes attention scores (`costmodel.runnable.attention_scores`, judged by the capture)
+    #: whether it reads or makes attention scores (`attention_scores`, judged by the capture)
     attention_core: bool = False
     saved_bytes: int  #: activation bytes first saved for backward by this node
     tp_role: str = "none"  #: ``column`` | ``row`` | ``sharded`` | ``replicated`` | ``vocab`` | ``none``

@@ -213,8 +213,15 @@ def test_attention_scores_are_told_from_activations_as_wide_as_the_sequence():
     the runtime's policy: [batch, heads, seq, seq] and [batch·heads, seq, seq] are scores; [batch, seq, hidden] is
     not, even where hidden = seq (llama3-70b at seq 8192 had 29 of its 66 block ops, its linears among them, read
     as attention core)."""
-    from costmodel.runnable import attention_scores
+    import itertools
 
+    from costmodel.runnable import attention_scores
+    from profiler.graph import attention_scores as captured
+
+    dims = (1, 2, 3, 4, 8, 16)
+    for rank, batch, seq in itertools.product((2, 3, 4, 5), (1, 2, 4), (0, 4, 8, 16)):  # the capture's copy agrees
+        for shape in itertools.product(dims, repeat=rank):
+            assert captured(shape, batch, seq) == attention_scores(shape, batch, seq), (shape, batch, seq)
     assert attention_scores((2, 16, 512, 512), 2, 512) and attention_scores((32, 512, 512), 2, 512)
     assert attention_scores((2, 1, 512, 512), 2, 512)  # one head per tensor-parallel rank
     assert not attention_scores((2, 512, 512), 2, 512)  # hidden = seq
