@@ -424,8 +424,10 @@ class Evaluator:
     def _rank_memory(self, r, rank_of, stages, costs, params, extra=0.0) -> MemoryBreakdown:
         cfg = self.cfg
         p_b, g_b, o_b = self.peak_static_bytes(params, extra)
-        after_backward = sum(self.static_bytes(params, extra))  # every gradient, no activation left
-        after_backward += self.pipeline_buffers(r, [idx[0] for idx in stages])[2]  # (kept from step to step)
+        # torch's own receive buffers (static, kept from step to step) and the outputs its stages keep for their
+        # backward (per micro-batch in flight, pending a weight pass included)
+        buffers, per_micro_batch, buffers_after = self.pipeline_buffers(r, [idx[0] for idx in stages])
+        after_backward = sum(self.static_bytes(params, extra)) + buffers_after  # every gradient, no activation left
         chunks = [c for c in range(len(stages)) if rank_of[c] == r]  # the rank's chunks, in order
         mine = [stages[c] for c in chunks]
         full = [sum(costs[i].act_bytes for i in idx) for idx in mine]
@@ -437,9 +439,6 @@ class Evaluator:
         building = [0.0 if c == 0 else sum(costs[i].weight_output_bytes for i in idx) for c, idx in zip(chunks, mine)]
         zero_bubble = cfg.schedule == Schedule.ZERO_BUBBLE and cfg.pp > 1
         states = held_states(cfg.schedule, cfg.pp, cfg.vpp, r, self.m)
-        # torch's own receive buffers (static) and the outputs its stages keep for their backward (per micro-batch
-        # in flight, pending a weight pass included)
-        buffers, per_micro_batch, _ = self.pipeline_buffers(r, [idx[0] for idx in stages])
         held_by = [buffers + sum(f * a + p * b + (f + p) * x
                                  for f, p, a, b, x in zip(fs, ps, full, pending, per_micro_batch))
                    for fs, ps in states]

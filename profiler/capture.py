@@ -341,12 +341,12 @@ class _Replay:
         ref = StorageWeakRef(t.untyped_storage())
         if ref in self.constant_storages:
             return t
+        square = self.scores(t.shape)  # seq×seq attention scores/probabilities
         if ref not in self.storage_ids:
             self.storage_ids[ref] = len(self.storage_ids)
             self._charged += t.untyped_storage().nbytes()
-            if self.scores(t.shape):
+            if square:
                 self._square_charged += t.untyped_storage().nbytes()
-        square = self.scores(t.shape)  # seq×seq attention scores/probabilities
         self._saved.append((self.storage_ids[ref], t.untyped_storage().nbytes(), bool(square)))
         return t
 
