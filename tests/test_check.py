@@ -180,6 +180,9 @@ PP_BUFFER_MODEL = "llama:layers=8,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=25
 @pytest.mark.parametrize("config, terms, tolerance", [
     ("pp=2,dp=4,vpp=4,mbs=1,schedule=interleaved,zero=1", ("activations", "peak"), 0.045),  # the buffer is the input
     ("pp=2,dp=2,tp=2,mbs=1,schedule=1f1b,pp_compress=bf16,zero=0", ("activations", "peak"), 0.045),  # gather, cast
+    # tensor-parallel slices on the wire, not cast: torch sizes each receive buffer by its metadata's strides, so
+    # the check's own stage metadata must be contiguous as the runtime's slices are (a view's: 18.9 % over the peak)
+    ("pp=2,dp=2,tp=2,sp=on,vpp=2,mbs=1,schedule=interleaved,zero=2,ac=full", ("peak",), 0.045),
     # zero-bubble: the peak, over-predicted as reached (the last rank's pending micro-batches, ~11 % of its
     # activations, are over-counted, and not by the buffers)
     ("pp=2,dp=4,vpp=4,mbs=1,schedule=zb,zero=1", ("peak",), 0.06),

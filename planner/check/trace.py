@@ -680,7 +680,10 @@ def _static_stages(par, config: dict, build) -> None:
         if s == 0:
             return tokens
         t = seen[first[s]]
-        t = t[..., : t.shape[-1] // config["tp"]]
+        # contiguous, as the runtime's `_hidden_slice` sends it (a copy): torch builds each receive buffer with
+        # ``empty_strided`` on the metadata's strides (pipelining/_utils.py, _make_tensor_from_meta), so a view's
+        # strides would allocate tp times the slice for every buffer of the step
+        t = t[..., : t.shape[-1] // config["tp"]].contiguous()
         return t.to(wire) if wire is not None else t
 
     for stage in par.stages:
