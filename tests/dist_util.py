@@ -75,8 +75,18 @@ def launch(cases: list[dict], nproc: int, workdir: Path, timeout: float = 900) -
     wall = time.perf_counter() - start
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        raise RuntimeError(f"torchrun with {nproc} ranks failed (rc {proc.returncode}):\n{out[-6000:]}")
+        raise RuntimeError(f"torchrun with {nproc} ranks failed (rc {proc.returncode}):\n{_root_cause(out)}"
+                           f"\n... the output's end:\n{out[-6000:]}")
     return wall, out
+
+
+def _root_cause(out: str) -> str:
+    """The lines of a failed launch's output that say why a rank died, wherever they are: a C++ abort's
+    ``terminate called …``/``what():`` (a rank killed by SIGABRT leaves no Python traceback, and the others' "Connection
+    closed by peer" fills the output's end), a Python exception's last line, the case being run."""
+    marks = ("terminate called", "what():", "Error:", "Exception:", "EnforceNotMet", "enforce fail", "Signal ")
+    lines = [line for line in out.splitlines() if any(mark in line for mark in marks)]
+    return "\n".join(dict.fromkeys(lines).keys())[:4000] or "(no line names the cause)"
 
 
 def add_case(by_world: dict, work: Path, out: Path, name: str, world: int, plan, steps: int, *, resume: bool = False,
