@@ -204,14 +204,16 @@ def test_gloo_fit_reproduces_its_measurements():
     figures are sane, and a re-measurement in fresh processes lands within a factor of 2 at every size.
 
     Loose on purpose: the tests run on a shared 2-core machine next to other work; the 20 % acceptance figure is
-    measured by `python -m costmodel.gloo_bench --check` on a quiet machine (with four launches), not here.
+    measured by `python -m costmodel.gloo_bench --check` on a quiet machine (with four launches), not here. Each
+    figure is the geometric mean of three launches: one launch alone varies up to 2.6× between launches at some
+    sizes (gloo_bench's docstring), and CI once measured 64 KiB all_gather 2.06× slower in the second launch.
     """
     from costmodel.gloo_bench import fit_kind, link_from_fits, measure, predict
 
     MiB = 2**20
     sizes = (64 * 2**10, MiB, 4 * MiB, 16 * MiB)
     kinds = (Collective.ALL_REDUCE, Collective.ALL_GATHER)
-    times = measure(kinds, sizes, ranks=2, rounds=2, launches=1)
+    times = measure(kinds, sizes, ranks=2, rounds=2, launches=3)
     fits = {k: fit_kind(k, times[k.value], 2) for k in kinds}
     link = link_from_fits(fits, "test")
     for kind in kinds:
@@ -221,7 +223,7 @@ def test_gloo_fit_reproduces_its_measurements():
         for nbytes in sizes:
             ratio = predict(kind, nbytes, 2, link) / times[kind.value][nbytes]
             assert ratio == pytest.approx(1.0, rel=0.01) if nbytes in fit.curve.sizes else 0.5 < ratio < 2, ratio
-    again = measure(kinds, sizes, ranks=2, rounds=2, launches=1)
+    again = measure(kinds, sizes, ranks=2, rounds=2, launches=3)
     ratios = [predict(k, n, 2, link) / again[k.value][n] for k in kinds for n in sizes]
     assert all(0.5 < r < 2 for r in ratios), ratios
 
