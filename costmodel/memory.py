@@ -214,7 +214,41 @@ def held_states(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches:
     pending_bytes`). Other schedules have one state, `inflight_chunks` full."""
     if pp > 1 and schedule == Schedule.ZERO_BUBBLE:
         return list(zero_bubble_states(pp, vpp, rank, micro_batches))
+    if pp > 1 and schedule == Schedule.INTERLEAVED:
+        return [(full, (0.0,) * vpp) for full in interleaved_states(pp, vpp, rank, micro_batches)]
     return [(tuple(inflight_chunks(schedule, pp, vpp, rank, micro_batches)), (0.0,) * vpp)]
+
+
+@functools.lru_cache(maxsize=4096)
+def interleaved_states(pp: int, vpp: int, rank: int, micro_batches: int) -> tuple[tuple[float, ...], ...]:
+    """The Pareto-maximal per-chunk counts of micro-batches in flight on pipeline rank ``rank`` under torch 2.13's
+    ScheduleInterleaved1F1B, read off the order torch builds (its ``_calculate_single_rank_operations``), not a
+    formula. The rank always holds (v − 1)·q + 2(p − 1 − r) + 1 chunk-micro-batches at its peaks
+    (`inflight_chunks`, the state at its first backward), but not always in the same chunks: in steady state each
+    forward goes to the next chunk in rounds of q while each backward retires one from the chunks in reverse, so an
+    early chunk comes to hold up to 2q while a late one holds none. Where the chunks' activations differ (the
+    embedding's chunk, blocks with different AC), the peak is the heaviest of these states (traced: the 70B
+    interleaved plan, pp = 4, v = 5, m = 16, peaked with rank 0's second and third chunks holding 8 and 7
+    micro-batches, against 4 at its first backward: 32 % over the activations of that state)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    rounds = max(1, micro_batches // pp)
+    schedule = SimpleNamespace(n_local_stages=vpp, pp_group_size=pp, _n_microbatches=micro_batches,
+                               microbatches_per_round=micro_batches // rounds)
+    ops = torch_schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(schedule, rank)
+    held, states = [0] * vpp, set()
+    for op in ops:
+        if op is None:
+            continue
+        held[op.stage_index // pp] += 1 if op.computation_type == torch_schedules.FORWARD else -1
+        states.add(tuple(held))
+    keep: list[tuple] = []  # Pareto-maximal, as `zero_bubble_states` keeps them
+    for state in sorted(states, key=sum, reverse=True):
+        if not any(all(x >= y for x, y in zip(kept, state)) for kept in keep):
+            keep.append(state)
+    return tuple(sorted(tuple(float(x) for x in state) for state in keep))
 
 
 @functools.lru_cache(maxsize=4096)

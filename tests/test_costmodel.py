@@ -89,6 +89,23 @@ def test_inflight_micro_batches_per_schedule():
     assert inflight(Schedule.ONE_F_ONE_B, 8, 1, 0, 2) == 2  # never more than m
 
 
+
+def test_interleaved_chunks_trade_micro_batches_over_the_step():
+    """torch's interleaved schedule (read off its own order: `costmodel.memory.interleaved_states`) keeps the same
+    number of chunk-micro-batches at every peak, but moves them between chunks: the state at the first backward is
+    one of several (the 70B plan's rank 0 at pp = 4, v = 5, m = 16 also holds 8, 8 and 7 in its first three)."""
+    from costmodel.memory import held_states, inflight_chunks, interleaved_states
+
+    for pp, vpp, m in ((4, 5, 16), (2, 2, 8), (2, 4, 8), (4, 2, 3), (2, 3, 2)):
+        for r in range(pp):
+            first = tuple(inflight_chunks(Schedule.INTERLEAVED, pp, vpp, r, m))
+            states = interleaved_states(pp, vpp, r, m)
+            assert first in states and {sum(s) for s in states} == {sum(first)}, (pp, vpp, m, r, states)
+            assert all(max(s) <= m for s in states)
+            assert [full for full, _ in held_states(Schedule.INTERLEAVED, pp, vpp, r, m)] == list(states)
+    assert (8.0, 8.0, 7.0, 0.0, 0.0) in interleaved_states(4, 5, 0, 16)
+    assert interleaved_states(2, 2, 0, 8) == ((3.0, 2.0), (4.0, 1.0))
+
 def test_checkpointing_reduces_activations_and_adds_recompute():
     # seq ≠ hidden: the attention core is told from the hidden states by its seq×seq shape
     # (profiler.graph.NodeInfo.is_attention_core), ambiguous when seq = hidden as in the `gpt` fixture

@@ -109,9 +109,11 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
         own = sum(1 for c in range(S) if c % cfg.pp == r)
         n_range[r] = (own, nb - (S - own)) if nb else (0, 0)
     fixed_rank = {i: 0 for i in pre} | {i: (S - 1) % cfg.pp for i in post}
-    # Only a rank's totals matter (T_r, memory, dp) unless ZeRO-3's per-stage overlap applies: then count blocks
-    # per rank (vpp stages each, split evenly on decode) which removes the symmetry between a rank's stages
-    if cfg.zero == 3 and cfg.data_ranks > 1:
+    # Only a rank's totals matter (T_r, memory, dp) unless ZeRO-3's per-stage overlap applies, or the rank's chunks
+    # hold different numbers of micro-batches over the step (`costmodel.memory.held_states`: interleaved and
+    # zero-bubble), where a chunk's activations count at its own weights in each state: then count blocks per stage;
+    # otherwise per rank (vpp stages each, split evenly on decode), which removes the symmetry between its stages
+    if (cfg.zero == 3 and cfg.data_ranks > 1) or (cfg.pp > 1 and cfg.vpp > 1):
         units = [(c,) for c in range(S)]
     else:
         units = [tuple(range(r, S, cfg.pp)) for r in range(cfg.pp)]
