@@ -143,10 +143,39 @@ def _attention_widths(arch: dict) -> tuple[int, int]:
     return hidden, int(arch.get("kv_heads") or heads) * hidden // heads
 
 
+def split_layers(lg: LayerGraph) -> tuple[list[int], list[int], list[int]]:
+    """(pre, blocks, post): the layers the ILP counts as interchangeable blocks are the longest run of consecutive
+    blocks with one signature (the first such run on ties); every layer before it is fixed on the first stage with
+    the embedding, every layer after it on the last stage with the head. Stages are cut only inside that run: for
+    a model whose blocks are all alike this is every split; for one with a few blocks of another kind at either end
+    (DeepSeek's leading dense blocks before its MoE blocks) those blocks stay with the embedding or the head, and
+    the plan is optimal among such splits. Blocks that alternate kinds (local/global attention) leave runs of one,
+    which no pipeline of more stages than that can be cut from. One rule for the ILP, the outer search, its
+    bounds and `even_stages`."""
+    layers, n = lg.layers, len(lg.layers)
+
+    def alike(j: int, i: int) -> bool:
+        return layers[j].kind == "block" and layers[j].signature == layers[i].signature
+
+    best, i = (0, 0), 0
+    while i < n:
+        j = i
+        if layers[i].kind == "block":
+            while j + 1 < n and alike(j + 1, i):
+                j += 1
+            if j + 1 - i > best[1] - best[0]:
+                best = (i, j + 1)
+        i = j + 1
+    lo, hi = best
+    if lo == hi:  # no blocks: every layer fixed on the one stage
+        return list(range(n)), [], []
+    return list(range(lo)), list(range(lo, hi)), list(range(hi, n))
+
+
 def even_stages(lg: LayerGraph, n_stages: int) -> list[int]:
     """Megatron's split: blocks divided evenly (extra ones to the middle stages), embed on the first stage and
-    the head on the last."""
-    blocks = [i for i, layer in enumerate(lg.layers) if layer.kind == "block"]
+    the head on the last; blocks outside the run of like ones (`split_layers`) with the embedding or the head."""
+    blocks = split_layers(lg)[1]
     if not blocks:
         per = -(-len(lg.layers) // n_stages)
         return [min(i // per, n_stages - 1) for i in range(len(lg.layers))]

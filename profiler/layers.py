@@ -212,6 +212,8 @@ def _split_trace(base: nn.Module, leaf: str, embedding: nn.Module, after: list) 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
+    from profiler.zoo.hf import grouped_mm_on_fake_fp32
+
     blocks = getattr(base, leaf)
     seen: dict = {}
 
@@ -234,13 +236,12 @@ def _split_trace(base: nn.Module, leaf: str, embedding: nn.Module, after: list) 
     try:
         tensors = dict(base.named_parameters()) | dict(base.named_buffers())
         mode = detect_fake_mode(tuple(tensors.values())) or FakeTensorMode(allow_non_fake_inputs=True)
-        with mode:
+        with mode, grouped_mm_on_fake_fp32():  # (an fp32 plan's MoE experts: torch's meta grouped_mm is bf16 only)
             fakes = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in tensors.items()}
             ids = torch.zeros(1, 8, dtype=torch.long)
             try:
                 out = functional_call(base, fakes, (), {"input_ids": ids, "use_cache": False}).last_hidden_state
-            except (RuntimeError, TypeError, ValueError) as e:  # unverified: not split (torch 2.13's meta
-                # grouped_mm takes bf16 only, so an fp32-routed MoE block fails here)
+            except (RuntimeError, TypeError, ValueError) as e:  # unverified: not split
                 return f"its first and last blocks did not run on fake tensors ({_first_line(e)})"
     finally:
         setattr(base, leaf, blocks)

@@ -3,6 +3,8 @@
 Space of one candidate: an AC mode per layer (none, selective, full), contiguous stages with every stage holding
 ≥ 1 block (embedding on stage 0, head on the last), one gradient compression and one boundary compression. The
 brute force enumerates every per-layer AC assignment (3^layers), every stage split and every compression pair.
+Blocks of another kind before or after the run of like ones (`costmodel.estimate.split_layers`: DeepSeek's leading
+dense blocks) stay on the first or last stage: the brute force cuts stages inside the run only, as the ILP does.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ import pytest
 
 from costmodel.cluster import parse_cluster_yaml
 from costmodel.config import AC, ParallelConfig, Schedule
-from costmodel.estimate import Evaluator
+from costmodel.estimate import Evaluator, split_layers
 from planner.search import ilp
 from profiler.api import profile_model
 
 MODELS = ("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128", "gpt:layers=3,hidden=64,heads=4,seq=64,vocab=256",
           "gpt:layers=4,hidden=32,heads=2,seq=32,vocab=64",
           "moe:layers=3,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=128,seq=32,experts=4,top_k=2")
+#: two block kinds: a dense block, then three MoE blocks (the zoo's DeepSeek-style ``dense_layers``)
+TWO_KINDS = "moe:layers=5,hidden=64,heads=4,kv_heads=2,ffn=32,vocab=64,seq=64,experts=4,top_k=2,dense_layers=1"
 
 
 @cache
@@ -55,9 +59,9 @@ def splits(n_blocks: int, n_stages: int):
         yield [bounds[k + 1] - bounds[k] for k in range(n_stages)]
 
 
-def brute_force(lg, cl, cfg, gb, grad_opts, pp_opts):
+def brute_force(lg, cl, cfg, gb, grad_opts, pp_opts, acs=ilp.AC_ORDER):
     n = len(lg.layers)
-    blocks = [i for i, layer in enumerate(lg.layers) if layer.kind == "block"]
+    blocks = split_layers(lg)[1]
     S = cfg.pp * cfg.vpp
     best = None
     for counts in splits(len(blocks), S):
@@ -67,18 +71,20 @@ def brute_force(lg, cl, cfg, gb, grad_opts, pp_opts):
         stage_of += [S - 1] * (n - len(stage_of))
         for g, p in itertools.product(grad_opts, pp_opts):
             ev = Evaluator(lg, cl, replace(cfg, grad_compress=g, pp_compress=p), gb)
-            for acs in itertools.product(ilp.AC_ORDER, repeat=n):
-                est = ev.evaluate(list(acs), stage_of)
+            for modes in itertools.product(acs, repeat=n):
+                est = ev.evaluate(list(modes), stage_of)
                 if est.fits and (best is None or est.step_time_s < best):
                     best = est.step_time_s
     return best
 
 
-def random_problem(seed: int):
+def random_problem(seed: int, spec: str | None = None, floor: float = 0.02):
+    """A random candidate of a random (or the given) model on a random cluster whose memory lies between the
+    all-full-AC and the no-AC plans' peaks (widened to ``floor`` × the former)."""
     rng = random.Random(seed)
-    spec = rng.choice(MODELS)
+    spec = rng.choice(MODELS) if spec is None else spec
     lg = graph(spec)
-    nb = sum(1 for layer in lg.layers if layer.kind == "block")
+    nb = len(split_layers(lg)[1])
     gpn, nodes = rng.choice([(2, 1), (2, 2), (4, 1), (1, 4)])
     world = gpn * nodes
     tp = rng.choice([t for t in (1, 2) if world % t == 0 and t <= gpn])
@@ -103,7 +109,7 @@ def random_problem(seed: int):
     probe = cluster(random.Random(seed), 1000.0, gpn, nodes)
     lo = Evaluator(lg, probe, cfg, gb).evaluate([AC.FULL] * len(lg.layers)).memory.peak
     hi = Evaluator(lg, probe, cfg, gb).evaluate([AC.NONE] * len(lg.layers)).memory.peak
-    span = max(hi - lo, 0.02 * lo)
+    span = max(hi - lo, floor * lo)
     memory = (lo + (rng.random() * 1.4 - 0.15) * span) / 2**30
     cl = cluster(random.Random(seed), memory, gpn, nodes)
     grad_opts = ("none",) if dp == 1 or zero >= 2 else ("none", "bf16", "powersgd-4")
@@ -174,16 +180,41 @@ def test_decoded_plan_is_evaluated_and_reports_solver_facts():
     assert list(sol.stage_of) == sorted(sol.stage_of) and set(sol.stage_of) == {0, 1}
 
 
-def test_heterogeneous_blocks_with_stages_are_refused_clearly(monkeypatch):
+def test_alternating_blocks_with_stages_are_refused_clearly():
+    """Blocks of two kinds in turn leave runs of one like block: no two stages can be cut from a run, and the
+    refusal says so; one stage plans."""
     lg = graph(MODELS[1])
     blocks = [i for i, layer in enumerate(lg.layers) if layer.kind == "block"]
     layers = list(lg.layers)
     layers[blocks[1]] = replace(layers[blocks[1]], signature="other")
     lg2 = replace(lg, layers=tuple(layers))
     cl = cluster(random.Random(0), 100.0, 2, 1)
-    with pytest.raises(ilp.NotSupportedError, match="identical repeated blocks"):
+    with pytest.raises(ilp.NotSupportedError, match="only 1 identical blocks in a row"):
         ilp.solve(lg2, cl, ParallelConfig(pp=2), 4)
     assert ilp.solve(lg2, cl, ParallelConfig(dp=2), 4).status == "OPTIMAL"  # one stage: per-layer choices
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_two_block_kinds_equal_brute_force(seed):
+    """A dense block before four MoE blocks: the ILP (the dense block fixed with the embedding, the MoE blocks
+    counted) equals the brute force over every assignment of no or full AC and every split of the MoE run, and the
+    outer search's bound stays below it."""
+    from planner.search.bounds import Bounds
+
+    lg, cl, cfg, gb, grad_opts, pp_opts = random_problem(seed, TWO_KINDS, floor=0.0)
+    pre, run, _ = split_layers(lg)
+    assert [lg.layers[i].kind for i in pre] == ["embed", "block"] and len(run) == 4
+    acs = (AC.NONE, AC.FULL)
+    expected = brute_force(lg, cl, cfg, gb, grad_opts, pp_opts, acs)
+    bound = Bounds(lg, cl, gb, {}, grad_opts=grad_opts).time(cfg, refine=True)
+    if expected is None:
+        with pytest.raises(ilp.Infeasible):
+            ilp.solve(lg, cl, cfg, gb, grad_opts=grad_opts, pp_opts=pp_opts, acs=acs)
+        return
+    sol = ilp.solve(lg, cl, cfg, gb, grad_opts=grad_opts, pp_opts=pp_opts, acs=acs)
+    assert sol.status == "OPTIMAL"
+    assert sol.objective == pytest.approx(expected, rel=1e-6), (cfg, sol.config, sol.acs, sol.stage_of)
+    assert bound <= sol.objective * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("seed", range(60))

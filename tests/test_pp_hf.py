@@ -31,6 +31,11 @@ NEOX = ("hf:gpt_neox:num_hidden_layers=2,hidden_size=64,intermediate_size=128,nu
         "vocab_size=128,seq=32")
 QWEN2 = ("hf:qwen2:num_hidden_layers=4,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
          "num_key_value_heads=2,vocab_size=128,seq=32")
+#: two block kinds (a dense block, then MoE ones whose experts run transformers' grouped_mm) and MLA attention
+DEEPSEEK = ("hf:deepseek_v3:num_hidden_layers=4,hidden_size=64,intermediate_size=128,moe_intermediate_size=32,"
+            "num_attention_heads=4,num_key_value_heads=4,n_routed_experts=4,num_experts_per_tok=2,n_shared_experts=1,"
+            "first_k_dense_replace=1,vocab_size=128,q_lora_rank=16,kv_lora_rank=16,qk_rope_head_dim=8,"
+            "qk_nope_head_dim=16,v_head_dim=16,n_group=1,topk_group=1,seq=32")
 SMALL = "num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,vocab_size=128"
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "custom_model.py") + ":factory"
 
@@ -60,6 +65,7 @@ CASES = {
     "hf_pp2_zero_bubble_full_ac": (2, lambda: _llama(pp=2, vpp=2, mbs=2, schedule="zb", ac={1: "full", 2: "full"})),
     "hf_neox_pp2": (2, lambda: _plan(NEOX, "model.gpt_neox.layers", 2, pp=2)),
     "hf_qwen2_pp2": (2, lambda: _plan(QWEN2, "model.model.layers", 4, pp=2)),
+    "hf_deepseek_pp2": (2, lambda: _plan(DEEPSEEK, "model.model.layers", 4, pp=2)),  # the dense block on stage 0
     "hf_pp2_dp2": (4, lambda: _llama(pp=2, dp=2)),
     "hf_pp2_dp2_zero3": (4, lambda: _llama(pp=2, dp=2, zero=3)),
     "hf_pp2_tp2": (4, lambda: _llama(pp=2, tp=2)),
@@ -74,6 +80,7 @@ RESUME_CASES = {"hf_pp2_resume": (2, lambda: _llama(pp=2))}
 @pytest.mark.parametrize("spec, container", [
     (LLAMA, "model.model.layers"), (QWEN2, "model.model.layers"), (NEOX, "model.gpt_neox.layers"),
     (f"hf:gemma:{SMALL},num_key_value_heads=2,head_dim=16", "model.model.layers"),
+    (DEEPSEEK, "model.model.layers"),  # fp32 MoE experts on fake tensors (`grouped_mm_on_fake_fp32`)
 ])
 def test_these_models_split(spec, container):
     from profiler.layers import pipeline_split_problem

@@ -243,7 +243,7 @@ def test_dispatch_slots_prefers_first_choices():
 
 
 def test_moe_copies_of_llama_pieces_are_identical():
-    for name in ("RMSNorm", "rope_cos_sin", "apply_rope", "Attention"):
+    for name in ("RMSNorm", "rope_cos_sin", "apply_rope", "Attention", "FeedForward"):
         assert inspect.getsource(getattr(moe, name)) == inspect.getsource(getattr(llama, name)), name
 
 

@@ -58,7 +58,7 @@ from planner.emit import runtime, train
 from planner.emit.config import runtime_config
 from planner.emit.script import vocab_size
 from planner.plan import Plan
-from profiler.zoo.hf import masks_as_trained
+from profiler.zoo.hf import grouped_mm_on_fake_fp32, masks_as_trained
 from profiler.zoo.registry import resolve_model
 
 #: collective ops (c10d and functional) → the kind they are, and which tensor argument carries the bytes moved
@@ -351,28 +351,6 @@ def _shapes_only(fake: FakeTensorMode, rt=runtime):
         rt.find_init, rt.materialize = saved_init, saved_materialize
 
 
-@contextlib.contextmanager
-def _grouped_mm_at_trace_dtype():
-    """Hugging Face MoE experts at the trace's fp32: transformers runs ``grouped_mm`` through torch's kernel wherever
-    torch has one (CPU included, fp32 too), but torch 2.13's meta function for it accepts bf16 only, so on fake
-    fp32 tensors it raises. There transformers' own fallback op (registered with a fake implementation; its FLOPs
-    counted by `profiler.zoo.hf.count_grouped_mm`, registered here too) runs instead: the same shapes and FLOPs, as a
-    bf16 GPU run's kernel."""
-    moe = sys.modules.get("transformers.integrations.moe")
-    if moe is None or not hasattr(moe, "_can_use_grouped_mm"):
-        yield
-        return
-    from profiler.zoo.hf import count_grouped_mm
-
-    count_grouped_mm()  # (an emitted script's model, built by its own code, never went through profiler.zoo.hf)
-    saved = moe._can_use_grouped_mm
-    moe._can_use_grouped_mm = lambda input, weight, offs: weight.dtype == torch.bfloat16 and saved(input, weight, offs)
-    try:
-        yield
-    finally:
-        moe._can_use_grouped_mm = saved
-
-
 #: torch.distributed._functional_collectives functions DTensor calls from inside its dispatch → (kind, argument
 #: index of the group)
 _FUNCOL = {"all_reduce": ("all_reduce", 2), "all_gather_tensor": ("all_gather", 2),
@@ -486,7 +464,7 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         tracker.mirrors = {id(st) for t in mirrors for st in get_untyped_storages(t)}
         tracker.track_external(*par.modules, getattr(optimizer, "optim", optimizer))  # ZeRO-1: its local optim
         with (_no_cycle_collection(), _module_hooks_any(), fake, tracker, counter, _inner_collectives(counter),
-              _grouped_mm_at_trace_dtype(), masks_as_trained(), _step_actions(par, tracker, counter, tr) as marks):
+              grouped_mm_on_fake_fp32(), masks_as_trained(), _step_actions(par, tracker, counter, tr) as marks):
             tracker.hold_buckets(_ddp_bucket_sizes(par))
             tr.train_step_loss(par, optimizer, inputs, labels)
         if micro_batches is not None and micro_batches > plan.grad_accum:

@@ -52,7 +52,7 @@ from costmodel.cluster import Cluster
 from costmodel.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
 from costmodel.compression import powersgd_volume
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
-from costmodel.estimate import Evaluator, pipeline_factor
+from costmodel.estimate import Evaluator, pipeline_factor, split_layers
 from costmodel.memory import (
     FRAGMENTATION,
     dp_reduction_temp_bytes,
@@ -81,12 +81,8 @@ class Bounds:
         self.grad_opts = tuple(grad_opts)  #: the gradient compressions the ILP may choose
         self._groups: dict = {}
         self._evs: dict = {}
-        self.blocks = [i for i, layer in enumerate(lg.layers) if layer.kind == "block"]
-        uniform = len({lg.layers[i].signature for i in self.blocks}) == 1
-        if not uniform:  # the ILP places every layer by itself (pp = 1): treat them all as fixed
-            self.blocks = []
-        self.pre = list(range(self.blocks[0])) if self.blocks else list(range(len(lg.layers)))
-        self.post = list(range(self.blocks[-1] + 1, len(lg.layers))) if self.blocks else []
+        # the ILP's split (`costmodel.estimate.split_layers`): a run of like blocks counted, the layers around it fixed
+        self.pre, self.blocks, self.post = split_layers(lg)
 
     def _ev(self, cfg: ParallelConfig) -> Evaluator:
         key = (cfg.dp, cfg.tp, cfg.pp, cfg.mbs, cfg.sp, cfg.precision, cfg.ep, cfg.cp)

@@ -4,10 +4,11 @@ the predicted step time of `costmodel.estimate.Evaluator.evaluate` subject to me
 program solved with pywraplp (SCIP; CBC or HiGHS when SCIP is missing).
 
 Data. S = pp·vpp stages; stage c runs on pipeline rank r(c) = c mod pp. Identical blocks (one signature) are
-interchangeable, so they are *counted*, not placed: the layers before the first block ("pre", the embedding) sit on
-stage 0, the layers after the last one ("post", the head) on stage S − 1, and every stage holds ≥ 1 block. Per AC
-mode a and layer i the evaluator gives t = fwd + bwd + recompute + tp_comm, the backward window bwd + recompute,
-activations, the recomputation peak and parameters (`Evaluator.cost`). Functions of the number n of blocks on a
+interchangeable, so they are *counted*, not placed: the layers before the run of them ("pre": the embedding, and
+blocks of another kind before the run, `costmodel.estimate.split_layers`) sit on stage 0, the layers after it
+("post", the head) on stage S − 1, and every stage holds ≥ 1 block of the run. Per AC mode a and layer i the
+evaluator gives t = fwd + bwd + recompute + tp_comm, the backward window bwd + recompute, activations, the
+recomputation peak and parameters (`Evaluator.cost`). Functions of the number n of blocks on a
 rank that are not linear (collective times, PowerSGD encode, FSDP's two largest layers) are tabulated exactly with
 the cost model's own functions, one value per possible n. All times are in units of ``time_unit`` seconds and all
 bytes in units of ``mem_unit`` so that the solver's tolerances are relative.
@@ -476,7 +477,7 @@ class Model:
                 gathered = self.tab(r, lambda n: self._b(fsdp(n)[0]))[0]
                 held = self._b(fsdp(d.n_range[r][0])[1])
             # the head's gradient, where no other gradient is held yet; FSDP's gradient buffers of the block
-            reduce = fsdp_reduce_bytes(cfg, [("block", block)]) if d.blocks else 0.0
+            reduce = fsdp_reduce_bytes(cfg, [("block", block)] + edges) if d.blocks else 0.0
             gathered = gathered + self._b(head_grad_bytes(cfg, edges, d.m) + reduce)
             # a block's backward comes after the head's: that micro-batch's head activations are gone
             head_act = sum(self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a] for i, rr in d.fixed_rank.items()
@@ -492,9 +493,13 @@ class Model:
                     s.Add(block_peak >= self._b(ev.cost(d.blocks[0], a).backward_peak_bytes) * u + gathered
                           - (0.0 if zero_bubble else head_act))
             for i, rr in d.fixed_rank.items():
-                if rr == r:
-                    s.Add(peak >= sum(self._b(ev.cost(i, a).backward_peak_bytes) * self.fixed_ac[i, a]
-                                      for a in d.fixed_acs[i]) + held)
+                if rr != r:
+                    continue
+                own = sum(self._b(ev.cost(i, a).backward_peak_bytes) * self.fixed_ac[i, a] for a in d.fixed_acs[i])
+                if ev.lg.layers[i].kind == "block":  # a block of another kind beside the embedding or the head
+                    s.Add(block_peak >= own + gathered - (0.0 if zero_bubble else head_act))
+                else:
+                    s.Add(peak >= own + held)
             if zero_bubble:  # the larger of the two moments, as one bound on `peak`
                 s.Add(peak >= act_building - act + block_peak)
             allocated = self._b(per_param) * params + act + peak

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from costmodel.cluster import Cluster
 from costmodel.compression import allowed_options
 from costmodel.config import AC, ParallelConfig, parse_grad_compress
-from costmodel.estimate import Evaluator, pipeline_factor
+from costmodel.estimate import Evaluator, pipeline_factor, split_layers
 from costmodel.runnable import grad_compress_options
 from profiler.graph import LayerGraph
 
@@ -64,20 +64,14 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
     ev = _evaluator(lg, cluster, base, global_batch, cost_cache)
     S = cfg.pp * cfg.vpp
     kinds = [layer.kind for layer in lg.layers]
-    blocks = [i for i, k in enumerate(kinds) if k == "block"]
-    one_signature = len({lg.layers[i].signature for i in blocks}) <= 1
-    if not one_signature or not blocks:
-        if S > 1:
-            raise NotSupportedError(f"{lg.model.name}: pipeline stages need identical repeated blocks (found "
-                                    f"{len({lg.layers[i].signature for i in blocks})} block signatures); use pp=1")
-        pre, post, blocks = list(range(len(kinds))), [], []
-    else:
-        pre, post = list(range(blocks[0])), list(range(blocks[-1] + 1, len(kinds)))
-        if any(k != "block" for k in kinds[blocks[0]:blocks[-1] + 1]):
-            raise NotSupportedError(f"{lg.model.name}: non-block layers between blocks; use pp=1")
+    pre, blocks, post = split_layers(lg)
     nb = len(blocks)
     if S > 1 and nb < S:
-        raise NotSupportedError(f"pp·vpp = {S} stages but only {nb} blocks; every stage needs one")
+        all_blocks = sum(1 for k in kinds if k == "block")
+        which = "blocks" if nb == all_blocks else (f"identical blocks in a row (of {all_blocks} blocks: stages are "
+                                                   "cut only inside the longest run of like blocks)")
+        raise NotSupportedError(f"{lg.model.name}: pp·vpp = {S} stages but only {nb} {which}; every stage needs "
+                                f"one: lower pp or vpp")
     # offer an AC mode only when it changes the layer's costs (selective on a layer without an attention core is
     # none): equal-cost choices would otherwise be broken arbitrarily by the solver
     block_acs = _distinct_acs(ev, blocks[0], acs) if blocks else tuple(acs)

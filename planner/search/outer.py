@@ -56,7 +56,7 @@ from dataclasses import dataclass, replace
 from costmodel.cluster import Cluster
 from costmodel.compression import allowed_options
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
-from costmodel.estimate import ConfigError, Evaluator, even_stages
+from costmodel.estimate import ConfigError, Evaluator, even_stages, split_layers
 from costmodel.layercost import is_tp_layer
 from costmodel.runnable import checkpoint_modes, context_problems
 from costmodel.runnable import problems as runnable_problems
@@ -120,8 +120,7 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
     world, gpn = cluster.world_size, cluster.gpus_per_node
     arch = lg.model.arch
     experts = int(arch.get("experts") or 0)
-    n_blocks = sum(1 for layer in lg.layers if layer.kind == "block")
-    uniform = len({layer.signature for layer in lg.layers if layer.kind == "block"}) <= 1 and n_blocks > 0
+    n_blocks = len(split_layers(lg)[1])  # the run of like blocks that pipeline stages are cut from
     tp_ok = any(is_tp_layer(layer) for layer in lg.blocks)
     # mixed bf16 where the device has bf16 units; fp32 otherwise (the cpu-local ranks train in fp32)
     precision = fix.get("precision", "bf16" if "bf16" in cluster.device.peak_flops else "fp32")
@@ -134,7 +133,7 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
         if not _regular(tp, gpn):
             continue  # some TP groups would straddle nodes: the cost model prices the group at rank 0 only
         for pp, cp in itertools.product(_divisors(world // tp), _divisors(world // tp)):
-            if pp > 1 and (not uniform or pp > n_blocks):
+            if pp > 1 and pp > n_blocks:
                 continue
             if (world // tp) % (pp * cp) or (cp > 1 and context_problems(
                     {"cp": cp, "tp": tp, "pp": pp, "seq": lg.model.seq, "cp_ready": bool(arch.get("cp_ready"))})):

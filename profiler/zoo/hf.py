@@ -18,6 +18,7 @@ from them; to run other code on them, re-enter it with ``torch._guards.detect_fa
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -219,6 +220,26 @@ def count_grouped_mm() -> None:
         if bwd not in flop_registry:
             register_flop_formula(bwd)(
                 lambda a, b, offs, grad, *_, out_shape=None, **__: 4 * a[0] * a[1] * b[-1])
+
+
+@contextlib.contextmanager
+def grouped_mm_on_fake_fp32():
+    """Hugging Face MoE experts on fake fp32 tensors (`autopar check`'s trace; the pipeline split rule's fake run of
+    an fp32 plan's model): transformers runs ``grouped_mm`` through torch's kernel wherever torch has one (CPU
+    included, fp32 too), but torch 2.13's meta function for it accepts bf16 only, so on fake fp32 tensors it
+    raises. There transformers' own fallback op (registered with a fake implementation; its FLOPs counted by
+    `count_grouped_mm`, registered here too) runs instead: the same shapes and FLOPs as a bf16 GPU run's kernel."""
+    moe = sys.modules.get("transformers.integrations.moe")
+    if moe is None or not hasattr(moe, "_can_use_grouped_mm"):
+        yield
+        return
+    count_grouped_mm()  # (an emitted script's model, built by its own code, never went through profiler.zoo.hf)
+    saved = moe._can_use_grouped_mm
+    moe._can_use_grouped_mm = lambda input, weight, offs: weight.dtype == torch.bfloat16 and saved(input, weight, offs)
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = saved
 
 
 @contextlib.contextmanager

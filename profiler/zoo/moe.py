@@ -27,7 +27,8 @@ segment to the rank holding its expert: the interface it relies on is ``experts(
 with ``counts`` the per-expert segment sizes (None: equal segments, the capacity and balanced cases).
 
 This file imports only torch and the standard library (the code emitter copies it verbatim); ``RMSNorm``,
-``rope_cos_sin``, ``apply_rope`` and ``Attention`` are copies of those in ``llama.py`` (a test keeps them equal).
+``rope_cos_sin``, ``apply_rope``, ``Attention`` and ``FeedForward`` are copies of those in ``llama.py`` (a test keeps
+them equal).
 """
 
 import math
@@ -68,6 +69,10 @@ class MoEConfig:
     capacity_factor: float | None = None
     """None: dropless routing (every routed pair is computed). A number: slots per expert relative to a perfectly
     balanced load (C = ⌈capacity_factor·tokens·top_k/experts⌉); pairs past C are dropped."""
+    dense_layers: int = 0
+    """The first blocks with a dense SwiGLU feed-forward instead of experts (DeepSeek-V3's first_k_dense_replace)."""
+    dense_ffn: int = 0
+    """Inner width of those dense feed-forwards (0: top_k · ffn, the width an MoE block activates per token)."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "experts", "top_k"):
@@ -85,6 +90,11 @@ class MoEConfig:
             raise ValueError(f"top_k={self.top_k} exceeds experts={self.experts}")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0")
+        if not 0 <= self.dense_layers < self.layers:
+            raise ValueError(f"dense_layers={self.dense_layers} must be in [0, layers={self.layers}): at least one "
+                             f"block has experts")
+        if self.dense_ffn < 0:
+            raise ValueError(f"dense_ffn={self.dense_ffn} must be >= 0 (0: top_k * ffn)")
 
     @property
     def head_dim(self) -> int:
@@ -195,6 +205,19 @@ class Attention(nn.Module):
         return out.transpose(1, 2)
 
 
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, ffn, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
 class GroupedExperts(nn.Module):
     """SwiGLU experts with stacked weights ([experts, …]), run on rows sorted by expert."""
 
@@ -273,14 +296,15 @@ class MoEFeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """x + attention(norm(x)), then x + moe(norm(x))."""
+    """x + attention(norm(x)), then x + moe(norm(x)) (a dense SwiGLU in the first ``dense_layers`` blocks)."""
 
-    def __init__(self, config: MoEConfig):
+    def __init__(self, config: MoEConfig, dense: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(config.hidden, config.norm_eps)
         self.attention = Attention(config.hidden, config.heads, config.kv_heads)
         self.ffn_norm = RMSNorm(config.hidden, config.norm_eps)
-        self.feed_forward = MoEFeedForward(config)
+        self.feed_forward = (FeedForward(config.hidden, config.dense_ffn or config.top_k * config.ffn) if dense
+                             else MoEFeedForward(config))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -298,7 +322,7 @@ class MoETransformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab, config.hidden)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.layers))
+        self.layers = nn.ModuleList(TransformerBlock(config, i < config.dense_layers) for i in range(config.layers))
         self.norm = RMSNorm(config.hidden, config.norm_eps)
         self.output = nn.Linear(config.hidden, config.vocab, bias=False)
         if config.tie_embeddings:
