@@ -36,6 +36,20 @@ def test_no_fit_exits_2_with_one_line(capsys):
     assert len(err.splitlines()) == 1 and "GiB per GPU" in err and "more GPUs" in err
 
 
+def test_two_block_kinds_pipeline_at_the_run_and_say_why_not_beyond(capsys):
+    """A dense block before MoE blocks: pp plans with the dense block beside the embedding; blocks of two kinds in
+    turn leave no run of two like blocks, so a pinned pp = 2 is refused naming the rule."""
+    ends = "moe:layers=3,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=128,seq=32,experts=4,top_k=2,dense_layers=1"
+    assert main(["plan", ends, "--cluster", "cpu-local", "--global-batch", "8", "--fix", "pp=2", "--check", "off",
+                 "--json"]) == 0
+    first, second = json.loads(capsys.readouterr().out)["stages"]  # layers: embed, dense, MoE, MoE, head
+    assert (first["first"], first["last"], second["first"], second["last"]) == (0, 2, 3, 4)
+    one_each = ends.replace("layers=3", "layers=2")
+    assert main(["plan", one_each, "--cluster", "cpu-local", "--global-batch", "8", "--fix", "pp=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "1 identical blocks in a row (of 2" in err and "lower pp" in err
+
+
 def test_bad_fix_exits_2(capsys):
     assert main(["plan", MODEL, "--cluster", "dgx-a100-80g", "--fix", "foo=3"]) == 2
     assert "unknown key 'foo'" in capsys.readouterr().err

@@ -44,8 +44,8 @@ Constraint families, one function each:
    temporaries) + reserve ≤ capacity (`costmodel.memory`); blocks weigh the rank's average in-flight count, the
    embedding and head their own chunk's; the backward peak is the max over the rank's layers, rec_peak[r] ≥
    peak_a·uses_ac[r, a] + gathered_r (ZeRO-3's gathered layers, during a block's backward) with blocks[c, a] ≤
-   nb·uses_ac[r, a], and rec_peak[r] ≥ the embedding's and head's own; PowerSGD's error buffer is gated by its
-   compress binary.
+   nb·uses_ac[r, a], the same for a fixed block of another kind at its chosen mode, and rec_peak[r] ≥ the
+   embedding's and head's own; PowerSGD's error buffer is gated by its compress binary.
 
 Decode (`decode`) assigns blocks in order (stage 0 first; within a stage AC modes in the order none, selective,
 full), checks one AC per layer, contiguous non-empty stages and memory, and re-evaluates with

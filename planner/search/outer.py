@@ -121,6 +121,7 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
     arch = lg.model.arch
     experts = int(arch.get("experts") or 0)
     n_blocks = len(split_layers(lg)[1])  # the run of like blocks that pipeline stages are cut from
+    all_blocks = sum(1 for layer in lg.layers if layer.kind == "block")
     tp_ok = any(is_tp_layer(layer) for layer in lg.blocks)
     # mixed bf16 where the device has bf16 units; fp32 otherwise (the cpu-local ranks train in fp32)
     precision = fix.get("precision", "bf16" if "bf16" in cluster.device.peak_flops else "fp32")
@@ -134,6 +135,14 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
             continue  # some TP groups would straddle nodes: the cost model prices the group at rank 0 only
         for pp, cp in itertools.product(_divisors(world // tp), _divisors(world // tp)):
             if pp > 1 and pp > n_blocks:
+                pinned = all(k in fix and _norm(fix[k]) == _norm(v) if k == "pp" else
+                             k not in fix or _norm(fix[k]) == _norm(v) for k, v in (("pp", pp), ("tp", tp)))
+                if refused is not None and pinned and (world // tp) % pp == 0:  # (say why a pinned pp is out)
+                    run = f"{n_blocks} blocks" if n_blocks == all_blocks else (
+                        f"{n_blocks} identical blocks in a row (of {all_blocks}: stages are cut only inside the "
+                        f"longest run of like blocks, costmodel.estimate.split_layers)")
+                    refused.append((ParallelConfig(dp=world // (tp * pp), tp=tp, pp=pp, precision=precision),
+                                    f"pp={pp} needs a block per stage and the model has {run}; lower pp"))
                 continue
             if (world // tp) % (pp * cp) or (cp > 1 and context_problems(
                     {"cp": cp, "tp": tp, "pp": pp, "seq": lg.model.seq, "cp_ready": bool(arch.get("cp_ready"))})):
