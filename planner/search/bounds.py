@@ -58,6 +58,7 @@ from costmodel.memory import (
     dp_reduction_temp_bytes,
     edge_inflight,
     grads_held_at_peak,
+    held_states,
     inflight,
     runtime_reserved_bytes,
     state_bytes_per_param,
@@ -176,7 +177,9 @@ class Bounds:
         last = (S - 1) % p
         total, inv_own, inv_least = 0.0, 0.0, INF
         for r in range(p):
-            k = inflight(cfg.schedule, p, cfg.vpp, r, m)
+            k = _held(cfg, r, m)
+            if k <= 0:  # a state of the rank holds no micro-batch in some chunk: no bound from its activations
+                return INF
             fixed = (g.pre_params if r == 0 else 0.0) + (g.post_params if r == last else 0.0)
             total += (cap - per * fixed - temp) / k
             inv_own += cfg.vpp / k if p > 1 else 0.0
@@ -185,9 +188,8 @@ class Bounds:
         own = cfg.vpp * p if p > 1 else 0
         # Σ_r n_r / inflight_r is least with the blocks beyond one per stage on the rank with the most in flight
         total -= per * g.block_params * (inv_own + (nb - own) * inv_least)
-        k_pre, k_post = edge_inflight(cfg.schedule, p, cfg.vpp, m)  # their own chunks' counts, over the rank's
-        return (total - g.pre_act * k_pre / inflight(cfg.schedule, p, cfg.vpp, 0, m)
-                - g.post_act * k_post / inflight(cfg.schedule, p, cfg.vpp, last, m))
+        k_pre, k_post = _edge_held(cfg, m)  # their own chunks' counts, over the rank's
+        return total - g.pre_act * k_pre / _held(cfg, 0, m) - g.post_act * k_post / _held(cfg, last, m)
 
     def _integral_bottleneck(self, cfg: ParallelConfig, g: _Group, p2p: float) -> float:
         p, v, S = cfg.pp, cfg.vpp, cfg.pp * cfg.vpp
@@ -214,12 +216,12 @@ class Bounds:
         cap, per, temp = self._budget(cfg, g, m, extra)
         ranks = []
         for r in range(p):
-            k = inflight(cfg.schedule, p, v, r, m)
+            k = _held(cfg, r, m)
             fixed_t = (g.pre_t if r == 0 else 0.0) + (g.post_t if r == (S - 1) % p else 0.0)
             fixed_t += p2p * (v - 1 if r == 0 else v)
             budget = cap - temp - per * ((g.pre_params if r == 0 else 0.0) + (g.post_params if r == (S - 1) % p
                                                                                 else 0.0))
-            k_pre, k_post = edge_inflight(cfg.schedule, p, v, m)
+            k_pre, k_post = _edge_held(cfg, m)
             budget -= (k_pre * g.pre_act if r == 0 else 0.0) + (k_post * g.post_act if r == (S - 1) % p else 0.0)
             ranks.append((fixed_t, budget, [(t, per * g.block_params + k * act) for act, t in g.block_opts]))
         nb = len(self.blocks)
@@ -327,6 +329,27 @@ class Bounds:
         after = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.data_ranks, cfg.pp))  # every gradient
         allocated = max(first, last, after * g.params / cfg.pp) + temp
         return (1 + FRAGMENTATION) * allocated + runtime_reserved_bytes(cfg, self.cluster.device)
+
+
+def _held(cfg: ParallelConfig, r: int, m: int) -> float:
+    """Micro-batches in flight that every block of pipeline rank ``r`` may be charged in the aggregated memory
+    relaxations. With one chunk per rank or one state, the rank's average (`inflight`). With several chunks
+    (interleaved, zero-bubble) the ILP weighs each chunk by its own count in every state the rank passes through
+    (`costmodel.memory.held_states`), and a late chunk may hold fewer than the average, so the relaxation charges
+    the least count of a chunk in the state where that least is largest (full micro-batches only; pending ones
+    hold at least a block's activations too, but are not needed for a valid bound): each block's activations count
+    at least that often in that state, and the rank's peak is at least that state's."""
+    if cfg.pp > 1 and cfg.vpp > 1:
+        return max(min(full) for full, _ in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, m))
+    return inflight(cfg.schedule, cfg.pp, cfg.vpp, r, m)
+
+
+def _edge_held(cfg: ParallelConfig, m: int) -> tuple[float, float]:
+    """(embedding, head): their chunks' counts (`edge_inflight`), or with several chunks per rank the counts of
+    `_held`'s state, which are at least its least (`_held` itself)."""
+    if cfg.pp > 1 and cfg.vpp > 1:
+        return _held(cfg, 0, m), _held(cfg, (cfg.pp * cfg.vpp - 1) % cfg.pp, m)
+    return edge_inflight(cfg.schedule, cfg.pp, cfg.vpp, m)
 
 
 def _state_at_peak(cfg: ParallelConfig, m: int) -> float:
