@@ -383,7 +383,8 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         f = _shard(n, ctx.tp, ctx.sp, tp_layer)
         if n.kind != "view":  # a view allocates nothing, nor does its gradient (a view of the output's gradient)
             widest = max(widest, n.output_bytes * k * f * ctx.act_scale)
-        if n.params:
+        if n.params and n.kind != "view":  # (a view of a weight, the experts' w.transpose, is not on the input's
+            # gradient path: torch keeps the gradient of the op consuming it, `get_param_groups`' intermediates)
             weight_outputs += n.output_bytes * k * f * ctx.act_scale
         attn = n.kind == "attention"
         b_f, b_b = fused.get(n.name, (n.fwd_bytes, n.bwd_bytes))

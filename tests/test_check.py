@@ -211,6 +211,17 @@ def test_torchs_pipelining_buffers_are_priced(config, terms, tolerance, monkeypa
         assert (traced - unpriced) / traced > 0.08, (traced, unpriced)
 
 
+def test_zero_bubble_keeps_no_gradient_of_a_weight_view():
+    """Zero-bubble keeps, from a micro-batch's input pass to its weight pass, the gradients at the ops on the
+    input's gradient path that read a parameter (torch 2.13's get_param_groups intermediates). The MoE experts read
+    their stacked weights through a transpose: the bmm's output gradient is kept, not one of the weight's size per
+    view (counted, the last rank's peak was 16.9 % over the trace)."""
+    model = "moe:layers=4,hidden=256,heads=4,kv_heads=2,ffn=352,vocab=256,seq=1024,experts=8,top_k=2"
+    plan = plan_from_config(model, "dgx-h100:nodes=1", 32, "pp=2,dp=4,mbs=4,schedule=zb,zero=0")
+    for role in check_plan(plan)["roles"]:
+        assert role["errors"]["memory"]["peak"] <= 0.05, (role["stage"], role["errors"]["memory"])
+
+
 def test_fsdp_gradient_buffers_at_a_block_backward_match_the_trace():
     """ZeRO-3 with big blocks and small activations: the peak is FSDP's — the block and its prefetched neighbour
     gathered, the block's unsharded gradients and the previous block's reduce-scatter input in flight (torch 2.13
