@@ -214,8 +214,8 @@ def test_hugging_face_experts_keep_what_they_keep_in_one_process():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from planner.check.trace import _grouped_mm_at_trace_dtype
     from planner.emit import runtime
+    from profiler.zoo.hf import grouped_mm_on_fake_fp32
     from profiler.zoo.registry import resolve_model
 
     tokens, hidden = 256, 256
@@ -244,7 +244,7 @@ def test_hugging_face_experts_keep_what_they_keep_in_one_process():
                     saved.append(t.numel() * t.element_size())
                 return t
 
-            with _grouped_mm_at_trace_dtype(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with grouped_mm_on_fake_fp32(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 experts(x, index, routing)
         return sum(saved)
 

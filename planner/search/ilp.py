@@ -571,7 +571,8 @@ class Model:
             stage_of[i] = 0 if i in d.pre else d.S - 1
         # a unit's blocks are split evenly over its stages, AC modes in order (most activations first) onto the
         # stages with the fewest micro-batches in flight first, which also take the extra ones: the rank then holds
-        # no more than the ILP's average-weighted activations (rearrangement inequality)
+        # no more than the ILP's average-weighted activations (rearrangement inequality). (Where the units are
+        # stages, under ZeRO-3 or with vpp > 1, there is nothing to split.)
         cfg = d.cfg
         per_stage: dict[int, list[AC]] = {}
         for u, stages in enumerate(d.units):

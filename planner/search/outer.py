@@ -137,7 +137,7 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
             if pp > 1 and pp > n_blocks:
                 pinned = all(k in fix and _norm(fix[k]) == _norm(v) if k == "pp" else
                              k not in fix or _norm(fix[k]) == _norm(v) for k, v in (("pp", pp), ("tp", tp)))
-                if refused is not None and pinned and (world // tp) % pp == 0:  # (say why a pinned pp is out)
+                if refused is not None and pinned and cp == 1:  # (say why a pinned pp is out, once)
                     run = f"{n_blocks} blocks" if n_blocks == all_blocks else (
                         f"{n_blocks} identical blocks in a row (of {all_blocks}: stages are cut only inside the "
                         f"longest run of like blocks, costmodel.estimate.split_layers)")

@@ -347,6 +347,8 @@ class MoETransformer(nn.Module):
                 nn.init.normal_(module.w2, std=out_std)
         for layer in self.layers:
             nn.init.normal_(layer.attention.wo.weight, std=out_std)
+            if isinstance(layer.feed_forward, FeedForward):  # a dense block's output projection, as in llama
+                nn.init.normal_(layer.feed_forward.w2.weight, std=out_std)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
