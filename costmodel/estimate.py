@@ -337,7 +337,9 @@ class Evaluator:
 
     def tied_bytes(self) -> float:
         """fp32 gradient bytes of the tied weight's copy on one end of the pipeline (0 without pipelining or ties);
-        the embedding and the head are vocabulary-parallel under TP."""
+        the embedding and the head are vocabulary-parallel under TP, and under ZeRO 2/3 the runtime sums the rank's
+        FSDP2 gradient shard, 1/(dp·cp) of it (`sync_tied_grads`: both copies hold the same shard. Traced: GPT-3
+        175B, dp 32 ZeRO-2, 18.8 MiB where the whole copy, 600 MiB, was priced)."""
         if self._tied_numel is None:
             embed = next((layer.name for layer in self.lg.layers if layer.kind == "embed"), None)
             head = next((layer.name for layer in self.lg.layers if layer.kind == "head"), None)
@@ -345,7 +347,8 @@ class Evaluator:
             if self.cfg.pp > 1 and embed and head:
                 both = {p.fqn for p in self.owned[embed]} & {p.fqn for p in self.owned[head]}
                 numel = sum(p.numel for p in self.owned[embed] if p.fqn in both)
-            self._tied_numel = numel / self.cfg.tp
+            shards = self.cfg.data_ranks if self.cfg.zero >= 2 else 1
+            self._tied_numel = numel / (self.cfg.tp * shards)
         return 4.0 * self._tied_numel
 
     def static_bytes(self, params: float, extra: float = 0.0) -> tuple[float, float, float]:

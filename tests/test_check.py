@@ -211,6 +211,17 @@ def test_torchs_pipelining_buffers_are_priced(config, terms, tolerance, monkeypa
         assert (traced - unpriced) / traced > 0.08, (traced, unpriced)
 
 
+@pytest.mark.parametrize("config", ["pp=2,dp=4,zero=2,mbs=2,schedule=1f1b",
+                                    "pp=2,dp=2,tp=2,zero=3,mbs=2,schedule=1f1b"])
+def test_a_tied_embedding_sums_its_gradient_shard(config):
+    """A weight tied between the embedding and the head is summed over the pipeline's ends after the reduction;
+    under ZeRO 2/3 that is the rank's FSDP2 shard, 1/dp of the copy (priced whole, GPT-3 175B's dp 32 ZeRO-2 plan
+    was 32× over: 600 MiB against 18.8 MiB traced)."""
+    plan = plan_from_config("gpt:layers=4,hidden=256,heads=4,seq=256,vocab=4096", "dgx-h100:nodes=1", 16, config)
+    for role in check_plan(plan)["roles"]:
+        assert role["errors"]["collectives"]["all_reduce@pp"] <= 0.02, (role["stage"], role["errors"])
+
+
 def test_zero_bubble_keeps_no_gradient_of_a_weight_view():
     """Zero-bubble keeps, from a micro-batch's input pass to its weight pass, the gradients at the ops on the
     input's gradient path that read a parameter (torch 2.13's get_param_groups intermediates). The MoE experts read
