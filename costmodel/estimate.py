@@ -172,6 +172,19 @@ def split_layers(lg: LayerGraph) -> tuple[list[int], list[int], list[int]]:
     return list(range(lo)), list(range(lo, hi)), list(range(hi, n))
 
 
+def stage_blocks_problem(lg: LayerGraph, n_stages: int) -> str:
+    """Why ``n_stages`` pipeline stages cannot each get a block of `split_layers`' run ('' when they can): the one
+    message of the ILP and the outer search."""
+    run = len(split_layers(lg)[1])
+    if n_stages <= 1 or n_stages <= run:
+        return ""
+    total = sum(1 for layer in lg.layers if layer.kind == "block")
+    which = f"{run} blocks" if run == total else (f"{run} identical blocks in a row (of {total}: stages are cut only "
+                                                  "inside the longest run of like blocks, costmodel.estimate."
+                                                  "split_layers)")
+    return f"pp·vpp = {n_stages} stages need a block each, and the model has only {which}; lower pp or vpp"
+
+
 def even_stages(lg: LayerGraph, n_stages: int) -> list[int]:
     """Megatron's split: blocks divided evenly (extra ones to the middle stages), embed on the first stage and
     the head on the last; blocks outside the run of like ones (`split_layers`) with the embedding or the head."""

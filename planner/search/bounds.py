@@ -176,10 +176,10 @@ class Bounds:
         p, S = cfg.pp, cfg.pp * cfg.vpp
         last = (S - 1) % p
         total, inv_own, inv_least = 0.0, 0.0, INF
-        for r in range(p):
-            k = _held(cfg, r, m)
-            if k <= 0:  # a state of the rank holds no micro-batch in some chunk: no bound from its activations
-                return INF
+        ks = [_held(cfg, r, m) for r in range(p)]
+        if min(ks) <= 0:  # a state of a rank holds no micro-batch in some chunk: no bound from its activations
+            return INF
+        for r, k in enumerate(ks):
             fixed = (g.pre_params if r == 0 else 0.0) + (g.post_params if r == last else 0.0)
             total += (cap - per * fixed - temp) / k
             inv_own += cfg.vpp / k if p > 1 else 0.0
@@ -189,7 +189,7 @@ class Bounds:
         # Σ_r n_r / inflight_r is least with the blocks beyond one per stage on the rank with the most in flight
         total -= per * g.block_params * (inv_own + (nb - own) * inv_least)
         k_pre, k_post = _edge_held(cfg, m)  # their own chunks' counts, over the rank's
-        return total - g.pre_act * k_pre / _held(cfg, 0, m) - g.post_act * k_post / _held(cfg, last, m)
+        return total - g.pre_act * k_pre / ks[0] - g.post_act * k_post / ks[last]
 
     def _integral_bottleneck(self, cfg: ParallelConfig, g: _Group, p2p: float) -> float:
         p, v, S = cfg.pp, cfg.vpp, cfg.pp * cfg.vpp
@@ -215,13 +215,13 @@ class Bounds:
         p, v, S = cfg.pp, cfg.vpp, cfg.pp * cfg.vpp
         cap, per, temp = self._budget(cfg, g, m, extra)
         ranks = []
+        k_pre, k_post = _edge_held(cfg, m)
         for r in range(p):
             k = _held(cfg, r, m)
             fixed_t = (g.pre_t if r == 0 else 0.0) + (g.post_t if r == (S - 1) % p else 0.0)
             fixed_t += p2p * (v - 1 if r == 0 else v)
             budget = cap - temp - per * ((g.pre_params if r == 0 else 0.0) + (g.post_params if r == (S - 1) % p
                                                                                 else 0.0))
-            k_pre, k_post = _edge_held(cfg, m)
             budget -= (k_pre * g.pre_act if r == 0 else 0.0) + (k_post * g.post_act if r == (S - 1) % p else 0.0)
             ranks.append((fixed_t, budget, [(t, per * g.block_params + k * act) for act, t in g.block_opts]))
         nb = len(self.blocks)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from costmodel.cluster import Cluster
 from costmodel.compression import allowed_options
 from costmodel.config import AC, ParallelConfig, parse_grad_compress
-from costmodel.estimate import Evaluator, pipeline_factor, split_layers
+from costmodel.estimate import Evaluator, pipeline_factor, split_layers, stage_blocks_problem
 from costmodel.runnable import grad_compress_options
 from profiler.graph import LayerGraph
 
@@ -66,12 +66,8 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
     kinds = [layer.kind for layer in lg.layers]
     pre, blocks, post = split_layers(lg)
     nb = len(blocks)
-    if S > 1 and nb < S:
-        all_blocks = sum(1 for k in kinds if k == "block")
-        which = "blocks" if nb == all_blocks else (f"identical blocks in a row (of {all_blocks} blocks: stages are "
-                                                   "cut only inside the longest run of like blocks)")
-        raise NotSupportedError(f"{lg.model.name}: pp·vpp = {S} stages but only {nb} {which}; every stage needs "
-                                f"one: lower pp or vpp")
+    if why := stage_blocks_problem(lg, S):
+        raise NotSupportedError(f"{lg.model.name}: {why}")
     # offer an AC mode only when it changes the layer's costs (selective on a layer without an attention core is
     # none): equal-cost choices would otherwise be broken arbitrarily by the solver
     block_acs = _distinct_acs(ev, blocks[0], acs) if blocks else tuple(acs)

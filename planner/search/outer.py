@@ -56,7 +56,7 @@ from dataclasses import dataclass, replace
 from costmodel.cluster import Cluster
 from costmodel.compression import allowed_options
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
-from costmodel.estimate import ConfigError, Evaluator, even_stages, split_layers
+from costmodel.estimate import ConfigError, Evaluator, even_stages, split_layers, stage_blocks_problem
 from costmodel.layercost import is_tp_layer
 from costmodel.runnable import checkpoint_modes, context_problems
 from costmodel.runnable import problems as runnable_problems
@@ -121,7 +121,6 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
     arch = lg.model.arch
     experts = int(arch.get("experts") or 0)
     n_blocks = len(split_layers(lg)[1])  # the run of like blocks that pipeline stages are cut from
-    all_blocks = sum(1 for layer in lg.layers if layer.kind == "block")
     tp_ok = any(is_tp_layer(layer) for layer in lg.blocks)
     # mixed bf16 where the device has bf16 units; fp32 otherwise (the cpu-local ranks train in fp32)
     precision = fix.get("precision", "bf16" if "bf16" in cluster.device.peak_flops else "fp32")
@@ -138,11 +137,8 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
                 pinned = all(k in fix and _norm(fix[k]) == _norm(v) if k == "pp" else
                              k not in fix or _norm(fix[k]) == _norm(v) for k, v in (("pp", pp), ("tp", tp)))
                 if refused is not None and pinned and cp == 1:  # (say why a pinned pp is out, once)
-                    run = f"{n_blocks} blocks" if n_blocks == all_blocks else (
-                        f"{n_blocks} identical blocks in a row (of {all_blocks}: stages are cut only inside the "
-                        f"longest run of like blocks, costmodel.estimate.split_layers)")
                     refused.append((ParallelConfig(dp=world // (tp * pp), tp=tp, pp=pp, precision=precision),
-                                    f"pp={pp} needs a block per stage and the model has {run}; lower pp"))
+                                    stage_blocks_problem(lg, pp)))
                 continue
             if (world // tp) % (pp * cp) or (cp > 1 and context_problems(
                     {"cp": cp, "tp": tp, "pp": pp, "seq": lg.model.seq, "cp_ready": bool(arch.get("cp_ready"))})):
