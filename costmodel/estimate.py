@@ -21,6 +21,7 @@ The same composition is what the planner's ILP linearises (planner/search/ilp.py
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 from costmodel.cluster import Cluster, group_span
@@ -144,71 +145,99 @@ def _attention_widths(arch: dict) -> tuple[int, int]:
 
 
 def split_layers(lg: LayerGraph) -> tuple[list[int], list[int], list[int]]:
-    """(pre, blocks, post): the layers the ILP counts as interchangeable blocks are the longest run of consecutive
-    blocks with one signature (the first such run on ties); every layer before it is fixed on the first stage with
-    the embedding, every layer after it on the last stage with the head. Stages are cut only inside that run: for
-    a model whose blocks are all alike this is every split; for one with a few blocks of another kind at either end
-    (DeepSeek's leading dense blocks before its MoE blocks) those blocks stay with the embedding or the head, and
-    the plan is optimal among such splits. Blocks that alternate kinds (local/global attention) leave runs of one,
-    which no pipeline of more stages than that can be cut from. One rule for the ILP, the outer search, its
-    bounds and `even_stages`."""
-    layers, n = lg.layers, len(lg.layers)
+    """(pre, blocks, post): the layers the ILP counts as interchangeable groups of blocks are the longest run of
+    whole periods of one pattern of block signatures (`block_period`: 1 for a model whose blocks are alike, 2 for
+    one that alternates dense and MoE blocks, 6 for five local attention blocks and a global one); every layer
+    before it is fixed on the first stage with the embedding, every layer after it on the last stage with the head.
+    Stages are cut only between groups: for a model whose blocks are all alike this is every split; for one with a
+    few blocks of another kind at either end (DeepSeek's leading dense blocks before its MoE blocks, a period's
+    remainder) those blocks stay with the embedding or the head, and the plan is optimal among such splits. One
+    rule for the ILP, the outer search, its bounds and `even_stages`."""
+    return _split(lg)[:3]
 
-    def alike(j: int, i: int) -> bool:
-        return layers[j].kind == "block" and layers[j].signature == layers[i].signature
 
-    best, i = (0, 0), 0
-    while i < n:
-        j = i
-        if layers[i].kind == "block":
-            while j + 1 < n and alike(j + 1, i):
+def block_period(lg: LayerGraph) -> int:
+    """Blocks per group of `split_layers`' run: the period of the pattern its groups repeat."""
+    return _split(lg)[3]
+
+
+def block_groups(lg: LayerGraph) -> list[list[int]]:
+    """`split_layers`' run as its groups of `block_period` consecutive layers, in order."""
+    blocks, p = split_layers(lg)[1], block_period(lg)
+    return [blocks[k:k + p] for k in range(0, len(blocks), p)]
+
+
+#: the longest pattern of block signatures `split_layers` looks for (Gemma 3's five local and one global attention
+#: blocks is 6; Jamba's attention every 8 blocks with MoE every 2 is 8)
+MAX_PERIOD = 8
+
+
+def _split(lg: LayerGraph) -> tuple[list[int], list[int], list[int], int]:
+    lo, hi, p = _run(tuple(layer.signature if layer.kind == "block" else None for layer in lg.layers))
+    n = len(lg.layers)
+    return list(range(lo)), list(range(lo, hi)), list(range(hi, n)), p
+
+
+@functools.lru_cache(maxsize=256)
+def _run(sig: tuple) -> tuple[int, int, int]:
+    """(start, end, period) of the run of whole periods (at least two of a period > 1) covering the most blocks
+    (then the most groups, then the smaller period, then the earlier run); (n, n, 1) when there is no block.
+    Cached: the search asks per candidate."""
+    n = len(sig)
+    best, key = (n, n, 1), (0, 0, 0, 0)
+    for p in range(1, MAX_PERIOD + 1):
+        for i in range(n - p + 1):
+            if None in sig[i:i + p] or (i >= p and sig[i - p:i] == sig[i:i + p]):
+                continue  # not a run's start: a layer is not a block, or the run began a period earlier
+            j = i + p  # extend while a layer repeats the one a period before it
+            while j < n and sig[j] is not None and sig[j] == sig[j - p]:
                 j += 1
-            if j + 1 - i > best[1] - best[0]:
-                best = (i, j + 1)
-        i = j + 1
-    lo, hi = best
-    if lo == hi:  # no blocks: every layer fixed on the one stage
-        return list(range(n)), [], []
-    return list(range(lo)), list(range(lo, hi)), list(range(hi, n))
+            groups = (j - i) // p
+            if p > 1 and groups < 2:
+                continue  # one group is no pattern: its blocks are as well fixed beside the embedding or head
+            k = (groups * p, groups, -p, -i)
+            if k > key:
+                best, key = (i, i + groups * p, p), k
+    return best
 
 
 def stage_blocks_problem(lg: LayerGraph, n_stages: int) -> str:
-    """Why ``n_stages`` pipeline stages cannot each get a block of `split_layers`' run ('' when they can): the one
+    """Why ``n_stages`` pipeline stages cannot each get a group of `split_layers`' run ('' when they can): the one
     message of the ILP and the outer search."""
-    run = len(split_layers(lg)[1])
-    if n_stages <= 1 or n_stages <= run:
+    run, p = len(split_layers(lg)[1]), block_period(lg)
+    groups = run // p if p else 0
+    if n_stages <= 1 or n_stages <= groups:
         return ""
     total = sum(1 for layer in lg.layers if layer.kind == "block")
-    which = f"{run} blocks" if run == total else (f"{run} identical blocks in a row (of {total}: stages are cut only "
-                                                  "inside the longest run of like blocks, costmodel.estimate."
-                                                  "split_layers)")
+    if p > 1:
+        which = (f"{groups} groups of {p} blocks in a row (of {total} blocks: stages are cut only between the "
+                 "repeats of its pattern of block kinds, costmodel.estimate.split_layers)")
+    elif run == total:
+        which = f"{run} blocks"
+    else:
+        which = (f"{run} identical blocks in a row (of {total}: stages are cut only inside the longest run of like "
+                 "blocks, costmodel.estimate.split_layers)")
     return f"pp·vpp = {n_stages} stages need a block each, and the model has only {which}; lower pp or vpp"
 
 
 def even_stages(lg: LayerGraph, n_stages: int) -> list[int]:
-    """Megatron's split: blocks divided evenly (extra ones to the middle stages), embed on the first stage and
-    the head on the last; blocks outside the run of like ones (`split_layers`) with the embedding or the head."""
-    blocks = split_layers(lg)[1]
-    if not blocks:
+    """Megatron's split: groups of blocks (`block_groups`: single blocks when they are alike) divided evenly (extra
+    ones to the middle stages), embed on the first stage and the head on the last; blocks outside the run
+    (`split_layers`) with the embedding or the head."""
+    groups = block_groups(lg)
+    if not groups:
         per = -(-len(lg.layers) // n_stages)
         return [min(i // per, n_stages - 1) for i in range(len(lg.layers))]
-    base, extra = divmod(len(blocks), n_stages)
+    base, extra = divmod(len(groups), n_stages)
     counts = [base] * n_stages
     middle = list(range(n_stages))[1:-1] or list(range(n_stages))
     for j in range(extra):
         counts[middle[j % len(middle)]] += 1
-    stage_of = []
-    k, used = 0, 0
-    for i in range(len(lg.layers)):
-        if i < blocks[0]:
-            stage_of.append(0)
-        elif i > blocks[-1]:
-            stage_of.append(n_stages - 1)
-        else:
-            while used >= counts[k]:
-                k, used = k + 1, 0
-            stage_of.append(k)
-            used += 1
+    stage_of = [0] * groups[0][0]
+    for c, k in enumerate(counts):
+        for _ in range(k):
+            stage_of += [c] * len(groups[0])
+    stage_of += [n_stages - 1] * (len(lg.layers) - len(stage_of))
     return stage_of
 
 

@@ -102,6 +102,8 @@ def with_blocks(source, n: int):
     """The same model with ``n`` blocks, or None where its blocks cannot be counted or are not all alike (a user's
     file; a Hugging Face model whose layers differ by index, `_hf_layers_alike`)."""
     if source.family in ("gpt", "llama", "moe"):
+        if getattr(source.config, "moe_every", 1) > 1:
+            return None  # dense and MoE blocks alternate: no run of alike blocks to repeat
         if leading_blocks(source) and n < leading_blocks(source) + 2:
             return None  # the leading blocks that differ and two alike ones, or the last repeated is the wrong kind
         return dataclasses.replace(source, config=dataclasses.replace(source.config, layers=n))

@@ -37,13 +37,19 @@ def test_no_fit_exits_2_with_one_line(capsys):
 
 
 def test_two_block_kinds_pipeline_at_the_run_and_say_why_not_beyond(capsys):
-    """A dense block before MoE blocks: pp plans with the dense block beside the embedding; blocks of two kinds in
-    turn leave no run of two like blocks, so a pinned pp = 2 is refused naming the rule."""
+    """A dense block before MoE blocks: pp plans with the dense block beside the embedding; dense and MoE blocks in
+    turn are cut between the pairs they repeat; one dense and one MoE block leave no run of two like blocks and no
+    repeated pattern, so a pinned pp = 2 is refused naming the rule."""
     ends = "moe:layers=3,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=128,seq=32,experts=4,top_k=2,dense_layers=1"
     assert main(["plan", ends, "--cluster", "cpu-local", "--global-batch", "8", "--fix", "pp=2", "--check", "off",
                  "--json"]) == 0
     first, second = json.loads(capsys.readouterr().out)["stages"]  # layers: embed, dense, MoE, MoE, head
     assert (first["first"], first["last"], second["first"], second["last"]) == (0, 2, 3, 4)
+    turns = ends.replace("layers=3", "layers=4").replace("dense_layers=1", "moe_every=2")
+    assert main(["plan", turns, "--cluster", "cpu-local", "--global-batch", "8", "--fix", "pp=2", "--check", "off",
+                 "--json"]) == 0
+    first, second = json.loads(capsys.readouterr().out)["stages"]  # embed, dense, MoE | dense, MoE, head
+    assert (first["first"], first["last"], second["first"], second["last"]) == (0, 2, 3, 5)
     one_each = ends.replace("layers=3", "layers=2")
     assert main(["plan", one_each, "--cluster", "cpu-local", "--global-batch", "8", "--fix", "pp=2"]) == 2
     err = capsys.readouterr().err.strip()

@@ -18,7 +18,7 @@ import pytest
 
 from costmodel.cluster import parse_cluster_yaml
 from costmodel.config import AC, ParallelConfig, Schedule
-from costmodel.estimate import Evaluator, split_layers
+from costmodel.estimate import Evaluator, block_groups, split_layers
 from planner.search import ilp
 from profiler.api import profile_model
 
@@ -27,6 +27,8 @@ MODELS = ("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128", "gpt:layers=3,hidde
           "moe:layers=3,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=128,seq=32,experts=4,top_k=2")
 #: two block kinds: a dense block, then three MoE blocks (the zoo's DeepSeek-style ``dense_layers``)
 TWO_KINDS = "moe:layers=5,hidden=64,heads=4,kv_heads=2,ffn=32,vocab=64,seq=64,experts=4,top_k=2,dense_layers=1"
+#: two kinds that alternate: dense, MoE, dense, MoE, … (the zoo's Llama 4-style ``moe_every``): groups of two blocks
+ALTERNATING = "moe:layers=6,hidden=64,heads=4,kv_heads=2,ffn=32,vocab=64,seq=64,experts=4,top_k=2,moe_every=2"
 
 
 @cache
@@ -84,7 +86,7 @@ def random_problem(seed: int, spec: str | None = None, floor: float = 0.02):
     rng = random.Random(seed)
     spec = rng.choice(MODELS) if spec is None else spec
     lg = graph(spec)
-    nb = len(split_layers(lg)[1])
+    nb = len(block_groups(lg))  # what stages are cut between
     gpn, nodes = rng.choice([(2, 1), (2, 2), (4, 1), (1, 4)])
     world = gpn * nodes
     tp = rng.choice([t for t in (1, 2) if world % t == 0 and t <= gpn])
@@ -180,9 +182,9 @@ def test_decoded_plan_is_evaluated_and_reports_solver_facts():
     assert list(sol.stage_of) == sorted(sol.stage_of) and set(sol.stage_of) == {0, 1}
 
 
-def test_alternating_blocks_with_stages_are_refused_clearly():
-    """Blocks of two kinds in turn leave runs of one like block: no two stages can be cut from a run, and the
-    refusal says so; one stage plans."""
+def test_blocks_without_a_repeated_pattern_are_refused_clearly():
+    """Blocks A, B, A leave runs of one like block and no pattern that repeats (`block_groups` needs two periods):
+    no two stages can be cut, and the refusal says so; one stage plans."""
     lg = graph(MODELS[1])
     blocks = [i for i, layer in enumerate(lg.layers) if layer.kind == "block"]
     layers = list(lg.layers)
@@ -206,6 +208,64 @@ def test_two_block_kinds_equal_brute_force(seed):
     assert [lg.layers[i].kind for i in pre] == ["embed", "block"] and len(run) == 4
     acs = (AC.NONE, AC.FULL)
     expected = brute_force(lg, cl, cfg, gb, grad_opts, pp_opts, acs)
+    bound = Bounds(lg, cl, gb, {}, grad_opts=grad_opts).time(cfg, refine=True)
+    if expected is None:
+        with pytest.raises(ilp.Infeasible):
+            ilp.solve(lg, cl, cfg, gb, grad_opts=grad_opts, pp_opts=pp_opts, acs=acs)
+        return
+    sol = ilp.solve(lg, cl, cfg, gb, grad_opts=grad_opts, pp_opts=pp_opts, acs=acs)
+    assert sol.status == "OPTIMAL"
+    assert sol.objective == pytest.approx(expected, rel=1e-6), (cfg, sol.config, sol.acs, sol.stage_of)
+    assert bound <= sol.objective * (1 + 1e-9)
+
+
+def brute_force_groups(lg, cl, cfg, gb, grad_opts, pp_opts, acs):
+    """The best plan among those the ILP may choose for a run of groups: every split between groups, one mode per
+    kind of block in each group, one per fixed layer; None when nothing fits."""
+    n, groups = len(lg.layers), block_groups(lg)
+    kinds = sorted({lg.layers[i].signature for i in groups[0]})
+    fixed = [i for i in range(n) if i not in {j for g in groups for j in g}]
+    S = cfg.pp * cfg.vpp
+    best = None
+    for counts in splits(len(groups), S):
+        stage_of = [0] * n
+        k = 0
+        for c, count in enumerate(counts):
+            for g in groups[k:k + count]:
+                for i in g:
+                    stage_of[i] = c
+            k += count
+        for i in fixed:
+            stage_of[i] = 0 if i < groups[0][0] else S - 1
+        for g_opt, p_opt in itertools.product(grad_opts, pp_opts):
+            ev = Evaluator(lg, cl, replace(cfg, grad_compress=g_opt, pp_compress=p_opt), gb)
+            per_group = list(itertools.product(acs, repeat=len(kinds)))
+            for choice in itertools.product(per_group, repeat=len(groups)):
+                for fixed_modes in itertools.product(acs, repeat=len(fixed)):
+                    modes = [None] * n
+                    for g, c in zip(groups, choice):
+                        for i in g:
+                            modes[i] = c[kinds.index(lg.layers[i].signature)]
+                    for i, a in zip(fixed, fixed_modes):
+                        modes[i] = a
+                    est = ev.evaluate(modes, stage_of)
+                    if est.fits and (best is None or est.step_time_s < best):
+                        best = est.step_time_s
+    return best
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_alternating_block_kinds_equal_brute_force(seed):
+    """Dense and MoE blocks that alternate are counted in groups of the pattern (dense, MoE): stages are cut between
+    groups, and each kind in a group takes its own AC mode. The ILP equals the brute force over every such plan
+    (no or full AC), and the outer search's bound stays below it."""
+    from planner.search.bounds import Bounds
+
+    lg, cl, cfg, gb, grad_opts, pp_opts = random_problem(seed, ALTERNATING, floor=0.0)
+    groups = block_groups(lg)
+    assert len(groups) == 3 and all(len({lg.layers[i].signature for i in g}) == 2 for g in groups)
+    acs = (AC.NONE, AC.FULL)
+    expected = brute_force_groups(lg, cl, cfg, gb, grad_opts, pp_opts, acs)
     bound = Bounds(lg, cl, gb, {}, grad_opts=grad_opts).time(cfg, refine=True)
     if expected is None:
         with pytest.raises(ilp.Infeasible):

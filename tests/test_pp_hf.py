@@ -36,6 +36,10 @@ DEEPSEEK = ("hf:deepseek_v3:num_hidden_layers=4,hidden_size=64,intermediate_size
             "num_attention_heads=4,num_key_value_heads=4,n_routed_experts=4,num_experts_per_tok=2,n_shared_experts=1,"
             "first_k_dense_replace=1,vocab_size=128,q_lora_rank=16,kv_lora_rank=16,qk_rope_head_dim=8,"
             "qk_nope_head_dim=16,v_head_dim=16,n_group=1,topk_group=1,seq=32")
+#: two block kinds in turn (Qwen3-MoE's decoder_sparse_step=2: dense, MoE, dense, MoE): stages cut between pairs
+QWEN3_MOE_TURNS = ("hf:qwen3_moe:num_hidden_layers=4,hidden_size=64,intermediate_size=64,num_attention_heads=4,"
+                   "num_key_value_heads=2,head_dim=16,vocab_size=128,moe_intermediate_size=32,num_experts=4,"
+                   "num_experts_per_tok=2,decoder_sparse_step=2,seq=32")
 SMALL = "num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,vocab_size=128"
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "custom_model.py") + ":factory"
 
@@ -66,6 +70,7 @@ CASES = {
     "hf_neox_pp2": (2, lambda: _plan(NEOX, "model.gpt_neox.layers", 2, pp=2)),
     "hf_qwen2_pp2": (2, lambda: _plan(QWEN2, "model.model.layers", 4, pp=2)),
     "hf_deepseek_pp2": (2, lambda: _plan(DEEPSEEK, "model.model.layers", 4, pp=2)),  # the dense block on stage 0
+    "hf_qwen3moe_turns_pp2": (2, lambda: _plan(QWEN3_MOE_TURNS, "model.model.layers", 4, pp=2, ac={1: "full"})),
     "hf_pp2_dp2": (4, lambda: _llama(pp=2, dp=2)),
     "hf_pp2_dp2_zero3": (4, lambda: _llama(pp=2, dp=2, zero=3)),
     "hf_pp2_tp2": (4, lambda: _llama(pp=2, tp=2)),

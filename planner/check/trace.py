@@ -443,7 +443,7 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         if config["grad_compress"] == "none":
             _python_allreduce_hooks(par)
         if config["pp"] > 1:
-            with masks_as_trained():
+            with masks_as_trained(), grouped_mm_on_fake_fp32():  # (a stage's fake forward: an fp32 plan's experts)
                 _static_stages(par, config, build)
         optimizer = tr.build_optimizer(par, config)
         vocab = source.vocab if getattr(source, "vocab", None) else _vocab(source, plan.seq)

@@ -37,6 +37,10 @@ factor, s the device's overlap slowdown, T_r the per-micro-batch time of rank r,
    last bucket, plus its encode time (PowerSGD's matmuls at the curve's e_max), minimised over the options; ZeRO-1
    adds the parameter all-gather; ZeRO-2 the two (1 − s)·max(0, ·) + s·(·) overlaps; every rank its Adam step.
 
+A block above is a group of `costmodel.estimate.block_groups` (one block when the run's blocks are alike; a period
+of its pattern of block kinds otherwise), as the ILP counts them; its modes are every choice of one AC mode per kind
+of block in it (a superset of the ILP's, `planner.search.ilp_data.group_modes`), the dominated ones dropped.
+
 `Bounds.memory`: the most loaded rank's model states plus its least activations (every layer at its smallest
 mode) and temporaries; > capacity ⇒ no plan of the candidate fits.
 
@@ -46,13 +50,14 @@ mode) and temporaries; > capacity ⇒ no plan of the candidate fits.
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass
 
 from costmodel.cluster import Cluster
 from costmodel.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
 from costmodel.compression import powersgd_volume
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
-from costmodel.estimate import Evaluator, pipeline_factor, split_layers
+from costmodel.estimate import Evaluator, block_groups, pipeline_factor, split_layers
 from costmodel.memory import (
     FRAGMENTATION,
     dp_reduction_temp_bytes,
@@ -84,6 +89,7 @@ class Bounds:
         self._evs: dict = {}
         # the ILP's split (`costmodel.estimate.split_layers`): a run of like blocks counted, the layers around it fixed
         self.pre, self.blocks, self.post = split_layers(lg)
+        self.groups = block_groups(lg)  #: what the ILP counts: a group of the run's pattern stands for a block
 
     def _ev(self, cfg: ParallelConfig) -> Evaluator:
         key = (cfg.dp, cfg.tp, cfg.pp, cfg.mbs, cfg.sp, cfg.precision, cfg.ep, cfg.cp)
@@ -105,12 +111,12 @@ class Bounds:
         per-rank memory bound on the bottleneck (`_memory_bottleneck`, a few ms: for candidates that survive the
         cheap bound)."""
         g, ev = self._group(cfg), self._ev(cfg)
-        p, S, nb = cfg.pp, cfg.pp * cfg.vpp, len(self.blocks)
+        p, S, nb = cfg.pp, cfg.pp * cfg.vpp, len(self.groups)
         m = self.gb // (cfg.dp * cfg.mbs)
         phi = pipeline_factor(cfg.schedule, cfg.vpp)
         p2p = 0.0
         if S > 1:
-            p2p = ev.p2p_time(self.blocks[-1])
+            p2p = ev.p2p_time(self.groups[-1][0])
             if cfg.precision == "fp32":
                 p2p /= 2  # bf16 casts at best halve the transfer
         fixed = g.pre_t + g.post_t + (S - 1) * p2p + self._fsdp(cfg, g, ev)
@@ -139,7 +145,7 @@ class Bounds:
 
     def _block_work(self, cfg: ParallelConfig, g: _Group, m: int, extra: float = 0.0) -> float:
         """Σ over the blocks of their per-micro-batch time under the aggregated memory relaxation."""
-        nb = len(self.blocks)
+        nb = len(self.groups)
         if not nb:
             return 0.0
         cap = self._capacity(cfg, g, m, extra)
@@ -167,7 +173,7 @@ class Bounds:
         per = _state_at_peak(cfg, m) + extra
         temp = dp_reduction_temp_bytes(cfg, "none", 0.0)  # a lower bound: the least over compressions and ranks
         if cfg.zero == 3 and cfg.data_ranks > 1:  # at least the gathered block (every rank holds one)
-            temp = g.block_params * cfg.param_bytes
+            temp = g.gathered_params * cfg.param_bytes
         return cap, per, temp
 
     def _capacity(self, cfg: ParallelConfig, g: _Group, m: int, extra: float = 0.0) -> float:
@@ -184,7 +190,7 @@ class Bounds:
             total += (cap - per * fixed - temp) / k
             inv_own += cfg.vpp / k if p > 1 else 0.0
             inv_least = min(inv_least, 1.0 / k)
-        nb = len(self.blocks)
+        nb = len(self.groups)
         own = cfg.vpp * p if p > 1 else 0
         # Σ_r n_r / inflight_r is least with the blocks beyond one per stage on the rank with the most in flight
         total -= per * g.block_params * (inv_own + (nb - own) * inv_least)
@@ -201,7 +207,7 @@ class Bounds:
             load.append(fixed + v * t)
         heap = [(x, r) for r, x in enumerate(load)]
         heapq.heapify(heap)
-        for _ in range(len(self.blocks) - S):
+        for _ in range(len(self.groups) - S):
             x, r = heapq.heappop(heap)
             heapq.heappush(heap, (x + t, r))
         return max(x for x, _ in heap)
@@ -224,7 +230,7 @@ class Bounds:
                                                                                 else 0.0))
             budget -= (k_pre * g.pre_act if r == 0 else 0.0) + (k_post * g.post_act if r == (S - 1) % p else 0.0)
             ranks.append((fixed_t, budget, [(t, per * g.block_params + k * act) for act, t in g.block_opts]))
-        nb = len(self.blocks)
+        nb = len(self.groups)
 
         def holds(x: float) -> bool:
             n = 0
@@ -324,7 +330,7 @@ class Bounds:
         last = (per * (g.post_params + cfg.vpp * g.block_params) + k_post * g.post_act
                 + inflight(cfg.schedule, cfg.pp, cfg.vpp, last_rank, m) * cfg.vpp * block_act)
         if cfg.pp == 1:
-            n = len(self.blocks)
+            n = len(self.groups)
             first = per * g.params + g.pre_act + g.post_act + n * block_act
         after = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.data_ranks, cfg.pp))  # every gradient
         allocated = max(first, last, after * g.params / cfg.pp) + temp
@@ -362,10 +368,11 @@ def _state_at_peak(cfg: ParallelConfig, m: int) -> float:
 class _Group:
     """Per (tp, sp, mbs, precision): the layer-cost sums the bounds read."""
 
-    block_opts: list  #: (act, time) of the block's modes, sorted by time (none first)
+    block_opts: list  #: (act, time) of a group's modes (`block_groups`), sorted by time (none first)
     block_opts_t_min: float
     block_opts_act_min: float
-    block_params: float
+    block_params: float  #: a group's
+    gathered_params: float  #: the largest block of a group: ZeRO-3 gathers at least it on every rank
     pre_t: float
     post_t: float
     pre_act: float
@@ -395,17 +402,31 @@ class _Group:
         def least_act(idx):
             return sum(min(per_ac[a][i].act_bytes for a in AC) for i in idx)
 
-        if b.blocks:
-            i0 = b.blocks[0]
-            opts = sorted({(per_ac[a][i0].act_bytes, t(per_ac[a][i0])) for a in AC}, key=lambda x: (x[1], x[0]))
-            block_params = none[i0].param_numel
+        if b.groups:
+            g0 = b.groups[0]
+            # every mode per kind of block in the group (a superset of the ILP's `group_modes`), the undominated
+            kinds = list(dict.fromkeys(b.lg.layers[i].signature for i in g0))
+            options = set()
+            for choice in itertools.product(AC, repeat=len(kinds)):
+                mode = {k: a for k, a in zip(kinds, choice)}
+                options.add((sum(per_ac[mode[b.lg.layers[i].signature]][i].act_bytes for i in g0),
+                             sum(t(per_ac[mode[b.lg.layers[i].signature]][i]) for i in g0)))
+            opts, fastest = [], INF
+            for act, time in sorted(options):  # by activations: keep each that is faster than every smaller one
+                if time < fastest:
+                    opts.append((act, time))
+                    fastest = time
+            opts.sort(key=lambda x: (x[1], x[0]))
+            block_params = sum(none[i].param_numel for i in g0)
+            gathered = max(none[i].param_numel for i in g0)
         else:
-            opts, block_params = [(0.0, 0.0)], 0.0
+            opts, block_params, gathered = [(0.0, 0.0)], 0.0, 0.0
         pb = 4 if ev.cfg.precision == "fp32" else 2
         firsts = [none[i].param_numel for i in ([b.pre[0]] if b.pre else []) + b.blocks[:1]]
         return _Group(
             block_opts=opts, block_opts_t_min=min(x[1] for x in opts), block_opts_act_min=min(x[0] for x in opts),
-            block_params=block_params, pre_t=least_t(b.pre), post_t=least_t(b.post), pre_act=least_act(b.pre),
+            block_params=block_params, gathered_params=gathered, pre_t=least_t(b.pre), post_t=least_t(b.post),
+            pre_act=least_act(b.pre),
             post_act=least_act(b.post), pre_params=sum(none[i].param_numel for i in b.pre),
             post_params=sum(none[i].param_numel for i in b.post), params=sum(c.param_numel for c in none),
             fwd=sum(c.fwd_s for c in none), bwd=sum(c.bwd_s for c in none),

@@ -6,9 +6,13 @@ program solved with pywraplp (SCIP; CBC or HiGHS when SCIP is missing).
 Data. S = pp·vpp stages; stage c runs on pipeline rank r(c) = c mod pp. Identical blocks (one signature) are
 interchangeable, so they are *counted*, not placed: the layers before the run of them ("pre": the embedding, and
 blocks of another kind before the run, `costmodel.estimate.split_layers`) sit on stage 0, the layers after it
-("post", the head) on stage S − 1, and every stage holds ≥ 1 block of the run. Per AC mode a and layer i the
-evaluator gives t = fwd + bwd + recompute + tp_comm, the backward window bwd + recompute, activations, the
-recomputation peak and parameters (`Evaluator.cost`). Functions of the number n of blocks on a
+("post", the head) on stage S − 1, and every stage holds ≥ 1 block of the run. Where blocks of several kinds repeat
+a pattern (dense and MoE in turn, five local attention blocks and a global one), the run is of whole periods and a
+"block" below is one group of it (`costmodel.estimate.block_groups`): stages are cut between groups, and an AC
+"mode" of a group is one mode per kind of block in it (`ilp_data.group_modes`), its costs the sums (the
+recomputation peak the largest) over the group's layers. Per AC mode a and layer i the evaluator gives
+t = fwd + bwd + recompute + tp_comm, the backward window bwd + recompute, activations, the recomputation peak and
+parameters (`Evaluator.cost`). Functions of the number n of blocks on a
 rank that are not linear (collective times, PowerSGD encode, FSDP's two largest layers) are tabulated exactly with
 the cost model's own functions, one value per possible n. All times are in units of ``time_unit`` seconds and all
 bytes in units of ``mem_unit`` so that the solver's tolerances are relative.
@@ -63,7 +67,7 @@ from costmodel.cluster import Cluster
 from costmodel.collectives import all_gather_time, reduce_scatter_time
 from costmodel.compression import compressed_grad_comm
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
-from costmodel.estimate import Estimate, Evaluator
+from costmodel.estimate import Estimate, Evaluator, block_groups
 from costmodel.memory import (
     FRAGMENTATION,
     dp_reduction_temp_bytes,
@@ -145,8 +149,8 @@ class Model:
     # -- variables -------------------------------------------------------------------------------------------
     def add_variables(self) -> None:
         d, s = self.d, self.solver
-        nb = len(d.blocks)
-        self.blocks = {(u, a): s.IntVar(0, nb, f"blocks[{u},{a.value}]") for u in range(len(d.units)) for a in d.acs}
+        self.blocks = {(u, a): s.IntVar(0, d.ngroups, f"blocks[{u},{_name(a)}]") for u in range(len(d.units))
+                       for a in d.acs}
         self.fixed_ac = {(i, a): s.BoolVar(f"fixed_ac[{i},{a.value}]") for i in d.pre + d.post for a in d.fixed_acs[i]}
         self.rank_blocks = {}  # created per rank only where a table is not affine (`tab`)
         self.compress = {("dp", k): s.BoolVar(f"compress[dp,{k}]") for k in d.grad_opts}
@@ -164,11 +168,11 @@ class Model:
 
     def layer_sum(self, stages, attr) -> pywraplp.LinearExpr:
         """Σ over the stages' layers of ``attr(cost)`` (a function of a LayerCost), linear in the AC choices."""
-        d, ev, b = self.d, self.d.ev, self.d.blocks[0] if self.d.blocks else None
+        d, ev = self.d, self.d.ev
         terms = []
         for c in stages:
-            if b is not None:
-                terms += [attr(ev.cost(b, a)) * self.blocks[c, a] for a in d.acs]
+            if d.group:
+                terms += [sum(attr(ev.cost(i, x)) for i, x in zip(d.group, a)) * self.blocks[c, a] for a in d.acs]
             for i in _fixed_on_stage(d, c):
                 terms += [attr(ev.cost(i, a)) * self.fixed_ac[i, a] for a in d.fixed_acs[i]]
         return sum(terms, 0.0 * self.bottleneck)
@@ -214,7 +218,7 @@ class Model:
             s.Add(sum(self.fixed_ac[i, a] for a in d.fixed_acs[i]) == 1)
         # every block is placed, every stage holds at least one block
         if d.blocks:
-            s.Add(sum(self.blocks.values()) == len(d.blocks))
+            s.Add(sum(self.blocks.values()) == d.ngroups)
             for u, stages in enumerate(d.units):
                 s.Add(self.n_stage(u) >= len(stages))
         # exactly one compression per communication group
@@ -256,13 +260,13 @@ class Model:
         def rs(i):
             return reduce_scatter_time(ev.cost(i, AC.NONE).param_numel * rs_bytes, span, cl)
 
-        b, fixed = (d.blocks[0] if d.blocks else None), _fixed_on_stage(d, u)
+        g, fixed = d.group, _fixed_on_stage(d, u)
         # the stage's first and last layers (a model whose blocks differ has only fixed layers, on one stage)
-        first = d.pre[0] if (c == 0 and d.pre) else (b if b is not None else fixed[0])
-        last = d.post[-1] if (c == d.S - 1 and d.post) else (b if b is not None else fixed[-1])
+        first = d.pre[0] if (c == 0 and d.pre) else (g[0] if g else fixed[0])
+        last = d.post[-1] if (c == d.S - 1 and d.post) else (g[-1] if g else fixed[-1])
         n = self.n_stage(u)
-        sum_ag = (ag(b) * n if b is not None else 0) + sum(ag(i) for i in fixed)
-        sum_rs = (rs(b) * n if b is not None else 0) + sum(rs(i) for i in fixed)
+        sum_ag = sum(ag(i) for i in g) * n + sum(ag(i) for i in fixed)
+        sum_rs = sum(rs(i) for i in g) * n + sum(rs(i) for i in fixed)
         a_f = self._t(1) * (sum_ag - ag(first))
         a_b = self._t(1) * (sum_ag - ag(last) + sum_rs - rs(first))
         fwd = self.layer_sum([u], lambda x: self._t(x.fwd_s))
@@ -382,7 +386,7 @@ class Model:
     def _window_bounds(self, r):
         d, ev = self.d, self.d.ev
         lo, hi = d.n_range[r]
-        vals = [self._t(ev.cost(d.blocks[0], a).bwd_s + ev.cost(d.blocks[0], a).recompute_s)
+        vals = [self._t(sum(ev.cost(i, x).bwd_s + ev.cost(i, x).recompute_s for i, x in zip(d.group, a)))
                 for a in d.acs] if d.blocks else [0.0]
         fixed = [[self._t(ev.cost(i, a).bwd_s + ev.cost(i, a).recompute_s) for a in d.fixed_acs[i]]
                  for i, rr in d.fixed_rank.items() if rr == r]
@@ -396,7 +400,7 @@ class Model:
         per_param = sum(ev.peak_static_bytes(1.0))  # at the activation peak (gradients may not exist yet)
         after_backward = sum(ev.static_bytes(1.0))  # every gradient, no activation
         self.rec_peak, self.uses_ac = {}, {}
-        nb = len(d.blocks)
+        nb = d.ngroups
         for r in range(d.pp):
             stages = _units_of(d, r)
             params = self.tab(r, lambda n, r=r: self._params(r, n))[0]
@@ -466,18 +470,18 @@ class Model:
             peak = self.rec_peak[r] = s.NumVar(0, self.inf, f"rec_peak[{r}]")
             edges = [(ev.lg.layers[i].kind, ev.cost(i, AC.NONE).param_numel) for i in d.fixed_rank
                      if d.fixed_rank[i] == r]
-            block = ev.cost(d.blocks[0], AC.NONE).param_numel if d.blocks else 0.0
+            group = [("block", ev.cost(i, AC.NONE).param_numel) for i in d.group]  # the kind of FSDP unit
             gathered = held = 0.0  # ZeRO-3 (costmodel.memory.fsdp_gathered_bytes): what a block's backward adds
             # (gathered blocks, the root's unsharded parameters and gradients) and what the loss's backward does
             if cfg.zero == 3 and cfg.data_ranks > 1:
 
-                def fsdp(n, edges=edges, block=block):
-                    return fsdp_gathered_bytes(cfg, [("block", block)] * n + edges)
+                def fsdp(n, edges=edges, group=group):
+                    return fsdp_gathered_bytes(cfg, group * n + edges)
 
                 gathered = self.tab(r, lambda n: self._b(fsdp(n)[0]))[0]
                 held = self._b(fsdp(d.n_range[r][0])[1])
             # the head's gradient, where no other gradient is held yet; FSDP's gradient buffers of the block
-            reduce = fsdp_reduce_bytes(cfg, [("block", block)] + edges) if d.blocks else 0.0
+            reduce = fsdp_reduce_bytes(cfg, group + edges) if d.blocks else 0.0
             gathered = gathered + self._b(head_grad_bytes(cfg, edges, d.m) + reduce)
             # a block's backward comes after the head's: that micro-batch's head activations are gone
             head_act = sum(self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a] for i, rr in d.fixed_rank.items()
@@ -487,11 +491,11 @@ class Model:
             block_peak = s.NumVar(0, self.inf, f"block_peak[{r}]") if zero_bubble else peak
             if d.blocks:
                 for a in d.acs:
-                    u = self.uses_ac[r, a] = s.BoolVar(f"uses_ac[{r},{a.value}]")
+                    u = self.uses_ac[r, a] = s.BoolVar(f"uses_ac[{r},{_name(a)}]")
                     for c in stages:
                         s.Add(self.blocks[c, a] <= nb * u)
-                    s.Add(block_peak >= self._b(ev.cost(d.blocks[0], a).backward_peak_bytes) * u + gathered
-                          - (0.0 if zero_bubble else head_act))
+                    s.Add(block_peak >= self._b(max(ev.cost(i, x).backward_peak_bytes for i, x in zip(d.group, a)))
+                          * u + gathered - (0.0 if zero_bubble else head_act))
             for i, rr in d.fixed_rank.items():
                 if rr != r:
                     continue
@@ -546,7 +550,8 @@ class Model:
         pairs = []
         for u, stages in enumerate(d.units):
             for a in d.acs:
-                pairs.append((self.blocks[u, a], sum(1 for i in d.blocks if stage_of[i] in stages and acs[i] == a)))
+                pairs.append((self.blocks[u, a], sum(1 for g in block_groups(d.ev.lg)
+                                                     if stage_of[g[0]] in stages and tuple(acs[i] for i in g) == a)))
         for i in d.pre + d.post:
             pairs += [(self.fixed_ac[i, a], 1.0 if acs[i] == a else 0.0) for a in d.fixed_acs[i]]
         pairs += [(self.compress["dp", k], 1.0 if k == grad else 0.0) for k in d.grad_opts]
@@ -569,12 +574,12 @@ class Model:
             assert len(chosen) == 1, f"layer {i}: {len(chosen)} AC modes chosen"
             acs[i] = chosen[0]
             stage_of[i] = 0 if i in d.pre else d.S - 1
-        # a unit's blocks are split evenly over its stages, AC modes in order (most activations first) onto the
+        # a unit's groups are split evenly over its stages, AC modes in order (most activations first) onto the
         # stages with the fewest micro-batches in flight first, which also take the extra ones: the rank then holds
         # no more than the ILP's average-weighted activations (rearrangement inequality). (Where the units are
         # stages, under ZeRO-3 or with vpp > 1, there is nothing to split.)
         cfg = d.cfg
-        per_stage: dict[int, list[AC]] = {}
+        per_stage: dict[int, list[tuple[AC, ...]]] = {}
         for u, stages in enumerate(d.units):
             modes = [a for a in d.acs for _ in range(round(self.blocks[u, a].solution_value()))]
             base, extra = divmod(len(modes), len(stages))
@@ -584,16 +589,21 @@ class Model:
             for rank_in_order, j in enumerate(order):
                 take = base + (1 if rank_in_order < extra else 0)
                 per_stage[stages[j]], k = modes[k:k + take], k + take
-        it = iter(d.blocks)
+        it = iter(block_groups(d.ev.lg))
         for c in range(d.S):
             for a in per_stage[c]:
-                i = next(it)
-                acs[i], stage_of[i] = a, c
+                for i, x in zip(next(it), a):
+                    acs[i], stage_of[i] = x, c
         assert next(it, None) is None and None not in acs, "every layer gets one AC and one stage"
         grad = [k for k in d.grad_opts if self.compress["dp", k].solution_value() > 0.5]
         ppc = [k for k in d.pp_opts if self.compress["pp", k].solution_value() > 0.5]
         assert len(grad) == 1 and len(ppc) == 1, "one compression per group"
         return acs, stage_of, grad[0], ppc[0]
+
+
+def _name(combo) -> str:
+    """A group's AC combination in a variable's name: its modes joined by '+'."""
+    return "+".join(a.value for a in combo)
 
 
 def _create_solver(backend: str | None):
@@ -620,11 +630,11 @@ def greedy(d: Data) -> tuple[list[AC], list[int]]:
     from costmodel.estimate import even_stages
 
     stage_of = even_stages(d.ev.lg, d.S) if d.blocks else [0] * len(d.ev.lg.layers)
-    for a in d.acs:
+    for a in d.modes:
         acs = [a] * len(stage_of)
         if d.ev.evaluate(acs, stage_of).fits:
             return acs, stage_of
-    return [d.acs[-1]] * len(stage_of), stage_of
+    return [d.modes[-1]] * len(stage_of), stage_of
 
 
 def solve(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *, time_limit: float = 10.0,

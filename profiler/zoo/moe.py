@@ -73,6 +73,9 @@ class MoEConfig:
     """The first blocks with a dense SwiGLU feed-forward instead of experts (DeepSeek-V3's first_k_dense_replace)."""
     dense_ffn: int = 0
     """Inner width of those dense feed-forwards (0: top_k · ffn, the width an MoE block activates per token)."""
+    moe_every: int = 1
+    """After the ``dense_layers``, every ``moe_every``-th block has experts and the others a dense feed-forward
+    (Llama 4's ``interleave_moe_layer_step``: 2 alternates dense and MoE blocks, the MoE one second)."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "experts", "top_k"):
@@ -95,6 +98,13 @@ class MoEConfig:
                              f"block has experts")
         if self.dense_ffn < 0:
             raise ValueError(f"dense_ffn={self.dense_ffn} must be >= 0 (0: top_k * ffn)")
+        if not 1 <= self.moe_every <= self.layers - self.dense_layers:
+            raise ValueError(f"moe_every={self.moe_every} must be in [1, layers - dense_layers = "
+                             f"{self.layers - self.dense_layers}]: at least one block has experts")
+
+    def is_dense(self, i: int) -> bool:
+        """Whether block ``i`` has a dense feed-forward (``dense_layers``, ``moe_every``) rather than experts."""
+        return i < self.dense_layers or (i - self.dense_layers) % self.moe_every != self.moe_every - 1
 
     @property
     def head_dim(self) -> int:
@@ -296,7 +306,7 @@ class MoEFeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """x + attention(norm(x)), then x + moe(norm(x)) (a dense SwiGLU in the first ``dense_layers`` blocks)."""
+    """x + attention(norm(x)), then x + moe(norm(x)) (a dense SwiGLU where `MoEConfig.is_dense`)."""
 
     def __init__(self, config: MoEConfig, dense: bool = False):
         super().__init__()
@@ -322,7 +332,7 @@ class MoETransformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab, config.hidden)
-        self.layers = nn.ModuleList(TransformerBlock(config, i < config.dense_layers) for i in range(config.layers))
+        self.layers = nn.ModuleList(TransformerBlock(config, config.is_dense(i)) for i in range(config.layers))
         self.norm = RMSNorm(config.hidden, config.norm_eps)
         self.output = nn.Linear(config.hidden, config.vocab, bias=False)
         if config.tie_embeddings:
