@@ -145,7 +145,7 @@ def _attention_widths(arch: dict) -> tuple[int, int]:
 
 
 def split_layers(lg: LayerGraph) -> tuple[list[int], list[int], list[int]]:
-    """(pre, blocks, post): the layers the ILP counts as interchangeable groups of blocks are the longest run of
+    """(pre, blocks, post): the layers the ILP counts as interchangeable groups of blocks are the run of the most
     whole periods of one pattern of block signatures (`block_period`: 1 for a model whose blocks are alike, 2 for
     one that alternates dense and MoE blocks, 6 for five local attention blocks and a global one); every layer
     before it is fixed on the first stage with the embedding, every layer after it on the last stage with the head.
@@ -172,6 +172,20 @@ def block_groups(lg: LayerGraph) -> list[list[int]]:
 MAX_PERIOD = 8
 
 
+def _first_of_signature(lg: LayerGraph) -> dict[str, int]:
+    """Block signature → the index of the first block with it (`Evaluator.cost`'s representative)."""
+    return _firsts(tuple(layer.signature if layer.kind == "block" else None for layer in lg.layers))
+
+
+@functools.lru_cache(maxsize=256)
+def _firsts(sig: tuple) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for i, s in enumerate(sig):
+        if s is not None:
+            out.setdefault(s, i)
+    return out
+
+
 def _split(lg: LayerGraph) -> tuple[list[int], list[int], list[int], int]:
     lo, hi, p = _run(tuple(layer.signature if layer.kind == "block" else None for layer in lg.layers))
     n = len(lg.layers)
@@ -180,9 +194,10 @@ def _split(lg: LayerGraph) -> tuple[list[int], list[int], list[int], int]:
 
 @functools.lru_cache(maxsize=256)
 def _run(sig: tuple) -> tuple[int, int, int]:
-    """(start, end, period) of the run of whole periods (at least two of a period > 1) covering the most blocks
-    (then the most groups, then the smaller period, then the earlier run); (n, n, 1) when there is no block.
-    Cached: the search asks per candidate."""
+    """(start, end, period) of the run of whole periods (at least two of a period > 1) with the most groups (the
+    most stages it can be cut into; then the most blocks, then the smaller period, then the later run, which leaves
+    a period's remainder beside the embedding rather than the head); (n, n, 1) when there is no block. Cached: the
+    search asks per candidate."""
     n = len(sig)
     best, key = (n, n, 1), (0, 0, 0, 0)
     for p in range(1, MAX_PERIOD + 1):
@@ -195,7 +210,7 @@ def _run(sig: tuple) -> tuple[int, int, int]:
             groups = (j - i) // p
             if p > 1 and groups < 2:
                 continue  # one group is no pattern: its blocks are as well fixed beside the embedding or head
-            k = (groups * p, groups, -p, -i)
+            k = (groups, groups * p, -p, i)
             if k > key:
                 best, key = (i, i + groups * p, p), k
     return best
@@ -299,9 +314,14 @@ class Evaluator:
 
     # -- per-layer and per-boundary pieces (the ILP's coefficients) ------------------------------------------
     def cost(self, i: int, ac: AC) -> LayerCost:
+        """Layer ``i``'s costs at AC mode ``ac``. Blocks of one signature cost the same: the first of them in the
+        model's order is costed for all (its captured input may hold tensors every block reads, such as rotary
+        tables, counted once), whatever order the layers are asked for in."""
         layer = self.lg.layers[i]
         if layer.kind != "block":
             ac = AC.NONE  # the runtime checkpoints blocks only (planner.emit.runtime.apply_ac)
+        else:
+            layer = self.lg.layers[_first_of_signature(self.lg)[layer.signature]]
         key = (layer.signature, layer.name if layer.kind != "block" else "", ac)
         if key not in self._cache:
             c = layer_cost(layer, ac, self.ctx, self.owned[layer.name])

@@ -27,8 +27,10 @@ MODELS = ("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128", "gpt:layers=3,hidde
           "moe:layers=3,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=128,seq=32,experts=4,top_k=2")
 #: two block kinds: a dense block, then three MoE blocks (the zoo's DeepSeek-style ``dense_layers``)
 TWO_KINDS = "moe:layers=5,hidden=64,heads=4,kv_heads=2,ffn=32,vocab=64,seq=64,experts=4,top_k=2,dense_layers=1"
-#: two kinds that alternate: dense, MoE, dense, MoE, … (the zoo's Llama 4-style ``moe_every``): groups of two blocks
-ALTERNATING = "moe:layers=6,hidden=64,heads=4,kv_heads=2,ffn=32,vocab=64,seq=64,experts=4,top_k=2,moe_every=2"
+#: two kinds that alternate after a leading block of one of them: dense, then dense, MoE, dense, MoE, … (the zoo's
+#: ``dense_layers`` and Llama 4-style ``moe_every``): groups of two blocks, the first dense block beside the embedding
+ALTERNATING = ("moe:layers=7,hidden=64,heads=4,kv_heads=2,ffn=32,vocab=64,seq=64,experts=4,top_k=2,moe_every=2,"
+               "dense_layers=1")
 
 
 @cache
@@ -257,8 +259,10 @@ def brute_force_groups(lg, cl, cfg, gb, grad_opts, pp_opts, acs):
 @pytest.mark.parametrize("seed", range(16))
 def test_alternating_block_kinds_equal_brute_force(seed):
     """Dense and MoE blocks that alternate are counted in groups of the pattern (dense, MoE): stages are cut between
-    groups, and each kind in a group takes its own AC mode. The ILP equals the brute force over every such plan
-    (no or full AC), and the outer search's bound stays below it."""
+    groups, and each kind in a group takes its own AC mode; a leading dense block stays beside the embedding with
+    the cost of its kind's first block (`Evaluator.cost`), in whichever order the ILP's data asks for costs. The
+    ILP equals the brute force over every such plan (no or full AC), and the outer search's bound stays below
+    it."""
     from planner.search.bounds import Bounds
 
     lg, cl, cfg, gb, grad_opts, pp_opts = random_problem(seed, ALTERNATING, floor=0.0)

@@ -51,9 +51,10 @@ Constraint families, one function each:
    nb·uses_ac[r, a], the same for a fixed block of another kind at its chosen mode, and rec_peak[r] ≥ the
    embedding's and head's own; PowerSGD's error buffer is gated by its compress binary.
 
-Decode (`decode`) assigns blocks in order (stage 0 first; within a stage AC modes in the order none, selective,
-full), checks one AC per layer, contiguous non-empty stages and memory, and re-evaluates with
-`Evaluator.evaluate`; the solver's objective must agree with it to 1e-6 relative: that is the consistency proof.
+Decode (`decode`) assigns blocks (groups) in order (stage 0 first; within a stage AC modes in the order of
+`ilp_data.group_modes`, most activations first: none, selective, full for alike blocks), checks one AC per layer,
+contiguous non-empty stages and memory, and re-evaluates with `Evaluator.evaluate`; the solver's objective must
+agree with it to 1e-6 relative: that is the consistency proof.
 """
 
 from __future__ import annotations

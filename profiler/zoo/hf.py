@@ -18,6 +18,7 @@ from them; to run other code on them, re-enter it with ``torch._guards.detect_fa
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 
 import torch
@@ -227,19 +228,106 @@ def grouped_mm_on_fake_fp32():
     """Hugging Face MoE experts on fake fp32 tensors (`autopar check`'s trace; the pipeline split rule's fake run of
     an fp32 plan's model): transformers runs ``grouped_mm`` through torch's kernel wherever torch has one (CPU
     included, fp32 too), but torch 2.13's meta function for it accepts bf16 only, so on fake fp32 tensors it
-    raises. There transformers' own fallback op (registered with a fake implementation; its FLOPs counted by
-    `count_grouped_mm`, registered here too) runs instead: the same shapes and FLOPs as a bf16 GPU run's kernel."""
+    raises. There `_masked_grouped_mm` runs instead: the same shapes and FLOPs as torch's kernel, and like its
+    backward (``GroupedMmBackward0``) it computes only the gradients autograd asks for. transformers' own fallback
+    op computes both every time, so under zero-bubble's split backward (the input pass asks for the input's
+    gradient, the weight pass for the weights') it would trace each expert GEMM's backward twice."""
     moe = sys.modules.get("transformers.integrations.moe")
-    if moe is None or not hasattr(moe, "_can_use_grouped_mm"):
+    if moe is None or not hasattr(moe, "_grouped_mm") or not hasattr(moe, "_can_use_grouped_mm"):
         yield
         return
-    count_grouped_mm()  # (an emitted script's model, built by its own code, never went through profiler.zoo.hf)
-    saved = moe._can_use_grouped_mm
-    moe._can_use_grouped_mm = lambda input, weight, offs: weight.dtype == torch.bfloat16 and saved(input, weight, offs)
+    _register_masked_grouped_mm()
+    saved = moe._grouped_mm
+
+    def routed(input, weight, offs):
+        if weight.dtype == torch.bfloat16 and moe._can_use_grouped_mm(input, weight, offs):
+            return saved(input, weight, offs)
+        return torch.ops.autopar.masked_grouped_mm(input.to(weight.dtype), weight, offs)
+
+    moe._grouped_mm = routed
     try:
         yield
     finally:
-        moe._can_use_grouped_mm = saved
+        moe._grouped_mm = saved
+
+
+def _grouped_loop(a: torch.Tensor, b_of, offs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(a[start:end], b_of(e), out=out[start:end])
+        start = end
+    return out
+
+
+@functools.cache
+def _register_masked_grouped_mm() -> None:
+    """Register ``autopar::masked_grouped_mm`` (input [S, in], weight [E, in, out], offs [E] → [S, out]) and its two
+    gradient ops, each with a fake implementation and its FLOPs (2·S·in·out each)."""
+    from torch.utils.flop_counter import register_flop_formula
+
+    lib = "autopar::masked_grouped_mm"
+
+    @torch.library.custom_op(lib, mutates_args=())
+    def fwd(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        out = input.new_zeros(input.shape[0], weight.shape[2])
+        return _grouped_loop(input, lambda e: weight[e], offs, out)
+
+    @fwd.register_fake
+    def _(input, weight, offs):
+        return input.new_empty(input.shape[0], weight.shape[2])
+
+    @torch.library.custom_op(lib + "_grad_input", mutates_args=())
+    def grad_input(grad: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        out = grad.new_zeros(grad.shape[0], weight.shape[1])
+        return _grouped_loop(grad, lambda e: weight[e].T, offs, out)
+
+    @grad_input.register_fake
+    def _(grad, weight, offs):
+        return grad.new_empty(grad.shape[0], weight.shape[1])
+
+    @torch.library.custom_op(lib + "_grad_weight", mutates_args=())
+    def grad_weight(input: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor, experts: int) -> torch.Tensor:
+        out = input.new_zeros(experts, input.shape[1], grad.shape[1])
+        start = 0
+        for e, end in enumerate(offs.tolist()):
+            if end > start:
+                torch.mm(input[start:end].T, grad[start:end], out=out[e])
+            start = end
+        return out
+
+    @grad_weight.register_fake
+    def _(input, grad, offs, experts):
+        return input.new_empty(experts, input.shape[1], grad.shape[1])
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], inputs[1])
+        ctx.offs = inputs[2]
+
+    def wanted(ctx, i: int) -> bool:
+        # what a native node's output mask says (torch's task_should_compute_output): the input's gradient edge
+        # leads somewhere this backward runs (`_will_engine_execute_node`, as register_multi_grad_hook asks it)
+        if not ctx.needs_input_grad[i]:
+            return False
+        node = ctx.next_functions[i][0]
+        try:
+            return node is not None and torch._C._will_engine_execute_node(node)
+        except RuntimeError:  # a leaf under autograd.grad, which torch cannot say of: computed, as the fallback does
+            return True
+
+    def backward(ctx, grad):
+        input, weight = ctx.saved_tensors
+        gi = grad_input(grad, weight, ctx.offs) if wanted(ctx, 0) else None
+        gw = grad_weight(input, grad, ctx.offs, weight.shape[0]) if wanted(ctx, 1) else None
+        return gi, gw, None
+
+    fwd.register_autograd(backward, setup_context=setup_context)
+    register_flop_formula(torch.ops.autopar.masked_grouped_mm)(
+        lambda a, b, offs, *_, out_shape=None, **__: 2 * a[0] * a[1] * b[-1])
+    register_flop_formula(torch.ops.autopar.masked_grouped_mm_grad_input)(
+        lambda g, b, offs, *_, out_shape=None, **__: 2 * g[0] * g[1] * b[1])
+    register_flop_formula(torch.ops.autopar.masked_grouped_mm_grad_weight)(
+        lambda a, g, offs, *_, out_shape=None, **__: 2 * a[0] * a[1] * g[1])
 
 
 @contextlib.contextmanager
