@@ -203,13 +203,18 @@ def test_two_block_kinds_equal_brute_force(seed):
     """A dense block before four MoE blocks: the ILP (the dense block fixed with the embedding, the MoE blocks
     counted) equals the brute force over every assignment of no or full AC and every split of the MoE run, and the
     outer search's bound stays below it."""
-    from planner.search.bounds import Bounds
-
     lg, cl, cfg, gb, grad_opts, pp_opts = random_problem(seed, TWO_KINDS, floor=0.0)
     pre, run, _ = split_layers(lg)
     assert [lg.layers[i].kind for i in pre] == ["embed", "block"] and len(run) == 4
     acs = (AC.NONE, AC.FULL)
-    expected = brute_force(lg, cl, cfg, gb, grad_opts, pp_opts, acs)
+    assert_optimum_and_bound(lg, cl, cfg, gb, grad_opts, pp_opts, acs,
+                             brute_force(lg, cl, cfg, gb, grad_opts, pp_opts, acs))
+
+
+def assert_optimum_and_bound(lg, cl, cfg, gb, grad_opts, pp_opts, acs, expected):
+    """The ILP's optimum is ``expected`` (infeasible when it is None), and the outer search's bound is below it."""
+    from planner.search.bounds import Bounds
+
     bound = Bounds(lg, cl, gb, {}, grad_opts=grad_opts).time(cfg, refine=True)
     if expected is None:
         with pytest.raises(ilp.Infeasible):
@@ -263,22 +268,12 @@ def test_alternating_block_kinds_equal_brute_force(seed):
     the cost of its kind's first block (`Evaluator.cost`), in whichever order the ILP's data asks for costs. The
     ILP equals the brute force over every such plan (no or full AC), and the outer search's bound stays below
     it."""
-    from planner.search.bounds import Bounds
-
     lg, cl, cfg, gb, grad_opts, pp_opts = random_problem(seed, ALTERNATING, floor=0.0)
     groups = block_groups(lg)
     assert len(groups) == 3 and all(len({lg.layers[i].signature for i in g}) == 2 for g in groups)
     acs = (AC.NONE, AC.FULL)
-    expected = brute_force_groups(lg, cl, cfg, gb, grad_opts, pp_opts, acs)
-    bound = Bounds(lg, cl, gb, {}, grad_opts=grad_opts).time(cfg, refine=True)
-    if expected is None:
-        with pytest.raises(ilp.Infeasible):
-            ilp.solve(lg, cl, cfg, gb, grad_opts=grad_opts, pp_opts=pp_opts, acs=acs)
-        return
-    sol = ilp.solve(lg, cl, cfg, gb, grad_opts=grad_opts, pp_opts=pp_opts, acs=acs)
-    assert sol.status == "OPTIMAL"
-    assert sol.objective == pytest.approx(expected, rel=1e-6), (cfg, sol.config, sol.acs, sol.stage_of)
-    assert bound <= sol.objective * (1 + 1e-9)
+    assert_optimum_and_bound(lg, cl, cfg, gb, grad_opts, pp_opts, acs,
+                             brute_force_groups(lg, cl, cfg, gb, grad_opts, pp_opts, acs))
 
 
 @pytest.mark.parametrize("seed", range(60))
