@@ -547,14 +547,23 @@ class Model:
 
     # -- hint, solve, decode ---------------------------------------------------------------------------------
     def hint(self, acs: list[AC], stage_of: list[int], grad: str, ppc: str) -> None:
-        d = self.d
+        """A warm start from a plan; each layer's mode is read as the offered one that costs the same (a mode
+        dropped as costing what another does, `ilp_data.group_modes`, is that other one)."""
+        d, ev = self.d, self.d.ev
+
+        def offered(layers, modes, options):
+            costs = [ev.cost(i, a) for i, a in zip(layers, modes)]
+            return next((o for o in options if [ev.cost(i, a) for i, a in zip(layers, o)] == costs), None)
+
         pairs = []
+        chosen = [offered(g, [acs[i] for i in g], d.acs) for g in block_groups(ev.lg)]
         for u, stages in enumerate(d.units):
             for a in d.acs:
-                pairs.append((self.blocks[u, a], sum(1 for g in block_groups(d.ev.lg)
-                                                     if stage_of[g[0]] in stages and tuple(acs[i] for i in g) == a)))
+                pairs.append((self.blocks[u, a], sum(1 for g, c in zip(block_groups(ev.lg), chosen)
+                                                     if stage_of[g[0]] in stages and c == a)))
         for i in d.pre + d.post:
-            pairs += [(self.fixed_ac[i, a], 1.0 if acs[i] == a else 0.0) for a in d.fixed_acs[i]]
+            mode = offered([i], [acs[i]], [(a,) for a in d.fixed_acs[i]])
+            pairs += [(self.fixed_ac[i, a], 1.0 if mode == (a,) else 0.0) for a in d.fixed_acs[i]]
         pairs += [(self.compress["dp", k], 1.0 if k == grad else 0.0) for k in d.grad_opts]
         pairs += [(self.compress["pp", k], 1.0 if k == ppc else 0.0) for k in d.pp_opts]
         self.solver.SetHint([v for v, _ in pairs], [float(x) for _, x in pairs])
