@@ -228,10 +228,11 @@ def grouped_mm_on_fake_fp32():
     """Hugging Face MoE experts on fake fp32 tensors (`autopar check`'s trace; the pipeline split rule's fake run of
     an fp32 plan's model): transformers runs ``grouped_mm`` through torch's kernel wherever torch has one (CPU
     included, fp32 too), but torch 2.13's meta function for it accepts bf16 only, so on fake fp32 tensors it
-    raises. There `_masked_grouped_mm` runs instead: the same shapes and FLOPs as torch's kernel, and like its
-    backward (``GroupedMmBackward0``) it computes only the gradients autograd asks for. transformers' own fallback
-    op computes both every time, so under zero-bubble's split backward (the input pass asks for the input's
-    gradient, the weight pass for the weights') it would trace each expert GEMM's backward twice."""
+    raises. There ``autopar::masked_grouped_mm`` (`_register_masked_grouped_mm`) runs instead: the same shapes and
+    FLOPs as torch's kernel, and like its backward (``GroupedMmBackward0``) it computes only the gradients autograd
+    asks for. transformers' own fallback op computes both every time, so under zero-bubble's split backward (the
+    input pass asks for the input's gradient, the weight pass for the weights') it would trace each expert GEMM's
+    backward twice."""
     moe = sys.modules.get("transformers.integrations.moe")
     if moe is None or not hasattr(moe, "_grouped_mm") or not hasattr(moe, "_can_use_grouped_mm"):
         yield
