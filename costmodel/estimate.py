@@ -172,9 +172,14 @@ def block_groups(lg: LayerGraph) -> list[list[int]]:
 MAX_PERIOD = 8
 
 
+def _block_signatures(lg: LayerGraph) -> tuple:
+    """Each layer's signature, None for a layer that is not a block: the key of the cached functions below."""
+    return tuple(layer.signature if layer.kind == "block" else None for layer in lg.layers)
+
+
 def _first_of_signature(lg: LayerGraph) -> dict[str, int]:
     """Block signature → the index of the first block with it (`Evaluator.cost`'s representative)."""
-    return _firsts(tuple(layer.signature if layer.kind == "block" else None for layer in lg.layers))
+    return _firsts(_block_signatures(lg))
 
 
 @functools.lru_cache(maxsize=256)
@@ -187,7 +192,7 @@ def _firsts(sig: tuple) -> dict[str, int]:
 
 
 def _split(lg: LayerGraph) -> tuple[list[int], list[int], list[int], int]:
-    lo, hi, p = _run(tuple(layer.signature if layer.kind == "block" else None for layer in lg.layers))
+    lo, hi, p = _run(_block_signatures(lg))
     n = len(lg.layers)
     return list(range(lo)), list(range(lo, hi)), list(range(hi, n)), p
 
@@ -219,8 +224,7 @@ def _run(sig: tuple) -> tuple[int, int, int]:
 def stage_blocks_problem(lg: LayerGraph, n_stages: int) -> str:
     """Why ``n_stages`` pipeline stages cannot each get a group of `split_layers`' run ('' when they can): the one
     message of the ILP and the outer search."""
-    run, p = len(split_layers(lg)[1]), block_period(lg)
-    groups = run // p if p else 0
+    run, p, groups = len(split_layers(lg)[1]), block_period(lg), len(block_groups(lg))
     if n_stages <= 1 or n_stages <= groups:
         return ""
     total = sum(1 for layer in lg.layers if layer.kind == "block")

@@ -68,7 +68,7 @@ from costmodel.cluster import Cluster
 from costmodel.collectives import all_gather_time, reduce_scatter_time
 from costmodel.compression import compressed_grad_comm
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
-from costmodel.estimate import Estimate, Evaluator, block_groups
+from costmodel.estimate import Estimate, Evaluator
 from costmodel.memory import (
     FRAGMENTATION,
     dp_reduction_temp_bytes,
@@ -556,10 +556,10 @@ class Model:
             return next((o for o in options if [ev.cost(i, a) for i, a in zip(layers, o)] == costs), None)
 
         pairs = []
-        chosen = [offered(g, [acs[i] for i in g], d.acs) for g in block_groups(ev.lg)]
+        chosen = [offered(g, [acs[i] for i in g], d.acs) for g in d.groups]
         for u, stages in enumerate(d.units):
             for a in d.acs:
-                pairs.append((self.blocks[u, a], sum(1 for g, c in zip(block_groups(ev.lg), chosen)
+                pairs.append((self.blocks[u, a], sum(1 for g, c in zip(d.groups, chosen)
                                                      if stage_of[g[0]] in stages and c == a)))
         for i in d.pre + d.post:
             mode = offered([i], [acs[i]], [(a,) for a in d.fixed_acs[i]])
@@ -599,7 +599,7 @@ class Model:
             for rank_in_order, j in enumerate(order):
                 take = base + (1 if rank_in_order < extra else 0)
                 per_stage[stages[j]], k = modes[k:k + take], k + take
-        it = iter(block_groups(d.ev.lg))
+        it = iter(d.groups)
         for c in range(d.S):
             for a in per_stage[c]:
                 for i, x in zip(next(it), a):

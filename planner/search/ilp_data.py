@@ -40,9 +40,8 @@ class Data:
     slow: float
     pre: list[int]
     post: list[int]
-    blocks: list[int]  #: the run's layers (`split_layers`), counted in groups (`block_groups`)
-    group: list[int]  #: the run's first group: its layers stand for every group's (all groups are alike)
-    ngroups: int  #: groups in the run: what the ILP counts per stage
+    blocks: list[int]  #: the run's layers (`split_layers`), counted in groups
+    groups: list[list[int]]  #: the run's groups (`block_groups`): what the ILP counts per stage
     acs: tuple[tuple[AC, ...], ...]  #: AC combinations offered to a group: one mode per layer of `group`
     modes: tuple[AC, ...]  #: the AC modes offered
     fixed_acs: dict  #: pre/post layer → AC modes offered to it
@@ -56,6 +55,15 @@ class Data:
     time_unit: float
     mem_unit: float
     evs: dict  #: grad option → evaluator with that compression
+
+    @property
+    def group(self) -> list[int]:
+        """The run's first group: its layers stand for every group's (all groups are alike)."""
+        return self.groups[0] if self.groups else []
+
+    @property
+    def ngroups(self) -> int:
+        return len(self.groups)
 
 
 def _evaluator(lg, cluster, cfg, global_batch, cache):
@@ -71,7 +79,7 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
     kinds = [layer.kind for layer in lg.layers]
     pre, blocks, post = split_layers(lg)
     groups = block_groups(lg)
-    group, nb = (groups[0] if groups else []), len(groups)
+    group, nb = (groups[0] if groups else []), len(groups)  # (as `Data.group`, `Data.ngroups`)
     if why := stage_blocks_problem(lg, S):
         raise NotSupportedError(f"{lg.model.name}: {why}")
     # offer an AC mode only when it changes the layer's costs (selective on a layer without an attention core is
@@ -116,7 +124,7 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
     # units: the even, no-recompute step for time, capacity/1000 for memory (solver tolerances become relative)
     t_ref = sum(ev.cost(i, AC.NONE).fwd_s + ev.cost(i, AC.NONE).bwd_s for i in range(len(kinds))) * ev.m
     return Data(ev=ev, cfg=cfg, S=S, pp=cfg.pp, m=ev.m, phi=pipeline_factor(cfg.schedule, cfg.vpp),
-                slow=cluster.device.overlap_slowdown, pre=pre, post=post, blocks=blocks, group=group, ngroups=nb,
+                slow=cluster.device.overlap_slowdown, pre=pre, post=post, blocks=blocks, groups=groups,
                 acs=block_acs, modes=tuple(a for a in AC_ORDER if a in acs),
                 fixed_acs=fixed_acs,
                 grad_opts=tuple(grad_opts), pp_opts=pp_opts, p2p=p2p, buffers=buffers, n_range=n_range,
