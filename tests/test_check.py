@@ -438,3 +438,16 @@ def test_interleaved_peak_with_chunks_of_different_weight():
     for role in check_plan(plan)["roles"]:
         predicted, traced = role["predicted"]["memory"]["peak"], role["traced"]["memory"]["peak"]
         assert 0.95 * traced <= predicted <= 1.12 * traced, (role["ranks"], predicted, traced)
+
+
+def test_gradients_ddp_leaves_alone_outlive_the_step():
+    """With any DDP module the runtime zeroes gradients in place (`planner.emit.train.zeroes_grads_in_place`), so
+    the experts' gradients, which DDP ignores (they reduce over edp), are held from the step's start as DDP's
+    buckets are. The trace dropped them and took them for bucket views, untracked, and labelled the buckets'
+    placeholders temporaries: the first stage's gradients traced 0 B of the 6.9 GiB priced, its peak 9.3 % under
+    (a 4-block MoE at seq 8192, dp4 pp2 ep4 1F1B)."""
+    model = "moe:layers=4,hidden=1024,heads=8,kv_heads=4,ffn=2048,vocab=32000,seq=512,experts=8,top_k=1"
+    plan = plan_from_config(model, "dgx-h100:nodes=1", 32, "pp=2,dp=4,ep=4,mbs=2,schedule=1f1b,zero=0")
+    for role in check_plan(plan)["roles"]:
+        assert role["errors"]["memory"]["grads"] <= 0.01, (role["stage"], role["errors"]["memory"])
+        assert role["errors"]["memory"]["peak"] <= 0.05, (role["stage"], role["errors"]["memory"])

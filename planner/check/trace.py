@@ -212,6 +212,7 @@ class _CategoryPeaks(MemTracker):
             for st in sts:
                 if self._WINFO.get(st) is None and self.buckets.get(st.nbytes()):
                     self.buckets[st.nbytes()].pop()
+                    reftype = _MemRefType.GRAD  # (what the placeholder was)
         super()._track(reftype, t)
 
     def _update_and_maybe_create_winfos(self, t: torch.Tensor, reftype, update_existing: bool = False) -> set:
@@ -231,7 +232,8 @@ class _CategoryPeaks(MemTracker):
         of its size then."""
         for size in sizes:
             t = torch.empty(size, dtype=torch.uint8)
-            self._update_and_maybe_create_winfos(t, _MemRefType.GRAD)
+            # (torch's own labelling: no parameter's .grad is the placeholder, which ours would call a temporary)
+            MemTracker._update_and_maybe_create_winfos(self, t, _MemRefType.GRAD)
             self.buckets.setdefault(size, []).append(t)
 
     def _pre_fw_hook(self, module, inputs) -> None:
@@ -453,7 +455,7 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         ep_ranks = tuple(dist.get_process_group_ranks(mesh["ep"].get_group())) if config.get("ep", 1) > 1 else None
         counter = _Collectives(_mesh_groups(mesh), ep_ranks)
         with fake:  # the optimizer state a steady-state step holds (AdamW creates it at its first step)
-            _create_optimizer_state(par, optimizer)
+            _create_optimizer_state(par, optimizer, getattr(tr, "zeroes_grads_in_place", train.zeroes_grads_in_place)(par))
         tracker = _CategoryPeaks(config["block_container"])
         tracker.params = [p for m in par.modules for p in m.parameters()]
         # (a DTensor's local shard is real too where the part is not all DTensors: tensor parallelism without
@@ -719,23 +721,24 @@ def _ddp_bucket_sizes(par) -> list[int]:
     return sizes
 
 
-def _create_optimizer_state(par, optimizer) -> None:
+def _create_optimizer_state(par, optimizer, in_place: bool) -> None:
     """One optimizer step on zero gradients: the state (AdamW's moments, ZeRO-1's shard of them) exists as it does
-    from the second training step on. The gradients are dropped, but DDP's: from the second step on they are views
-    into its buckets (the runtime zeroes them in place, `planner.emit.train.train_step_loss`), so micro-batches
-    accumulate into them and the step does not synchronise its first one to attach them; marked, as memory that
-    `_CategoryPeaks.hold_buckets` already holds."""
+    from the second training step on. The gradients then are as a step finds them: dropped where the runtime frees
+    them, kept where it zeroes them in place (``in_place``: `planner.emit.train.zeroes_grads_in_place`, with any DDP
+    module; then the gradients DDP does not reduce, say the experts', outlive the step too). DDP's own are views into
+    its buckets from the second step on, so micro-batches accumulate into them and the step does not synchronise
+    its first one to attach them; marked, as memory that `_CategoryPeaks.hold_buckets` already holds."""
     params = [p for m in par.modules for p in m.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer.step()
     ddp = {id(p) for m in par.modules if isinstance(m, torch.nn.parallel.DistributedDataParallel)
-           for p in m.parameters()}
+           for name, p in m.module.named_parameters() if name not in m.parameters_to_ignore}  # (what its buckets hold)
     for p in params:
-        if id(p) not in ddp:
-            p.grad = None
-        else:  # marked, not listed: a second reference would make autograd accumulate out of place
+        if id(p) in ddp:  # marked, not listed: a second reference would make autograd accumulate out of place
             p.grad._autopar_bucket_view = True
+        elif not in_place:
+            p.grad = None
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

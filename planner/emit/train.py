@@ -151,6 +151,14 @@ def train_step(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Te
     return train_step_loss(par, optimizer, inputs, labels).item()
 
 
+def zeroes_grads_in_place(par: Parallel) -> bool:
+    """Whether a step zeroes the gradients in place, so that every gradient (not only DDP's) outlives the step, rather
+    than freeing them. DDP's gradients are views into its reduction buckets (gradient_as_bucket_view): zeroed in
+    place they stay views; set to None, the next no_sync micro-batches would build a second copy of every gradient
+    beside the buckets."""
+    return any(isinstance(m, DDP) for m in par.modules)
+
+
 def train_step_loss(par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor | None,
                     labels: torch.Tensor | None) -> torch.Tensor:
     """`train_step` up to its loss, a 0-dim tensor on the device (no host synchronisation: `autopar check` runs this
@@ -169,9 +177,7 @@ def train_step_loss(par: Parallel, optimizer: torch.optim.Optimizer, inputs: tor
         if plan["cp"] > 1:  # this rank's two chunks of every sequence (the positions `apply_cp` gave the model)
             inputs, labels = context_tokens(par, inputs), context_tokens(par, labels)
         x, y = inputs.to(device), labels.to(device)
-    # DDP's gradients are views into its reduction buckets (gradient_as_bucket_view): zeroed in place they stay views;
-    # set to None, the next no_sync micro-batches would build a second copy of every gradient beside the buckets
-    optimizer.zero_grad(set_to_none=not any(isinstance(m, DDP) for m in par.modules))
+    optimizer.zero_grad(set_to_none=not zeroes_grads_in_place(par))
     with autocast(plan, device), loss_context(plan):
         if plan["pp"] > 1:
             n_stages = plan["pp"] * plan["vpp"]

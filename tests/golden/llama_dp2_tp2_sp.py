@@ -1132,6 +1132,14 @@ def train_step(
     return train_step_loss(par, optimizer, inputs, labels).item()
 
 
+def zeroes_grads_in_place(par: Parallel) -> bool:
+    """Whether a step zeroes the gradients in place, so that every gradient (not only DDP's) outlives the step, rather
+    than freeing them. DDP's gradients are views into its reduction buckets (gradient_as_bucket_view): zeroed in
+    place they stay views; set to None, the next no_sync micro-batches would build a second copy of every gradient
+    beside the buckets."""
+    return any(isinstance(m, DDP) for m in par.modules)
+
+
 def train_step_loss(
     par: Parallel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor | None, labels: torch.Tensor | None
 ) -> torch.Tensor:
@@ -1151,9 +1159,7 @@ def train_step_loss(
                 f"rows) or this data-parallel rank's rows of it ({plan['global_batch'] // plan['dp']})"
             )
         x, y = inputs.to(device), labels.to(device)
-    # DDP's gradients are views into its reduction buckets (gradient_as_bucket_view): zeroed in place they stay views;
-    # set to None, the next no_sync micro-batches would build a second copy of every gradient beside the buckets
-    optimizer.zero_grad(set_to_none=not any(isinstance(m, DDP) for m in par.modules))
+    optimizer.zero_grad(set_to_none=not zeroes_grads_in_place(par))
     with autocast(plan, device), loss_context(plan):
         local = torch.zeros((), device=device)
         module, n = par.modules[0], plan["grad_accum"]
