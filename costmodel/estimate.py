@@ -43,7 +43,7 @@ from costmodel.memory import (
     dp_reduction_temp_bytes,
     fsdp_gathered_bytes,
     fsdp_reduce_bytes,
-    grads_held_at_peak,
+    grads_always_held,
     head_grad_bytes,
     held_states,
     inflight_chunks,
@@ -432,9 +432,10 @@ class Evaluator:
         return (4.0 / dp, 4.0 / dp, 8.0 / dp) if self.cfg.zero >= 2 and dp > 1 else (0.0, 0.0, 0.0)
 
     def peak_static_bytes(self, params: float, extra: float = 0.0) -> tuple[float, float, float]:
-        """`static_bytes` at the activation peak, where gradients may not exist yet (`grads_held_at_peak`)."""
+        """`static_bytes` held at every state of the activation peak: the gradients only where they outlive the step
+        (`grads_always_held`); elsewhere a state holds them when a backward ran before it (`held_states`)."""
         p, g, k = self.static_bytes(params, extra)
-        return p, (g if grads_held_at_peak(self.cfg, self.m) else 0.0), k
+        return p, (g if grads_always_held(self.cfg) else 0.0), k
 
     # -- composition -----------------------------------------------------------------------------------------
     def evaluate(self, acs: list[AC] | None = None, stage_of: list[int] | None = None) -> Estimate:
@@ -521,7 +522,8 @@ class Evaluator:
 
     def _rank_memory(self, r, rank_of, stages, costs, params, extra=0.0) -> MemoryBreakdown:
         cfg = self.cfg
-        p_b, g_b, o_b = self.peak_static_bytes(params, extra)
+        p_b, always, o_b = self.peak_static_bytes(params, extra)
+        grads = self.static_bytes(params, extra)[1]
         # torch's own receive buffers (static, kept from step to step) and the outputs its stages keep for their
         # backward (per micro-batch in flight, pending a weight pass included)
         buffers, per_micro_batch, buffers_after = self.pipeline_buffers(r, [idx[0] for idx in stages])
@@ -539,11 +541,14 @@ class Evaluator:
         states = held_states(cfg.schedule, cfg.pp, cfg.vpp, r, self.m)
         held_by = [buffers + sum(f * a + p * b + (f + p) * x
                                  for f, p, a, b, x in zip(fs, ps, full, pending, per_micro_batch))
-                   for fs, ps in states]
-        act = max(held_by)
+                   for fs, ps, _ in states]
+        # with the gradients of the states a backward came before (held from the start: in `always`)
+        with_grads = [h + (grads if made and not always else 0.0) for h, (_, _, made) in zip(held_by, states)]
+        top = max(range(len(states)), key=with_grads.__getitem__)
+        act, g_b = held_by[top], always + with_grads[top] - held_by[top]
         # ...and while a block's input pass runs, those gradients built so far on top (all of them at the last)
         building_peak = max(h + max((g for f, g in zip(fs, building) if f >= 1), default=0.0)
-                            for h, (fs, _) in zip(held_by, states)) - act if zero_bubble else 0.0
+                            for h, (fs, _, _) in zip(with_grads, states)) - with_grads[top] if zero_bubble else 0.0
         block_peak = edge_peak = 0.0  # the largest backward working set of a block, and of the embedding/head
         for idx in mine:
             for i in idx:
@@ -556,7 +561,7 @@ class Evaluator:
             in_block, in_loss = fsdp_gathered_bytes(cfg, held)
             block_peak += in_block
             edge_peak += in_loss
-        block_peak += head_grad_bytes(cfg, held, self.m) + fsdp_reduce_bytes(cfg, held)
+        block_peak += head_grad_bytes(cfg, held, self.m, r) + fsdp_reduce_bytes(cfg, held)
         # a block's backward comes after the head's: that micro-batch's head activations (the logits) are gone
         head_act = sum(costs[i].act_bytes for idx in mine for i in idx if self.lg.layers[i].kind == "head")
         if zero_bubble:  # the input pass keeps the head's activations (retain_graph) until it ends

@@ -98,24 +98,31 @@ def state_bytes_per_param(precision: str, zero: int, dp: int, pp: int = 1) -> tu
     return p, g, k
 
 
-def grads_held_at_peak(cfg, micro_batches: int) -> bool:
-    """Whether a rank's gradients exist at its activation peak (the start of a backward with the most micro-batches
-    in flight). The runtime zeroes gradients with ``set_to_none=True``, so a step starts without them and autograd
-    (or FSDP's post-backward) allocates each layer's in that layer's first backward; only DDP's buckets (ZeRO 0/1
-    under DDP, the runtime's ``gradient_as_bucket_view=True``, zeroed in place) outlive the step. With one
-    micro-batch and no pipeline, and under GPipe (every forward before any backward), no backward has run at the
-    peak (traced: llama3-8b ZeRO-3 on 8 ranks, one micro-batch, peaks in the last block's backward holding the
-    head's gradient only). Elsewhere an earlier micro-batch's backward allocated them: held."""
-    if cfg.data_ranks > 1 and cfg.zero <= 1 and not cfg.reduces_after_step:  # DDP
+def grads_always_held(cfg) -> bool:
+    """Whether a rank holds its gradients from the step's start: DDP's buckets (ZeRO 0/1 under DDP, the runtime's
+    ``gradient_as_bucket_view=True``), which the runtime then zeroes in place with every other gradient
+    (`planner.emit.train.zeroes_grads_in_place`). Elsewhere it frees them (``set_to_none=True``): a step starts
+    without them, and autograd (or FSDP's post-backward) allocates each layer's in that layer's first backward."""
+    return cfg.data_ranks > 1 and cfg.zero <= 1 and not cfg.reduces_after_step
+
+
+def grads_held_at_peak(cfg, micro_batches: int, rank: int | None = None) -> bool:
+    """Whether pipeline rank ``rank``'s gradients (every rank's when None) exist at every state that can set its
+    activation peak (`held_states`): held from the start (`grads_always_held`), or each such state comes after a
+    backward of the rank. With one micro-batch and no pipeline, and under GPipe (every forward before any
+    backward), no backward has run at the peak (traced: llama3-8b ZeRO-3 on 8 ranks, one micro-batch, peaks in the
+    last block's backward holding the head's gradient only)."""
+    if grads_always_held(cfg):
         return True
-    return not ((cfg.pp == 1 and micro_batches == 1) or (cfg.pp > 1 and cfg.schedule == Schedule.GPIPE))
+    ranks = range(cfg.pp) if rank is None else (rank,)
+    return all(grads for r in ranks for *_, grads in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, micro_batches))
 
 
-def head_grad_bytes(cfg, layers: list[tuple[str, float]], micro_batches: int) -> float:
-    """The head's gradient a rank holding ``layers`` ((kind, parameters) pairs) has at a block's backward when its
-    gradients are not otherwise held (`grads_held_at_peak`): the head's backward ran first. ZeRO 3 counts it with
-    the root's unsharded state (`fsdp_gathered_bytes`)."""
-    if grads_held_at_peak(cfg, micro_batches) or (cfg.zero == 3 and cfg.data_ranks > 1):
+def head_grad_bytes(cfg, layers: list[tuple[str, float]], micro_batches: int, rank: int) -> float:
+    """The head's gradient pipeline rank ``rank``, holding ``layers`` ((kind, parameters) pairs), has at a block's
+    backward when its gradients are not held at every peak state (`grads_held_at_peak`): the head's backward ran
+    first. ZeRO 3 counts it with the root's unsharded state (`fsdp_gathered_bytes`)."""
+    if grads_held_at_peak(cfg, micro_batches, rank) or (cfg.zero == 3 and cfg.data_ranks > 1):
         return 0.0
     return cfg.param_bytes * sum(n for kind, n in layers if kind == "head")
 
@@ -175,7 +182,7 @@ def _inflight_chunks(schedule: Schedule, pp: int, vpp: int, rank: int, micro_bat
         return tuple(float(min(c, micro_batches)) for c in counts)
     if schedule == Schedule.ZERO_BUBBLE:  # those holding all their activations (`zero_bubble_states`; the memory
         # model adds those pending a weight pass: `held_states`)
-        return tuple(max(full[c] for full, _ in zero_bubble_states(pp, vpp, rank, micro_batches)) for c in range(vpp))
+        return tuple(max(full[c] for full, *_ in zero_bubble_states(pp, vpp, rank, micro_batches)) for c in range(vpp))
     n = micro_batches if schedule == Schedule.GPIPE else pp - rank  # 1F1B: p − r
     return (float(min(n, micro_batches)),) * vpp
 
@@ -207,29 +214,51 @@ def pipeline_buffers(micro_batches: int, received: list[float], sent: list[float
     return static, per, static + (micro_batches * sum(received) if zero_bubble else 0.0)
 
 
-def held_states(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> list[tuple[tuple, tuple]]:
-    """The states of the rank's chunks that can set its activation peak, each ``(full, pending)``: per chunk, the
-    micro-batches holding all their activations, and (zero-bubble only) those whose input gradient is done but not
-    their weight gradient, which keep only what the weight pass needs (`costmodel.layercost.LayerCost.
-    pending_bytes`). Other schedules have one state, `inflight_chunks` full."""
+def held_states(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> list[tuple]:
+    """The states of the rank's chunks that can set its activation peak, each ``(full, pending, grads)``: per chunk,
+    the micro-batches holding all their activations, and (zero-bubble only) those whose input gradient is done but
+    not their weight gradient, which keep only what the weight pass needs (`costmodel.layercost.LayerCost.
+    pending_bytes`); and whether a backward of the rank has run before the state, so that its gradients exist
+    where the runtime frees them between steps (`grads_always_held`). A state reached both before and after the
+    first backward counts as after. Other schedules have one state, `inflight_chunks` full: 1F1B reaches it again
+    after a backward when m > p − r (torch 2.13's Schedule1F1B: min(m, p − r) warm-up forwards, then a backward
+    and a forward in turn), no pipeline when m > 1, GPipe never."""
     if pp > 1 and schedule == Schedule.ZERO_BUBBLE:
         return list(zero_bubble_states(pp, vpp, rank, micro_batches))
     if pp > 1 and schedule == Schedule.INTERLEAVED:
-        return [(full, (0.0,) * vpp) for full in interleaved_states(pp, vpp, rank, micro_batches)]
-    return [(tuple(inflight_chunks(schedule, pp, vpp, rank, micro_batches)), (0.0,) * vpp)]
+        return [(full, (0.0,) * vpp, grads) for full, grads in interleaved_states(pp, vpp, rank, micro_batches)]
+    if pp == 1:
+        again = micro_batches > 1
+    else:
+        again = schedule != Schedule.GPIPE and micro_batches > pp - rank
+    return [(tuple(inflight_chunks(schedule, pp, vpp, rank, micro_batches)), (0.0,) * vpp, again)]
+
+
+def _pareto(states: set[tuple]) -> list[tuple]:
+    """The states no other is at least as high as in every coordinate (a state another dominates has a smaller sum,
+    so walking by falling sum each needs comparing with those kept only: the search asks for hundreds of ranks, with
+    up to thousands of states each)."""
+    keep: list[tuple] = []
+    for state in sorted(states, key=sum, reverse=True):
+        if not any(all(x >= y for x, y in zip(kept, state)) for kept in keep):
+            keep.append(state)
+    return keep
 
 
 @functools.lru_cache(maxsize=4096)
-def interleaved_states(pp: int, vpp: int, rank: int, micro_batches: int) -> tuple[tuple[float, ...], ...]:
+def interleaved_states(pp: int, vpp: int, rank: int, micro_batches: int) -> tuple[tuple[tuple[float, ...], bool], ...]:
     """The Pareto-maximal per-chunk counts of micro-batches in flight on pipeline rank ``rank`` under torch 2.13's
-    ScheduleInterleaved1F1B, read off the order torch builds (its ``_calculate_single_rank_operations``), not a
-    formula. The rank always holds (v − 1)·q + 2(p − 1 − r) + 1 chunk-micro-batches at its peaks
-    (`inflight_chunks`, the state at its first backward), but not always in the same chunks: in steady state each
-    forward goes to the next chunk in rounds of q while each backward retires one from the chunks in reverse, so an
-    early chunk comes to hold up to 2q while a late one holds none. Where the chunks' activations differ (the
-    embedding's chunk, blocks with different AC), the peak is the heaviest of these states (traced: the 70B
-    interleaved plan, pp = 4, v = 5, m = 16, peaked with rank 0's second and third chunks holding 8 and 7
-    micro-batches, against 4 at its first backward: 32 % over the activations of that state)."""
+    ScheduleInterleaved1F1B, each with whether a backward ran before it (`held_states`), read off the order torch
+    builds (its ``_calculate_single_rank_operations``), not a formula. The rank always holds
+    (v − 1)·q + 2(p − 1 − r) + 1 chunk-micro-batches at its peaks (`inflight_chunks`, the state at its first
+    backward), but not always in the same chunks: in steady state each forward goes to the next chunk in rounds of
+    q while each backward retires one from the chunks in reverse, so an early chunk comes to hold up to 2q while a
+    late one holds none. Where the chunks' activations differ (the embedding's chunk, blocks with different AC),
+    the peak is the heaviest of these states (traced: the 70B interleaved plan, pp = 4, v = 5, m = 16, peaked with
+    rank 0's second and third chunks holding 8 and 7 micro-batches, against 4 at its first backward: 32 % over the
+    activations of that state). With few micro-batches the state at the first backward is never reached again, and
+    no gradient exists there (traced: llama 8×1024, pp = 2, v = 2, m = 4, ZeRO-3: rank 0 peaked in its last
+    warm-up forward, 6.9 % under the gradients the cost model held)."""
     from types import SimpleNamespace
 
     from torch.distributed.pipelining import schedules as torch_schedules
@@ -238,22 +267,20 @@ def interleaved_states(pp: int, vpp: int, rank: int, micro_batches: int) -> tupl
     schedule = SimpleNamespace(n_local_stages=vpp, pp_group_size=pp, _n_microbatches=micro_batches,
                                microbatches_per_round=micro_batches // rounds)
     ops = torch_schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(schedule, rank)
-    held, states = [0] * vpp, set()
+    held, states, backward = [0] * vpp, set(), 0
     for op in ops:
         if op is None:
             continue
-        held[op.stage_index // pp] += 1 if op.computation_type == torch_schedules.FORWARD else -1
-        states.add(tuple(held))
-    keep: list[tuple] = []  # Pareto-maximal, as `zero_bubble_states` keeps them
-    for state in sorted(states, key=sum, reverse=True):
-        if not any(all(x >= y for x, y in zip(kept, state)) for kept in keep):
-            keep.append(state)
-    return tuple(sorted(tuple(float(x) for x in state) for state in keep))
+        forward = op.computation_type == torch_schedules.FORWARD
+        held[op.stage_index // pp] += 1 if forward else -1
+        backward = backward or int(not forward)
+        states.add((*held, backward))
+    return tuple(sorted((tuple(float(x) for x in s[:-1]), bool(s[-1])) for s in _pareto(states)))
 
 
 @functools.lru_cache(maxsize=4096)
-def zero_bubble_states(pp: int, vpp: int, rank: int, micro_batches: int) -> tuple[tuple[tuple, tuple], ...]:
-    """The Pareto-maximal ``(full, pending)`` states (`held_states`) of a rank under torch 2.13's zero-bubble
+def zero_bubble_states(pp: int, vpp: int, rank: int, micro_batches: int) -> tuple[tuple[tuple, tuple, bool], ...]:
+    """The Pareto-maximal ``(full, pending, grads)`` states (`held_states`) of a rank under torch 2.13's zero-bubble
     schedule, read off the schedule torch builds (``ScheduleInterleavedZeroBubble._calculate_single_rank_operations``:
     ``_get_warmup_ops`` and ``_get_1f1b_rank_ops`` with ``enable_zero_bubble``), not a formula: a micro-batch is
     full from its forward to its input-gradient pass, then pending until its weight pass (the input pass detaches
@@ -276,7 +303,7 @@ def zero_bubble_states(pp: int, vpp: int, rank: int, micro_batches: int) -> tupl
     ops = torch_schedules._get_1f1b_rank_ops(vpp, pp, warmup, steady, total - steady, rank, forward_stage,
                                             backward_stage, rank, enable_zero_bubble=True)
     full, pending = [0] * vpp, [0] * vpp
-    states = set()
+    states, weights = set(), 0  # (a weight pass is what makes the weights' gradients)
     for op in ops:
         if op is None:
             continue
@@ -288,14 +315,10 @@ def zero_bubble_states(pp: int, vpp: int, rank: int, micro_batches: int) -> tupl
             pending[chunk] += 1
         elif kind == "W":
             pending[chunk] -= 1
-        states.add((*full, *pending))
-    # Pareto-maximal: a state another dominates has a smaller sum, so walking by falling sum each needs comparing
-    # with those kept only (the search asks for hundreds of ranks, with up to thousands of states each)
-    keep: list[tuple] = []
-    for state in sorted(states, key=sum, reverse=True):
-        if not any(all(x >= y for x, y in zip(kept, state)) for kept in keep):
-            keep.append(state)
-    return tuple(sorted((tuple(float(x) for x in s[:vpp]), tuple(float(x) for x in s[vpp:])) for s in keep))
+            weights = 1
+        states.add((*full, *pending, weights))
+    return tuple(sorted((tuple(float(x) for x in s[:vpp]), tuple(float(x) for x in s[vpp:-1]), bool(s[-1]))
+                        for s in _pareto(states)))
 
 
 def inflight(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> float:

@@ -129,8 +129,8 @@ def test_zero_bubble_holds_what_torchs_schedule_keeps():
     from costmodel.config import Schedule
     from costmodel.memory import held_states, inflight
 
-    assert held_states(Schedule.ZERO_BUBBLE, 2, 1, 0, 4) == [((1.0,), (1.0,)), ((2.0,), (0.0,))]
-    assert held_states(Schedule.ZERO_BUBBLE, 2, 1, 1, 4) == [((0.0,), (2.0,)), ((1.0,), (1.0,))]
+    assert held_states(Schedule.ZERO_BUBBLE, 2, 1, 0, 4) == [((1.0,), (1.0,), True), ((2.0,), (0.0,), True)]
+    assert held_states(Schedule.ZERO_BUBBLE, 2, 1, 1, 4) == [((0.0,), (2.0,), True), ((1.0,), (1.0,), True)]
     assert inflight(Schedule.ONE_F_ONE_B, 2, 1, 1, 4) == 1.0
 
 

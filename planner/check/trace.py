@@ -454,8 +454,9 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         inputs, labels = inputs[tr.data_rows(par)].clone(), labels[tr.data_rows(par)].clone()
         ep_ranks = tuple(dist.get_process_group_ranks(mesh["ep"].get_group())) if config.get("ep", 1) > 1 else None
         counter = _Collectives(_mesh_groups(mesh), ep_ranks)
+        in_place = getattr(tr, "zeroes_grads_in_place", train.zeroes_grads_in_place)(par)  # (an older script's: ours)
         with fake:  # the optimizer state a steady-state step holds (AdamW creates it at its first step)
-            _create_optimizer_state(par, optimizer, getattr(tr, "zeroes_grads_in_place", train.zeroes_grads_in_place)(par))
+            _create_optimizer_state(par, optimizer, in_place)
         tracker = _CategoryPeaks(config["block_container"])
         tracker.params = [p for m in par.modules for p in m.parameters()]
         # (a DTensor's local shard is real too where the part is not all DTensors: tensor parallelism without

@@ -346,7 +346,7 @@ def _held(cfg: ParallelConfig, r: int, m: int) -> float:
     hold at least a block's activations too, but are not needed for a valid bound): each block's activations count
     at least that often in that state, and the rank's peak is at least that state's."""
     if cfg.pp > 1 and cfg.vpp > 1:
-        return max(min(full) for full, _ in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, m))
+        return max(min(full) for full, *_ in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, m))
     return inflight(cfg.schedule, cfg.pp, cfg.vpp, r, m)
 
 
@@ -359,7 +359,8 @@ def _edge_held(cfg: ParallelConfig, m: int) -> tuple[float, float]:
 
 
 def _state_at_peak(cfg: ParallelConfig, m: int) -> float:
-    """Model-state bytes per parameter at the activation peak (`costmodel.memory.grads_held_at_peak`)."""
+    """Model-state bytes per parameter at every state of every rank's activation peak (the gradients where
+    `costmodel.memory.grads_held_at_peak` holds for all ranks)."""
     p, g, k = state_bytes_per_param(cfg.precision, cfg.zero, cfg.data_ranks, cfg.pp)
     return p + k + (g if grads_held_at_peak(cfg, m) else 0.0)
 

@@ -398,13 +398,20 @@ class Model:
         d, s, ev, cfg = self.d, self.solver, self.d.ev, self.d.cfg
         cap = self._b(ev.cluster.memory_budget_bytes) * (1 - 1e-9)
         reserve = self._b(runtime_reserved_bytes(cfg, ev.cluster.device))
-        per_param = sum(ev.peak_static_bytes(1.0))  # at the activation peak (gradients may not exist yet)
+        per_param = sum(ev.peak_static_bytes(1.0))  # at every state of the activation peak
+        # the gradients a state holds when a backward came before it (costmodel.memory.held_states), unless held
+        # from the start (then in per_param)
+        grad_per_param = ev.static_bytes(1.0)[1] - ev.peak_static_bytes(1.0)[1]
+        grad_per_extra = ev.static_bytes(0.0, 1.0)[1] - ev.peak_static_bytes(0.0, 1.0)[1]
         after_backward = sum(ev.static_bytes(1.0))  # every gradient, no activation
         self.rec_peak, self.uses_ac = {}, {}
         nb = d.ngroups
         for r in range(d.pp):
             stages = _units_of(d, r)
             params = self.tab(r, lambda n, r=r: self._params(r, n))[0]
+            made = self._b(grad_per_param) * params  # the gradients, in a state a backward came before
+            if grad_per_extra:
+                made += self.tab(r, lambda n, r=r: self._b(grad_per_extra) * self._extra(r, n))[0]
             # per state of the rank's chunks (costmodel.memory.held_states: micro-batches holding all their
             # activations, and zero-bubble's pending a weight pass), blocks at the rank's average count (decoding
             # spreads them evenly over its chunks), the embedding and head at their own chunk's; the largest state
@@ -425,9 +432,9 @@ class Model:
                 return sum(self._b(d.buffers[k, r][0] + sum((f + p) * x for f, p, x in zip(full, pend,
                                                                                              d.buffers[k, r][1])))
                            * self.compress["pp", k] for k in d.pp_opts)
-            for full, pend in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, d.m) if per_chunk else ():
+            for full, pend, grads in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, d.m) if per_chunk else ():
                 eligible = [f >= 1 and not (r == 0 and j == 0) for j, f in enumerate(full)]
-                expr = buffers(full, pend) + 0.0 * self.bottleneck
+                expr = buffers(full, pend) + (made if grads else 0.0 * self.bottleneck)
                 for j, u in enumerate(stages):
                     own = r == 0 and j == 0  # the first stage: its pending micro-batches hold full activations
                     expr += (full[j] + (pend[j] if own else 0.0)) * self.layer_sum([u], lambda x: self._b(x.act_bytes))
@@ -438,10 +445,10 @@ class Model:
                 for j, u in enumerate(stages):
                     if zero_bubble and eligible[j]:
                         s.Add(act_building >= expr + self.layer_sum([u], lambda x: self._b(x.weight_output_bytes)))
-            for full, pend in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, d.m) if not per_chunk else ():
+            for full, pend, grads in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, d.m) if not per_chunk else ():
                 k, w = sum(full) / len(full), sum(pend) / len(pend)
                 first = pend[0] / v if r == 0 else 0.0  # the first stage's share, held as full activations
-                expr = (k + first) * full_sum + buffers(full, pend)
+                expr = (k + first) * full_sum + buffers(full, pend) + (made if grads else 0.0)
                 if w - first:
                     if pending_sum is None:
                         pending_sum = self.layer_sum(stages, lambda x: self._b(x.pending_bytes))
@@ -483,7 +490,7 @@ class Model:
                 held = self._b(fsdp(d.n_range[r][0])[1])
             # the head's gradient, where no other gradient is held yet; FSDP's gradient buffers of the block
             reduce = fsdp_reduce_bytes(cfg, group + edges) if d.blocks else 0.0
-            gathered = gathered + self._b(head_grad_bytes(cfg, edges, d.m) + reduce)
+            gathered = gathered + self._b(head_grad_bytes(cfg, edges, d.m, r) + reduce)
             # a block's backward comes after the head's: that micro-batch's head activations are gone
             head_act = sum(self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a] for i, rr in d.fixed_rank.items()
                            if rr == r and ev.lg.layers[i].kind == "head" for a in d.fixed_acs[i])
