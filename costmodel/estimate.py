@@ -49,6 +49,7 @@ from costmodel.memory import (
     inflight_chunks,
     pipeline_buffers,
     runtime_reserved_bytes,
+    state_bytes_at_peak,
     state_bytes_per_param,
 )
 from costmodel.overlap import dp_exposed, fsdp_exposed, optimizer_time, tp_partial_bytes
@@ -431,11 +432,16 @@ class Evaluator:
         dp = self.cfg.dp
         return (4.0 / dp, 4.0 / dp, 8.0 / dp) if self.cfg.zero >= 2 and dp > 1 else (0.0, 0.0, 0.0)
 
-    def peak_static_bytes(self, params: float, extra: float = 0.0) -> tuple[float, float, float]:
-        """`static_bytes` held at every state of the activation peak: the gradients only where they outlive the step
-        (`grads_always_held`); elsewhere a state holds them when a backward ran before it (`held_states`)."""
-        p, g, k = self.static_bytes(params, extra)
-        return p, (g if grads_always_held(self.cfg) else 0.0), k
+    def peak_static_bytes(self, params: float, extra: float = 0.0) -> tuple[float, float, float, float, float]:
+        """Model-state bytes at a state of the activation peak (`costmodel.memory.state_bytes_at_peak`): ``(params,
+        grads, optimizer)`` held at every state, then the gradients of a chunk a backward ran on and the gathered
+        parameters of a chunk whose last pass was a backward, for ``params`` parameters (``extra``, expert shards
+        beyond them, `extra_bytes_per_param`: their gradients come with the rank's first backward)."""
+        p, g, k, made, gathered = state_bytes_at_peak(self.cfg)
+        xp, xg, xk = self.extra_bytes_per_param()
+        x_made = 0.0 if grads_always_held(self.cfg) else xg
+        return (params * p + extra * xp, params * g + extra * (xg - x_made), params * k + extra * xk,
+                params * made + extra * x_made, params * gathered)
 
     # -- composition -----------------------------------------------------------------------------------------
     def evaluate(self, acs: list[AC] | None = None, stage_of: list[int] | None = None) -> Estimate:
@@ -522,8 +528,9 @@ class Evaluator:
 
     def _rank_memory(self, r, rank_of, stages, costs, params, extra=0.0) -> MemoryBreakdown:
         cfg = self.cfg
-        p_b, always, o_b = self.peak_static_bytes(params, extra)
-        grads = self.static_bytes(params, extra)[1]
+        p_b, always, o_b, _, _ = self.peak_static_bytes(params, extra)
+        _, _, _, made_pp, gathered_pp = state_bytes_at_peak(cfg)
+        x_made = self.peak_static_bytes(0.0, extra)[3]  # the expert shards' gradients, with the first backward
         # torch's own receive buffers (static, kept from step to step) and the outputs its stages keep for their
         # backward (per micro-batch in flight, pending a weight pass included)
         buffers, per_micro_batch, buffers_after = self.pipeline_buffers(r, [idx[0] for idx in stages])
@@ -541,14 +548,18 @@ class Evaluator:
         states = held_states(cfg.schedule, cfg.pp, cfg.vpp, r, self.m)
         held_by = [buffers + sum(f * a + p * b + (f + p) * x
                                  for f, p, a, b, x in zip(fs, ps, full, pending, per_micro_batch))
-                   for fs, ps, _ in states]
-        # with the gradients of the states a backward came before (held from the start: in `always`)
-        with_grads = [h + (grads if made and not always else 0.0) for h, (_, _, made) in zip(held_by, states)]
+                   for fs, ps, _, _ in states]
+        # the chunks' gradients once a backward ran on them, their parameters gathered while their last pass was one
+        chunk_params = [sum(costs[i].param_numel for i in idx) for idx in mine]
+        grads_at = [sum(d * n for d, n in zip(made, chunk_params)) * made_pp + (x_made if max(made) else 0.0)
+                    for _, _, made, _ in states]
+        gathered_at = [sum(d * n for d, n in zip(gath, chunk_params)) * gathered_pp for *_, gath in states]
+        with_grads = [h + g + q for h, g, q in zip(held_by, grads_at, gathered_at)]
         top = max(range(len(states)), key=with_grads.__getitem__)
-        act, g_b = held_by[top], always + with_grads[top] - held_by[top]
+        act, g_b, p_b = held_by[top], always + grads_at[top], p_b + gathered_at[top]
         # ...and while a block's input pass runs, those gradients built so far on top (all of them at the last)
         building_peak = max(h + max((g for f, g in zip(fs, building) if f >= 1), default=0.0)
-                            for h, (fs, _, _) in zip(with_grads, states)) - with_grads[top] if zero_bubble else 0.0
+                            for h, (fs, *_) in zip(with_grads, states)) - with_grads[top] if zero_bubble else 0.0
         block_peak = edge_peak = 0.0  # the largest backward working set of a block, and of the embedding/head
         for idx in mine:
             for i in idx:

@@ -115,7 +115,31 @@ def grads_held_at_peak(cfg, micro_batches: int, rank: int | None = None) -> bool
     if grads_always_held(cfg):
         return True
     ranks = range(cfg.pp) if rank is None else (rank,)
-    return all(grads for r in ranks for *_, grads in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, micro_batches))
+    return all(min(made) for r in ranks for _, _, made, _ in held_states(cfg.schedule, cfg.pp, cfg.vpp, r,
+                                                                         micro_batches))
+
+
+def state_bytes_at_peak(cfg) -> tuple[float, float, float, float, float]:
+    """Bytes per parameter at a state of the activation peak (`held_states`): ``(params, grads, optimizer)`` held
+    at every state, then what a chunk holds once a backward ran on it (its gradients, where they do not outlive
+    the step: `grads_always_held`) and while its last pass was a backward (its unsharded parameters: pipelined
+    ZeRO 3). Pipelined FSDP (`costmodel.runnable.pipelined_fsdp`) accumulates unsharded fp32 gradients from a
+    chunk's first backward, and makes the gradient shards only with the reduce-scatter after the last one
+    (`state_bytes_per_param` counts both: the moment after the backward); under ZeRO 3 each forward reshards its
+    module (``reshard_after_forward``) and each backward leaves it gathered (torch 2.13's ``PipelineStage`` turns
+    off the reshard after backward). Traced: llama 8×1024, dp4 pp2 v2 interleaved ZeRO-3, rank 0 peaked in a
+    forward of its second chunk, holding the first chunk's parameters gathered and both chunks' accumulators, no
+    shard of a gradient (6.9 % under the cost model, which held them all)."""
+    p, g, k = state_bytes_per_param(cfg.precision, cfg.zero, cfg.data_ranks, cfg.pp)
+    unsharded = 0.0
+    if pipelined_fsdp(cfg.zero, cfg.data_ranks, cfg.pp):
+        g = 4.0
+        if cfg.zero >= 3:
+            unsharded = cfg.param_bytes
+            p -= unsharded
+    if grads_always_held(cfg):
+        return p, g, k, 0.0, unsharded
+    return p, 0.0, k, g, unsharded
 
 
 def head_grad_bytes(cfg, layers: list[tuple[str, float]], micro_batches: int, rank: int) -> float:
@@ -137,12 +161,13 @@ def fsdp_gathered_bytes(cfg, layers: list[tuple[str, float]]) -> tuple[float, fl
     parameters and the head's 2.0 GiB gradient unsharded). The loss's own backward adds nothing: the runtime
     computes the loss outside the model, so it runs before the root's hook gathers (traced: a 4-block MoE on 8
     ranks holds only the shards then, and gathers the root's 250 MiB at the head's backward, after the loss's
-    working set). Under pipelining nothing is resharded between micro-batches (`state_bytes_per_param` holds it
-    all): only the two blocks."""
+    working set). Under pipelining the same root and blocks are gathered (a forward reshards them, a backward leaves
+    them gathered: the chunk's own are charged at the states after one, `state_bytes_at_peak`), but the head's
+    gradient is an accumulator the states hold (traced: llama 8×1024, dp4 pp2 1F1B m = 8, a steady backward's
+    first block with the root's 125 MiB and one block gathered)."""
     blocks = sorted(n for kind, n in layers if kind == "block")[-2:]
-    pipelined = cfg.fsdp_in_pipeline
-    root = 0.0 if pipelined else sum(n for kind, n in layers if kind != "block")
-    head = 0.0 if pipelined else sum(n for kind, n in layers if kind == "head")
+    root = sum(n for kind, n in layers if kind != "block")
+    head = 0.0 if cfg.fsdp_in_pipeline else sum(n for kind, n in layers if kind == "head")
     return cfg.param_bytes * (sum(blocks) + root + head), 0.0
 
 
@@ -214,24 +239,86 @@ def pipeline_buffers(micro_batches: int, received: list[float], sent: list[float
     return static, per, static + (micro_batches * sum(received) if zero_bubble else 0.0)
 
 
-def held_states(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> list[tuple]:
-    """The states of the rank's chunks that can set its activation peak, each ``(full, pending, grads)``: per chunk,
-    the micro-batches holding all their activations, and (zero-bubble only) those whose input gradient is done but
-    not their weight gradient, which keep only what the weight pass needs (`costmodel.layercost.LayerCost.
-    pending_bytes`); and whether a backward of the rank has run before the state, so that its gradients exist
-    where the runtime frees them between steps (`grads_always_held`). A state reached both before and after the
-    first backward counts as after. Other schedules have one state, `inflight_chunks` full: 1F1B reaches it again
-    after a backward when m > p − r (torch 2.13's Schedule1F1B: min(m, p − r) warm-up forwards, then a backward
-    and a forward in turn), no pipeline when m > 1, GPipe never."""
-    if pp > 1 and schedule == Schedule.ZERO_BUBBLE:
-        return list(zero_bubble_states(pp, vpp, rank, micro_batches))
-    if pp > 1 and schedule == Schedule.INTERLEAVED:
-        return [(full, (0.0,) * vpp, grads) for full, grads in interleaved_states(pp, vpp, rank, micro_batches)]
+def held_states(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> tuple[tuple, ...]:
+    """The states of the rank's chunks that can set its activation peak, each ``(full, pending, made, gathered)``
+    with a value per chunk (in order): the micro-batches holding all their activations; (zero-bubble only) those
+    whose input gradient is done but not their weight gradient, which keep only what the weight pass needs
+    (`costmodel.layercost.LayerCost.pending_bytes`); 1 where a backward (a weight pass) of the chunk has run, so
+    that its gradients exist where the runtime frees them between steps (`state_bytes_at_peak`); 1 where the
+    chunk's last pass was a backward, which leaves pipelined ZeRO 3's parameters gathered.
+
+    Read off the order of each rank's passes as torch 2.13 runs them (`_rank_passes`): a state is what the rank
+    holds after each forward and as each backward starts (the backward's working set comes on top: the model adds
+    it to the heaviest state), Pareto-maximal (`_pareto`). So with few micro-batches a state holding the most may
+    come before any backward, with no gradient: 1F1B reaches its p − r micro-batches again after a backward only
+    when m > p − r; GPipe never; no pipeline, when m > 1."""
+    return _held_states(schedule if pp > 1 else Schedule.ONE_F_ONE_B, pp, vpp, rank, micro_batches)
+
+
+@functools.lru_cache(maxsize=4096)
+def _held_states(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> tuple[tuple, ...]:
+    full, pending, made, gathered = ([0] * vpp for _ in range(4))
+    states = set()
+    for chunk, kind in _rank_passes(schedule, pp, vpp, rank, micro_batches):
+        if kind != "F":  # as a backward starts
+            states.add((*full, *pending, *made, *gathered))
+        if kind == "F":
+            full[chunk] += 1
+        elif kind == "B":
+            full[chunk] -= 1
+        elif kind == "I":
+            full[chunk] -= 1
+            pending[chunk] += 1
+        elif kind == "W":
+            pending[chunk] -= 1
+        if kind in ("B", "W"):  # (an input pass makes no weight gradient)
+            made[chunk] = 1
+        gathered[chunk] = int(kind != "F")
+        if kind == "F":  # as a forward ends
+            states.add((*full, *pending, *made, *gathered))
+    v = vpp
+    return tuple(sorted(tuple(tuple(float(x) for x in s[j * v:(j + 1) * v]) for j in range(4))
+                        for s in _pareto(states)))
+
+
+def _rank_passes(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> list[tuple[int, str]]:
+    """The rank's passes in torch 2.13's order, as (chunk, F/B/I/W): interleaved and zero-bubble from the orders
+    torch builds (``ScheduleInterleaved1F1B._calculate_single_rank_operations``; ``_get_warmup_ops`` and
+    ``_get_1f1b_rank_ops`` with ``enable_zero_bubble``); Schedule1F1B runs min(m, p − r) warm-up forwards, then a
+    backward and a forward in turn, then the remaining backwards; GPipe every forward, then every backward; no
+    pipeline (pp = 1) a forward and a backward per micro-batch."""
+    m = micro_batches
     if pp == 1:
-        again = micro_batches > 1
+        return [(0, kind) for _ in range(m) for kind in "FB"]
+    if schedule == Schedule.GPIPE:
+        return [(0, "F")] * m + [(0, "B")] * m
+    if schedule not in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE):
+        warm = min(m, pp - rank)
+        return [(0, "F")] * warm + [(0, kind) for _ in range(m - warm) for kind in "BF"] + [(0, "B")] * warm
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    rounds = max(1, m // pp)
+    per_round = m // rounds
+    if schedule == Schedule.INTERLEAVED:
+        from types import SimpleNamespace
+
+        state = SimpleNamespace(n_local_stages=vpp, pp_group_size=pp, _n_microbatches=m,
+                                microbatches_per_round=per_round)
+        ops = torch_schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(state, rank)
     else:
-        again = schedule != Schedule.GPIPE and micro_batches > pp - rank
-    return [(tuple(inflight_chunks(schedule, pp, vpp, rank, micro_batches)), (0.0,) * vpp, again)]
+        warmup = torch_schedules._get_warmup_ops(rank, vpp, per_round, pp, m, multiply_factor=1)
+        total = vpp * m
+        steady = total - warmup
+
+        def forward_stage(step):
+            return ((step // per_round) % vpp) * pp + rank
+
+        def backward_stage(step):
+            return (vpp - 1 - ((step - warmup) // per_round) % vpp) * pp + rank
+
+        ops = torch_schedules._get_1f1b_rank_ops(vpp, pp, warmup, steady, total - steady, rank, forward_stage,
+                                                backward_stage, rank, enable_zero_bubble=True)
+    return [(op.stage_index // pp, op.computation_type.value) for op in ops if op is not None]
 
 
 def _pareto(states: set[tuple]) -> list[tuple]:
@@ -245,80 +332,25 @@ def _pareto(states: set[tuple]) -> list[tuple]:
     return keep
 
 
-@functools.lru_cache(maxsize=4096)
-def interleaved_states(pp: int, vpp: int, rank: int, micro_batches: int) -> tuple[tuple[tuple[float, ...], bool], ...]:
-    """The Pareto-maximal per-chunk counts of micro-batches in flight on pipeline rank ``rank`` under torch 2.13's
-    ScheduleInterleaved1F1B, each with whether a backward ran before it (`held_states`), read off the order torch
-    builds (its ``_calculate_single_rank_operations``), not a formula. The rank always holds
-    (v − 1)·q + 2(p − 1 − r) + 1 chunk-micro-batches at its peaks (`inflight_chunks`, the state at its first
-    backward), but not always in the same chunks: in steady state each forward goes to the next chunk in rounds of
-    q while each backward retires one from the chunks in reverse, so an early chunk comes to hold up to 2q while a
-    late one holds none. Where the chunks' activations differ (the embedding's chunk, blocks with different AC),
-    the peak is the heaviest of these states (traced: the 70B interleaved plan, pp = 4, v = 5, m = 16, peaked with
-    rank 0's second and third chunks holding 8 and 7 micro-batches, against 4 at its first backward: 32 % over the
-    activations of that state). With few micro-batches the state at the first backward is never reached again, and
-    no gradient exists there (traced: llama 8×1024, pp = 2, v = 2, m = 4, ZeRO-3: rank 0 peaked in its last
-    warm-up forward, 6.9 % under the gradients the cost model held)."""
-    from types import SimpleNamespace
-
-    from torch.distributed.pipelining import schedules as torch_schedules
-
-    rounds = max(1, micro_batches // pp)
-    schedule = SimpleNamespace(n_local_stages=vpp, pp_group_size=pp, _n_microbatches=micro_batches,
-                               microbatches_per_round=micro_batches // rounds)
-    ops = torch_schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(schedule, rank)
-    held, states, backward = [0] * vpp, set(), 0
-    for op in ops:
-        if op is None:
-            continue
-        forward = op.computation_type == torch_schedules.FORWARD
-        held[op.stage_index // pp] += 1 if forward else -1
-        backward = backward or int(not forward)
-        states.add((*held, backward))
-    return tuple(sorted((tuple(float(x) for x in s[:-1]), bool(s[-1])) for s in _pareto(states)))
+def interleaved_states(pp: int, vpp: int, rank: int, micro_batches: int) -> tuple[tuple[float, ...], ...]:
+    """The per-chunk counts of micro-batches in flight on pipeline rank ``rank`` under torch 2.13's
+    ScheduleInterleaved1F1B at its peak states (`held_states`). The rank always holds (v − 1)·q + 2(p − 1 − r) + 1
+    chunk-micro-batches at its peaks (`inflight_chunks`, the state at its first backward), but not always in the
+    same chunks: in steady state each forward goes to the next chunk in rounds of q while each backward retires one
+    from the chunks in reverse, so an early chunk comes to hold up to 2q while a late one holds none. Where the
+    chunks' activations differ (the embedding's chunk, blocks with different AC), the peak is the heaviest of these
+    states (traced: the 70B interleaved plan, pp = 4, v = 5, m = 16, peaked with rank 0's second and third chunks
+    holding 8 and 7 micro-batches, against 4 at its first backward: 32 % over the activations of that state)."""
+    return tuple(sorted({full for full, *_ in held_states(Schedule.INTERLEAVED, pp, vpp, rank, micro_batches)}))
 
 
-@functools.lru_cache(maxsize=4096)
-def zero_bubble_states(pp: int, vpp: int, rank: int, micro_batches: int) -> tuple[tuple[tuple, tuple, bool], ...]:
-    """The Pareto-maximal ``(full, pending, grads)`` states (`held_states`) of a rank under torch 2.13's zero-bubble
-    schedule, read off the schedule torch builds (``ScheduleInterleavedZeroBubble._calculate_single_rank_operations``:
-    ``_get_warmup_ops`` and ``_get_1f1b_rank_ops`` with ``enable_zero_bubble``), not a formula: a micro-batch is
-    full from its forward to its input-gradient pass, then pending until its weight pass (the input pass detaches
-    the stage outputs, so only the weight ops' part of the graph stays); weight passes trail input passes by the
-    rank's index, so later ranks hold more than 1F1B's p − r."""
-    from torch.distributed.pipelining import schedules as torch_schedules
-
-    rounds = max(1, micro_batches // pp)
-    per_round = micro_batches // rounds
-    warmup = torch_schedules._get_warmup_ops(rank, vpp, per_round, pp, micro_batches, multiply_factor=1)
-    total = vpp * micro_batches
-    steady = total - warmup
-
-    def forward_stage(step):
-        return ((step // per_round) % vpp) * pp + rank
-
-    def backward_stage(step):
-        return (vpp - 1 - ((step - warmup) // per_round) % vpp) * pp + rank
-
-    ops = torch_schedules._get_1f1b_rank_ops(vpp, pp, warmup, steady, total - steady, rank, forward_stage,
-                                            backward_stage, rank, enable_zero_bubble=True)
-    full, pending = [0] * vpp, [0] * vpp
-    states, weights = set(), 0  # (a weight pass is what makes the weights' gradients)
-    for op in ops:
-        if op is None:
-            continue
-        chunk, kind = op.stage_index // pp, op.computation_type.value
-        if kind == "F":
-            full[chunk] += 1
-        elif kind == "I":
-            full[chunk] -= 1
-            pending[chunk] += 1
-        elif kind == "W":
-            pending[chunk] -= 1
-            weights = 1
-        states.add((*full, *pending, weights))
-    return tuple(sorted((tuple(float(x) for x in s[:vpp]), tuple(float(x) for x in s[vpp:-1]), bool(s[-1]))
-                        for s in _pareto(states)))
+def zero_bubble_states(pp: int, vpp: int, rank: int, micro_batches: int) -> tuple[tuple[tuple, tuple], ...]:
+    """The ``(full, pending)`` parts of a rank's peak states (`held_states`) under torch 2.13's zero-bubble schedule:
+    a micro-batch is full from its forward to its input-gradient pass, then pending until its weight pass (the
+    input pass detaches the stage outputs, so only the weight ops' part of the graph stays); weight passes trail
+    input passes by the rank's index, so later ranks hold more than 1F1B's p − r."""
+    return tuple(sorted({(full, pend) for full, pend, *_ in held_states(Schedule.ZERO_BUBBLE, pp, vpp, rank,
+                                                                          micro_batches)}))
 
 
 def inflight(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> float:

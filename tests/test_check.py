@@ -129,8 +129,8 @@ def test_zero_bubble_holds_what_torchs_schedule_keeps():
     from costmodel.config import Schedule
     from costmodel.memory import held_states, inflight
 
-    assert held_states(Schedule.ZERO_BUBBLE, 2, 1, 0, 4) == [((1.0,), (1.0,), True), ((2.0,), (0.0,), True)]
-    assert held_states(Schedule.ZERO_BUBBLE, 2, 1, 1, 4) == [((0.0,), (2.0,), True), ((1.0,), (1.0,), True)]
+    assert [s[:2] for s in held_states(Schedule.ZERO_BUBBLE, 2, 1, 0, 4)] == [((1.0,), (1.0,)), ((2.0,), (0.0,))]
+    assert [s[:2] for s in held_states(Schedule.ZERO_BUBBLE, 2, 1, 1, 4)] == [((0.0,), (2.0,)), ((1.0,), (1.0,))]
     assert inflight(Schedule.ONE_F_ONE_B, 2, 1, 1, 4) == 1.0
 
 
@@ -450,4 +450,18 @@ def test_gradients_ddp_leaves_alone_outlive_the_step():
     plan = plan_from_config(model, "dgx-h100:nodes=1", 32, "pp=2,dp=4,ep=4,mbs=2,schedule=1f1b,zero=0")
     for role in check_plan(plan)["roles"]:
         assert role["errors"]["memory"]["grads"] <= 0.01, (role["stage"], role["errors"]["memory"])
+        assert role["errors"]["memory"]["peak"] <= 0.05, (role["stage"], role["errors"]["memory"])
+
+
+@pytest.mark.parametrize("config", ["dp=4,pp=2,vpp=2,zero=3,mbs=2,schedule=interleaved",
+                                    "dp=4,pp=2,zero=3,mbs=1,schedule=1f1b", "dp=4,pp=2,zero=2,mbs=4,schedule=1f1b"])
+def test_pipelined_fsdp_states_match_the_trace(config):
+    """Pipelined FSDP (torch 2.13's PipelineStage: no gradient sync, no reshard after backward) accumulates a
+    chunk's unsharded gradients from its first backward and makes the shards only after the last; under ZeRO 3 a
+    forward reshards the chunk and a backward leaves it gathered. The cost model held all of it at every state:
+    6.9 % (interleaved), 8.1 / 13.5 % (1F1B, m = 8) and 5.7 % (ZeRO-2, m = 2, rank 0's peak in its first backward)
+    over the trace; per state (`costmodel.memory.held_states`) within 5 %."""
+    spec = "llama:layers=8,hidden=1024,heads=16,kv_heads=8,ffn=2816,vocab=32000,seq=2048"
+    result = check_plan(plan_from_config(spec, "dgx-h100:nodes=1", 32, config))
+    for role in result["roles"]:
         assert role["errors"]["memory"]["peak"] <= 0.05, (role["stage"], role["errors"]["memory"])

@@ -66,6 +66,7 @@ from costmodel.memory import (
     held_states,
     inflight,
     runtime_reserved_bytes,
+    state_bytes_at_peak,
     state_bytes_per_param,
 )
 from costmodel.overlap import GRAD_REDUCE_BYTES, fsdp_gather_share, optimizer_time
@@ -359,10 +360,11 @@ def _edge_held(cfg: ParallelConfig, m: int) -> tuple[float, float]:
 
 
 def _state_at_peak(cfg: ParallelConfig, m: int) -> float:
-    """Model-state bytes per parameter at every state of every rank's activation peak (the gradients where
-    `costmodel.memory.grads_held_at_peak` holds for all ranks)."""
-    p, g, k = state_bytes_per_param(cfg.precision, cfg.zero, cfg.data_ranks, cfg.pp)
-    return p + k + (g if grads_held_at_peak(cfg, m) else 0.0)
+    """Model-state bytes per parameter at every state of every rank's activation peak
+    (`costmodel.memory.state_bytes_at_peak`): the gradients where `costmodel.memory.grads_held_at_peak` holds for
+    all ranks; parameters gathered at some states only (pipelined ZeRO 3) are not charged."""
+    p, g, k, made, _ = state_bytes_at_peak(cfg)
+    return p + g + k + (made if grads_held_at_peak(cfg, m) else 0.0)
 
 
 @dataclass

@@ -398,20 +398,27 @@ class Model:
         d, s, ev, cfg = self.d, self.solver, self.d.ev, self.d.cfg
         cap = self._b(ev.cluster.memory_budget_bytes) * (1 - 1e-9)
         reserve = self._b(runtime_reserved_bytes(cfg, ev.cluster.device))
-        per_param = sum(ev.peak_static_bytes(1.0))  # at every state of the activation peak
-        # the gradients a state holds when a backward came before it (costmodel.memory.held_states), unless held
-        # from the start (then in per_param)
-        grad_per_param = ev.static_bytes(1.0)[1] - ev.peak_static_bytes(1.0)[1]
-        grad_per_extra = ev.static_bytes(0.0, 1.0)[1] - ev.peak_static_bytes(0.0, 1.0)[1]
+        # model states at every state of the activation peak; then, per chunk, the gradients once a backward ran
+        # on it and the parameters gathered while its last pass was one (costmodel.memory.state_bytes_at_peak)
+        *static, made_pp, gathered_pp = ev.peak_static_bytes(1.0)
+        per_param = sum(static)
+        x_made_pp = ev.peak_static_bytes(0.0, 1.0)[3]
         after_backward = sum(ev.static_bytes(1.0))  # every gradient, no activation
         self.rec_peak, self.uses_ac = {}, {}
         nb = d.ngroups
         for r in range(d.pp):
             stages = _units_of(d, r)
             params = self.tab(r, lambda n, r=r: self._params(r, n))[0]
-            made = self._b(grad_per_param) * params  # the gradients, in a state a backward came before
-            if grad_per_extra:
-                made += self.tab(r, lambda n, r=r: self._b(grad_per_extra) * self._extra(r, n))[0]
+            x_made = 0.0  # the expert shards' gradients, with the rank's first backward
+            if x_made_pp:
+                x_made = self.tab(r, lambda n, r=r: self._b(x_made_pp) * self._extra(r, n))[0]
+            # held_states with, per state, the chunks' gradients and gathered parameters it holds
+            each = [(self.layer_sum([u], lambda c: self._b(made_pp * c.param_numel)),
+                     self.layer_sum([u], lambda c: self._b(gathered_pp * c.param_numel))) for u in stages]
+            assert len(each) == cfg.vpp, "a rank's chunks are one unit each (ilp_data)"
+            states = [(full, pend, sum(x * g + y * h for x, y, (g, h) in zip(made, gathered, each))
+                       + (x_made if max(made) else 0.0))
+                      for full, pend, made, gathered in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, d.m)]
             # per state of the rank's chunks (costmodel.memory.held_states: micro-batches holding all their
             # activations, and zero-bubble's pending a weight pass), blocks at the rank's average count (decoding
             # spreads them evenly over its chunks), the embedding and head at their own chunk's; the largest state
@@ -432,9 +439,9 @@ class Model:
                 return sum(self._b(d.buffers[k, r][0] + sum((f + p) * x for f, p, x in zip(full, pend,
                                                                                              d.buffers[k, r][1])))
                            * self.compress["pp", k] for k in d.pp_opts)
-            for full, pend, grads in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, d.m) if per_chunk else ():
+            for full, pend, extra in states if per_chunk else ():
                 eligible = [f >= 1 and not (r == 0 and j == 0) for j, f in enumerate(full)]
-                expr = buffers(full, pend) + (made if grads else 0.0 * self.bottleneck)
+                expr = buffers(full, pend) + extra + 0.0 * self.bottleneck
                 for j, u in enumerate(stages):
                     own = r == 0 and j == 0  # the first stage: its pending micro-batches hold full activations
                     expr += (full[j] + (pend[j] if own else 0.0)) * self.layer_sum([u], lambda x: self._b(x.act_bytes))
@@ -445,10 +452,10 @@ class Model:
                 for j, u in enumerate(stages):
                     if zero_bubble and eligible[j]:
                         s.Add(act_building >= expr + self.layer_sum([u], lambda x: self._b(x.weight_output_bytes)))
-            for full, pend, grads in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, d.m) if not per_chunk else ():
+            for full, pend, extra in states if not per_chunk else ():
                 k, w = sum(full) / len(full), sum(pend) / len(pend)
                 first = pend[0] / v if r == 0 else 0.0  # the first stage's share, held as full activations
-                expr = (k + first) * full_sum + buffers(full, pend) + (made if grads else 0.0)
+                expr = (k + first) * full_sum + buffers(full, pend) + extra
                 if w - first:
                     if pending_sum is None:
                         pending_sum = self.layer_sum(stages, lambda x: self._b(x.pending_bytes))
@@ -516,7 +523,7 @@ class Model:
                 s.Add(peak >= act_building - act + block_peak)
             allocated = self._b(per_param) * params + act + peak
             # expert shards beyond the held parameters (ZeRO 2/3 with expert parallelism), at both moments
-            x_peak, x_after = sum(ev.peak_static_bytes(0.0, 1.0)), sum(ev.static_bytes(0.0, 1.0))
+            x_peak, x_after = sum(ev.peak_static_bytes(0.0, 1.0)[:3]), sum(ev.static_bytes(0.0, 1.0))
             x_at_peak = x_at_after = 0.0
             if x_after:
                 x_at_peak = self.tab(r, lambda n, r=r, x=x_peak: self._b(x) * self._extra(r, n))[0]
