@@ -50,10 +50,12 @@ JOBS = [  # (model, cluster, global batch, --fix): DDP, ZeRO-1/2/3, TP+SP, every
     (MED, H8, 32, "dp=4,pp=2,zero=0,mbs=2,schedule=zb"),
     (MED, H8, 32, "dp=4,pp=2,zero=2,mbs=2,schedule=gpipe"),
     (MED, H8, 32, "dp=4,pp=2,vpp=2,zero=3,mbs=2,schedule=interleaved"),
+    (MED, H8, 32, "dp=4,pp=2,zero=3,mbs=1,schedule=1f1b"),  # pipelined FSDP, 8 micro-batches: gathered per chunk
     (GPT_MED, H8, 32, "dp=4,pp=2,zero=0,mbs=2,schedule=1f1b"),
     (MOE_MED, H8, 32, "dp=8,zero=3"),
     (MOE_MED, H8, 32, "dp=8,ep=4,zero=2"),  # expert parallelism: all-to-alls, experts reduced over edp
     (MOE_MED, H8, 32, "dp=4,tp=2,ep=2,zero=2,sp=on"),  # EP × TP × SP: the router and experts summed over tp
+    (MOE_MED, H8, 32, "dp=4,pp=2,ep=4,zero=0,schedule=1f1b"),  # DDP beside experts it ignores, pipelined
     (HF_MED, H8, 32, "dp=8,zero=3"),
     (MED, H8, 16, "dp=2,cp=4,zero=3"),  # context parallelism: K/V all-gathers, gradients over dp × cp
     (MED, H8, 16, "dp=2,tp=2,cp=2,zero=2"),

@@ -145,10 +145,25 @@ def state_bytes_at_peak(cfg) -> tuple[float, float, float, float, float]:
 def head_grad_bytes(cfg, layers: list[tuple[str, float]], micro_batches: int, rank: int) -> float:
     """The head's gradient pipeline rank ``rank``, holding ``layers`` ((kind, parameters) pairs), has at a block's
     backward when its gradients are not held at every peak state (`grads_held_at_peak`): the head's backward ran
-    first. ZeRO 3 counts it with the root's unsharded state (`fsdp_gathered_bytes`)."""
-    if grads_held_at_peak(cfg, micro_batches, rank) or (cfg.zero == 3 and cfg.data_ranks > 1):
+    first. ZeRO 3 counts it with the root's unsharded state (`fsdp_gathered_bytes`), pipelined FSDP where it stays
+    beside the accumulators (`fsdp_reduce_bytes`)."""
+    counted = (cfg.zero == 3 and cfg.data_ranks > 1 and not cfg.fsdp_in_pipeline) or _pipelined_grad_beside(cfg)
+    if grads_held_at_peak(cfg, micro_batches, rank) or counted:
         return 0.0
     return cfg.param_bytes * sum(n for kind, n in layers if kind == "head")
+
+
+def _reduce_bytes(cfg) -> int:
+    """Bytes per element of FSDP2's reduction (``reduce_dtype``, `planner.emit.runtime.fsdp_policy`): fp32 unless the
+    plan compresses the gradients to 16 bits."""
+    return 2 if parse_grad_compress(cfg.grad_compress)[0] in ("bf16", "fp16") else 4
+
+
+def _pipelined_grad_beside(cfg) -> bool:
+    """Whether pipelined FSDP keeps a layer's new gradient beside its accumulator until the unit's post-backward
+    folds it in: when the reduce dtype differs from the parameters' (torch 2.13 ``FSDPParam.
+    to_accumulated_grad_if_needed`` returns early when they are equal, and ``.grad`` is the accumulator itself)."""
+    return cfg.fsdp_in_pipeline and cfg.param_bytes != _reduce_bytes(cfg)
 
 
 def fsdp_gathered_bytes(cfg, layers: list[tuple[str, float]]) -> tuple[float, float]:
@@ -162,9 +177,10 @@ def fsdp_gathered_bytes(cfg, layers: list[tuple[str, float]]) -> tuple[float, fl
     computes the loss outside the model, so it runs before the root's hook gathers (traced: a 4-block MoE on 8
     ranks holds only the shards then, and gathers the root's 250 MiB at the head's backward, after the loss's
     working set). Under pipelining the same root and blocks are gathered (a forward reshards them, a backward leaves
-    them gathered: the chunk's own are charged at the states after one, `state_bytes_at_peak`), but the head's
-    gradient is an accumulator the states hold (traced: llama 8×1024, dp4 pp2 1F1B m = 8, a steady backward's
-    first block with the root's 125 MiB and one block gathered)."""
+    them gathered: the chunk's own are charged at the states after one, `state_bytes_at_peak`; traced: llama
+    8×1024, dp4 pp2 1F1B m = 8, a steady backward's first block with the root's 125 MiB and one block gathered);
+    the head's gradient is an accumulator there (`fsdp_reduce_bytes` and `head_grad_bytes` say when it is not
+    all)."""
     blocks = sorted(n for kind, n in layers if kind == "block")[-2:]
     root = sum(n for kind, n in layers if kind != "block")
     head = 0.0 if cfg.fsdp_in_pipeline else sum(n for kind, n in layers if kind == "head")
@@ -176,12 +192,16 @@ def fsdp_reduce_bytes(cfg, layers: list[tuple[str, float]]) -> float:
     after the last micro-batch): the block's unsharded gradients (training precision) and one reduce-scatter input
     still in flight (reduce dtype: fp32 unless the plan compresses), which torch 2.13 frees only when the next
     block reduces (``reduce_scatter_max_input_buffers`` = 1, ``FSDPParamGroup.post_backward``). Traced: llama with
-    0.81 GiB blocks and small activations, ZeRO-3 on 8 ranks, holds both at its peak."""
-    if cfg.zero < 2 or cfg.data_ranks == 1 or cfg.fsdp_in_pipeline:
+    0.81 GiB blocks and small activations, ZeRO-3 on 8 ranks, holds both at its peak. Pipelined, where a new
+    gradient stays beside the accumulators until its unit's post-backward (`_pipelined_grad_beside`): the block's,
+    and the head's through the whole backward of its chunk (the root's post-backward comes at its end)."""
+    if cfg.zero < 2 or cfg.data_ranks == 1:
         return 0.0
-    reduce = 2 if parse_grad_compress(cfg.grad_compress)[0] in ("bf16", "fp16") else 4
     blocks = [n for kind, n in layers if kind == "block"]
-    return (cfg.param_bytes + reduce) * max(blocks, default=0.0)
+    if cfg.fsdp_in_pipeline:
+        head = sum(n for kind, n in layers if kind == "head")
+        return cfg.param_bytes * (max(blocks, default=0.0) + head) if _pipelined_grad_beside(cfg) else 0.0
+    return (cfg.param_bytes + _reduce_bytes(cfg)) * max(blocks, default=0.0)
 
 
 def inflight_chunks(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> list[float]:

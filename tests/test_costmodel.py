@@ -131,6 +131,27 @@ def test_states_hold_what_came_before_them():
     assert grads_held_at_peak(dataclasses.replace(cfg, zero=0), 2, 0)  # DDP's buckets: from the step's start
 
 
+def test_pipelined_fsdp_keeps_a_new_bf16_gradient_beside_its_accumulator():
+    """Pipelined FSDP folds a unit's new gradient into its accumulator at the unit's post-backward, and only when
+    the reduce dtype differs from the parameters' (torch 2.13 ``FSDPParam.to_accumulated_grad_if_needed``; else
+    ``.grad`` is the accumulator): bf16 training with fp32 reduction holds a block's bf16 gradient in its backward,
+    and the head's (in the root unit, whose post-backward ends the chunk's backward) through the chunk's backward.
+    Read from torch, not traced here: the check runs fp32, where neither exists."""
+    from costmodel.memory import fsdp_gathered_bytes, fsdp_reduce_bytes, head_grad_bytes
+
+    layers = [("embedding", 100.0), ("block", 10.0), ("block", 12.0), ("head", 100.0)]
+    bf16 = ParallelConfig(dp=4, pp=2, zero=3, precision="bf16")
+    assert fsdp_reduce_bytes(bf16, layers) == 2 * (12.0 + 100.0)
+    assert fsdp_gathered_bytes(bf16, layers)[0] == 2 * (100.0 + 12.0 + 10.0 + 100.0)  # root and two blocks
+    assert head_grad_bytes(bf16, layers, 2, 1) == 0.0  # (counted by fsdp_reduce_bytes)
+    assert fsdp_reduce_bytes(dataclasses.replace(bf16, grad_compress="bf16"), layers) == 0.0  # .grad accumulates
+    fp32 = dataclasses.replace(bf16, precision="fp32")
+    assert fsdp_reduce_bytes(fp32, layers) == 0.0
+    assert head_grad_bytes(fp32, layers, 4, 1) == 0.0  # 1F1B, m = 4: a backward came before every peak state
+    # GPipe's most come before its first backward, which makes the head's gradient (an accumulator to be) first
+    assert head_grad_bytes(dataclasses.replace(fp32, schedule=Schedule.GPIPE), layers, 4, 1) == 4 * 100.0
+
+
 def test_checkpointing_reduces_activations_and_adds_recompute():
     # seq ≠ hidden: the attention core is told from the hidden states by its seq×seq shape
     # (profiler.graph.NodeInfo.is_attention_core), ambiguous when seq = hidden as in the `gpt` fixture
