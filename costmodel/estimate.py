@@ -43,6 +43,7 @@ from costmodel.memory import (
     dp_reduction_temp_bytes,
     fsdp_gathered_bytes,
     fsdp_reduce_bytes,
+    fsdp_reduce_dtype_bytes,
     grads_always_held,
     head_grad_bytes,
     held_states,
@@ -422,7 +423,8 @@ class Evaluator:
         """(parameter, gradient, optimizer) bytes of ``params`` parameters after the backward (ZeRO's model
         states, `state_bytes_per_param`); ``extra``: expert parameters ZeRO 2/3 shards beyond those
         (`LayerCost.expert_shard_extra`), whose fp32 shards, gradient shards and moments are held 1/dp each."""
-        p, g, k = state_bytes_per_param(self.cfg.precision, self.cfg.zero, self.cfg.data_ranks, self.cfg.pp)
+        p, g, k = state_bytes_per_param(self.cfg.precision, self.cfg.zero, self.cfg.data_ranks, self.cfg.pp,
+                                        fsdp_reduce_dtype_bytes(self.cfg))
         xp, xg, xk = self.extra_bytes_per_param()
         return params * p + extra * xp, params * g + extra * xg, params * k + extra * xk
 

@@ -80,9 +80,11 @@ def dp_reduction_temp_bytes(cfg, grad_kind: str, grad_bytes: float = math.inf) -
     return bucket / 2 if grad_kind in ("bf16", "fp16") else 0.0
 
 
-def state_bytes_per_param(precision: str, zero: int, dp: int, pp: int = 1) -> tuple[float, float, float]:
+def state_bytes_per_param(precision: str, zero: int, dp: int, pp: int = 1,
+                          accumulator: float = 4.0) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer) bytes per parameter on one rank: the ZeRO paper's 2Ψ + 2Ψ + KΨ; under
-    pipelining FSDP also holds the unsharded fp32 gradients (and, ZeRO 3, the unsharded parameters) across the
+    pipelining FSDP also holds the unsharded gradients, ``accumulator`` bytes each (the reduce dtype,
+    `fsdp_reduce_dtype_bytes`: fp32 unless the plan compresses), and, ZeRO 3, the unsharded parameters across the
     micro-batches (`pipelined_fsdp`)."""
     p, g, k = (4.0, 4.0, 8.0) if precision == "fp32" else (2.0, 2.0, 12.0)
     unsharded_param = p
@@ -92,7 +94,7 @@ def state_bytes_per_param(precision: str, zero: int, dp: int, pp: int = 1) -> tu
         # moments; ZeRO 2 also keeps the unsharded (training-precision) parameters from forward to backward
         p, g, k = 4.0 / dp + (unsharded_param if zero == 2 else 0.0), 4.0 / dp, 8.0 / dp
     if pipelined_fsdp(zero, dp, pp):
-        g += 4.0
+        g += accumulator
         if zero >= 3:
             p += unsharded_param
     return p, g, k
@@ -123,17 +125,17 @@ def state_bytes_at_peak(cfg) -> tuple[float, float, float, float, float]:
     """Bytes per parameter at a state of the activation peak (`held_states`): ``(params, grads, optimizer)`` held
     at every state, then what a chunk holds once a backward ran on it (its gradients, where they do not outlive
     the step: `grads_always_held`) and while its last pass was a backward (its unsharded parameters: pipelined
-    ZeRO 3). Pipelined FSDP (`costmodel.runnable.pipelined_fsdp`) accumulates unsharded fp32 gradients from a
-    chunk's first backward, and makes the gradient shards only with the reduce-scatter after the last one
+    ZeRO 3). Pipelined FSDP (`costmodel.runnable.pipelined_fsdp`) accumulates unsharded gradients (in the reduce
+    dtype) from a chunk's first backward, and makes the gradient shards only with the reduce-scatter after the last one
     (`state_bytes_per_param` counts both: the moment after the backward); under ZeRO 3 each forward reshards its
     module (``reshard_after_forward``) and each backward leaves it gathered (torch 2.13's ``PipelineStage`` turns
     off the reshard after backward). Traced: llama 8×1024, dp4 pp2 v2 interleaved ZeRO-3, rank 0 peaked in a
     forward of its second chunk, holding the first chunk's parameters gathered and both chunks' accumulators, no
     shard of a gradient (6.9 % under the cost model, which held them all)."""
-    p, g, k = state_bytes_per_param(cfg.precision, cfg.zero, cfg.data_ranks, cfg.pp)
+    p, g, k = state_bytes_per_param(cfg.precision, cfg.zero, cfg.data_ranks, cfg.pp, fsdp_reduce_dtype_bytes(cfg))
     unsharded = 0.0
     if pipelined_fsdp(cfg.zero, cfg.data_ranks, cfg.pp):
-        g = 4.0
+        g = float(fsdp_reduce_dtype_bytes(cfg))
         if cfg.zero >= 3:
             unsharded = cfg.param_bytes
             p -= unsharded
@@ -153,7 +155,7 @@ def head_grad_bytes(cfg, layers: list[tuple[str, float]], micro_batches: int, ra
     return cfg.param_bytes * sum(n for kind, n in layers if kind == "head")
 
 
-def _reduce_bytes(cfg) -> int:
+def fsdp_reduce_dtype_bytes(cfg) -> int:
     """Bytes per element of FSDP2's reduction (``reduce_dtype``, `planner.emit.runtime.fsdp_policy`): fp32 unless the
     plan compresses the gradients to 16 bits."""
     return 2 if parse_grad_compress(cfg.grad_compress)[0] in ("bf16", "fp16") else 4
@@ -163,7 +165,7 @@ def _pipelined_grad_beside(cfg) -> bool:
     """Whether pipelined FSDP keeps a layer's new gradient beside its accumulator until the unit's post-backward
     folds it in: when the reduce dtype differs from the parameters' (torch 2.13 ``FSDPParam.
     to_accumulated_grad_if_needed`` returns early when they are equal, and ``.grad`` is the accumulator itself)."""
-    return cfg.fsdp_in_pipeline and cfg.param_bytes != _reduce_bytes(cfg)
+    return cfg.fsdp_in_pipeline and cfg.param_bytes != fsdp_reduce_dtype_bytes(cfg)
 
 
 def fsdp_gathered_bytes(cfg, layers: list[tuple[str, float]]) -> tuple[float, float]:
@@ -201,7 +203,7 @@ def fsdp_reduce_bytes(cfg, layers: list[tuple[str, float]]) -> float:
     if cfg.fsdp_in_pipeline:
         head = sum(n for kind, n in layers if kind == "head")
         return cfg.param_bytes * (max(blocks, default=0.0) + head) if _pipelined_grad_beside(cfg) else 0.0
-    return (cfg.param_bytes + _reduce_bytes(cfg)) * max(blocks, default=0.0)
+    return (cfg.param_bytes + fsdp_reduce_dtype_bytes(cfg)) * max(blocks, default=0.0)
 
 
 def inflight_chunks(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> list[float]:

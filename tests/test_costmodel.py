@@ -135,9 +135,10 @@ def test_pipelined_fsdp_keeps_a_new_bf16_gradient_beside_its_accumulator():
     """Pipelined FSDP folds a unit's new gradient into its accumulator at the unit's post-backward, and only when
     the reduce dtype differs from the parameters' (torch 2.13 ``FSDPParam.to_accumulated_grad_if_needed``; else
     ``.grad`` is the accumulator): bf16 training with fp32 reduction holds a block's bf16 gradient in its backward,
-    and the head's (in the root unit, whose post-backward ends the chunk's backward) through the chunk's backward.
-    Read from torch, not traced here: the check runs fp32, where neither exists."""
-    from costmodel.memory import fsdp_gathered_bytes, fsdp_reduce_bytes, head_grad_bytes
+    and the head's (in the root unit, whose post-backward ends the chunk's backward) through the chunk's backward;
+    the accumulators themselves are in the reduce dtype. Read from torch, not traced here: the check runs fp32,
+    where neither exists."""
+    from costmodel.memory import fsdp_gathered_bytes, fsdp_reduce_bytes, head_grad_bytes, state_bytes_at_peak
 
     layers = [("embedding", 100.0), ("block", 10.0), ("block", 12.0), ("head", 100.0)]
     bf16 = ParallelConfig(dp=4, pp=2, zero=3, precision="bf16")
@@ -145,6 +146,9 @@ def test_pipelined_fsdp_keeps_a_new_bf16_gradient_beside_its_accumulator():
     assert fsdp_gathered_bytes(bf16, layers)[0] == 2 * (100.0 + 12.0 + 10.0 + 100.0)  # root and two blocks
     assert head_grad_bytes(bf16, layers, 2, 1) == 0.0  # (counted by fsdp_reduce_bytes)
     assert fsdp_reduce_bytes(dataclasses.replace(bf16, grad_compress="bf16"), layers) == 0.0  # .grad accumulates
+    # the accumulators are in the reduce dtype: fp32, or the 16 bits a compressing plan reduces in
+    assert state_bytes_at_peak(bf16)[3] == 4.0 and state_bytes_at_peak(dataclasses.replace(
+        bf16, grad_compress="bf16"))[3] == 2.0
     fp32 = dataclasses.replace(bf16, precision="fp32")
     assert fsdp_reduce_bytes(fp32, layers) == 0.0
     assert head_grad_bytes(fp32, layers, 4, 1) == 0.0  # 1F1B, m = 4: a backward came before every peak state

@@ -62,6 +62,7 @@ from costmodel.memory import (
     FRAGMENTATION,
     dp_reduction_temp_bytes,
     edge_inflight,
+    fsdp_reduce_dtype_bytes,
     grads_held_at_peak,
     held_states,
     inflight,
@@ -333,7 +334,8 @@ class Bounds:
         if cfg.pp == 1:
             n = len(self.groups)
             first = per * g.params + g.pre_act + g.post_act + n * block_act
-        after = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.data_ranks, cfg.pp))  # every gradient
+        after = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.data_ranks, cfg.pp,
+                                          fsdp_reduce_dtype_bytes(cfg)))  # every gradient
         allocated = max(first, last, after * g.params / cfg.pp) + temp
         return (1 + FRAGMENTATION) * allocated + runtime_reserved_bytes(cfg, self.cluster.device)
 
