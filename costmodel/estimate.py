@@ -540,7 +540,7 @@ class Evaluator:
         chunks = [c for c in range(len(stages)) if rank_of[c] == r]  # the rank's chunks, in order
         mine = [stages[c] for c in chunks]
         full = [sum(costs[i].act_bytes for i in idx) for idx in mine]
-        # zero-bubble (`zero_bubble_states`): the first stage's input pass has no input gradient to compute (the
+        # zero-bubble (`held_states`' pending): the first stage's input pass has no input gradient to compute (the
         # tokens need none) and does nothing, so its micro-batches stay as the forward left them until the weight
         # pass; elsewhere the input pass builds the weight ops' output gradients on top of the full activations
         pending = [full[k] if c == 0 else sum(costs[i].pending_bytes for i in idx)

@@ -227,9 +227,10 @@ def _inflight_chunks(schedule: Schedule, pp: int, vpp: int, rank: int, micro_bat
         for k in range(ops):
             counts[(k // q) % vpp] += 1
         return tuple(float(min(c, micro_batches)) for c in counts)
-    if schedule == Schedule.ZERO_BUBBLE:  # those holding all their activations (`zero_bubble_states`; the memory
-        # model adds those pending a weight pass: `held_states`)
-        return tuple(max(full[c] for full, *_ in zero_bubble_states(pp, vpp, rank, micro_batches)) for c in range(vpp))
+    if schedule == Schedule.ZERO_BUBBLE:  # those holding all their activations (the memory model adds those
+        # pending a weight pass: `held_states`)
+        states = held_states(schedule, pp, vpp, rank, micro_batches)
+        return tuple(max(full[c] for full, *_ in states) for c in range(vpp))
     n = micro_batches if schedule == Schedule.GPIPE else pp - rank  # 1F1B: p − r
     return (float(min(n, micro_batches)),) * vpp
 
@@ -308,7 +309,10 @@ def _rank_passes(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches
     torch builds (``ScheduleInterleaved1F1B._calculate_single_rank_operations``; ``_get_warmup_ops`` and
     ``_get_1f1b_rank_ops`` with ``enable_zero_bubble``); Schedule1F1B runs min(m, p − r) warm-up forwards, then a
     backward and a forward in turn, then the remaining backwards; GPipe every forward, then every backward; no
-    pipeline (pp = 1) a forward and a backward per micro-batch."""
+    pipeline (pp = 1) a forward and a backward per micro-batch. Under zero-bubble a micro-batch is full from its
+    forward to its input-gradient pass (I), then pending until its weight pass (W: the input pass detaches the
+    stage outputs, so only the weight ops' part of the graph stays); weight passes trail input passes by the rank's
+    index, so later ranks hold more than 1F1B's p − r."""
     m = micro_batches
     if pp == 1:
         return [(0, kind) for _ in range(m) for kind in "FB"]
@@ -364,15 +368,6 @@ def interleaved_states(pp: int, vpp: int, rank: int, micro_batches: int) -> tupl
     states (traced: the 70B interleaved plan, pp = 4, v = 5, m = 16, peaked with rank 0's second and third chunks
     holding 8 and 7 micro-batches, against 4 at its first backward: 32 % over the activations of that state)."""
     return tuple(sorted({full for full, *_ in held_states(Schedule.INTERLEAVED, pp, vpp, rank, micro_batches)}))
-
-
-def zero_bubble_states(pp: int, vpp: int, rank: int, micro_batches: int) -> tuple[tuple[tuple, tuple], ...]:
-    """The ``(full, pending)`` parts of a rank's peak states (`held_states`) under torch 2.13's zero-bubble schedule:
-    a micro-batch is full from its forward to its input-gradient pass, then pending until its weight pass (the
-    input pass detaches the stage outputs, so only the weight ops' part of the graph stays); weight passes trail
-    input passes by the rank's index, so later ranks hold more than 1F1B's p − r."""
-    return tuple(sorted({(full, pend) for full, pend, *_ in held_states(Schedule.ZERO_BUBBLE, pp, vpp, rank,
-                                                                          micro_batches)}))
 
 
 def inflight(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> float:

@@ -433,7 +433,7 @@ class Model:
             v = cfg.vpp
             # each chunk counted on its own (ZeRO-3's per-stage units: its chunks may hold different numbers of
             # blocks): every chunk's layers at that chunk's own weights, exactly as `_rank_memory` sums them
-            per_chunk = v > 1 and len(stages) == v
+            per_chunk = v > 1  # (one unit per chunk, asserted above)
 
             def buffers(full, pend, r=r):  # torch's pipelining buffers in this state, by the chosen boundary precision
                 return sum(self._b(d.buffers[k, r][0] + sum((f + p) * x for f, p, x in zip(full, pend,
