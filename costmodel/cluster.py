@@ -130,15 +130,25 @@ class Link:
     latency_by_kind: Mapping[str, float] = field(default_factory=dict)
     #: collective kind → bandwidth curve over message size (see :class:`SizeCurve`); none by default.
     curve_by_kind: Mapping[str, SizeCurve] = field(default_factory=dict)
+    #: seconds each call pays once, beyond its ring steps, when the calling rank has been computing (not waiting in
+    #: lock step with its peers): the wake-up of blocked threads on a link whose transport runs on the ranks' own
+    #: cores (gloo on a VM's vCPUs: ~0.5-2 ms per call, `costmodel.gloo_bench`). 0: none (NCCL's figures are
+    #: measured back to back, as training issues them).
+    call_latency: float = 0.0
+    #: collective kind → ``call_latency`` for that kind.
+    call_latency_by_kind: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0:
             raise ValueError(f"link {self.name!r}: bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
         if not self.latency >= 0:
             raise ValueError(f"link {self.name!r}: latency must be >= 0 s, got {self.latency!r}")
+        if not self.call_latency >= 0:
+            raise ValueError(f"link {self.name!r}: call_latency must be >= 0 s, got {self.call_latency!r}")
         for label, table, ok in (("bandwidth_by_kind", self.bandwidth_by_kind, lambda v: v > 0),
                                  ("latency_by_kind", self.latency_by_kind, lambda v: v >= 0),
-                                 ("curve_by_kind", self.curve_by_kind, lambda v: isinstance(v, SizeCurve))):
+                                 ("curve_by_kind", self.curve_by_kind, lambda v: isinstance(v, SizeCurve)),
+                                 ("call_latency_by_kind", self.call_latency_by_kind, lambda v: v >= 0)):
             for kind, value in table.items():
                 if kind not in COLLECTIVE_KINDS:
                     raise ValueError(f"link {self.name!r}: {label} has unknown collective {kind!r}; "
@@ -150,7 +160,8 @@ class Link:
     def __hash__(self) -> int:
         return hash((self.name, self.bandwidth, self.latency, self.source,
                      tuple(sorted(self.bandwidth_by_kind.items())), tuple(sorted(self.latency_by_kind.items())),
-                     tuple(sorted(self.curve_by_kind.items()))))
+                     tuple(sorted(self.curve_by_kind.items())), self.call_latency,
+                     tuple(sorted(self.call_latency_by_kind.items()))))
 
     def bandwidth_for(self, kind: str) -> float:
         """Bus bandwidth (bytes/s) for collective ``kind``: its override if there is one, else ``bandwidth``."""
@@ -159,6 +170,10 @@ class Link:
     def latency_for(self, kind: str) -> float:
         """Per-step latency (s) for collective ``kind``: its override if there is one, else ``latency``."""
         return self.latency_by_kind.get(kind, self.latency)
+
+    def call_latency_for(self, kind: str) -> float:
+        """Seconds per call (s) for collective ``kind``: its override if there is one, else ``call_latency``."""
+        return self.call_latency_by_kind.get(kind, self.call_latency)
 
     def curve_for(self, kind: str) -> SizeCurve | None:
         """The bandwidth curve over message size for collective ``kind``, if the link has one."""
@@ -502,13 +517,14 @@ def _nonneg(ctx: _Ctx, data: Mapping[str, Any], key: str, where: str) -> float:
     return float(value)
 
 
-_LINK_KEYS = ("name", "bw_GBps", "latency_us", "source", "by_kind")
+_LINK_KEYS = ("name", "bw_GBps", "latency_us", "call_latency_us", "source", "by_kind")
 
 
 def _parse_link(ctx: _Ctx, where: str, data: Mapping[str, Any], default_name: str) -> Link:
     _check_keys(ctx, where, data, _LINK_KEYS)
     bandwidths: dict[str, float] = {}
     latencies: dict[str, float] = {}
+    calls: dict[str, float] = {}
     curves: dict[str, SizeCurve] = {}
     by_kind = _get(ctx, data, "by_kind", dict, where, default={})
     _check_keys(ctx, f"{where}.by_kind", by_kind, COLLECTIVE_KINDS)
@@ -516,11 +532,13 @@ def _parse_link(ctx: _Ctx, where: str, data: Mapping[str, Any], default_name: st
         kw = f"{where}.by_kind.{kind}"
         if not isinstance(entry, dict):
             raise ctx.error(f"{kw} must be a mapping with bw_GBps and/or latency_us, got {entry!r}")
-        _check_keys(ctx, kw, entry, ("bw_GBps", "latency_us", "size_curve"))
+        _check_keys(ctx, kw, entry, ("bw_GBps", "latency_us", "call_latency_us", "size_curve"))
         if "bw_GBps" in entry:
             bandwidths[kind] = _get(ctx, entry, "bw_GBps", float, kw) * GB
         if "latency_us" in entry:
             latencies[kind] = _nonneg(ctx, entry, "latency_us", kw) * US
+        if "call_latency_us" in entry:
+            calls[kind] = _nonneg(ctx, entry, "call_latency_us", kw) * US
         if "size_curve" in entry:
             curves[kind] = _parse_curve(ctx, f"{kw}.size_curve", _get(ctx, entry, "size_curve", dict, kw))
     return Link(
@@ -531,6 +549,8 @@ def _parse_link(ctx: _Ctx, where: str, data: Mapping[str, Any], default_name: st
         bandwidth_by_kind=bandwidths,
         latency_by_kind=latencies,
         curve_by_kind=curves,
+        call_latency=_nonneg(ctx, data, "call_latency_us", where) * US if "call_latency_us" in data else 0.0,
+        call_latency_by_kind=calls,
     )
 
 
@@ -550,7 +570,7 @@ def _parse_curve(ctx: _Ctx, where: str, data: Mapping[str, Any]) -> SizeCurve:
 
 
 _DEVICE_KEYS = ("name", "peak_tflops", "memory_GiB", "memory_GB", "hbm_bw_GBps", "matmul_eff", "memory_eff",
-                "attention_eff", "fp8_eff", "overlap_slowdown", "runtime_reserved_GiB", "source")
+                "attention_eff", "fp8_eff", "overlap_slowdown", "op_overhead_us", "runtime_reserved_GiB", "source")
 
 
 def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
@@ -587,6 +607,10 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
     slowdown = value.get("overlap_slowdown", 0.0)
     if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not 0 <= slowdown <= 1:
         raise ctx.error(f"device.overlap_slowdown must be a number in [0, 1], got {slowdown!r}")
+    overhead = value.get("op_overhead_us", [0.0, 0.0])  # host µs per op, forward and backward (a CPU device)
+    if (not isinstance(overhead, list) or len(overhead) != 2
+            or any(isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 for t in overhead)):
+        raise ctx.error(f"device.op_overhead_us must be [forward, backward] microseconds ≥ 0, got {overhead!r}")
     reserved = None
     if "runtime_reserved_GiB" in value:  # measured: what the CUDA context and NCCL hold outside torch's allocator
         reserved = _get(ctx, value, "runtime_reserved_GiB", float, "device")
@@ -603,6 +627,7 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
         matmul_eff=curve,
         memory_eff=memory_eff,
         overlap_slowdown=float(slowdown),
+        op_overhead_s=(float(f"{overhead[0]!r}e-6"), float(f"{overhead[1]!r}e-6")),
         source=str(value.get("source", f"from {ctx.origin}")),
         **effs,
     )
@@ -675,10 +700,12 @@ def _fraction(ctx: _Ctx, value: float) -> float:
 def _dump_link(link: Link) -> dict[str, Any]:
     out: dict[str, Any] = {"name": link.name, "bw_GBps": _round12(link.bandwidth / GB),
                            "latency_us": _round12(link.latency / US)}
+    if link.call_latency:
+        out["call_latency_us"] = _round12(link.call_latency / US)
     if link.source:
         out["source"] = link.source
-    kinds = [k for k in COLLECTIVE_KINDS
-             if k in link.bandwidth_by_kind or k in link.latency_by_kind or k in link.curve_by_kind]
+    kinds = [k for k in COLLECTIVE_KINDS if k in link.bandwidth_by_kind or k in link.latency_by_kind
+             or k in link.curve_by_kind or k in link.call_latency_by_kind]
     if kinds:
         out["by_kind"] = {}
         for kind in kinds:
@@ -687,6 +714,8 @@ def _dump_link(link: Link) -> dict[str, Any]:
                 entry["bw_GBps"] = _round12(link.bandwidth_by_kind[kind] / GB)
             if kind in link.latency_by_kind:
                 entry["latency_us"] = _round12(link.latency_by_kind[kind] / US)
+            if kind in link.call_latency_by_kind:
+                entry["call_latency_us"] = _round12(link.call_latency_by_kind[kind] / US)
             if kind in link.curve_by_kind:
                 curve = link.curve_by_kind[kind]
                 entry["size_curve"] = {"sizes_KiB": [_round12(x / KiB) for x in curve.sizes],
@@ -712,6 +741,7 @@ def _dump_device(device: DeviceSpec, stack: str | None = None) -> str | dict[str
         "attention_eff": device.attention_eff,
         "fp8_eff": device.fp8_eff,
         "overlap_slowdown": device.overlap_slowdown,
+        **({"op_overhead_us": [_round12(t / US) for t in device.op_overhead_s]} if any(device.op_overhead_s) else {}),
         "source": device.source,
     } | ({"runtime_reserved_GiB": device.runtime_reserved / GiB} if device.runtime_reserved is not None else {})
 

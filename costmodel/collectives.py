@@ -26,6 +26,11 @@ hierarchical model (reduce-scatter in the node, all-reduce of 1/g of the data ac
 which adds the phases instead of pipelining them and so predicts ~25 % less busbw than nccl#812 measured. The ring
 moves in lock step, so each step costs the slowest hop: α = α_inter for a group that crosses nodes.
 
+Calls. Every function prices ``calls`` equal calls sharing ``nbytes`` (default one): each call moves its share in
+its own ring steps and also pays the link's ``call_latency`` once (the wake-up of a rank that was computing; only
+the gloo loopback fit has one, `costmodel.gloo_bench`). The callers say how many collectives the runtime issues
+(two all-reduces per tensor-parallel block in each pass, one gather per FSDP unit, …), not how many bytes only.
+
 A link may give a kind's bandwidth as a curve over message size (``cluster.SizeCurve``; only the gloo loopback fit
 has one: host-memory copies slow down in steps as buffers outgrow the L2 and L3 caches). A group inside a node uses
 the intra link's curve, a group across nodes the inter link's.
@@ -104,42 +109,57 @@ def _latency(kind: Collective, span: GroupSpan, cluster: Cluster) -> float:
     return max(intra, cluster.inter.latency_for(kind.value)) if span.crosses_nodes else intra
 
 
+def _call_latency(kind: Collective, span: GroupSpan, cluster: Cluster) -> float:
+    """Per-call latency: the link that carries the group's (the slower of the two when the group crosses nodes)."""
+    intra = cluster.intra.call_latency_for(kind.value)
+    return max(intra, cluster.inter.call_latency_for(kind.value)) if span.crosses_nodes else intra
+
+
+def _calls(nbytes: float, calls: int, one) -> float:
+    """``calls`` calls of ``nbytes / calls`` each, ``one(bytes)`` the time of one."""
+    if calls < 1 or int(calls) != calls:
+        raise ValueError(f"calls must be a whole number ≥ 1, got {calls!r}")
+    if nbytes == 0:
+        return 0.0
+    return calls * one(nbytes / calls) if calls > 1 else one(nbytes)
+
+
 def _curve(kind: Collective, span: GroupSpan, cluster: Cluster) -> SizeCurve | None:
     """The size curve of the link that carries the group: intra inside a node, inter across nodes."""
     return (cluster.inter if span.crosses_nodes else cluster.intra).curve_for(kind.value)
 
 
-def all_reduce_time(nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
+def all_reduce_time(nbytes: float, span: GroupSpan, cluster: Cluster, calls: int = 1) -> float:
     """Ring all-reduce of ``nbytes`` per rank: ``2(n−1)/n · S/B + 2(n−1)·α`` (nccl-tests PERFORMANCE.md)."""
     n, kind = span.size, Collective.ALL_REDUCE
     if n <= 1:
         return 0.0
-    return ring_time(nbytes, n, 2 * (n - 1) / n, 2 * (n - 1), bus_bandwidth(kind, span, cluster),
-                     _latency(kind, span, cluster),
-                     _curve(kind, span, cluster))
+    bw, lat, curve, call = (bus_bandwidth(kind, span, cluster), _latency(kind, span, cluster),
+                            _curve(kind, span, cluster), _call_latency(kind, span, cluster))
+    return _calls(nbytes, calls, lambda b: ring_time(b, n, 2 * (n - 1) / n, 2 * (n - 1), bw, lat, curve) + call)
 
 
-def all_gather_time(nbytes_total_output: float, span: GroupSpan, cluster: Cluster) -> float:
+def all_gather_time(nbytes_total_output: float, span: GroupSpan, cluster: Cluster, calls: int = 1) -> float:
     """Ring all-gather producing ``nbytes_total_output`` on each rank: ``(n−1)/n · S/B + (n−1)·α``."""
     n, kind = span.size, Collective.ALL_GATHER
     if n <= 1:
         return 0.0
-    return ring_time(nbytes_total_output, n, (n - 1) / n, n - 1, bus_bandwidth(kind, span, cluster),
-                     _latency(kind, span, cluster),
-                     _curve(kind, span, cluster))
+    bw, lat, curve, call = (bus_bandwidth(kind, span, cluster), _latency(kind, span, cluster),
+                            _curve(kind, span, cluster), _call_latency(kind, span, cluster))
+    return _calls(nbytes_total_output, calls, lambda b: ring_time(b, n, (n - 1) / n, n - 1, bw, lat, curve) + call)
 
 
-def reduce_scatter_time(nbytes_total_input: float, span: GroupSpan, cluster: Cluster) -> float:
+def reduce_scatter_time(nbytes_total_input: float, span: GroupSpan, cluster: Cluster, calls: int = 1) -> float:
     """Ring reduce-scatter of ``nbytes_total_input`` per rank: ``(n−1)/n · S/B + (n−1)·α``."""
     n, kind = span.size, Collective.REDUCE_SCATTER
     if n <= 1:
         return 0.0
-    return ring_time(nbytes_total_input, n, (n - 1) / n, n - 1, bus_bandwidth(kind, span, cluster),
-                     _latency(kind, span, cluster),
-                     _curve(kind, span, cluster))
+    bw, lat, curve, call = (bus_bandwidth(kind, span, cluster), _latency(kind, span, cluster),
+                            _curve(kind, span, cluster), _call_latency(kind, span, cluster))
+    return _calls(nbytes_total_input, calls, lambda b: ring_time(b, n, (n - 1) / n, n - 1, bw, lat, curve) + call)
 
 
-def all_to_all_time(nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
+def all_to_all_time(nbytes: float, span: GroupSpan, cluster: Cluster, calls: int = 1) -> float:
     """All-to-all of ``nbytes`` per rank (it keeps 1/n, sends (n−1)/n): ``(n−1)/n · S/B + (n−1)·α``.
 
     Across nodes, (n−g)/n of each rank's buffer leaves the node through its own NIC, so in busbw terms
@@ -153,29 +173,31 @@ def all_to_all_time(nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
     if span.crosses_nodes:
         off_node = n - span.per_node
         bandwidth = min(bandwidth, cluster.inter.bandwidth_for(kind.value) * (n - 1) / off_node)
-    return ring_time(nbytes, n, (n - 1) / n, n - 1, bandwidth, _latency(kind, span, cluster),
-                     _curve(kind, span, cluster))
+    lat, curve, call = _latency(kind, span, cluster), _curve(kind, span, cluster), _call_latency(kind, span, cluster)
+    return _calls(nbytes, calls, lambda b: ring_time(b, n, (n - 1) / n, n - 1, bandwidth, lat, curve) + call)
 
 
-def send_recv_time(nbytes: float, cross_node: bool, cluster: Cluster) -> float:
+def send_recv_time(nbytes: float, cross_node: bool, cluster: Cluster, calls: int = 1) -> float:
     """Point-to-point message of ``nbytes``: ``S/B + α`` on the intra link, or the inter link (one NIC) across nodes.
 
     nccl-tests sendrecv: busbw = algbw.
     """
     link = cluster.inter if cross_node else cluster.intra
     kind = Collective.SEND_RECV.value
-    return ring_time(nbytes, 2, 1.0, 1, link.bandwidth_for(kind), link.latency_for(kind), link.curve_for(kind))
+    bw, lat, curve = link.bandwidth_for(kind), link.latency_for(kind), link.curve_for(kind)
+    call = link.call_latency_for(kind)
+    return _calls(nbytes, calls, lambda b: ring_time(b, 2, 1.0, 1, bw, lat, curve) + call)
 
 
-def collective_time(kind: Collective | str, nbytes: float, span: GroupSpan, cluster: Cluster) -> float:
+def collective_time(kind: Collective | str, nbytes: float, span: GroupSpan, cluster: Cluster, calls: int = 1) -> float:
     """Dispatch on ``kind``; ``nbytes`` has the meaning of the matching function (see the module table).
 
     For ``send_recv`` the span says whether the two ranks are on different nodes (``span.nodes > 1``).
     """
     kind = Collective(kind)
     if kind is Collective.SEND_RECV:
-        return 0.0 if span.size <= 1 else send_recv_time(nbytes, span.crosses_nodes, cluster)
-    return _DISPATCH[kind](nbytes, span, cluster)
+        return 0.0 if span.size <= 1 else send_recv_time(nbytes, span.crosses_nodes, cluster, calls)
+    return _DISPATCH[kind](nbytes, span, cluster, calls)
 
 
 _DISPATCH = {

@@ -31,6 +31,13 @@ so the fit and the model cannot disagree. Between knots the time per byte is int
 time per byte of two neighbouring sizes differs by more than ``STEP``, the size between them is measured too
 (``refine``), up to three times, which places a sharp step (all_gather's L3 step) within an eighth of an octave.
 
+Calls after compute (``measure_call_latency``; ``--calls`` measures only these and updates the saved file). The
+fit above prices an op among ops, ranks in lock step. A training step calls a collective after computing, and on
+this VM the call then pays the wake-up of blocked threads on vCPUs, heavy-tailed and ~10× the fit: a 64 KiB
+all_reduce after 6 matmuls took 2.1-3.0 ms on average (median ~1 ms), against 0.15 ms fitted, every call. Per kind,
+the mean over launches of such calls less the fit is the link's ``call_latency``, which every call pays once
+(`costmodel.collectives`). The table and ``--check`` compare single ops in lock step with the fit alone.
+
 Output: the YAML read by ``costmodel.cluster`` (``intra`` with ``by_kind`` figures; the defaults are all_reduce's),
 the date, torch version, the statistic, and the raw times. A full run takes ~3 min, a check ~2 min.
 
@@ -51,7 +58,7 @@ import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +96,12 @@ QUANTILE = 0.1
 #: launch drew, while the interpolation between the octaves predicts the middle, within 20 % of both.
 STEP = 0.5
 REFINE_PASSES = 3
+#: the call-latency measurement (see ``measure_call_latency``): message size, launches, calls timed per launch and
+#: kind, and the matmuls (n × n, the same on every rank) each call follows.
+CALL_SIZE = 64 * KiB
+CALL_LAUNCHES = 6
+CALL_SAMPLES = 40
+CALL_WORK = (6, 256)
 
 
 # --- Measurement (runs in the forked ranks) ------------------------------------------------------------------------
@@ -190,6 +203,94 @@ def _rank_main(rank: int, world: int, port: int, points: Sequence[tuple[str, int
             half = 0.5 if kind is Collective.SEND_RECV else 1.0
             by_kind.setdefault(kind.value, {})[nbytes] = [half * t for t in ts]
         queue.put(by_kind)
+
+
+def _call_rank_main(rank: int, world: int, port: int, kinds: Sequence[str], samples: int, pin: bool, queue) -> None:
+    """One rank of the call-latency measurement: per kind, ``samples`` times: barrier, the same matmuls on every
+    rank, then one op, timed; rank 0 puts ``{kind: [s, …]}`` on ``queue``."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    _steady_malloc()
+    if pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    reps, n = CALL_WORK
+    a = torch.randn(n, n)
+    out: dict[str, list[float]] = {}
+    try:
+        for kind in kinds:
+            op = _op(Collective(kind), CALL_SIZE, rank, world)
+            op()
+            ts = out.setdefault(kind, [])
+            for _ in range(samples):
+                dist.barrier()
+                for _ in range(reps):
+                    torch.mm(a, a)
+                t0 = time.perf_counter()
+                op()
+                ts.append(time.perf_counter() - t0)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        queue.put(out)
+
+
+def measure_call_latency(link: Link, kinds: Sequence[Collective] = KINDS, ranks: int = 2,
+                         launches: int = CALL_LAUNCHES, samples: int = CALL_SAMPLES,
+                         timeout_s: float = 300.0) -> dict[str, tuple[float, float]]:
+    """Per kind, (mean seconds of one ``CALL_SIZE`` op called right after compute, the call latency): the mean over
+    ``launches`` launches of ``samples`` calls, each after the same matmuls on every rank (ranks computing, not
+    spinning in the transport, as in a training step), less what ``link`` prices that op at (its fit of single
+    ops in lock step); at least 0.
+
+    Why the mean: a step pays the sum of its calls, and on this VM a call after compute is heavy-tailed (64 KiB
+    all_reduce: q0.1 0.42 ms, median 1.1, mean 2.1; reduce_scatter mean 2.3; all_gather 0.64; send/recv 0.69 on
+    2026-12-03), while the lock-step fit prices it at ~0.15 ms: the tail is the wake-up of blocked threads on vCPUs.
+    """
+    import torch.multiprocessing as mp
+
+    pin = ranks <= len(os.sched_getaffinity(0))
+    ctx = mp.get_context("fork")
+    means: dict[str, list[float]] = {}
+    for _ in range(launches):
+        queue, port = ctx.Queue(), _free_port()
+        procs = [ctx.Process(target=_call_rank_main, daemon=True,
+                             args=(r, ranks, port, [k.value for k in kinds], samples, pin, queue))
+                 for r in range(ranks)]
+        for p in procs:
+            p.start()
+        try:
+            got = queue.get(timeout=timeout_s)
+        except Exception as exc:
+            raise RuntimeError(f"call-latency benchmark produced no result within {timeout_s} s "
+                               f"(exit codes {[p.exitcode for p in procs]})") from exc
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.terminate()
+        for kind, ts in got.items():
+            half = 0.5 if kind == Collective.SEND_RECV.value else 1.0
+            means.setdefault(kind, []).append(half * float(np.mean(ts)))
+    plain = replace(link, call_latency=0.0, call_latency_by_kind={})
+    out = {}
+    for kind in kinds:
+        mean = float(np.mean(means[kind.value]))
+        out[kind.value] = (mean, max(0.0, mean - predict(kind, CALL_SIZE, ranks, plain)))
+    return out
+
+
+def with_call_latency(link: Link, latencies: Mapping[str, tuple[float, float]]) -> Link:
+    """``link`` with the call latencies of :func:`measure_call_latency` (all_reduce's as the default)."""
+    by_kind = {k: lat for k, (_, lat) in latencies.items()}
+    return replace(link, call_latency=by_kind.get(Collective.ALL_REDUCE.value, 0.0), call_latency_by_kind=by_kind)
 
 
 def _free_port() -> int:
@@ -378,7 +479,9 @@ def link_from_fits(fits: Mapping[Collective, Fit], source: str) -> Link:
 
 
 def _table(times_by: Mapping[str, Mapping[int, float]], link: Link, ranks: int) -> tuple[str, dict[str, float]]:
-    """The measured-vs-predicted table, and each kind's worst |error| at 1-64 MiB."""
+    """The measured-vs-predicted table (ops in lock step: the fit without the call latency), and each kind's worst
+    |error| at 1-64 MiB."""
+    link = replace(link, call_latency=0.0, call_latency_by_kind={})
     lines = [f"{'collective':<15}{'size':>10}{'measured ms':>14}{'predicted ms':>14}{'error':>9}"]
     worst: dict[str, float] = {}
     for kind_name, by_size in times_by.items():
@@ -399,8 +502,15 @@ def _sig(x: float, digits: int = 6) -> float:
     return float(f"{x:.{digits}g}")
 
 
+def _call_record(calls: Mapping[str, tuple[float, float]]) -> dict:
+    return {"size_KiB": CALL_SIZE // KiB, "launches": CALL_LAUNCHES, "samples": CALL_SAMPLES,
+            "matmuls": f"{CALL_WORK[0]} × {CALL_WORK[1]}²", "statistic": "mean",
+            "mean_ms": {k: _sig(m * 1e3) for k, (m, _) in calls.items()}}
+
+
 def write_fit(path: Path, link: Link, fits: Mapping[Collective, Fit], times_by: Mapping[str, Mapping[int, float]],
-              ranks: int, quantile: float, rounds: int, launches: int) -> None:
+              ranks: int, quantile: float, rounds: int, launches: int,
+              calls: Mapping[str, tuple[float, float]] | None = None) -> None:
     """Write the cpu-local link YAML (``intra`` section as in a cluster file) with the raw times_by."""
     import torch
 
@@ -416,12 +526,14 @@ def write_fit(path: Path, link: Link, fits: Mapping[Collective, Fit], times_by: 
         "pinned": ranks <= len(os.sched_getaffinity(0)),
         "intra": _dump_link(link),
         "fit_max_rel_error": {k.value: round(f.max_rel_error, 4) for k, f in fits.items()},
+        **({"call_latency": _call_record(calls)} if calls else {}),
         "measured_s": {k: {int(s): _sig(t) for s, t in sorted(v.items())} for k, v in times_by.items()},
     }
     header = (f"# cpu-local loopback link, written by `python -m costmodel.gloo_bench` — do not edit by hand.\n"
               f"# Per-step latency and bus bandwidth of the alpha-beta model in costmodel/collectives.py,\n"
               f"# fitted per collective on {ranks} gloo ranks × 1 thread over 127.0.0.1: α by relative-error NNLS on\n"
-              f"# the small sizes, the bandwidth as a curve over message size (size_curve: factor × bw_GBps).\n")
+              f"# the small sizes, the bandwidth as a curve over message size (size_curve: factor × bw_GBps);\n"
+              f"# call_latency_us: what a call right after compute pays beyond that (measure_call_latency).\n")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(header + yaml.safe_dump(data, sort_keys=False, width=120, allow_unicode=True,
                                             default_flow_style=None))
@@ -435,6 +547,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--launches", type=int, default=LAUNCHES, help="launches of fresh ranks (see above)")
     parser.add_argument("--quantile", type=float, default=QUANTILE,
                         help="quantile of the single-op times to fit (default %(default)s; see above)")
+    parser.add_argument("--calls", action="store_true",
+                        help="measure only the per-call latency and update it in the saved fit file")
     parser.add_argument("--check", action="store_true",
                         help="re-measure 1-64 MiB (sizes outside the fit too) and report the saved fit's error")
     args = parser.parse_args(argv)
@@ -443,6 +557,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds < 1 or args.launches < 1:
         parser.error(f"--rounds and --launches must be at least 1, got {args.rounds} and {args.launches}")
     t0 = time.perf_counter()
+
+    if args.calls:
+        from costmodel.cluster import _Ctx, _parse_link
+
+        try:
+            header = "".join(line for line in args.out.read_text().splitlines(keepends=True) if line.startswith("#"))
+            saved = yaml.safe_load(args.out.read_text())
+            link = _parse_link(_Ctx(str(args.out)), "intra", saved["intra"], default_name="gloo over loopback")
+        except (OSError, yaml.YAMLError, ValueError, TypeError, KeyError) as exc:
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            print(f"{args.out}: not a gloo_bench fit file ({why}); run python -m costmodel.gloo_bench to write one",
+                  file=sys.stderr)
+            return 2
+        calls = measure_call_latency(link, ranks=saved.get("ranks", args.ranks))
+        saved["intra"] = _dump_link(with_call_latency(link, calls))
+        saved["call_latency"] = _call_record(calls)
+        args.out.write_text(header + yaml.safe_dump(saved, sort_keys=False, width=120, allow_unicode=True,
+                                                    default_flow_style=None))
+        for kind, (mean, lat) in calls.items():
+            print(f"{kind:<15} after compute: mean {mean * 1e3:.3f} ms, call latency {lat * 1e3:.3f} ms")
+        print(f"updated {args.out}; {time.perf_counter() - t0:.1f} s")
+        return 0
 
     if args.check:
         from costmodel.cluster import _Ctx, _parse_link
@@ -484,8 +620,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     source = (f"gloo_bench fit, {args.ranks} ranks × 1 thread, 127.0.0.1, {datetime.date.today().isoformat()}, "
               f"sizes 4 KiB-64 MiB, geometric mean over {args.launches} launches of the q{args.quantile:g} of "
               f"single-op times")
-    link = link_from_fits(fits, source)
-    write_fit(args.out, link, fits, times_by, args.ranks, args.quantile, args.rounds, args.launches)
+    calls = measure_call_latency(link_from_fits(fits, source), ranks=args.ranks)
+    link = with_call_latency(link_from_fits(fits, source), calls)
+    write_fit(args.out, link, fits, times_by, args.ranks, args.quantile, args.rounds, args.launches, calls)
     table, worst_by_kind = _table(times_by, link, args.ranks)
     print(table)
     worst = max(worst_by_kind.values(), default=0.0)

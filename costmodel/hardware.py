@@ -100,6 +100,11 @@ class DeviceSpec:
     #: bandwidth): overlapped compute time is multiplied by ``1 + overlap_slowdown``, in [0, 1]. 1: the collectives
     #: run on the cores that compute (gloo's threads on a CPU whose every core runs a rank), so nothing hides them
     overlap_slowdown: float = 0.0
+    #: host seconds per operator of an eager training step, (forward, backward), charged per captured op on top of
+    #: its roofline time: on a CPU the thread that dispatches an op (Python, the dispatcher, autograd's engine) also
+    #: runs it, so the two add. 0 on GPUs: kernels are launched asynchronously and overlap the host's dispatch (a
+    #: step of kernels shorter than their launch would be host-bound; not modelled)
+    op_overhead_s: tuple[float, float] = (0.0, 0.0)
     #: bytes the runtime holds outside torch's caching allocator (CUDA context, NCCL buffers) when measured (a
     #: cluster file's ``runtime_reserved_GiB``); None: modelled per plan (`costmodel.memory.runtime_reserved_bytes`)
     runtime_reserved: float | None = None
@@ -127,6 +132,10 @@ class DeviceSpec:
                 raise ValueError(f"device {self.name!r}: {key} must be in (0, 1], got {getattr(self, key)!r}")
         if not 0.0 <= self.overlap_slowdown <= 1.0:
             raise ValueError(f"device {self.name!r}: overlap_slowdown must be in [0, 1], got {self.overlap_slowdown!r}")
+        if len(self.op_overhead_s) != 2 or not all(t >= 0 for t in self.op_overhead_s):
+            raise ValueError(f"device {self.name!r}: op_overhead_s must be (forward, backward) seconds ≥ 0, "
+                             f"got {self.op_overhead_s!r}")
+        object.__setattr__(self, "op_overhead_s", tuple(float(t) for t in self.op_overhead_s))
         if self.runtime_reserved is not None and not self.runtime_reserved >= 0:
             raise ValueError(f"device {self.name!r}: runtime_reserved must be ≥ 0 bytes, got {self.runtime_reserved!r}")
         object.__setattr__(self, "peak_flops", _frozen_map(self.peak_flops))
@@ -134,7 +143,7 @@ class DeviceSpec:
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes, self.hbm_bw,
                      self.matmul_eff, self.memory_eff, self.attention_eff, self.fp8_eff, self.overlap_slowdown,
-                     self.runtime_reserved, self.source))
+                     self.op_overhead_s, self.runtime_reserved, self.source))
 
     def peak(self, dtype: str) -> float:
         """Dense peak for ``dtype`` in FLOP/s; ValueError naming the dtypes this device has if it is unknown."""
@@ -240,7 +249,8 @@ def _cpu_cache_file() -> Path:
     import torch
 
     root = Path(os.environ.get("AUTOPAR_CACHE", Path.home() / ".cache" / "autopar"))
-    key = f"{platform.machine()}-{platform.processor() or 'cpu'}-{os.cpu_count()}-torch{torch.__version__}"
+    key = (f"{platform.machine()}-{platform.processor() or 'cpu'}-{os.cpu_count()}-torch{torch.__version__}"
+           f"-v{_CPU_MEASURE_VERSION}")  # (another version's figures, with other fields, live beside these)
     return root / "devices" / f"cpu-{''.join(c if c.isalnum() or c in '.-' else '_' for c in key)}.json"
 
 
@@ -248,6 +258,10 @@ def _cpu_cache_file() -> Path:
 #: bytes on CPU threads of the same ranks (ProcessGroupGloo's worker threads), so a collective takes the cycles of
 #: the compute it overlaps: none of it is hidden. Not measured: the structure of the machine.
 CPU_OVERLAP_SLOWDOWN = 1.0
+
+
+#: Version of the measurement below; a cached device measured by another version is measured again.
+_CPU_MEASURE_VERSION = 2
 
 
 @functools.lru_cache(maxsize=1)
@@ -259,51 +273,116 @@ def measure_cpu_device() -> DeviceSpec:
     path = _cpu_cache_file()
     if path.exists():
         d = json.loads(path.read_text())
-        curve = EfficiencyCurve(**d.pop("matmul_eff"))
-        return DeviceSpec(**d, matmul_eff=curve, overlap_slowdown=CPU_OVERLAP_SLOWDOWN)
+        if d.pop("version", 1) == _CPU_MEASURE_VERSION:
+            curve = EfficiencyCurve(**d.pop("matmul_eff"))
+            d["op_overhead_s"] = tuple(d["op_overhead_s"])
+            return DeviceSpec(**d, matmul_eff=curve, overlap_slowdown=CPU_OVERLAP_SLOWDOWN)
     dev = _measure_cpu_device()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"name": dev.name, "peak_flops": dict(dev.peak_flops), "memory_bytes": dev.memory_bytes,
-                               "hbm_bw": dev.hbm_bw, "memory_eff": dev.memory_eff, "source": dev.source,
+    tmp.write_text(json.dumps({"version": _CPU_MEASURE_VERSION, "name": dev.name, "peak_flops": dict(dev.peak_flops),
+                               "memory_bytes": dev.memory_bytes, "hbm_bw": dev.hbm_bw, "memory_eff": dev.memory_eff,
+                               "attention_eff": dev.attention_eff, "op_overhead_s": list(dev.op_overhead_s),
+                               "source": dev.source,
                                "matmul_eff": {"e_max": dev.matmul_eff.e_max, "f_half": dev.matmul_eff.f_half,
                                               "source": dev.matmul_eff.source}}))
     tmp.replace(path)
     return dev
 
 
-def _measure_cpu_device() -> DeviceSpec:
-    """Measure this machine's CPU as a device: one thread, as the ``cpu-local`` gloo ranks run.
+def _median_seconds(fn: Callable[[], object], *, budget: float = 0.04, rounds: int = 5) -> float:
+    """Median over ``rounds`` of the mean time of ``fn`` over a batch of calls lasting about ``budget`` seconds,
+    after one warm-up call: the sustained rate, not the best moment (on this 2-vCPU VM the best of five single
+    1024³ matmuls read 92 GFLOP/s in one session and 66-72 in the next, whose sustained median was ~65)."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    reps = max(1, int(budget / max(time.perf_counter() - t0, 1e-7)))
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        times.append((time.perf_counter() - t0) / reps)
+    times.sort()
+    return times[len(times) // 2]
 
-    Peak fp32 = best of several 1024×1024×1024 fp32 matmuls (2·1024³ FLOPs) with ``torch.set_num_threads(1)``;
-    DRAM bandwidth = best of several 64 MiB copies (read + write = 2·64 MiB per copy). Memory = physical RAM
-    (``os.sysconf``). Because the peak *is* a 1024³ matmul, the efficiency curve is ~1 at that size
-    (e_max 1, f_half 1e7 FLOPs: prior, unfitted). Cached per process (~0.2 s).
+
+def _measure_cpu_device() -> DeviceSpec:
+    """Measure this machine's CPU as a device: one thread, as the ``cpu-local`` gloo ranks run. Every figure is the
+    median rate of a training-shaped microbenchmark (`_median_seconds`), each named for the cost model's term:
+
+    - peak fp32 and the matmul curve: a linear layer's forward and backward (x·Wᵀ, then dY·W and dYᵀ·x: the three
+      GEMMs of training, 3·2n³ FLOPs) on n×n at n = 32…1024; peak = the fastest size's rate, and f_half the
+      least-squares fit of ``eff(f) = f/(f + f_half)`` (e_max 1) to every size's rate over the peak, f = 2n³;
+    - hbm_bw: a 64 MiB copy (read + write);
+    - memory_eff: an elementwise chain (x·y, + x, SiLU) on 1 MiB tensors, bytes as the profiler counts them
+      (inputs + output), over hbm_bw, at most 1: the working sets of a CPU-sized model's activations;
+    - attention_eff: causal scaled-dot-product attention forward and backward (8 heads of 64, sequence 256, as
+      torch's counter counts it: 3·4·h·s²·d) over the peak at that size's matmul efficiency, at most 1;
+    - op_overhead_s: a chain of tiny ops (mul, add, transpose, matmul, SiLU on 4×4 tensors, autograd on), the
+      forward's and the backward's time per op: what a step pays per op besides its arithmetic.
+
+    Memory = physical RAM (``os.sysconf``). ~3 s, once per machine.
     """
+    import numpy as np
     import torch  # local: importing the catalog must not import torch
+    import torch.nn.functional as F
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        n = 1024
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        torch.mm(a, b)  # warm-up
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - t0)
-        peak = 2.0 * n**3 / best
+        rates = {}
+        for n in (32, 64, 128, 256, 512, 1024):
+            x = torch.randn(n, n, requires_grad=True)
+            w = torch.randn(n, n, requires_grad=True)
+            rates[n] = 3 * 2.0 * n**3 / _median_seconds(lambda x=x, w=w: F.linear(x, w).sum().backward())
+        peak = max(rates.values())
+        f = np.array([2.0 * n**3 for n in rates])
+        e = np.array([r / peak for r in rates.values()])
+        # eff = f/(f + h) ⇔ f·(1/eff − 1) = h: least squares of relative error over the sizes, in closed form
+        h_each = f * (1.0 / e - 1.0)
+        f_half = float(max(np.sum(h_each / f**2) / np.sum(1.0 / f**2), 1.0))
 
         src = torch.empty(16 * 2**20, dtype=torch.float32)  # 64 MiB
         dst = torch.empty_like(src)
-        dst.copy_(src)
-        best_copy = float("inf")
-        for _ in range(3):
+        mem_bw = 2.0 * src.numel() * src.element_size() / _median_seconds(lambda: dst.copy_(src), budget=0.1)
+
+        a, b = torch.randn(2**18), torch.randn(2**18)  # 1 MiB each
+
+        def chain():
+            c = a * b
+            d = c + a
+            F.silu(d)
+
+        elementwise = (3 + 3 + 2) * a.numel() * 4 / _median_seconds(chain)
+        memory_eff = min(1.0, elementwise / mem_bw)
+
+        h, s, d_head = 8, 256, 64
+        q, k, v = (torch.randn(1, h, s, d_head, requires_grad=True) for _ in range(3))
+        attn_flops = 3 * 4.0 * h * s * s * d_head
+        t_attn = _median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward())
+        curve = EfficiencyCurve(e_max=1.0, f_half=f_half, source=(
+            f"fitted on this machine: linear forward + backward at n = {', '.join(map(str, rates))}, "
+            f"{time.strftime('%Y-%m-%d')}"))
+        attention_eff = min(1.0, attn_flops / t_attn / (peak * curve(4.0 * h * s * s * d_head)))
+
+        tiny = torch.randn(4, 4, requires_grad=True)
+        m4 = torch.randn(4, 4)
+        per_op = 5  # ops per link of the chain below
+        links = 200
+        fwd, bwd = [], []
+        for _ in range(10):  # (the first is a warm-up)
             t0 = time.perf_counter()
-            dst.copy_(src)
-            best_copy = min(best_copy, time.perf_counter() - t0)
-        mem_bw = 2.0 * src.numel() * src.element_size() / best_copy
+            y = tiny
+            for _ in range(links):
+                y = F.silu((y * 1.0001 + y).t() @ m4)
+            t1 = time.perf_counter()
+            y.sum().backward()
+            t2 = time.perf_counter()
+            fwd.append((t1 - t0) / (links * per_op))
+            bwd.append((t2 - t1) / (links * per_op))
+        overhead = (sorted(fwd[1:])[4], sorted(bwd[1:])[4])
     finally:
         torch.set_num_threads(threads)
 
@@ -313,10 +392,13 @@ def _measure_cpu_device() -> DeviceSpec:
         peak_flops={"fp32": peak},
         memory_bytes=ram,
         hbm_bw=mem_bw,
-        matmul_eff=EfficiencyCurve(e_max=1.0, f_half=1e7, source="prior: unfitted (peak measured at 1024³ fp32)"),
-        memory_eff=1.0,
+        matmul_eff=curve,
+        memory_eff=memory_eff,
+        attention_eff=attention_eff,
+        op_overhead_s=overhead,
         overlap_slowdown=CPU_OVERLAP_SLOWDOWN,
-        source=f"measured on this machine, 1 thread, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}",
+        source=f"measured on this machine, 1 thread, torch {torch.__version__}, {time.strftime('%Y-%m-%d')} "
+               "(`costmodel.hardware._measure_cpu_device`)",
     )
 
 

@@ -30,6 +30,9 @@ Dubey et al. 2024 §3.3.2), on the critical path; a fully checkpointed block gat
 FLOPs as torch's counter counts them (whole score rectangles, as for the capture's causal attention) are
 (2·cp + 1)·c² per rank against the capture's S² = 4·cp²·c².
 
+Every captured op also pays the device's ``op_overhead_s`` in its forward and in its backward: on a CPU the thread
+that dispatches an op runs it too (measured per machine, `costmodel.hardware._measure_cpu_device`); 0 on GPUs.
+
 A measured profile (`profiler.measure` on the cluster's device) replaces the roofline's absolute level layer by
 layer: the measured forward and backward at the measured batch, times the roofline's ratio between the
 configuration and that reference (so TP, SP and the micro-batch still scale as the roofline says).
@@ -226,12 +229,14 @@ def is_tp_layer(layer: Layer) -> bool:
     return {"column", "row"} <= roles or "vocab" in roles
 
 
-def _tp_comm_bytes(layer: Layer) -> tuple[float, float]:
-    """(forward, backward) all-reduce payload bytes of one micro-batch at the captured batch."""
+def _tp_comm(layer: Layer) -> tuple[float, float, int, int]:
+    """(forward, backward) all-reduce payload bytes of one micro-batch at the captured batch, and how many
+    all-reduces carry each: one per row-parallel output, per distinct column-parallel input, per vocabulary op."""
     by_name = {n.name: n for n in layer.nodes}
-    fwd = sum(n.output_bytes for n in layer.nodes if n.tp_role == "row")
+    rows = [n for n in layer.nodes if n.tp_role == "row"]
+    fwd, n_fwd = float(sum(n.output_bytes for n in rows)), len(rows)
     col_inputs: set[str] = set()
-    bwd = 0.0
+    bwd, n_bwd = 0.0, 0
     for n in layer.nodes:
         if n.tp_role == "column":
             src = next((i for i in n.inputs if i in by_name and by_name[i].tp_role not in _SHARDED_ROLES), None)
@@ -239,12 +244,15 @@ def _tp_comm_bytes(layer: Layer) -> tuple[float, float]:
             if key not in col_inputs:
                 col_inputs.add(key)
                 bwd += by_name[src].output_bytes if src else layer.input_bytes
+                n_bwd += 1
         elif n.tp_role == "vocab" and "embedding" in n.op:
             fwd += n.output_bytes
+            n_fwd += 1
         elif n.tp_role == "vocab":
             if n.input_shapes:  # the head's input gradient
                 bwd += _prod(n.input_shapes[0]) * _elt(n.input_dtypes[0])
-    return fwd, bwd
+                n_bwd += 1
+    return fwd, bwd, n_fwd, n_bwd
 
 
 def _prod(shape) -> int:
@@ -268,7 +276,7 @@ def tp_comm_bytes(layer: Layer, ctx: CostContext) -> tuple[float, float]:
     """(forward, backward) tensor-parallel all-reduce payload bytes of one micro-batch at the configuration's
     micro-batch and precision (Megatron's f and g; with sequence parallelism the same bytes move as an all-gather
     plus a reduce-scatter). Full recomputation repeats the forward's."""
-    bf, bb = _tp_comm_bytes(layer)
+    bf, bb, _, _ = _tp_comm(layer)
     if ctx.sp and layer.kind == "embed":  # the first sequence-parallel block slices the replicated embedding:
         # its backward all-gathers a gradient of the embedding's size (half an all-reduce's payload)
         bb += vocab_output_bytes(layer) / 2
@@ -284,6 +292,29 @@ def recompute_stop(layer: Layer) -> int:
     block's recomputation skips its down projection and the row-parallel reduction after it)."""
     savers = [j for j, n in enumerate(layer.nodes) if n.saved]
     return savers[-1] if savers else len(layer.nodes)
+
+
+def tp_comm_calls(layer: Layer, ctx: CostContext) -> tuple[int, int]:
+    """(forward, backward) tensor-parallel collectives of one micro-batch that carry `tp_comm_bytes`: all-reduces,
+    or with sequence parallelism reduce-scatter + all-gather pairs (the embedding's and the head's extra
+    all-gathers count as pairs too: an upper count by one call)."""
+    _, _, n_fwd, n_bwd = _tp_comm(layer)
+    if ctx.sp and layer.kind == "embed":
+        n_bwd += 1
+    elif ctx.sp and layer.kind == "head":
+        n_fwd += 1
+    return max(n_fwd, 1), max(n_bwd, 1)
+
+
+def tp_comm_time(nbytes: float, calls: int, ctx: CostContext) -> float:
+    """Seconds of ``calls`` tensor-parallel reductions moving ``nbytes`` in all: all-reduces, or with sequence
+    parallelism a reduce-scatter and an all-gather each (the same ring bytes; each a call of its own)."""
+    if not nbytes or ctx.tp_span is None:
+        return 0.0
+    if ctx.sp:
+        return (reduce_scatter_time(nbytes, ctx.tp_span, ctx.cluster, calls)
+                + all_gather_time(nbytes, ctx.tp_span, ctx.cluster, calls))
+    return all_reduce_time(nbytes, ctx.tp_span, ctx.cluster, calls)
 
 
 def recompute_comm_bytes(layer: Layer, ctx: CostContext) -> float:
@@ -378,6 +409,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     op_policy = ctx.selective == "every-other-matmul"
     matmuls = 0
     op_act = op_rec = op_rec_flops = 0.0
+    o_f, o_b = ctx.cluster.device.op_overhead_s  # the host's time per op, where it adds (a CPU: `DeviceSpec`)
     experts = {p.fqn for p in owned if is_expert_param(p, ctx.experts)}
     for j, n in enumerate(layer.nodes):
         f = _shard(n, ctx.tp, ctx.sp, tp_layer)
@@ -390,9 +422,9 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         b_f, b_b = fused.get(n.name, (n.fwd_bytes, n.bwd_bytes))
         # the busiest expert sets an expert GEMM's time (`costmodel.moe`: the capture is the balanced case)
         busy = ctx.imbalance if experts and any(p in experts for p in n.params) else 1.0
-        t_f = busy * _node_time(n.fwd_flops * k * f, b_f * k * f * ctx.act_scale, ctx, attention=attn)
+        t_f = busy * _node_time(n.fwd_flops * k * f, b_f * k * f * ctx.act_scale, ctx, attention=attn) + o_f
         fwd += t_f
-        bwd += busy * _node_time(n.bwd_flops * k * f, b_b * k * f * ctx.act_scale, ctx, attention=attn)
+        bwd += busy * _node_time(n.bwd_flops * k * f, b_b * k * f * ctx.act_scale, ctx, attention=attn) + o_b
         fwd_flops += n.fwd_flops * k * cp  # model FLOPs: the whole layer, all TP and CP ranks
         # torch's counter charges a rank's two chunks of attention (2·cp + 1)·c² score blocks, not S²/cp
         counted = (2 * cp + 1) / (4 * cp) if attn and cp > 1 else 1.0
@@ -436,8 +468,8 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     comm_f = comm_b = 0.0
     if tp > 1 and ctx.tp_span is not None:
         bf, bb = tp_comm_bytes(layer, ctx)
-        comm_f = all_reduce_time(bf, ctx.tp_span, ctx.cluster) if bf else 0.0
-        comm_b = all_reduce_time(bb, ctx.tp_span, ctx.cluster) if bb else 0.0
+        calls_f, calls_b = tp_comm_calls(layer, ctx)
+        comm_f, comm_b = tp_comm_time(bf, calls_f, ctx), tp_comm_time(bb, calls_b, ctx)
 
     rank_rec = {AC.NONE: 0.0, AC.FULL: rank_rec_full}.get(ac, rank_op_rec if op_policy else rank_core)
     if ac == AC.NONE:
@@ -455,7 +487,9 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         keep = layer.input_bytes * k * ctx.act_scale / (ctx.tp if (ctx.sp and tp_layer) else 1)
         rec_comm = 0.0
         if tp > 1 and ctx.tp_span is not None:
-            rec_comm = all_reduce_time(recompute_comm_bytes(layer, ctx), ctx.tp_span, ctx.cluster)
+            stop = recompute_stop(layer)
+            calls = sum(1 for j, n in enumerate(layer.nodes) if n.tp_role == "row" and (j < stop or ctx.sp))
+            rec_comm = all_reduce_time(recompute_comm_bytes(layer, ctx), ctx.tp_span, ctx.cluster, max(calls, 1))
         act, rec, rec_flops, rec_peak = keep, rec_fwd, rec_full_flops, act_none
 
     param_numel = shard_extra = expert_numel = partial_numel = partial_experts = 0.0

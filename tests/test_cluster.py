@@ -186,6 +186,25 @@ inter: {bw_GBps: 12.5, latency_us: 10}
     assert parse_cluster_yaml(dump_cluster(c)) == c
 
 
+def test_call_latency_and_op_overhead_round_trip():
+    """A link's per-call latency (its own and per kind) and a device's per-op host overhead are read in µs and
+    written back."""
+    text = """\
+name: cpu-like
+device: {name: mycpu, peak_tflops: {fp32: 0.07}, memory_GiB: 24, hbm_bw_GBps: 20, op_overhead_us: [2.5, 4]}
+gpus_per_node: 2
+nodes: 1
+intra: {bw_GBps: 1.8, latency_us: 50, call_latency_us: 2500, by_kind: {all_gather: {call_latency_us: 1300}}}
+inter: {bw_GBps: 1.8, latency_us: 50}
+"""
+    c = parse_cluster_yaml(text, "cpu-like.yaml")
+    assert c.device.op_overhead_s == pytest.approx((2.5e-6, 4e-6))
+    assert c.intra.call_latency_for("all_reduce") == pytest.approx(2.5e-3)
+    assert c.intra.call_latency_for("all_gather") == pytest.approx(1.3e-3)
+    assert c.inter.call_latency_for("all_gather") == 0.0
+    assert parse_cluster_yaml(dump_cluster(c)) == c
+
+
 def test_cpu_local_round_trips():
     c = load_cluster("cpu-local")
     again = parse_cluster_yaml(dump_cluster(c))
@@ -231,6 +250,10 @@ def _edit(text: str, old: str, new: str) -> str:
     ("inter: {bw_GBps: 48, latency_us: 8}", "inter: {bw_GBps: 48, latency_us: 8, by_kind: {all_reduce: "
      "{size_curve: {sizes_KiB: 4, factor: [1]}}}}",
      "cluster.yaml: inter.by_kind.all_reduce.size_curve.sizes_KiB must be a non-empty list of positive numbers"),
+    ("inter: {bw_GBps: 48, latency_us: 8}", "inter: {bw_GBps: 48, latency_us: 8, call_latency_us: -1}",
+     "cluster.yaml: inter.call_latency_us must be a number >= 0, got -1"),
+    ("device: h100-sxm", "device: {name: x, peak_tflops: {bf16: 1}, memory_GiB: 8, hbm_bw_GBps: 1, "
+     "op_overhead_us: 3}", "cluster.yaml: device.op_overhead_us must be [forward, backward] microseconds ≥ 0, got 3"),
     ("nodes: 4", "nodes: 4\nmemory_fraction: 1.5", "cluster.yaml: memory_fraction must be in (0, 1]"),
     ("nodes: 4", "nodes: 4\nmemory_fraction: high", "cluster.yaml: memory_fraction must be a positive number"),
 ])

@@ -312,3 +312,82 @@ def test_gloo_check_grades_the_saved_fit_against_a_new_measurement(monkeypatch, 
     assert gb.main(["--check", "--out", str(tmp_path / "foreign.yaml")]) == 2
     err = capsys.readouterr().err
     assert "none.yaml: no fit file" in err and "foreign.yaml: not a gloo_bench fit file" in err
+
+
+def test_calls_split_the_bytes_and_each_pays_the_call_latency(a100x2):
+    """``calls`` equal calls of a share each: k·(ring(S/k) + L) for every kind, the send/recv too; with no call
+    latency one call is what the functions always priced, and a fraction of a call is refused."""
+    lat = 0.7e-3
+    link = replace(a100x2.intra, call_latency=lat, call_latency_by_kind={"all_gather": 2 * lat})
+    slow = replace(a100x2, intra=link)
+    span, s = _span(8), 64 * MB
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        own = 2 * lat if kind == "all_gather" else lat
+        for k in (1, 2, 5):
+            want = k * (collective_time(kind, s / k, span, a100x2) + own)
+            assert collective_time(kind, s, span, slow, calls=k) == pytest.approx(want, rel=1e-12)
+    assert send_recv_time(s, False, slow, calls=3) == pytest.approx(3 * (send_recv_time(s / 3, False, a100x2) + lat))
+    assert all_reduce_time(s, span, a100x2, calls=1) == all_reduce_time(s, span, a100x2)
+    assert all_reduce_time(0.0, span, slow, calls=4) == 0.0  # no bytes, no call
+    with pytest.raises(ValueError, match="calls must be a whole number"):
+        all_reduce_time(s, span, slow, calls=1.5)
+
+
+def test_call_latency_is_the_slower_links_across_nodes(a100x2):
+    inter = replace(a100x2.inter, call_latency=3e-3)
+    cl = replace(a100x2, inter=inter)
+    across, inside = _span(16, nodes=2), _span(8)
+    assert all_reduce_time(MB, across, cl) - all_reduce_time(MB, across, a100x2) == pytest.approx(3e-3)
+    assert all_reduce_time(MB, inside, cl) == all_reduce_time(MB, inside, a100x2)
+
+
+def test_gloo_call_latency_is_the_mean_after_compute_less_the_fit(monkeypatch):
+    """``measure_call_latency`` takes the mean of each launch's calls (half a ping-pong for send/recv) over the
+    launches and subtracts what the lock-step fit prices a call at; the table and ``--check`` price lock-step ops
+    without it."""
+    from costmodel import gloo_bench as gb
+
+    link = load_cluster("cpu-local").intra
+    plain = replace(link, call_latency=0.0, call_latency_by_kind={})
+    launches = iter([{"all_reduce": [1e-3, 3e-3], "send_recv": [4e-3]}, {"all_reduce": [2e-3], "send_recv": [2e-3]}])
+
+    class _Proc:
+        exitcode = 0
+
+        def __init__(self, target, args, daemon):
+            self.queue = args[-1]
+
+        def start(self):
+            pass
+
+        def join(self, timeout=None):
+            pass
+
+        def is_alive(self):
+            return False
+
+    class _Queue:
+        def get(self, timeout=None):
+            return next(launches)
+
+    class _Ctx:
+        Process = _Proc
+
+        def Queue(self):  # noqa: N802 (multiprocessing's name)
+            return _Queue()
+
+    import torch.multiprocessing as mp
+
+    monkeypatch.setattr(mp, "get_context", lambda method: _Ctx())
+    monkeypatch.setattr(gb, "_free_port", lambda: 0)
+    kinds = (Collective.ALL_REDUCE, Collective.SEND_RECV)
+    got = gb.measure_call_latency(link, kinds=kinds, launches=2)
+    ar = gb.predict(Collective.ALL_REDUCE, gb.CALL_SIZE, 2, plain)
+    sr = gb.predict(Collective.SEND_RECV, gb.CALL_SIZE, 2, plain)
+    assert got["all_reduce"] == pytest.approx((2e-3, 2e-3 - ar))  # launch means 2 and 2 ms
+    assert got["send_recv"] == pytest.approx((1.5e-3, 1.5e-3 - sr))  # halves of 4 and 2 ms
+    with_calls = gb.with_call_latency(plain, got)
+    assert with_calls.call_latency == pytest.approx(2e-3 - ar)
+    assert with_calls.call_latency_for("send_recv") == pytest.approx(1.5e-3 - sr)
+    table, _ = gb._table({"all_reduce": {gb.MiB: 1e-3}}, with_calls, 2)
+    assert f"{gb.predict(Collective.ALL_REDUCE, gb.MiB, 2, plain) * 1e3:.3f}" in table

@@ -440,3 +440,74 @@ def test_estimate_takes_a_stack_and_compile(capsys, tmp_path):
     own.write_text(dump_cluster(load_cluster("dgx-h100")))
     assert main(["estimate", "llama-tiny", "--cluster", str(own), "--stack", "megatron", "--config", "dp=8"]) == 2
     assert "stack= applies to presets" in capsys.readouterr().err
+
+
+def test_op_overhead_is_charged_once_per_captured_op_each_way(gpt):
+    """A device's host time per op (a CPU's: the thread that dispatches an op also runs it) adds to each layer
+    ``nodes × o_f`` forward and ``nodes × o_b`` backward, and the recompute of full checkpointing repeats the
+    forward's part; a GPU's is 0, so nothing it prices changes."""
+    from costmodel.layercost import CostContext, layer_cost, owned_params
+
+    cl = _cluster()
+    o_f, o_b = 3e-6, 5e-6
+    busy = dataclasses.replace(cl, device=dataclasses.replace(cl.device, op_overhead_s=(o_f, o_b)))
+    owned = owned_params(gpt)
+    assert load_cluster("dgx-h100:nodes=1").device.op_overhead_s == (0.0, 0.0)
+    for layer in gpt.layers:
+        base = layer_cost(layer, AC.FULL, CostContext(cluster=cl, tp=1, sp=False, mbs=2, captured_batch=1,
+                                                      precision="bf16"), owned.get(layer.name, ()))
+        more = layer_cost(layer, AC.FULL, CostContext(cluster=busy, tp=1, sp=False, mbs=2, captured_batch=1,
+                                                      precision="bf16"), owned.get(layer.name, ()))
+        n = len(layer.nodes)
+        assert more.fwd_s - base.fwd_s == pytest.approx(n * o_f, rel=1e-9)
+        assert more.bwd_s - base.bwd_s == pytest.approx(n * o_b, rel=1e-9)
+        assert more.recompute_s >= base.recompute_s
+
+
+def test_tensor_parallel_calls_are_counted_per_collective():
+    """A Llama block all-reduces twice in each pass under TP (after the attention's and the MLP's row-parallel
+    projections; before the shared inputs of q/k/v and of gate/up), so on a link with a per-call latency L the
+    block's forward communication is 2 calls; with sequence parallelism each becomes a reduce-scatter and an
+    all-gather, two calls each."""
+    from costmodel.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
+    from costmodel.layercost import CostContext, layer_cost, owned_params, tp_comm_bytes, tp_comm_calls
+
+    lg = profile_model("llama:layers=2,hidden=256,heads=8,kv_heads=4,ffn=704,vocab=1024,seq=128")
+    cl = _cluster()
+    lat = 1e-3
+    slow = dataclasses.replace(cl, intra=dataclasses.replace(cl.intra, call_latency=lat))
+    block = lg.blocks[0]
+    from costmodel.cluster import group_span
+
+    span = group_span(slow, 2, 1)
+    for sp in (False, True):
+        ctx = CostContext(cluster=slow, tp=2, sp=sp, mbs=1, captured_batch=1, precision="bf16", tp_span=span)
+        assert tp_comm_calls(block, ctx) == (2, 2)
+        bf, _ = tp_comm_bytes(block, ctx)
+        got = layer_cost(block, AC.NONE, ctx, owned_params(lg)[block.name]).tp_comm_fwd_s
+        want = (reduce_scatter_time(bf, span, slow, 2) + all_gather_time(bf, span, slow, 2) if sp
+                else all_reduce_time(bf, span, slow, 2))
+        assert got == pytest.approx(want, rel=1e-12)
+        assert got >= (4 if sp else 2) * lat
+
+
+def test_cpu_device_measured_by_an_older_version_is_measured_again(tmp_path, monkeypatch):
+    """The CPU's figures are cached per machine; a file written by an older measurement (no version, no per-op
+    overhead) is measured again and replaced, and a current one is read back as written."""
+    from costmodel import hardware
+
+    monkeypatch.setenv("AUTOPAR_CACHE", str(tmp_path))
+    path = hardware._cpu_cache_file()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"name": "cpu", "peak_flops": {"fp32": 9e10}, "memory_bytes": 1e9, "hbm_bw": 3e10,
+                                "memory_eff": 1.0, "source": "old",
+                                "matmul_eff": {"e_max": 1.0, "f_half": 1e7, "source": "prior"}}))
+    fresh = hardware.DeviceSpec(name="cpu", peak_flops={"fp32": 7e10}, memory_bytes=1e9, hbm_bw=2e10,
+                                matmul_eff=hardware.EfficiencyCurve(e_max=1.0, f_half=2e6, source="fit"),
+                                memory_eff=1.0, attention_eff=0.6, op_overhead_s=(2.5e-6, 4e-6),
+                                overlap_slowdown=hardware.CPU_OVERLAP_SLOWDOWN, source="new")
+    calls = []
+    monkeypatch.setattr(hardware, "_measure_cpu_device", lambda: calls.append(1) or fresh)
+    assert hardware.measure_cpu_device.__wrapped__() == fresh and calls == [1]
+    assert json.loads(path.read_text())["version"] == hardware._CPU_MEASURE_VERSION
+    assert hardware.measure_cpu_device.__wrapped__() == fresh and calls == [1]  # read back, not measured

@@ -400,9 +400,12 @@ with torch.no_grad():  # one process, no autopar: the loss of the batch contract
     expected = F.cross_entropy(logits.float().reshape(-1, 128), labels.reshape(-1)).item()
 handle = auto_parallelize(model, inputs[:2], plan_kwargs={"global_batch": 4})  # no cluster, no plan
 loss = handle.step((inputs, labels))
-names = set(handle.full_parameters())
+every = [None] * dist.get_world_size()  # each rank holds its stage's parameters when the plan pipelines
+dist.all_gather_object(every, set(handle.full_parameters()))
+names = set().union(*every)
 if dist.get_rank() == 0:
-    print(f"plan {handle.plan.cluster} dp={handle.plan.config.dp} loss {loss:.7f} expected {expected:.7f}")
+    print(f"plan {handle.plan.cluster} dp={handle.plan.config.dp} pp={handle.plan.config.pp} loss {loss:.7f} "
+          f"expected {expected:.7f}")
     assert abs(loss - expected) <= 1e-5 * abs(expected), (loss, expected)
     assert names == {n for n, _ in model.named_parameters()}, sorted(names ^ {n for n, _ in model.named_parameters()})
     print("OK")

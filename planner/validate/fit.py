@@ -47,8 +47,11 @@ def kinds_used(plans: list[Plan]) -> list[str]:
 
 def _scale_link(link: Link, bw: dict, lat: dict, note: str) -> Link:
     kinds = set(link.bandwidth_by_kind) | set(link.latency_by_kind) | set(bw)
-    return Link(
-        name=link.name,
+    calls = set(link.call_latency_by_kind)
+    return replace(  # a latency scale moves both fixed costs: the ring step's α and the per-call latency
+        link,
+        call_latency=link.call_latency * lat.get("all_reduce", 1.0),
+        call_latency_by_kind={k: link.call_latency_for(k) * lat.get(k, 1.0) for k in calls},
         bandwidth=link.bandwidth * bw.get("all_reduce", 1.0),
         latency=link.latency * lat.get("all_reduce", 1.0),
         source=f"{link.source}; {note}" if link.source else note,
