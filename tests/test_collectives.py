@@ -272,7 +272,8 @@ def test_gloo_check_grades_the_saved_fit_against_a_new_measurement(monkeypatch, 
     that halves above 20 MiB for every kind, between sizes the check measures): the fit the benchmark writes,
     checked against the same machine at sizes it never saw, passes within 2 %; the same file checked against a
     machine whose all_gather is 30 % slower from 1 MiB fails (exit 1) and reports that kind's error as
-    1 − 1/1.3 = 23.1 %; a missing or foreign fit file is a one-line error (exit 2)."""
+    1 − 1/1.3 = 23.1 %; a missing or foreign fit file is a one-line error (exit 2). The per-call latency the fit
+    file also carries is not part of what the check grades (ops in lock step), and ``--calls`` rewrites it alone."""
     from costmodel import gloo_bench as gb
 
     MiB = 2**20
@@ -290,9 +291,21 @@ def test_gloo_check_grades_the_saved_fit_against_a_new_measurement(monkeypatch, 
         return out
 
     monkeypatch.setattr(gb, "measure_samples", fake_samples)
+    call = {"latency": 2e-3}  # what a call after compute adds on this synthetic machine
+    monkeypatch.setattr(gb, "measure_call_latency", lambda link, ranks=2: {
+        k.value: (call["latency"] + 1e-4, call["latency"]) for k in gb.KINDS})
     fit = tmp_path / "fit.yaml"
+
+    def saved_link():
+        import yaml
+
+        from costmodel.cluster import _Ctx, _parse_link
+
+        return _parse_link(_Ctx(str(fit)), "intra", yaml.safe_load(fit.read_text())["intra"], "gloo")
+
     assert gb.main(["--out", str(fit), "--launches", "1"]) == 0
     capsys.readouterr()
+    assert saved_link().call_latency_for("send_recv") == pytest.approx(2e-3)
 
     assert gb.main(["--check", "--out", str(fit), "--launches", "1"]) == 0
     out = capsys.readouterr().out
@@ -312,6 +325,17 @@ def test_gloo_check_grades_the_saved_fit_against_a_new_measurement(monkeypatch, 
     assert gb.main(["--check", "--out", str(tmp_path / "foreign.yaml")]) == 2
     err = capsys.readouterr().err
     assert "none.yaml: no fit file" in err and "foreign.yaml: not a gloo_bench fit file" in err
+
+    # --calls measures the per-call latency alone and rewrites only that (and its record) in the saved file
+    before = saved_link()
+    call["latency"] = 3e-3
+    assert gb.main(["--calls", "--out", str(fit)]) == 0
+    after = saved_link()
+    assert after.call_latency == pytest.approx(3e-3) and after.call_latency_for("all_gather") == pytest.approx(3e-3)
+    assert after.bandwidth_by_kind == pytest.approx(dict(before.bandwidth_by_kind))
+    assert fit.read_text().startswith("# cpu-local loopback link")
+    assert gb.main(["--calls", "--out", str(tmp_path / "foreign.yaml")]) == 2
+    assert "foreign.yaml: not a gloo_bench fit file" in capsys.readouterr().err
 
 
 def test_calls_split_the_bytes_and_each_pays_the_call_latency(a100x2):
