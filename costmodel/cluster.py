@@ -132,7 +132,7 @@ class Link:
     curve_by_kind: Mapping[str, SizeCurve] = field(default_factory=dict)
     #: seconds each call pays once, beyond its ring steps, when the calling rank has been computing (not waiting in
     #: lock step with its peers): the wake-up of blocked threads on a link whose transport runs on the ranks' own
-    #: cores (gloo on a VM's vCPUs: ~0.5-2 ms per call, `costmodel.gloo_bench`). 0: none (NCCL's figures are
+    #: cores (gloo on a VM's vCPUs: ~0.8-3 ms per call, `costmodel.gloo_bench`). 0: none (NCCL's figures are
     #: measured back to back, as training issues them).
     call_latency: float = 0.0
     #: collective kind → ``call_latency`` for that kind.

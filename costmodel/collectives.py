@@ -115,13 +115,14 @@ def _call_latency(kind: Collective, span: GroupSpan, cluster: Cluster) -> float:
     return max(intra, cluster.inter.call_latency_for(kind.value)) if span.crosses_nodes else intra
 
 
-def _calls(nbytes: float, calls: int, one) -> float:
-    """``calls`` calls of ``nbytes / calls`` each, ``one(bytes)`` the time of one."""
+def _priced(nbytes: float, calls: int, n: int, bus_factor: float, steps: int, bandwidth: float, latency: float,
+            curve: SizeCurve | None, call_latency: float) -> float:
+    """``calls`` rings of ``nbytes / calls`` each (`ring_time`), each paying ``call_latency`` once."""
     if calls < 1 or int(calls) != calls:
         raise ValueError(f"calls must be a whole number ≥ 1, got {calls!r}")
     if nbytes == 0:
         return 0.0
-    return calls * one(nbytes / calls) if calls > 1 else one(nbytes)
+    return calls * (ring_time(nbytes / calls, n, bus_factor, steps, bandwidth, latency, curve) + call_latency)
 
 
 def _curve(kind: Collective, span: GroupSpan, cluster: Cluster) -> SizeCurve | None:
@@ -129,14 +130,18 @@ def _curve(kind: Collective, span: GroupSpan, cluster: Cluster) -> SizeCurve | N
     return (cluster.inter if span.crosses_nodes else cluster.intra).curve_for(kind.value)
 
 
+def _group(kind: Collective, span: GroupSpan, cluster: Cluster) -> tuple[float, float, SizeCurve | None, float]:
+    """(bus bandwidth, per-step latency, size curve, per-call latency) of the group's ring."""
+    return (bus_bandwidth(kind, span, cluster), _latency(kind, span, cluster), _curve(kind, span, cluster),
+            _call_latency(kind, span, cluster))
+
+
 def all_reduce_time(nbytes: float, span: GroupSpan, cluster: Cluster, calls: int = 1) -> float:
     """Ring all-reduce of ``nbytes`` per rank: ``2(n−1)/n · S/B + 2(n−1)·α`` (nccl-tests PERFORMANCE.md)."""
     n, kind = span.size, Collective.ALL_REDUCE
     if n <= 1:
         return 0.0
-    bw, lat, curve, call = (bus_bandwidth(kind, span, cluster), _latency(kind, span, cluster),
-                            _curve(kind, span, cluster), _call_latency(kind, span, cluster))
-    return _calls(nbytes, calls, lambda b: ring_time(b, n, 2 * (n - 1) / n, 2 * (n - 1), bw, lat, curve) + call)
+    return _priced(nbytes, calls, n, 2 * (n - 1) / n, 2 * (n - 1), *_group(kind, span, cluster))
 
 
 def all_gather_time(nbytes_total_output: float, span: GroupSpan, cluster: Cluster, calls: int = 1) -> float:
@@ -144,9 +149,7 @@ def all_gather_time(nbytes_total_output: float, span: GroupSpan, cluster: Cluste
     n, kind = span.size, Collective.ALL_GATHER
     if n <= 1:
         return 0.0
-    bw, lat, curve, call = (bus_bandwidth(kind, span, cluster), _latency(kind, span, cluster),
-                            _curve(kind, span, cluster), _call_latency(kind, span, cluster))
-    return _calls(nbytes_total_output, calls, lambda b: ring_time(b, n, (n - 1) / n, n - 1, bw, lat, curve) + call)
+    return _priced(nbytes_total_output, calls, n, (n - 1) / n, n - 1, *_group(kind, span, cluster))
 
 
 def reduce_scatter_time(nbytes_total_input: float, span: GroupSpan, cluster: Cluster, calls: int = 1) -> float:
@@ -154,9 +157,7 @@ def reduce_scatter_time(nbytes_total_input: float, span: GroupSpan, cluster: Clu
     n, kind = span.size, Collective.REDUCE_SCATTER
     if n <= 1:
         return 0.0
-    bw, lat, curve, call = (bus_bandwidth(kind, span, cluster), _latency(kind, span, cluster),
-                            _curve(kind, span, cluster), _call_latency(kind, span, cluster))
-    return _calls(nbytes_total_input, calls, lambda b: ring_time(b, n, (n - 1) / n, n - 1, bw, lat, curve) + call)
+    return _priced(nbytes_total_input, calls, n, (n - 1) / n, n - 1, *_group(kind, span, cluster))
 
 
 def all_to_all_time(nbytes: float, span: GroupSpan, cluster: Cluster, calls: int = 1) -> float:
@@ -173,8 +174,8 @@ def all_to_all_time(nbytes: float, span: GroupSpan, cluster: Cluster, calls: int
     if span.crosses_nodes:
         off_node = n - span.per_node
         bandwidth = min(bandwidth, cluster.inter.bandwidth_for(kind.value) * (n - 1) / off_node)
-    lat, curve, call = _latency(kind, span, cluster), _curve(kind, span, cluster), _call_latency(kind, span, cluster)
-    return _calls(nbytes, calls, lambda b: ring_time(b, n, (n - 1) / n, n - 1, bandwidth, lat, curve) + call)
+    _, latency, curve, call = _group(kind, span, cluster)
+    return _priced(nbytes, calls, n, (n - 1) / n, n - 1, bandwidth, latency, curve, call)
 
 
 def send_recv_time(nbytes: float, cross_node: bool, cluster: Cluster, calls: int = 1) -> float:
@@ -184,9 +185,8 @@ def send_recv_time(nbytes: float, cross_node: bool, cluster: Cluster, calls: int
     """
     link = cluster.inter if cross_node else cluster.intra
     kind = Collective.SEND_RECV.value
-    bw, lat, curve = link.bandwidth_for(kind), link.latency_for(kind), link.curve_for(kind)
-    call = link.call_latency_for(kind)
-    return _calls(nbytes, calls, lambda b: ring_time(b, 2, 1.0, 1, bw, lat, curve) + call)
+    return _priced(nbytes, calls, 2, 1.0, 1, link.bandwidth_for(kind), link.latency_for(kind), link.curve_for(kind),
+                   link.call_latency_for(kind))
 
 
 def collective_time(kind: Collective | str, nbytes: float, span: GroupSpan, cluster: Cluster, calls: int = 1) -> float:

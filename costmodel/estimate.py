@@ -43,15 +43,14 @@ from costmodel.memory import (
     dp_reduction_temp_bytes,
     fsdp_gathered_bytes,
     fsdp_reduce_bytes,
-    fsdp_reduce_dtype_bytes,
     grads_always_held,
     head_grad_bytes,
     held_states,
     inflight_chunks,
     pipeline_buffers,
+    plan_state_bytes,
     runtime_reserved_bytes,
     state_bytes_at_peak,
-    state_bytes_per_param,
 )
 from costmodel.overlap import dp_exposed, fsdp_exposed, optimizer_time, tp_partial_bytes
 from profiler.graph import LayerGraph
@@ -423,8 +422,7 @@ class Evaluator:
         """(parameter, gradient, optimizer) bytes of ``params`` parameters after the backward (ZeRO's model
         states, `state_bytes_per_param`); ``extra``: expert parameters ZeRO 2/3 shards beyond those
         (`LayerCost.expert_shard_extra`), whose fp32 shards, gradient shards and moments are held 1/dp each."""
-        p, g, k = state_bytes_per_param(self.cfg.precision, self.cfg.zero, self.cfg.data_ranks, self.cfg.pp,
-                                        fsdp_reduce_dtype_bytes(self.cfg))
+        p, g, k = plan_state_bytes(self.cfg)
         xp, xg, xk = self.extra_bytes_per_param()
         return params * p + extra * xp, params * g + extra * xg, params * k + extra * xk
 

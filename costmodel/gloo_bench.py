@@ -163,8 +163,8 @@ def _steady_malloc() -> None:
     libc.mallopt(m_trim_threshold, 64 * MiB)
 
 
-def _rank_main(rank: int, world: int, port: int, points: Sequence[tuple[str, int]], rounds: int, pin: bool,
-               seed: int, queue) -> None:
+def _join(rank: int, world: int, port: int, pin: bool) -> None:
+    """A forked rank's setup: one thread, steady malloc thresholds, pinned when asked, in the gloo group."""
     import warnings
 
     import torch
@@ -177,6 +177,13 @@ def _rank_main(rank: int, world: int, port: int, points: Sequence[tuple[str, int
         cpus = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def _rank_main(rank: int, world: int, port: int, pin: bool, queue, points: Sequence[tuple[str, int]], rounds: int,
+               seed: int) -> None:
+    import torch.distributed as dist
+
+    _join(rank, world, port, pin)
     ops = {(Collective(k), n): _op(Collective(k), n, rank, world) for k, n in points}
     samples: dict[tuple[Collective, int], list[float]] = {p: [] for p in ops}
     try:
@@ -205,21 +212,13 @@ def _rank_main(rank: int, world: int, port: int, points: Sequence[tuple[str, int
         queue.put(by_kind)
 
 
-def _call_rank_main(rank: int, world: int, port: int, kinds: Sequence[str], samples: int, pin: bool, queue) -> None:
+def _call_rank_main(rank: int, world: int, port: int, pin: bool, queue, kinds: Sequence[str], samples: int) -> None:
     """One rank of the call-latency measurement: per kind, ``samples`` times: barrier, the same matmuls on every
     rank, then one op, timed; rank 0 puts ``{kind: [s, …]}`` on ``queue``."""
-    import warnings
-
     import torch
     import torch.distributed as dist
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    _steady_malloc()
-    if pin:
-        cpus = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    _join(rank, world, port, pin)
     reps, n = CALL_WORK
     a = torch.randn(n, n)
     out: dict[str, list[float]] = {}
@@ -254,37 +253,23 @@ def measure_call_latency(link: Link, kinds: Sequence[Collective] = KINDS, ranks:
     all_reduce: q0.1 0.42 ms, median 1.1, mean 2.1; reduce_scatter mean 2.3; all_gather 0.64; send/recv 0.69 on
     2026-12-03), while the lock-step fit prices it at ~0.15 ms: the tail is the wake-up of blocked threads on vCPUs.
     """
-    import torch.multiprocessing as mp
-
-    pin = ranks <= len(os.sched_getaffinity(0))
-    ctx = mp.get_context("fork")
     means: dict[str, list[float]] = {}
     for _ in range(launches):
-        queue, port = ctx.Queue(), _free_port()
-        procs = [ctx.Process(target=_call_rank_main, daemon=True,
-                             args=(r, ranks, port, [k.value for k in kinds], samples, pin, queue))
-                 for r in range(ranks)]
-        for p in procs:
-            p.start()
-        try:
-            got = queue.get(timeout=timeout_s)
-        except Exception as exc:
-            raise RuntimeError(f"call-latency benchmark produced no result within {timeout_s} s "
-                               f"(exit codes {[p.exitcode for p in procs]})") from exc
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.terminate()
+        got = _spawn(_call_rank_main, ranks, None, timeout_s, [k.value for k in kinds], samples)
         for kind, ts in got.items():
             half = 0.5 if kind == Collective.SEND_RECV.value else 1.0
             means.setdefault(kind, []).append(half * float(np.mean(ts)))
-    plain = replace(link, call_latency=0.0, call_latency_by_kind={})
+    plain = _lock_step(link)
     out = {}
     for kind in kinds:
         mean = float(np.mean(means[kind.value]))
         out[kind.value] = (mean, max(0.0, mean - predict(kind, CALL_SIZE, ranks, plain)))
     return out
+
+
+def _lock_step(link: Link) -> Link:
+    """``link`` as the lock-step fit prices ops: without a per-call latency."""
+    return replace(link, call_latency=0.0, call_latency_by_kind={})
 
 
 def with_call_latency(link: Link, latencies: Mapping[str, tuple[float, float]]) -> Link:
@@ -325,6 +310,13 @@ def _statistic(launches: Sequence[Sequence[float]], quantile: float) -> float:
 def _launch(points: Sequence[tuple[Collective, int]], ranks: int, rounds: int, timeout_s: float,
             pin: bool | None, seed: int) -> dict[str, dict[int, list[float]]]:
     """One set of forked ranks measuring ``points`` (see :func:`measure_samples`)."""
+    plain = [(Collective(k).value, int(n)) for k, n in points]
+    return _spawn(_rank_main, ranks, pin, timeout_s, plain, rounds, seed)
+
+
+def _spawn(target, ranks: int, pin: bool | None, timeout_s: float, *args):
+    """Fork ``ranks`` gloo ranks running ``target(rank, world, port, pin, queue, *args)`` and return what rank 0
+    puts on the queue. ``pin`` (None: when there is a core per rank) binds rank r to the r-th allowed core."""
     import torch.multiprocessing as mp
 
     if ranks < 2:
@@ -334,9 +326,7 @@ def _launch(points: Sequence[tuple[Collective, int]], ranks: int, rounds: int, t
     ctx = mp.get_context("fork")  # children inherit the imported torch: ~0.1 s to start instead of ~4 s
     queue = ctx.Queue()
     port = _free_port()
-    plain = [(Collective(k).value, int(n)) for k, n in points]
-    procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, plain, rounds, pin, seed, queue), daemon=True)
-             for r in range(ranks)]
+    procs = [ctx.Process(target=target, args=(r, ranks, port, pin, queue, *args), daemon=True) for r in range(ranks)]
     for p in procs:
         p.start()
     try:
@@ -481,7 +471,7 @@ def link_from_fits(fits: Mapping[Collective, Fit], source: str) -> Link:
 def _table(times_by: Mapping[str, Mapping[int, float]], link: Link, ranks: int) -> tuple[str, dict[str, float]]:
     """The measured-vs-predicted table (ops in lock step: the fit without the call latency), and each kind's worst
     |error| at 1-64 MiB."""
-    link = replace(link, call_latency=0.0, call_latency_by_kind={})
+    link = _lock_step(link)
     lines = [f"{'collective':<15}{'size':>10}{'measured ms':>14}{'predicted ms':>14}{'error':>9}"]
     worst: dict[str, float] = {}
     for kind_name, by_size in times_by.items():
@@ -539,6 +529,24 @@ def write_fit(path: Path, link: Link, fits: Mapping[Collective, Fit], times_by: 
                                             default_flow_style=None))
 
 
+def _read_fit(path: Path) -> tuple[str, dict, Link] | None:
+    """(text, data, link) of a saved fit file, or None after a one-line error on stderr."""
+    from costmodel.cluster import _Ctx, _parse_link
+
+    if not path.exists():
+        print(f"{path}: no fit file; run python -m costmodel.gloo_bench first", file=sys.stderr)
+        return None
+    try:
+        text = path.read_text()
+        saved = yaml.safe_load(text)
+        return text, saved, _parse_link(_Ctx(str(path)), "intra", saved["intra"], default_name="gloo over loopback")
+    except (OSError, yaml.YAMLError, ValueError, TypeError, KeyError) as exc:
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"{path}: not a gloo_bench fit file ({why}); run python -m costmodel.gloo_bench to write one",
+              file=sys.stderr)
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m costmodel.gloo_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2, help="gloo ranks (2: one per core on this machine)")
@@ -558,18 +566,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--rounds and --launches must be at least 1, got {args.rounds} and {args.launches}")
     t0 = time.perf_counter()
 
-    if args.calls:
-        from costmodel.cluster import _Ctx, _parse_link
-
-        try:
-            header = "".join(line for line in args.out.read_text().splitlines(keepends=True) if line.startswith("#"))
-            saved = yaml.safe_load(args.out.read_text())
-            link = _parse_link(_Ctx(str(args.out)), "intra", saved["intra"], default_name="gloo over loopback")
-        except (OSError, yaml.YAMLError, ValueError, TypeError, KeyError) as exc:
-            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            print(f"{args.out}: not a gloo_bench fit file ({why}); run python -m costmodel.gloo_bench to write one",
-                  file=sys.stderr)
+    if args.calls or args.check:
+        loaded = _read_fit(args.out)
+        if loaded is None:
             return 2
+        text, saved, link = loaded
+
+    if args.calls:
+        header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
         calls = measure_call_latency(link, ranks=saved.get("ranks", args.ranks))
         saved["intra"] = _dump_link(with_call_latency(link, calls))
         saved["call_latency"] = _call_record(calls)
@@ -581,19 +585,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     if args.check:
-        from costmodel.cluster import _Ctx, _parse_link
-
-        if not args.out.exists():
-            print(f"{args.out}: no fit file; run python -m costmodel.gloo_bench first", file=sys.stderr)
-            return 2
-        try:
-            saved = yaml.safe_load(args.out.read_text())
-            link = _parse_link(_Ctx(str(args.out)), "intra", saved["intra"], default_name="gloo over loopback")
-        except (yaml.YAMLError, ValueError, TypeError, KeyError) as exc:
-            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            print(f"{args.out}: not a gloo_bench fit file ({why}); run python -m costmodel.gloo_bench to write one",
-                  file=sys.stderr)
-            return 2
         kinds = [Collective(k) for k in saved["intra"].get("by_kind", {})] or list(KINDS)
         ranks = saved.get("ranks", args.ranks)
         # the fit's own sizes are measured alongside, unreported, so that every size is timed among the same

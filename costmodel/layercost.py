@@ -272,17 +272,31 @@ def vocab_output_bytes(layer: Layer) -> float:
     return float(max((n.output_bytes for n in layer.nodes if n.tp_role == "vocab"), default=0))
 
 
-def tp_comm_bytes(layer: Layer, ctx: CostContext) -> tuple[float, float]:
+def tp_traffic(layer: Layer, ctx: CostContext) -> tuple[float, float, int, int]:
     """(forward, backward) tensor-parallel all-reduce payload bytes of one micro-batch at the configuration's
     micro-batch and precision (Megatron's f and g; with sequence parallelism the same bytes move as an all-gather
-    plus a reduce-scatter). Full recomputation repeats the forward's."""
-    bf, bb, _, _ = _tp_comm(layer)
+    plus a reduce-scatter; full recomputation repeats the forward's), then how many collectives carry each:
+    all-reduces, or with sequence parallelism reduce-scatter + all-gather pairs (the embedding's and the head's
+    extra all-gathers count as pairs too: an upper count by one call)."""
+    bf, bb, n_fwd, n_bwd = _tp_comm(layer)
     if ctx.sp and layer.kind == "embed":  # the first sequence-parallel block slices the replicated embedding:
         # its backward all-gathers a gradient of the embedding's size (half an all-reduce's payload)
         bb += vocab_output_bytes(layer) / 2
+        n_bwd += 1
     elif ctx.sp and layer.kind == "head":  # the last one all-gathers its output for the head
         bf += layer.input_bytes / 2
-    return bf * ctx.scale * ctx.act_scale, bb * ctx.scale * ctx.act_scale
+        n_fwd += 1
+    return bf * ctx.scale * ctx.act_scale, bb * ctx.scale * ctx.act_scale, max(n_fwd, 1), max(n_bwd, 1)
+
+
+def tp_comm_bytes(layer: Layer, ctx: CostContext) -> tuple[float, float]:
+    """The (forward, backward) bytes of `tp_traffic`."""
+    return tp_traffic(layer, ctx)[:2]
+
+
+def tp_comm_calls(layer: Layer, ctx: CostContext) -> tuple[int, int]:
+    """The (forward, backward) collective counts of `tp_traffic`."""
+    return tp_traffic(layer, ctx)[2:]
 
 
 def recompute_stop(layer: Layer) -> int:
@@ -292,18 +306,6 @@ def recompute_stop(layer: Layer) -> int:
     block's recomputation skips its down projection and the row-parallel reduction after it)."""
     savers = [j for j, n in enumerate(layer.nodes) if n.saved]
     return savers[-1] if savers else len(layer.nodes)
-
-
-def tp_comm_calls(layer: Layer, ctx: CostContext) -> tuple[int, int]:
-    """(forward, backward) tensor-parallel collectives of one micro-batch that carry `tp_comm_bytes`: all-reduces,
-    or with sequence parallelism reduce-scatter + all-gather pairs (the embedding's and the head's extra
-    all-gathers count as pairs too: an upper count by one call)."""
-    _, _, n_fwd, n_bwd = _tp_comm(layer)
-    if ctx.sp and layer.kind == "embed":
-        n_bwd += 1
-    elif ctx.sp and layer.kind == "head":
-        n_fwd += 1
-    return max(n_fwd, 1), max(n_bwd, 1)
 
 
 def tp_comm_time(nbytes: float, calls: int, ctx: CostContext) -> float:
@@ -321,12 +323,15 @@ def recompute_comm_bytes(layer: Layer, ctx: CostContext) -> float:
     """Tensor-parallel all-reduce payload (as `tp_comm_bytes`) that full recomputation repeats: the row-parallel
     reductions before `recompute_stop`; under sequence parallelism also the all-gather half of each later one
     (it runs at the start of the attention or MLP)."""
+    return sum(n.output_bytes * share for n, share in _recomputed_rows(layer, ctx)) * ctx.scale * ctx.act_scale
+
+
+def _recomputed_rows(layer: Layer, ctx: CostContext) -> list[tuple[NodeInfo, float]]:
+    """The row-parallel ops whose reduction full recomputation repeats, each with the share of it repeated: all of
+    it before `recompute_stop`, the all-gather half after it under sequence parallelism."""
     stop = recompute_stop(layer)
-    total = 0.0
-    for j, n in enumerate(layer.nodes):
-        if n.tp_role == "row":
-            total += n.output_bytes if j < stop else (n.output_bytes / 2 if ctx.sp else 0.0)
-    return total * ctx.scale * ctx.act_scale
+    return [(n, 1.0 if j < stop else 0.5) for j, n in enumerate(layer.nodes)
+            if n.tp_role == "row" and (j < stop or ctx.sp)]
 
 
 @cache
@@ -467,8 +472,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
 
     comm_f = comm_b = 0.0
     if tp > 1 and ctx.tp_span is not None:
-        bf, bb = tp_comm_bytes(layer, ctx)
-        calls_f, calls_b = tp_comm_calls(layer, ctx)
+        bf, bb, calls_f, calls_b = tp_traffic(layer, ctx)
         comm_f, comm_b = tp_comm_time(bf, calls_f, ctx), tp_comm_time(bb, calls_b, ctx)
 
     rank_rec = {AC.NONE: 0.0, AC.FULL: rank_rec_full}.get(ac, rank_op_rec if op_policy else rank_core)
@@ -487,9 +491,8 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         keep = layer.input_bytes * k * ctx.act_scale / (ctx.tp if (ctx.sp and tp_layer) else 1)
         rec_comm = 0.0
         if tp > 1 and ctx.tp_span is not None:
-            stop = recompute_stop(layer)
-            calls = sum(1 for j, n in enumerate(layer.nodes) if n.tp_role == "row" and (j < stop or ctx.sp))
-            rec_comm = all_reduce_time(recompute_comm_bytes(layer, ctx), ctx.tp_span, ctx.cluster, max(calls, 1))
+            calls = max(len(_recomputed_rows(layer, ctx)), 1)
+            rec_comm = all_reduce_time(recompute_comm_bytes(layer, ctx), ctx.tp_span, ctx.cluster, calls)
         act, rec, rec_flops, rec_peak = keep, rec_fwd, rec_full_flops, act_none
 
     param_numel = shard_extra = expert_numel = partial_numel = partial_experts = 0.0

@@ -121,6 +121,11 @@ def grads_held_at_peak(cfg, micro_batches: int, rank: int | None = None) -> bool
                                                                          micro_batches))
 
 
+def plan_state_bytes(cfg) -> tuple[float, float, float]:
+    """`state_bytes_per_param` for plan ``cfg`` (its precision, ZeRO stage, data ranks, pipeline and reduce dtype)."""
+    return state_bytes_per_param(cfg.precision, cfg.zero, cfg.data_ranks, cfg.pp, fsdp_reduce_dtype_bytes(cfg))
+
+
 def state_bytes_at_peak(cfg) -> tuple[float, float, float, float, float]:
     """Bytes per parameter at a state of the activation peak (`held_states`): ``(params, grads, optimizer)`` held
     at every state, then what a chunk holds once a backward ran on it (its gradients, where they do not outlive
@@ -132,7 +137,7 @@ def state_bytes_at_peak(cfg) -> tuple[float, float, float, float, float]:
     off the reshard after backward). Traced: llama 8×1024, dp4 pp2 v2 interleaved ZeRO-3, rank 0 peaked in a
     forward of its second chunk, holding the first chunk's parameters gathered and both chunks' accumulators, no
     shard of a gradient (6.9 % under the cost model, which held them all)."""
-    p, g, k = state_bytes_per_param(cfg.precision, cfg.zero, cfg.data_ranks, cfg.pp, fsdp_reduce_dtype_bytes(cfg))
+    p, g, k = plan_state_bytes(cfg)
     unsharded = 0.0
     if pipelined_fsdp(cfg.zero, cfg.data_ranks, cfg.pp):
         g = float(fsdp_reduce_dtype_bytes(cfg))

@@ -469,6 +469,7 @@ def test_tensor_parallel_calls_are_counted_per_collective():
     projections; before the shared inputs of q/k/v and of gate/up), so on a link with a per-call latency L the
     block's forward communication is 2 calls; with sequence parallelism each becomes a reduce-scatter and an
     all-gather, two calls each."""
+    from costmodel.cluster import group_span
     from costmodel.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
     from costmodel.layercost import CostContext, layer_cost, owned_params, tp_comm_bytes, tp_comm_calls
 
@@ -477,8 +478,6 @@ def test_tensor_parallel_calls_are_counted_per_collective():
     lat = 1e-3
     slow = dataclasses.replace(cl, intra=dataclasses.replace(cl.intra, call_latency=lat))
     block = lg.blocks[0]
-    from costmodel.cluster import group_span
-
     span = group_span(slow, 2, 1)
     for sp in (False, True):
         ctx = CostContext(cluster=slow, tp=2, sp=sp, mbs=1, captured_batch=1, precision="bf16", tp_span=span)

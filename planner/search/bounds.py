@@ -62,13 +62,12 @@ from costmodel.memory import (
     FRAGMENTATION,
     dp_reduction_temp_bytes,
     edge_inflight,
-    fsdp_reduce_dtype_bytes,
     grads_held_at_peak,
     held_states,
     inflight,
+    plan_state_bytes,
     runtime_reserved_bytes,
     state_bytes_at_peak,
-    state_bytes_per_param,
 )
 from costmodel.overlap import GRAD_REDUCE_BYTES, fsdp_gather_share, optimizer_time
 from planner.search.ilp import GRAD_OPTIONS
@@ -334,8 +333,7 @@ class Bounds:
         if cfg.pp == 1:
             n = len(self.groups)
             first = per * g.params + g.pre_act + g.post_act + n * block_act
-        after = sum(state_bytes_per_param(cfg.precision, cfg.zero, cfg.data_ranks, cfg.pp,
-                                          fsdp_reduce_dtype_bytes(cfg)))  # every gradient
+        after = sum(plan_state_bytes(cfg))  # every gradient
         allocated = max(first, last, after * g.params / cfg.pp) + temp
         return (1 + FRAGMENTATION) * allocated + runtime_reserved_bytes(cfg, self.cluster.device)
 
