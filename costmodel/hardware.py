@@ -279,7 +279,7 @@ def measure_cpu_device() -> DeviceSpec:
             return DeviceSpec(**d, matmul_eff=curve, overlap_slowdown=CPU_OVERLAP_SLOWDOWN)
     dev = _measure_cpu_device()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # (processes measuring at once each write their own)
     tmp.write_text(json.dumps({"version": _CPU_MEASURE_VERSION, "name": dev.name, "peak_flops": dict(dev.peak_flops),
                                "memory_bytes": dev.memory_bytes, "hbm_bw": dev.hbm_bw, "memory_eff": dev.memory_eff,
                                "attention_eff": dev.attention_eff, "op_overhead_s": list(dev.op_overhead_s),

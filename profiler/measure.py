@@ -173,7 +173,7 @@ def measure(model: torch.nn.Module, example_inputs, layers: LayerGraph, *, devic
         cdir.mkdir(parents=True, exist_ok=True)
         for n, lt in result.items():
             if n in keys:
-                tmp = cdir / f"{keys[n]}.json.tmp"
+                tmp = cdir / f".{keys[n]}.json.{os.getpid()}.tmp"  # (one per process: runs at once)
                 tmp.write_text(json.dumps({"fwd_s": lt.fwd_s, "bwd_s": lt.bwd_s}))
                 tmp.replace(cdir / f"{keys[n]}.json")
     return Profile(device=name, dtype=dtype, torch_version=torch.__version__, batch=batch, seq=seq, layers=result)
