@@ -130,10 +130,12 @@ def _curve(kind: Collective, span: GroupSpan, cluster: Cluster) -> SizeCurve | N
     return (cluster.inter if span.crosses_nodes else cluster.intra).curve_for(kind.value)
 
 
-def _group(kind: Collective, span: GroupSpan, cluster: Cluster) -> tuple[float, float, SizeCurve | None, float]:
-    """(bus bandwidth, per-step latency, size curve, per-call latency) of the group's ring."""
-    return (bus_bandwidth(kind, span, cluster), _latency(kind, span, cluster), _curve(kind, span, cluster),
-            _call_latency(kind, span, cluster))
+def _group(kind: Collective, span: GroupSpan, cluster: Cluster,
+           bandwidth: float | None = None) -> tuple[float, float, SizeCurve | None, float]:
+    """(bus bandwidth, per-step latency, size curve, per-call latency) of the group's ring; ``bandwidth``: one the
+    caller derived itself (all-to-all's), instead of `bus_bandwidth`."""
+    return (bus_bandwidth(kind, span, cluster) if bandwidth is None else bandwidth, _latency(kind, span, cluster),
+            _curve(kind, span, cluster), _call_latency(kind, span, cluster))
 
 
 def all_reduce_time(nbytes: float, span: GroupSpan, cluster: Cluster, calls: int = 1) -> float:
@@ -174,8 +176,7 @@ def all_to_all_time(nbytes: float, span: GroupSpan, cluster: Cluster, calls: int
     if span.crosses_nodes:
         off_node = n - span.per_node
         bandwidth = min(bandwidth, cluster.inter.bandwidth_for(kind.value) * (n - 1) / off_node)
-    _, latency, curve, call = _group(kind, span, cluster)
-    return _priced(nbytes, calls, n, (n - 1) / n, n - 1, bandwidth, latency, curve, call)
+    return _priced(nbytes, calls, n, (n - 1) / n, n - 1, *_group(kind, span, cluster, bandwidth))
 
 
 def send_recv_time(nbytes: float, cross_node: bool, cluster: Cluster, calls: int = 1) -> float:

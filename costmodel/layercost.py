@@ -323,15 +323,18 @@ def recompute_comm_bytes(layer: Layer, ctx: CostContext) -> float:
     """Tensor-parallel all-reduce payload (as `tp_comm_bytes`) that full recomputation repeats: the row-parallel
     reductions before `recompute_stop`; under sequence parallelism also the all-gather half of each later one
     (it runs at the start of the attention or MLP)."""
-    return sum(n.output_bytes * share for n, share in _recomputed_rows(layer, ctx)) * ctx.scale * ctx.act_scale
+    return recompute_traffic(layer, ctx)[0]
 
 
-def _recomputed_rows(layer: Layer, ctx: CostContext) -> list[tuple[NodeInfo, float]]:
-    """The row-parallel ops whose reduction full recomputation repeats, each with the share of it repeated: all of
-    it before `recompute_stop`, the all-gather half after it under sequence parallelism."""
+def recompute_traffic(layer: Layer, ctx: CostContext) -> tuple[float, int]:
+    """(bytes, collectives) that full recomputation repeats (`recompute_comm_bytes`): one per row-parallel op whose
+    reduction it repeats, all of it before `recompute_stop`, the all-gather half after it under sequence
+    parallelism; at least one call."""
     stop = recompute_stop(layer)
-    return [(n, 1.0 if j < stop else 0.5) for j, n in enumerate(layer.nodes)
+    rows = [(n, 1.0 if j < stop else 0.5) for j, n in enumerate(layer.nodes)
             if n.tp_role == "row" and (j < stop or ctx.sp)]
+    nbytes = sum(n.output_bytes * share for n, share in rows) * ctx.scale * ctx.act_scale
+    return nbytes, max(len(rows), 1)
 
 
 @cache
@@ -491,8 +494,8 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         keep = layer.input_bytes * k * ctx.act_scale / (ctx.tp if (ctx.sp and tp_layer) else 1)
         rec_comm = 0.0
         if tp > 1 and ctx.tp_span is not None:
-            calls = max(len(_recomputed_rows(layer, ctx)), 1)
-            rec_comm = all_reduce_time(recompute_comm_bytes(layer, ctx), ctx.tp_span, ctx.cluster, calls)
+            nbytes, calls = recompute_traffic(layer, ctx)
+            rec_comm = all_reduce_time(nbytes, ctx.tp_span, ctx.cluster, calls)
         act, rec, rec_flops, rec_peak = keep, rec_fwd, rec_full_flops, act_none
 
     param_numel = shard_extra = expert_numel = partial_numel = partial_experts = 0.0
