@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from costmodel.hardware import DEVICES, DTYPES, DeviceSpec, EfficiencyCurve, LazyCatalog
+from costmodel.hardware import DEVICES, DTENSOR_OPS, DTYPES, DeviceSpec, EfficiencyCurve, LazyCatalog
 
 __all__ = [
     "CLUSTER_PRESETS",
@@ -570,7 +570,8 @@ def _parse_curve(ctx: _Ctx, where: str, data: Mapping[str, Any]) -> SizeCurve:
 
 
 _DEVICE_KEYS = ("name", "peak_tflops", "memory_GiB", "memory_GB", "hbm_bw_GBps", "matmul_eff", "memory_eff",
-                "attention_eff", "fp8_eff", "overlap_slowdown", "op_overhead_us", "runtime_reserved_GiB", "source")
+                "attention_eff", "fp8_eff", "overlap_slowdown", "op_overhead_us", "dtensor_overhead_us",
+                "runtime_reserved_GiB", "source")
 
 
 def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
@@ -611,6 +612,13 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
     if (not isinstance(overhead, list) or len(overhead) != 2
             or any(isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 for t in overhead)):
         raise ctx.error(f"device.op_overhead_us must be [forward, backward] microseconds ≥ 0, got {overhead!r}")
+    dtensor = value.get("dtensor_overhead_us", {})  # host µs DTensor adds per tensor-parallel op (a CPU device)
+    if not isinstance(dtensor, dict) or any(
+            k not in DTENSOR_OPS or not isinstance(v, list) or len(v) != 2
+            or any(isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 for t in v)
+            for k, v in dtensor.items()):
+        raise ctx.error(f"device.dtensor_overhead_us must map {', '.join(DTENSOR_OPS)} to [forward, backward] "
+                        f"microseconds ≥ 0, got {dtensor!r}")
     reserved = None
     if "runtime_reserved_GiB" in value:  # measured: what the CUDA context and NCCL hold outside torch's allocator
         reserved = _get(ctx, value, "runtime_reserved_GiB", float, "device")
@@ -628,6 +636,7 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
         memory_eff=memory_eff,
         overlap_slowdown=float(slowdown),
         op_overhead_s=(float(f"{overhead[0]!r}e-6"), float(f"{overhead[1]!r}e-6")),
+        dtensor_overhead_s={k: (float(f"{v[0]!r}e-6"), float(f"{v[1]!r}e-6")) for k, v in dtensor.items()},
         source=str(value.get("source", f"from {ctx.origin}")),
         **effs,
     )
@@ -742,6 +751,8 @@ def _dump_device(device: DeviceSpec, stack: str | None = None) -> str | dict[str
         "fp8_eff": device.fp8_eff,
         "overlap_slowdown": device.overlap_slowdown,
         **({"op_overhead_us": [_round12(t / US) for t in device.op_overhead_s]} if any(device.op_overhead_s) else {}),
+        **({"dtensor_overhead_us": {k: [_round12(t / US) for t in v] for k, v in device.dtensor_overhead_s.items()}}
+           if device.dtensor_overhead_s else {}),
         "source": device.source,
     } | ({"runtime_reserved_GiB": device.runtime_reserved / GiB} if device.runtime_reserved is not None else {})
 

@@ -15,7 +15,7 @@ import functools
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Generic, TypeVar
@@ -23,6 +23,7 @@ from typing import Generic, TypeVar
 from costmodel.stacks import fitted  # (one file holds the kinds' constants and the stacks')
 
 __all__ = [
+    "DTENSOR_OPS",
     "DTYPES",
     "DEVICES",
     "DeviceSpec",
@@ -34,6 +35,9 @@ __all__ = [
 
 #: dtype names a peak may be given for (the training precision names of DESIGN.md, plus tf32 and fp8).
 DTYPES = ("bf16", "fp16", "fp32", "tf32", "fp8")
+
+#: the ops the tensor-parallel runtime runs as DTensors, each with its own host overhead (`DeviceSpec`)
+DTENSOR_OPS = ("tp_linear", "sp_linear", "sp_norm")
 
 GiB = 2**30
 TERA = 1e12
@@ -105,6 +109,12 @@ class DeviceSpec:
     #: runs it, so the two add. 0 on GPUs: kernels are launched asynchronously and overlap the host's dispatch (a
     #: step of kernels shorter than their launch would be host-bound; not modelled)
     op_overhead_s: tuple[float, float] = (0.0, 0.0)
+    #: host seconds DTensor adds, (forward, backward), per op the tensor-parallel runtime runs as DTensors, by
+    #: ``DTENSOR_OPS`` key: a ``ColwiseParallel``/``RowwiseParallel`` linear without (``tp_linear``) and with
+    #: sequence parallelism (``sp_linear``), a ``SequenceParallel`` norm (``sp_norm``): sharding propagation and
+    #: the wrapping of inputs and outputs, in Python on the thread that then runs the op (`costmodel.dtensor_probe`).
+    #: Empty (0) on GPUs, where it overlaps the kernels as ``op_overhead_s`` does
+    dtensor_overhead_s: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     #: bytes the runtime holds outside torch's caching allocator (CUDA context, NCCL buffers) when measured (a
     #: cluster file's ``runtime_reserved_GiB``); None: modelled per plan (`costmodel.memory.runtime_reserved_bytes`)
     runtime_reserved: float | None = None
@@ -136,6 +146,12 @@ class DeviceSpec:
             raise ValueError(f"device {self.name!r}: op_overhead_s must be (forward, backward) seconds ≥ 0, "
                              f"got {self.op_overhead_s!r}")
         object.__setattr__(self, "op_overhead_s", tuple(float(t) for t in self.op_overhead_s))
+        for key, pair in self.dtensor_overhead_s.items():
+            if key not in DTENSOR_OPS or len(pair) != 2 or not all(t >= 0 for t in pair):
+                raise ValueError(f"device {self.name!r}: dtensor_overhead_s maps {', '.join(DTENSOR_OPS)} to "
+                                 f"(forward, backward) seconds ≥ 0, got {key!r}: {pair!r}")
+        object.__setattr__(self, "dtensor_overhead_s", MappingProxyType(
+            {k: tuple(float(t) for t in v) for k, v in self.dtensor_overhead_s.items()}))
         if self.runtime_reserved is not None and not self.runtime_reserved >= 0:
             raise ValueError(f"device {self.name!r}: runtime_reserved must be ≥ 0 bytes, got {self.runtime_reserved!r}")
         object.__setattr__(self, "peak_flops", _frozen_map(self.peak_flops))
@@ -143,7 +159,12 @@ class DeviceSpec:
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes, self.hbm_bw,
                      self.matmul_eff, self.memory_eff, self.attention_eff, self.fp8_eff, self.overlap_slowdown,
-                     self.op_overhead_s, self.runtime_reserved, self.source))
+                     self.op_overhead_s, tuple(sorted(self.dtensor_overhead_s.items())), self.runtime_reserved,
+                     self.source))
+
+    def dtensor_overhead(self, op: str) -> tuple[float, float]:
+        """(forward, backward) host seconds DTensor adds to one ``op`` (a ``DTENSOR_OPS`` key); 0 if unmeasured."""
+        return self.dtensor_overhead_s.get(op, (0.0, 0.0))
 
     def peak(self, dtype: str) -> float:
         """Dense peak for ``dtype`` in FLOP/s; ValueError naming the dtypes this device has if it is unknown."""
@@ -261,7 +282,7 @@ CPU_OVERLAP_SLOWDOWN = 1.0
 
 
 #: Version of the measurement below; a cached device measured by another version is measured again.
-_CPU_MEASURE_VERSION = 2
+_CPU_MEASURE_VERSION = 3
 
 
 @functools.lru_cache(maxsize=1)
@@ -276,6 +297,7 @@ def measure_cpu_device() -> DeviceSpec:
         if d.pop("version", 1) == _CPU_MEASURE_VERSION:
             curve = EfficiencyCurve(**d.pop("matmul_eff"))
             d["op_overhead_s"] = tuple(d["op_overhead_s"])
+            d["dtensor_overhead_s"] = {k: tuple(v) for k, v in d["dtensor_overhead_s"].items()}
             return DeviceSpec(**d, matmul_eff=curve, overlap_slowdown=CPU_OVERLAP_SLOWDOWN)
     dev = _measure_cpu_device()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -283,6 +305,7 @@ def measure_cpu_device() -> DeviceSpec:
     tmp.write_text(json.dumps({"version": _CPU_MEASURE_VERSION, "name": dev.name, "peak_flops": dict(dev.peak_flops),
                                "memory_bytes": dev.memory_bytes, "hbm_bw": dev.hbm_bw, "memory_eff": dev.memory_eff,
                                "attention_eff": dev.attention_eff, "op_overhead_s": list(dev.op_overhead_s),
+                               "dtensor_overhead_s": {k: list(v) for k, v in dev.dtensor_overhead_s.items()},
                                "source": dev.source,
                                "matmul_eff": {"e_max": dev.matmul_eff.e_max, "f_half": dev.matmul_eff.f_half,
                                               "source": dev.matmul_eff.source}}))
@@ -324,9 +347,11 @@ def _measure_cpu_device() -> DeviceSpec:
     - attention_eff: causal scaled-dot-product attention forward and backward (8 heads of 64, sequence 256, as
       torch's counter counts it: 3·4·h·s²·d) over the peak at that size's matmul efficiency, at most 1;
     - op_overhead_s: a chain of tiny ops (mul, add, transpose, matmul, SiLU on 4×4 tensors, autograd on), the
-      forward's and the backward's time per op: what a step pays per op besides its arithmetic.
+      forward's and the backward's time per op: what a step pays per op besides its arithmetic;
+    - dtensor_overhead_s: what DTensor adds per tensor-parallel linear and per sequence-parallel norm
+      (`_measure_dtensor_overhead`, a process of its own).
 
-    Memory = physical RAM (``os.sysconf``). ~3 s, once per machine.
+    Memory = physical RAM (``os.sysconf``). ~8 s, once per machine.
     """
     import numpy as np
     import torch  # local: importing the catalog must not import torch
@@ -391,6 +416,7 @@ def _measure_cpu_device() -> DeviceSpec:
     finally:
         torch.set_num_threads(threads)
 
+    dtensor, probe = _measure_dtensor_overhead()
     ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     return DeviceSpec(
         name="cpu",
@@ -401,10 +427,31 @@ def _measure_cpu_device() -> DeviceSpec:
         memory_eff=memory_eff,
         attention_eff=attention_eff,
         op_overhead_s=overhead,
+        dtensor_overhead_s=dtensor,
         overlap_slowdown=CPU_OVERLAP_SLOWDOWN,
         source=f"measured on this machine, 1 thread, torch {torch.__version__}, {time.strftime('%Y-%m-%d')} "
-               "(`costmodel.hardware._measure_cpu_device`)",
+               f"(`costmodel.hardware._measure_cpu_device`); {probe}",
     )
+
+
+def _measure_dtensor_overhead() -> tuple[dict[str, tuple[float, float]], str]:
+    """DTensor's host time per tensor-parallel op (`costmodel.dtensor_probe`), measured in a process of its own: it
+    needs a process group, which the planner's process must not get. (figures, what the device's source says of
+    them); a probe that cannot run (no loopback for gloo) leaves them 0 and says why."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "costmodel.dtensor_probe"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=True)
+        figures = json.loads(done.stdout.strip().splitlines()[-1])
+        out = {k: (float(figures[k][0]), float(figures[k][1])) for k in DTENSOR_OPS}
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError, IndexError) as exc:
+        err = getattr(exc, "stderr", None) or str(exc)
+        return {}, f"DTensor overhead not measured ({err.strip().splitlines()[-1] if err.strip() else exc!r})"
+    return out, "DTensor overhead per tensor-parallel op: `costmodel.dtensor_probe`, a 1-rank gloo process"
 
 
 #: The device catalog. GPU entries are constants; ``cpu`` is measured on first lookup. Memory is what torch can

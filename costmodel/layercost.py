@@ -32,6 +32,9 @@ FLOPs as torch's counter counts them (whole score rectangles, as for the capture
 
 Every captured op also pays the device's ``op_overhead_s`` in its forward and in its backward: on a CPU the thread
 that dispatches an op runs it too (measured per machine, `costmodel.hardware._measure_cpu_device`); 0 on GPUs.
+Under tensor parallelism the ops the runtime runs as DTensors (`dtensor_ops`: the split linears, and the norms of
+sequence parallelism) also pay the device's ``dtensor_overhead_s`` (sharding propagation and wrapping, in Python:
+~200-400 µs per op on this VM's CPU against ~5 µs for a plain op; 0 on GPUs), and so does a recomputation of them.
 
 A measured profile (`profiler.measure` on the cluster's device) replaces the roofline's absolute level layer by
 layer: the measured forward and backward at the measured batch, times the roofline's ratio between the
@@ -229,6 +232,36 @@ def is_tp_layer(layer: Layer) -> bool:
     return {"column", "row"} <= roles or "vocab" in roles
 
 
+def dtensor_ops(layer: Layer, ctx: CostContext, tp_layer: bool) -> dict[str, str]:
+    """The captured nodes the tensor-parallel runtime runs as DTensor ops, each with its `DTENSOR_OPS` kind: a
+    block's column- and row-parallel linears (``ColwiseParallel``/``RowwiseParallel``: ``tp_linear``, or
+    ``sp_linear`` under sequence parallelism) and the vocabulary-parallel head's linear (``tp_linear``); under
+    sequence parallelism a block's norms (``SequenceParallel`` on the block's children named norms by their class,
+    as `planner.emit.config` picks them) once each, on the norm's first node: a norm is several captured ops but
+    one DTensor module. The vocabulary-parallel embedding (a lookup of this rank's rows, not a DTensor op) has
+    none. Empty without tensor parallelism."""
+    if not tp_layer or ctx.tp == 1:
+        return {}
+    out = {}
+    if layer.kind == "head":
+        for n in layer.nodes:
+            if n.tp_role == "vocab" and n.kind == "matmul" and n.params:
+                out[n.name] = "tp_linear"
+        return out
+    if layer.kind != "block":
+        return {}
+    linear = "sp_linear" if ctx.sp else "tp_linear"
+    norms: set[str] = set()
+    for n in layer.nodes:
+        if n.tp_role in ("column", "row") and n.kind == "matmul" and n.params:
+            out[n.name] = linear
+        elif (ctx.sp and n.module_path.startswith(layer.name + ".") and "." not in n.module_path[len(layer.name) + 1:]
+              and "norm" in n.module_type.lower() and n.module_path not in norms):
+            norms.add(n.module_path)
+            out[n.name] = "sp_norm"
+    return out
+
+
 def _tp_comm(layer: Layer) -> tuple[float, float, int, int]:
     """(forward, backward) all-reduce payload bytes of one micro-batch at the captured batch, and how many
     all-reduces carry each: one per row-parallel output, per distinct column-parallel input, per vocabulary op."""
@@ -418,6 +451,10 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     matmuls = 0
     op_act = op_rec = op_rec_flops = 0.0
     o_f, o_b = ctx.cluster.device.op_overhead_s  # the host's time per op, where it adds (a CPU: `DeviceSpec`)
+    # what DTensor adds to the ops the tensor-parallel runtime wraps (a CPU: `DeviceSpec.dtensor_overhead_s`), kept
+    # apart from the compute a measured profile rescales: forward, backward, and the recomputations' share
+    wrapped = dtensor_ops(layer, ctx, tp_layer)
+    dt_f = dt_b = dt_rec_full = dt_op_rec = 0.0
     experts = {p.fqn for p in owned if is_expert_param(p, ctx.experts)}
     for j, n in enumerate(layer.nodes):
         f = _shard(n, ctx.tp, ctx.sp, tp_layer)
@@ -437,6 +474,10 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         # torch's counter charges a rank's two chunks of attention (2·cp + 1)·c² score blocks, not S²/cp
         counted = (2 * cp + 1) / (4 * cp) if attn and cp > 1 else 1.0
         rank_fb += (n.fwd_flops + n.bwd_flops) * k * f * counted
+        d_f, d_b = ctx.cluster.device.dtensor_overhead(wrapped[n.name]) if n.name in wrapped else (0.0, 0.0)
+        dt_f += d_f
+        dt_b += d_b
+        dt_rec_full += d_f if j < stop else 0.0
         if j < stop:
             rec_fwd += t_f
             rec_full_flops += n.fwd_flops * k * cp
@@ -455,6 +496,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
                 op_act += n.output_bytes * k * f * ctx.act_scale
             else:
                 op_rec += t_f
+                dt_op_rec += d_f
                 op_rec_flops += n.fwd_flops * k * cp
                 rank_op_rec += n.fwd_flops * k * f
         if n.is_attention_core:
@@ -472,6 +514,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         s_f = m_fwd / r.fwd_s if r.fwd_s > 0 else 1.0
         s_b = m_bwd / r.bwd_s if r.bwd_s > 0 else 1.0
         fwd, bwd, core_fwd, rec_fwd, op_rec = fwd * s_f, bwd * s_b, core_fwd * s_f, rec_fwd * s_f, op_rec * s_f
+    fwd, bwd, rec_fwd, op_rec = fwd + dt_f, bwd + dt_b, rec_fwd + dt_rec_full, op_rec + dt_op_rec
 
     comm_f = comm_b = 0.0
     if tp > 1 and ctx.tp_span is not None:

@@ -191,7 +191,8 @@ def test_call_latency_and_op_overhead_round_trip():
     written back."""
     text = """\
 name: cpu-like
-device: {name: mycpu, peak_tflops: {fp32: 0.07}, memory_GiB: 24, hbm_bw_GBps: 20, op_overhead_us: [2.5, 4]}
+device: {name: mycpu, peak_tflops: {fp32: 0.07}, memory_GiB: 24, hbm_bw_GBps: 20, op_overhead_us: [2.5, 4],
+         dtensor_overhead_us: {tp_linear: [200, 330], sp_norm: [190, 350]}}
 gpus_per_node: 2
 nodes: 1
 intra: {bw_GBps: 1.8, latency_us: 50, call_latency_us: 2500, by_kind: {all_gather: {call_latency_us: 1300}}}
@@ -199,6 +200,8 @@ inter: {bw_GBps: 1.8, latency_us: 50}
 """
     c = parse_cluster_yaml(text, "cpu-like.yaml")
     assert c.device.op_overhead_s == pytest.approx((2.5e-6, 4e-6))
+    assert c.device.dtensor_overhead("tp_linear") == pytest.approx((200e-6, 330e-6))
+    assert c.device.dtensor_overhead("sp_linear") == (0.0, 0.0)  # (not given: not charged)
     assert c.intra.call_latency_for("all_reduce") == pytest.approx(2.5e-3)
     assert c.intra.call_latency_for("all_gather") == pytest.approx(1.3e-3)
     assert c.inter.call_latency_for("all_gather") == 0.0
@@ -254,6 +257,9 @@ def _edit(text: str, old: str, new: str) -> str:
      "cluster.yaml: inter.call_latency_us must be a number >= 0, got -1"),
     ("device: h100-sxm", "device: {name: x, peak_tflops: {bf16: 1}, memory_GiB: 8, hbm_bw_GBps: 1, "
      "op_overhead_us: 3}", "cluster.yaml: device.op_overhead_us must be [forward, backward] microseconds ≥ 0, got 3"),
+    ("device: h100-sxm", "device: {name: x, peak_tflops: {bf16: 1}, memory_GiB: 8, hbm_bw_GBps: 1, "
+     "dtensor_overhead_us: {tp_lin: [1, 2]}}", "cluster.yaml: device.dtensor_overhead_us must map tp_linear, "
+     "sp_linear, sp_norm to [forward, backward] microseconds ≥ 0, got {'tp_lin': [1, 2]}"),
     ("nodes: 4", "nodes: 4\nmemory_fraction: 1.5", "cluster.yaml: memory_fraction must be in (0, 1]"),
     ("nodes: 4", "nodes: 4\nmemory_fraction: high", "cluster.yaml: memory_fraction must be a positive number"),
 ])
