@@ -68,6 +68,7 @@ class SyncView(Protocol):
     m: int  #: micro-batches per pipeline per step
     grad_kind: str  #: ``none``, ``bf16``, ``fp16`` or ``powersgd``
     grad_rank: int  #: PowerSGD's rank (0 otherwise)
+    autocast: bool  #: outside FSDP the module's parameters stay fp32 (`costmodel.memory.module_param_bytes`)
 
 
 def _memory_time(nbytes: float, cluster) -> float:

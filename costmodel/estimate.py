@@ -267,7 +267,7 @@ class Evaluator:
     def __init__(self, lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
                  cache: dict | None = None, measured: tuple[dict, int] | None = None,
                  in_place_loss: bool = False, gathered_column_inputs: bool = True, compiled: bool = False,
-                 selective: str = "attention-core") -> None:
+                 selective: str = "attention-core", autocast: bool = True) -> None:
         """``cache``: optional dict shared by Evaluators of the *same* ``lg`` and ``cluster`` (e.g. a planner's
         candidates): the parameter ownership is computed once and layer costs are shared between
         configurations whose (tp, sp, mbs, precision, pp > 1) agree, the only configuration fields they depend on.
@@ -278,8 +278,11 @@ class Evaluator:
         of other stacks), unlike autopar's runtime; ``gathered_column_inputs``: its column-parallel linears save
         their whole input, as autopar's runtime does (`CostContext.gathered_column_inputs`; False for Megatron-LM);
         ``compiled``: the blocks run under torch.compile (`CostContext.compiled`); ``selective``: what selective
-        checkpointing keeps (`CostContext.selective`)."""
+        checkpointing keeps (`CostContext.selective`); ``autocast``: outside FSDP the module's parameters stay
+        fp32 under ``torch.autocast``, as in autopar's runtime (`costmodel.memory.state_bytes_per_param`; False
+        for Megatron-LM's 16-bit parameters beside a master copy)."""
         check_config(lg, cluster, cfg, global_batch)
+        self.autocast = autocast
         self.lg, self.cluster, self.cfg, self.global_batch = lg, cluster, cfg, global_batch
         self.m = global_batch // (cfg.dp * cfg.mbs)
         captured = dtype_bytes(lg.model.dtype)
@@ -422,7 +425,7 @@ class Evaluator:
         """(parameter, gradient, optimizer) bytes of ``params`` parameters after the backward (ZeRO's model
         states, `state_bytes_per_param`); ``extra``: expert parameters ZeRO 2/3 shards beyond those
         (`LayerCost.expert_shard_extra`), whose fp32 shards, gradient shards and moments are held 1/dp each."""
-        p, g, k = plan_state_bytes(self.cfg)
+        p, g, k = plan_state_bytes(self.cfg, self.autocast)
         xp, xg, xk = self.extra_bytes_per_param()
         return params * p + extra * xp, params * g + extra * xg, params * k + extra * xk
 
@@ -437,7 +440,7 @@ class Evaluator:
         grads, optimizer)`` held at every state, then the gradients of a chunk a backward ran on and the gathered
         parameters of a chunk whose last pass was a backward, for ``params`` parameters (``extra``, expert shards
         beyond them, `extra_bytes_per_param`: their gradients come with the rank's first backward)."""
-        p, g, k, made, gathered = state_bytes_at_peak(self.cfg)
+        p, g, k, made, gathered = state_bytes_at_peak(self.cfg, self.autocast)
         xp, xg, xk = self.extra_bytes_per_param()
         x_made = 0.0 if grads_always_held(self.cfg) else xg
         return (params * p + extra * xp, params * g + extra * (xg - x_made), params * k + extra * xk,
@@ -529,7 +532,7 @@ class Evaluator:
     def _rank_memory(self, r, rank_of, stages, costs, params, extra=0.0) -> MemoryBreakdown:
         cfg = self.cfg
         p_b, always, o_b, _, _ = self.peak_static_bytes(params, extra)
-        _, _, _, made_pp, gathered_pp = state_bytes_at_peak(cfg)
+        _, _, _, made_pp, gathered_pp = state_bytes_at_peak(cfg, self.autocast)
         x_made = self.peak_static_bytes(0.0, extra)[3]  # the expert shards' gradients, with the first backward
         # torch's own receive buffers (static, kept from step to step) and the outputs its stages keep for their
         # backward (per micro-batch in flight, pending a weight pass included)
@@ -572,7 +575,7 @@ class Evaluator:
             in_block, in_loss = fsdp_gathered_bytes(cfg, held)
             block_peak += in_block
             edge_peak += in_loss
-        block_peak += head_grad_bytes(cfg, held, self.m, r) + fsdp_reduce_bytes(cfg, held)
+        block_peak += head_grad_bytes(cfg, held, self.m, r, self.autocast) + fsdp_reduce_bytes(cfg, held)
         # a block's backward comes after the head's: that micro-batch's head activations (the logits) are gone
         head_act = sum(costs[i].act_bytes for idx in mine for i in idx if self.lg.layers[i].kind == "head")
         if zero_bubble:  # the input pass keeps the head's activations (retain_graph) until it ends

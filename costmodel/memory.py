@@ -81,12 +81,19 @@ def dp_reduction_temp_bytes(cfg, grad_kind: str, grad_bytes: float = math.inf) -
 
 
 def state_bytes_per_param(precision: str, zero: int, dp: int, pp: int = 1,
-                          accumulator: float = 4.0) -> tuple[float, float, float]:
+                          accumulator: float = 4.0, *, autocast: bool = True) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer) bytes per parameter on one rank: the ZeRO paper's 2Ψ + 2Ψ + KΨ; under
     pipelining FSDP also holds the unsharded gradients, ``accumulator`` bytes each (the reduce dtype,
     `fsdp_reduce_dtype_bytes`: fp32 unless the plan compresses), and, ZeRO 3, the unsharded parameters across the
-    micro-batches (`pipelined_fsdp`)."""
-    p, g, k = (4.0, 4.0, 8.0) if precision == "fp32" else (2.0, 2.0, 12.0)
+    micro-batches (`pipelined_fsdp`).
+
+    ``autocast`` (`module_param_bytes`): outside FSDP (ZeRO 0/1) the module's parameters stay fp32 and 16-bit
+    training is ``torch.autocast`` (autopar's runtime, `planner.emit.train.autocast`), so the parameters and their
+    gradients take 4 bytes and Adam keeps no master copy (K = 8), the fp32 training figures; ZeRO-1
+    (``ZeroRedundancyOptimizer``) shards the two moments only. False: the paper's mixed precision, 16-bit parameters
+    and gradients beside a master copy in the optimizer (Megatron-LM and its distributed optimizer, published rows)."""
+    fp32 = precision == "fp32" or (autocast and zero <= 1)
+    p, g, k = (4.0, 4.0, 8.0) if fp32 else (2.0, 2.0, 12.0)
     unsharded_param = p
     if zero >= 1:
         k /= dp
@@ -121,12 +128,20 @@ def grads_held_at_peak(cfg, micro_batches: int, rank: int | None = None) -> bool
                                                                          micro_batches))
 
 
-def plan_state_bytes(cfg) -> tuple[float, float, float]:
+def module_param_bytes(cfg, autocast: bool = True) -> int:
+    """Bytes of one of the module's parameters and of its gradient outside FSDP's shards: fp32 where 16-bit
+    training is ``torch.autocast`` over fp32 parameters (``autocast``, ZeRO 0/1: `state_bytes_per_param`), else the
+    training precision's. What ZeRO-1's broadcasts move, and a gradient the model states do not hold yet."""
+    return 4 if autocast and cfg.zero <= 1 else cfg.param_bytes
+
+
+def plan_state_bytes(cfg, autocast: bool = True) -> tuple[float, float, float]:
     """`state_bytes_per_param` for plan ``cfg`` (its precision, ZeRO stage, data ranks, pipeline and reduce dtype)."""
-    return state_bytes_per_param(cfg.precision, cfg.zero, cfg.data_ranks, cfg.pp, fsdp_reduce_dtype_bytes(cfg))
+    return state_bytes_per_param(cfg.precision, cfg.zero, cfg.data_ranks, cfg.pp, fsdp_reduce_dtype_bytes(cfg),
+                                 autocast=autocast)
 
 
-def state_bytes_at_peak(cfg) -> tuple[float, float, float, float, float]:
+def state_bytes_at_peak(cfg, autocast: bool = True) -> tuple[float, float, float, float, float]:
     """Bytes per parameter at a state of the activation peak (`held_states`): ``(params, grads, optimizer)`` held
     at every state, then what a chunk holds once a backward ran on it (its gradients, where they do not outlive
     the step: `grads_always_held`) and while its last pass was a backward (its unsharded parameters: pipelined
@@ -137,7 +152,7 @@ def state_bytes_at_peak(cfg) -> tuple[float, float, float, float, float]:
     off the reshard after backward). Traced: llama 8×1024, dp4 pp2 v2 interleaved ZeRO-3, rank 0 peaked in a
     forward of its second chunk, holding the first chunk's parameters gathered and both chunks' accumulators, no
     shard of a gradient (6.9 % under the cost model, which held them all)."""
-    p, g, k = plan_state_bytes(cfg)
+    p, g, k = plan_state_bytes(cfg, autocast)
     unsharded = 0.0
     if pipelined_fsdp(cfg.zero, cfg.data_ranks, cfg.pp):
         g = float(fsdp_reduce_dtype_bytes(cfg))
@@ -149,7 +164,8 @@ def state_bytes_at_peak(cfg) -> tuple[float, float, float, float, float]:
     return p, 0.0, k, g, unsharded
 
 
-def head_grad_bytes(cfg, layers: list[tuple[str, float]], micro_batches: int, rank: int) -> float:
+def head_grad_bytes(cfg, layers: list[tuple[str, float]], micro_batches: int, rank: int,
+                    autocast: bool = True) -> float:
     """The head's gradient pipeline rank ``rank``, holding ``layers`` ((kind, parameters) pairs), has at a block's
     backward when its gradients are not held at every peak state (`grads_held_at_peak`): the head's backward ran
     first. ZeRO 3 counts it with the root's unsharded state (`fsdp_gathered_bytes`), pipelined FSDP where it stays
@@ -157,7 +173,7 @@ def head_grad_bytes(cfg, layers: list[tuple[str, float]], micro_batches: int, ra
     counted = (cfg.zero == 3 and cfg.data_ranks > 1 and not cfg.fsdp_in_pipeline) or _pipelined_grad_beside(cfg)
     if grads_held_at_peak(cfg, micro_batches, rank) or counted:
         return 0.0
-    return cfg.param_bytes * sum(n for kind, n in layers if kind == "head")
+    return module_param_bytes(cfg, autocast) * sum(n for kind, n in layers if kind == "head")
 
 
 def fsdp_reduce_dtype_bytes(cfg) -> int:

@@ -11,10 +11,10 @@ device catalogue), FP8/MXFP8 rows (the runtime trains bf16; fp8 is priced but no
 (MLA with fp8, tp = 2 with expert-TP unknown), verification cards with real-data routing or SFT packing.
 
 Each prediction uses the ``megatron`` stack (these are Megatron-Core runs), the published mesh, global batch,
-micro-batch and sequence, the distributed optimizer (zero = 1), no activation recomputation (none is published),
-balanced routing (Megatron-Bridge forces it; the Mixtral rows are dropless), and compares model TFLOP/s per GPU, the
-figure both sources publish (Megatron's own FLOP formula; the capture's FLOPs count the same GEMMs and the full,
-non-causal attention matrix).
+micro-batch and sequence, the distributed optimizer (zero = 1, over 16-bit parameters: ``autocast=False``), no
+activation recomputation (none is published), balanced routing (Megatron-Bridge forces it; the Mixtral rows are
+dropless), and compares model TFLOP/s per GPU, the figure both sources publish (Megatron's own FLOP formula; the
+capture's FLOPs count the same GEMMs and the full, non-causal attention matrix).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def usable_rows() -> list[MoERow]:
 
 def predict(rows: list[MoERow] | None = None, stack: str = "megatron") -> list[tuple[MoERow, float]]:
     """(row, predicted model TFLOP/s per GPU) for each row (captures each model once)."""
-    from costmodel.estimate import estimate
+    from costmodel.estimate import Evaluator
     from profiler.api import profile_model
 
     graphs: dict = {}
@@ -83,7 +83,8 @@ def predict(rows: list[MoERow] | None = None, stack: str = "megatron") -> list[t
         if key not in graphs:
             graphs[key] = profile_model(row.model, seq=row.seq)
         cluster = load_cluster(f"dgx-h100:nodes={row.nodes},stack={stack}")
-        est = estimate(graphs[key], cluster, row.config, row.global_batch)
+        # Megatron-Core's distributed optimizer: 16-bit parameters beside fp32 master shards, gathered in 16 bits
+        est = Evaluator(graphs[key], cluster, row.config, row.global_batch, autocast=False).evaluate()
         out.append((row, est.tflops_per_gpu_model))
     return out
 

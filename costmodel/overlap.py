@@ -26,6 +26,7 @@ from __future__ import annotations
 from costmodel.collectives import all_gather_time, reduce_scatter_time
 from costmodel.compression import SyncView, compressed_grad_comm
 from costmodel.layercost import LayerCost
+from costmodel.memory import module_param_bytes
 
 GRAD_REDUCE_BYTES = 4  #: gradients are reduced in fp32 (DDP's fp32 grads; FSDP2 reduce_dtype=float32)
 
@@ -37,10 +38,12 @@ def zero2_gather_time(params: float, ev: SyncView) -> float:
 
 def zero1_sync_time(rank_costs: list[LayerCost], ev: SyncView) -> float:
     """ZeRO-1 (ZeroRedundancyOptimizer): after the step every owner broadcasts its updated parameters, one
-    collective per tensor: an all-gather's volume with one latency per tensor."""
+    collective per tensor: an all-gather's volume with one latency per tensor. The module's parameters, fp32 under
+    autocast (`costmodel.memory.module_param_bytes`)."""
     params = sum(c.param_numel for c in rank_costs)
     n = max(1, sum(c.param_tensors for c in rank_costs))
-    return n * all_gather_time(params * ev.cfg.param_bytes / n, ev.dp_span, ev.cluster)
+    pbytes = module_param_bytes(ev.cfg, ev.autocast)
+    return n * all_gather_time(params * pbytes / n, ev.dp_span, ev.cluster)
 
 
 def _hidden(comm: float, window: float, slowdown: float) -> tuple[float, float]:
@@ -119,7 +122,7 @@ def optimizer_time(params: float, ev: SyncView, extra: float = 0.0) -> float:
     return local * per / (dev.hbm_bw * dev.memory_eff)
 
 
-def dp_step_bytes(cfg, params: float, m: int) -> dict[str, float]:
+def dp_step_bytes(cfg, params: float, m: int, autocast: bool = True) -> dict[str, float]:
     """The data-parallel collectives the terms above charge one rank per step, as payload bytes by kind (an
     all-gather's gathered size, a reduce-scatter's full input): what `autopar check` compares with the traced
     runtime. ``params``: the rank's parameters before ZeRO sharding; ``m``: micro-batches per step. PowerSGD's
@@ -137,7 +140,7 @@ def dp_step_bytes(cfg, params: float, m: int) -> dict[str, float]:
         return {"all_gather": params * pbytes, "reduce_scatter": rs * params * GRAD_REDUCE_BYTES}
     out = {} if kind == "powersgd" else {"all_reduce": params * (2 if kind in ("bf16", "fp16") else GRAD_REDUCE_BYTES)}
     if cfg.zero == 1:  # zero1_sync_time: the owners' broadcasts, an all-gather's volume
-        out["broadcast"] = params * pbytes
+        out["broadcast"] = params * module_param_bytes(cfg, autocast)
     return out
 
 

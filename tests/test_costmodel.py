@@ -19,9 +19,11 @@ from costmodel.memory import (
     NCCL_P2P_PEER_BYTES,
     communicators,
     inflight,
+    module_param_bytes,
     runtime_reserved_bytes,
     state_bytes_per_param,
 )
+from costmodel.overlap import dp_step_bytes
 from profiler.api import profile_model
 
 GPT = "gpt:layers=8,hidden=1024,heads=16,seq=1024,vocab=8192,dropout=0"
@@ -51,10 +53,23 @@ def cfg(s: str) -> ParallelConfig:
 # ------------------------------------------------------------------------------------------------- memory
 @pytest.mark.parametrize("zero,expected", [(0, 16), (1, 4 + 12 / 8), (2, 2 + 16 / 8), (3, 16 / 8)])
 def test_zero_model_states_follow_the_zero_paper(zero, expected):
-    """Rajbhandari et al. 2020 §3.1/Fig. 1: 2Ψ + 2Ψ + KΨ with K = 12, partitioned over N_d = 8 by stage; stage 2
-    as FSDP2 runs it (the runtime's ZeRO-2), whose gradient shard is fp32: 2Ψ/N more than the paper's 2 + 14/N."""
-    p, g, k = state_bytes_per_param("bf16", zero, 8)
+    """Rajbhandari et al. 2020 §3.1/Fig. 1: 2Ψ + 2Ψ + KΨ with K = 12, partitioned over N_d = 8 by stage, for
+    16-bit parameters beside a master copy (Megatron-LM's distributed optimizer: ``autocast=False``); stage 2 as
+    FSDP2 runs it (the runtime's ZeRO-2), whose gradient shard is fp32: 2Ψ/N more than the paper's 2 + 14/N."""
+    p, g, k = state_bytes_per_param("bf16", zero, 8, autocast=False)
     assert p + g + k == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("zero,expected", [(0, (4, 4, 8)), (1, (4, 4, 1)), (2, (2 + 4 / 8, 4 / 8, 1))])
+def test_zero_0_and_1_keep_fp32_parameters_under_autocast(zero, expected):
+    """autopar's runtime trains DDP and ZeroRedundancyOptimizer plans in 16 bits with ``torch.autocast`` over the
+    module's fp32 parameters (`planner.emit.train.autocast`): fp32 parameters and gradients, Adam's two fp32
+    moments and no master copy, ZeRO-1 sharding the moments only: 8 + 8/N bytes, not the paper's 4 + 12/N (for
+    llama3-8b on 8 ranks 87 GiB, not 60: an H100 plan the paper's figure fits). ZeRO 2/3 run FSDP2, which casts."""
+    assert state_bytes_per_param("bf16", zero, 8) == pytest.approx(expected)
+    cfg = ParallelConfig(dp=8, zero=zero, precision="bf16")
+    assert module_param_bytes(cfg) == (4 if zero <= 1 else 2) and module_param_bytes(cfg, autocast=False) == 2
+    assert dp_step_bytes(cfg, 1.0, 1).get("broadcast", 4.0) == 4.0  # ZeRO-1 broadcasts the fp32 parameters
 
 
 def test_fsdp_zero2_in_fp32_keeps_its_shard_beside_the_unsharded_parameters():

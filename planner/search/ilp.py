@@ -497,7 +497,7 @@ class Model:
                 held = self._b(fsdp(d.n_range[r][0])[1])
             # the head's gradient, where no other gradient is held yet; FSDP's gradient buffers of the block
             reduce = fsdp_reduce_bytes(cfg, group + edges) if d.blocks else 0.0
-            gathered = gathered + self._b(head_grad_bytes(cfg, edges, d.m, r) + reduce)
+            gathered = gathered + self._b(head_grad_bytes(cfg, edges, d.m, r, d.ev.autocast) + reduce)
             # a block's backward comes after the head's: that micro-batch's head activations are gone
             head_act = sum(self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a] for i, rr in d.fixed_rank.items()
                            if rr == r and ev.lg.layers[i].kind == "head" for a in d.fixed_acs[i])
