@@ -9,7 +9,9 @@ gradients take 4 bytes each and K = 8 (no separate master copy). Stages 2 and 3 
 `MixedPrecisionPolicy` keeps fp32 shards of the parameters (the master weights) and of the gradients: 16Ψ/N in all
 for stage 3, the same as ZeRO-3's (2 + 2 + 12)Ψ/N; stage 2 adds the unsharded 16-bit parameters it keeps between
 forward and backward, 2Ψ + 16Ψ/N (2Ψ/N more than the paper's, the gradient shard being fp32), and in fp32
-training 4Ψ + 16Ψ/N (the fp32 shard beside the unsharded parameters).
+training 4Ψ + 16Ψ/N (the fp32 shard beside the unsharded parameters). Stages 0 and 1 run as DDP (with
+ZeroRedundancyOptimizer) under ``torch.autocast`` over fp32 parameters: 4Ψ + 2Ψ (autocast's cached 16-bit copies)
++ 4Ψ + 8Ψ (/N), not the paper's layout, which Megatron-LM's published rows keep (`state_bytes_per_param`).
 
 Activations of one micro-batch come from `costmodel.layercost`. How many micro-batches a pipeline rank holds at
 its peak depends on the schedule (`inflight_chunks`): GPipe holds all m; 1F1B holds p − r on rank r (Narayanan et
@@ -80,6 +82,10 @@ def dp_reduction_temp_bytes(cfg, grad_kind: str, grad_bytes: float = math.inf) -
     return bucket / 2 if grad_kind in ("bf16", "fp16") else 0.0
 
 
+#: bytes per parameter of autocast's cached 16-bit copy (`state_bytes_per_param`)
+AUTOCAST_COPY_BYTES = 2.0
+
+
 def state_bytes_per_param(precision: str, zero: int, dp: int, pp: int = 1,
                           accumulator: float = 4.0, *, autocast: bool = True) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer) bytes per parameter on one rank: the ZeRO paper's 2Ψ + 2Ψ + KΨ; under
@@ -90,10 +96,17 @@ def state_bytes_per_param(precision: str, zero: int, dp: int, pp: int = 1,
     ``autocast`` (`module_param_bytes`): outside FSDP (ZeRO 0/1) the module's parameters stay fp32 and 16-bit
     training is ``torch.autocast`` (autopar's runtime, `planner.emit.train.autocast`), so the parameters and their
     gradients take 4 bytes and Adam keeps no master copy (K = 8), the fp32 training figures; ZeRO-1
-    (``ZeroRedundancyOptimizer``) shards the two moments only. False: the paper's mixed precision, 16-bit parameters
-    and gradients beside a master copy in the optimizer (Megatron-LM and its distributed optimizer, published rows)."""
+    (``ZeroRedundancyOptimizer``) shards the two moments only. Autocast also keeps the 16-bit copy of every
+    parameter it casts (its cast cache: fp32 leaves that require grad) until the outermost autocast region exits
+    (torch/amp/autocast_mode.py, ``clear_autocast_cache``), and the runtime's region is the whole training step:
+    2 more bytes per parameter, charged with the parameters (measured here with CPU autocast: an 8192² linear's
+    forward and backward held 128 MiB more inside the region than after it). False: the paper's mixed precision,
+    16-bit parameters and gradients beside a master copy in the optimizer (Megatron-LM and its distributed
+    optimizer, published rows)."""
     fp32 = precision == "fp32" or (autocast and zero <= 1)
     p, g, k = (4.0, 4.0, 8.0) if fp32 else (2.0, 2.0, 12.0)
+    if fp32 and precision != "fp32":
+        p += AUTOCAST_COPY_BYTES
     unsharded_param = p
     if zero >= 1:
         k /= dp

@@ -60,13 +60,15 @@ def test_zero_model_states_follow_the_zero_paper(zero, expected):
     assert p + g + k == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("zero,expected", [(0, (4, 4, 8)), (1, (4, 4, 1)), (2, (2 + 4 / 8, 4 / 8, 1))])
+@pytest.mark.parametrize("zero,expected", [(0, (4 + 2, 4, 8)), (1, (4 + 2, 4, 1)), (2, (2 + 4 / 8, 4 / 8, 1))])
 def test_zero_0_and_1_keep_fp32_parameters_under_autocast(zero, expected):
     """autopar's runtime trains DDP and ZeroRedundancyOptimizer plans in 16 bits with ``torch.autocast`` over the
     module's fp32 parameters (`planner.emit.train.autocast`): fp32 parameters and gradients, Adam's two fp32
-    moments and no master copy, ZeRO-1 sharding the moments only: 8 + 8/N bytes, not the paper's 4 + 12/N (for
-    llama3-8b on 8 ranks 87 GiB, not 60: an H100 plan the paper's figure fits). ZeRO 2/3 run FSDP2, which casts."""
+    moments and no master copy, ZeRO-1 sharding the moments only, plus autocast's cached 16-bit copy of each
+    parameter for the step: 10 + 8/N bytes, not the paper's 4 + 12/N (for llama3-8b on 8 ranks ~100 GiB, not 60:
+    an H100 plan the paper's figure fits). ZeRO 2/3 run FSDP2, which casts itself. fp32 training: no copy."""
     assert state_bytes_per_param("bf16", zero, 8) == pytest.approx(expected)
+    assert state_bytes_per_param("fp32", zero, 8) == state_bytes_per_param("fp32", zero, 8, autocast=False)
     cfg = ParallelConfig(dp=8, zero=zero, precision="bf16")
     assert module_param_bytes(cfg) == (4 if zero <= 1 else 2) and module_param_bytes(cfg, autocast=False) == 2
     assert dp_step_bytes(cfg, 1.0, 1).get("broadcast", 4.0) == 4.0  # ZeRO-1 broadcasts the fp32 parameters
