@@ -107,7 +107,9 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # as a cpu-local rank runs
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    # a store of its own: under torchrun (auto_parallelize plans in the ranks) an init_method would join the agent's
+    # store named by TORCHELASTIC_USE_AGENT_STORE/MASTER_PORT and wait for a world that never comes
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         figures = measure(args.rounds)
     finally:

@@ -443,7 +443,10 @@ def _measure_dtensor_overhead() -> tuple[dict[str, tuple[float, float]], str]:
     import sys
 
     cmd = [sys.executable, "-m", "costmodel.dtensor_probe"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")
+    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("TORCHELASTIC_")}
+    env["OMP_NUM_THREADS"] = "1"  # (not a torchrun rank: planning inside one must not make the probe join its world)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=True)
         figures = json.loads(done.stdout.strip().splitlines()[-1])

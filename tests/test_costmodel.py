@@ -517,13 +517,25 @@ def test_dtensor_overhead_is_charged_per_tensor_parallel_linear_and_per_norm_mod
                 assert more.recompute_s - base.recompute_s > 0
 
 
-def test_dtensor_probe_measures_every_wrapped_op_in_a_process_of_its_own():
+def test_dtensor_probe_measures_every_wrapped_op_in_a_process_of_its_own(monkeypatch):
     """`costmodel.dtensor_probe` runs torch 2.13's parallel styles on a 1-rank gloo mesh in a child process (the
     planner's process gets no process group) and finds each DTensor op slower than its plain op: here ~200-400 µs
-    per op against a few µs, so a positive figure for each of the three, each both ways."""
+    per op against a few µs, so a positive figure for each of the three, each both ways. It runs as it would inside
+    a torchrun rank (`auto_parallelize` plans there): with the launcher's variables set, an `init_method` probe
+    joined the agent's store and waited for a 2-rank world until its 300 s timeout."""
+    import socket
+
     import torch.distributed as dist
 
     from costmodel.hardware import DTENSOR_OPS, _measure_dtensor_overhead
+
+    with socket.socket() as s:  # a port nobody listens on, as the agent's would be to a stranger
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "2",
+                 "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True",
+                 "TORCHELASTIC_RUN_ID": "probe-test"}.items():
+        monkeypatch.setenv(k, v)
 
     figures, note = _measure_dtensor_overhead()
     assert set(figures) == set(DTENSOR_OPS), note
