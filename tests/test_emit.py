@@ -403,6 +403,9 @@ loss = handle.step((inputs, labels))
 every = [None] * dist.get_world_size()  # each rank holds its stage's parameters when the plan pipelines
 dist.all_gather_object(every, set(handle.full_parameters()))
 names = set().union(*every)
+plans = [None] * dist.get_world_size()  # rank 0 planned and broadcast: one plan, byte for byte
+dist.all_gather_object(plans, handle.plan.dumps())
+assert len(set(plans)) == 1
 if dist.get_rank() == 0:
     print(f"plan {handle.plan.cluster} dp={handle.plan.config.dp} pp={handle.plan.config.pp} loss {loss:.7f} "
           f"expected {expected:.7f}")
@@ -417,8 +420,9 @@ dist.destroy_process_group()
 @pytest.mark.dist
 def test_auto_parallelize_takes_an_hf_model_as_transformers_returns_it(tmp_path):
     """`auto_parallelize` on `AutoModelForCausalLM.from_config(cfg)` (key/value cache on), no plan and no cluster
-    given: it plans for the hardware it runs on (cpu-local here) and its first loss equals one process's
-    F.cross_entropy(model(inputs).logits, labels) (≤ 1e-5), under the model's own parameter names."""
+    given: it plans for the hardware it runs on (cpu-local here; on rank 0, whose plan every rank runs) and its
+    first loss equals one process's F.cross_entropy(model(inputs).logits, labels) (≤ 1e-5), under the model's own
+    parameter names."""
     script = tmp_path / "hf_as_returned.py"
     script.write_text(HF_AS_RETURNED)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}

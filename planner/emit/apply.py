@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy as _copy
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,11 +92,32 @@ def _load_plan(plan: Plan | str | Path | None, model: nn.Module, example_inputs,
     if isinstance(plan, (str, Path)):
         return Plan.load(plan)
     try:
-        from planner.search.outer import plan_for_module
+        from planner.search.outer import plan_for_module  # noqa: F401 (here: a build without it fails at once)
     except ImportError:
         raise ValueError("automatic planning (planner.search.outer.plan_for_module) is not available in this build; "
                          "pass plan=Plan(...) or plan='plan.yaml' written by `autopar plan`") from None
-    world = dist.get_world_size() if dist.is_initialized() else int(__import__("os").environ.get("WORLD_SIZE", 1))
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        # one rank plans and the others take its plan: ranks planning each for themselves could differ (a device
+        # measured by each at once, an ILP stopped by its time limit) and then hang in mismatched collectives
+        runtime.start_process_group()
+        answer: list = [None]
+        if dist.get_rank() == 0:
+            try:
+                answer[0] = ("plan", _plan_here(model, example_inputs, cluster, world, plan_kwargs))
+            except Exception as exc:  # (every rank raises it, not only rank 0 while the others wait)
+                answer[0] = ("error", type(exc).__name__, str(exc))
+        dist.broadcast_object_list(answer, src=0)
+        if answer[0][0] == "error":
+            raise (ValueError if answer[0][1] == "ValueError" else RuntimeError)(
+                f"planning on rank 0 failed: {answer[0][2]}")
+        return answer[0][1]
+    return _plan_here(model, example_inputs, cluster, world, plan_kwargs)
+
+
+def _plan_here(model: nn.Module, example_inputs, cluster: str | None, world: int, plan_kwargs: dict | None) -> Plan:
+    from planner.search.outer import plan_for_module
+
     if cluster is None:
         from costmodel.cluster import detect_cluster
 
@@ -109,10 +131,10 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster: str | None = 
                      init: str | None = None, weight_decay: float | None = None, clip_norm: float = 1.0,
                      warmup_steps: int = 0, total_steps: int | None = None,
                      powersgd_start_iter: int = POWERSGD_START_ITER, compile: str | None = None) -> ParallelHandle:
-    """Parallelise ``model`` by ``plan`` (a Plan, a plan file, or None to plan it for ``cluster`` now) in a torchrun
-    process, and return a handle that trains it. ``cluster`` None: the hardware this runs on
-    (`costmodel.cluster.detect_cluster`: the GPU's preset, nodes and GPUs per node from torchrun's environment;
-    ``cpu-local`` without a GPU).
+    """Parallelise ``model`` by ``plan`` (a Plan, a plan file, or None to plan it for ``cluster`` now: rank 0 plans
+    and broadcasts its plan, so every rank runs the same one) in a torchrun process, and return a handle that trains
+    it. ``cluster`` None: the hardware this runs on (`costmodel.cluster.detect_cluster`: the GPU's preset, nodes and
+    GPUs per node from torchrun's environment; ``cpu-local`` without a GPU).
 
     Applies exactly what an emitted script applies (`planner.emit.runtime.parallelize`). The caller's ``model`` is left
     untouched: it is deep-copied first. With ``copy=False`` the model itself is modified in place (wrapped, sharded,
