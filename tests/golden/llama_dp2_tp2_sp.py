@@ -615,6 +615,12 @@ def init_distributed(plan: dict) -> DeviceMesh:
     """Check the launch, start the process group (NCCL with CUDA, else gloo) and build the plan's mesh
     (`build_mesh`)."""
     check_world(plan)
+    return build_mesh(plan, start_process_group())
+
+
+def start_process_group() -> str:
+    """Start the launch's process group unless started (NCCL on this rank's GPU with CUDA, else gloo); returns the
+    device type."""
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cuda":
         # before the allocator starts: expandable segments keep fragmentation down as activations come and go
@@ -623,7 +629,7 @@ def init_distributed(plan: dict) -> DeviceMesh:
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=PG_TIMEOUT_MIN)
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
-    return build_mesh(plan, device_type)
+    return device_type
 
 
 def build_mesh(plan: dict, device_type: str) -> DeviceMesh:
