@@ -10,7 +10,6 @@ or tensor-parallel plan is built inline from ``--dp``/``--tp``.
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 
 import torch
@@ -55,10 +54,7 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(f"step {step} loss {loss:.5f} grad norm {handle.grad_norm:.4g} "
                   f"time {(time.perf_counter() - start) * 1e3:.1f} ms", flush=True)
-    del handle
-    gc.collect()  # the parallel model's reference cycles go while the process groups are alive (see emitted scripts)
-    dist.barrier()
-    dist.destroy_process_group()
+    handle.close()  # every rank: the process groups end before the interpreter does
 
 
 if __name__ == "__main__":

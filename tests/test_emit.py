@@ -412,8 +412,7 @@ if dist.get_rank() == 0:
     assert abs(loss - expected) <= 1e-5 * abs(expected), (loss, expected)
     assert names == {n for n, _ in model.named_parameters()}, sorted(names ^ {n for n, _ in model.named_parameters()})
     print("OK")
-dist.barrier()
-dist.destroy_process_group()
+handle.close()  # the groups end before the interpreter does (`planner.emit.runtime.shutdown`)
 '''
 
 

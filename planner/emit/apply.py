@@ -78,6 +78,13 @@ class ParallelHandle:
         norm = self.parallel.grad_norm
         return float("nan") if norm is None else norm.item()
 
+    def close(self) -> None:
+        """End training on every rank (a collective): drop the parallel model and optimizer and end the process
+        groups (`planner.emit.runtime.shutdown`), so that none outlives the interpreter, where gloo's worker
+        threads can abort the process at exit. Hold no other reference to the model's parts when calling it."""
+        self.parallel = self.optimizer = self.lr_schedule = None
+        runtime.shutdown()
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, unsharded, under their names in the model passed in (collective: call on every
         rank)."""

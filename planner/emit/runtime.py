@@ -48,6 +48,7 @@ The training step, the optimizer and the synthetic data live in `planner.emit.tr
 import contextlib
 import copy
 import datetime
+import gc
 import math
 import os
 import sys
@@ -157,6 +158,19 @@ def start_process_group() -> str:
         timeout = datetime.timedelta(minutes=PG_TIMEOUT_MIN)
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
     return device_type
+
+
+def shutdown() -> None:
+    """End the launch's process groups so that none outlives the interpreter. The parallel model sits in reference
+    cycles (module hooks) that hold its DTensors, meshes and so the groups: they are collected here, and the groups'
+    last references go with ``destroy_process_group``, whose destructor joins gloo's worker threads. Left alive to
+    interpreter exit, a worker that frees a finished collective (a barrier holds the works still in flight when it
+    was queued) takes the GIL of a finalising interpreter and aborts the process: "terminate called without an active
+    exception" (core dump, 2026-12-04: ``~AsyncBarrierWork`` → ``~AsyncAllgatherWork`` → ``decref_pyobject`` in
+    ``ProcessGroupGloo::runLoop`` during ``Py_FinalizeEx``). Call it after dropping the parallel model."""
+    gc.collect()
+    dist.barrier()  # every rank done with its last collective before the process group goes away
+    dist.destroy_process_group()
 
 
 def build_mesh(plan: dict, device_type: str) -> DeviceMesh:

@@ -376,12 +376,7 @@ def main() -> None:
     PLAN.update(lr=args.lr, warmup_steps=warmup, clip_norm=args.clip_norm, compile=args.compile)
     train(args.steps, checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, resume=args.resume,
           stop_after=args.stop_after)
-    # The parallel model sits in reference cycles (module hooks) that hold its DTensors, their device mesh and so
-    # the process groups. Collected here, while the groups are alive, not at interpreter exit: left to exit, one
-    # rank in ~20 aborted there ("terminate called without an active exception", after destroy_process_group).
-    gc.collect()
-    dist.barrier()  # every rank done with its last collective before the process group goes away
-    dist.destroy_process_group()
+    shutdown()  # (the model went with train's frame)
 
 
 if __name__ == "__main__":
@@ -418,7 +413,7 @@ def emit(plan: Plan, *, steps: int = 10, data: str = "synthetic", optimizer: str
     # full_parameters is not called by the loop: kept for saving an unsharded checkpoint (and for the tests).
     roots = _used_names(main) | _used_names(model_body) | {"full_parameters"}
     runtime_body = specialize_runtime(runtime_body, config, roots)
-    imports = ["import argparse", "import gc", "import os", "import time", "import torch",
+    imports = ["import argparse", "import os", "import time", "import torch",
                "import torch.distributed as dist",
                *model_imports, *runtime_imports]
     future, others = _merge_imports(imports, _used_names("\n\n".join([model_body, runtime_body, main])))

@@ -637,6 +637,19 @@ def start_process_group() -> str:
     return device_type
 
 
+def shutdown() -> None:
+    """End the launch's process groups so that none outlives the interpreter. The parallel model sits in reference
+    cycles (module hooks) that hold its DTensors, meshes and so the groups: they are collected here, and the groups'
+    last references go with ``destroy_process_group``, whose destructor joins gloo's worker threads. Left alive to
+    interpreter exit, a worker that frees a finished collective (a barrier holds the works still in flight when it
+    was queued) takes the GIL of a finalising interpreter and aborts the process: "terminate called without an active
+    exception" (core dump, 2026-12-04: ``~AsyncBarrierWork`` → ``~AsyncAllgatherWork`` → ``decref_pyobject`` in
+    ``ProcessGroupGloo::runLoop`` during ``Py_FinalizeEx``). Call it after dropping the parallel model."""
+    gc.collect()
+    dist.barrier()  # every rank done with its last collective before the process group goes away
+    dist.destroy_process_group()
+
+
 def build_mesh(plan: dict, device_type: str) -> DeviceMesh:
     """The plan's device mesh over the started process group: (pp, dp, tp), pp outermost and tp innermost (a
     tensor-parallel group stays inside a node); with ep > 1 `expert_mesh`; with cp > 1 (pp, dp, cp, tp), cp between
@@ -1372,12 +1385,7 @@ def main() -> None:
         resume=args.resume,
         stop_after=args.stop_after,
     )
-    # The parallel model sits in reference cycles (module hooks) that hold its DTensors, their device mesh and so
-    # the process groups. Collected here, while the groups are alive, not at interpreter exit: left to exit, one
-    # rank in ~20 aborted there ("terminate called without an active exception", after destroy_process_group).
-    gc.collect()
-    dist.barrier()  # every rank done with its last collective before the process group goes away
-    dist.destroy_process_group()
+    shutdown()  # (the model went with train's frame)
 
 
 if __name__ == "__main__":
