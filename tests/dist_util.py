@@ -197,7 +197,7 @@ def compare(got: dict, ref: dict, *, loss_rtol: float, delta_rtol: float, norm_r
 def _main(manifest: str) -> None:
     import torch.distributed as dist
 
-    from planner.emit import train
+    from planner.emit import runtime, train
     from planner.emit.apply import auto_parallelize
     from planner.plan import Plan
     from profiler.zoo.registry import resolve_model
@@ -262,7 +262,8 @@ def _main(manifest: str) -> None:
         torch.save({"losses": losses, "norms": norms, "params": params},
                    out / f"{case['name']}.apply.rank{rank}.pt")
         dist.barrier()
-    dist.destroy_process_group()
+    mod = par = model = handle = params = None  # what holds the groups goes first (`planner.emit.runtime.shutdown`)
+    runtime.shutdown()
 
 
 def _local_numel(par) -> int:
