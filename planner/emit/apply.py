@@ -46,6 +46,8 @@ class ParallelHandle:
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         """One optimizer step on the **global** batch ``(input_ids, labels)`` (the same on every rank, rows =
         ``plan.global_batch``); returns the global mean loss."""
+        if self.parallel is None:
+            raise RuntimeError("this handle was closed (handle.close() ends the process groups); build a new one")
         inputs, labels = batch
         if inputs.shape[0] != self.plan.global_batch:
             raise ValueError(f"batch has {inputs.shape[0]} rows but the plan's global batch is "
