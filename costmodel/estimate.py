@@ -53,7 +53,9 @@ from costmodel.memory import (
     state_bytes_at_peak,
 )
 from costmodel.overlap import dp_exposed, fsdp_exposed, optimizer_time, tp_partial_bytes
+from costmodel.runnable import selective_policy
 from profiler.graph import LayerGraph
+from profiler.layers import has_attention_core
 
 
 class ConfigError(ValueError):
@@ -261,13 +263,20 @@ def even_stages(lg: LayerGraph, n_stages: int) -> list[int]:
     return stage_of
 
 
+def selective_of(lg: LayerGraph, acs) -> str | None:
+    """The selective-checkpointing policy a plan of ``lg`` with per-layer modes ``acs`` runs (`Plan.selective`):
+    the runtime's policy for the model (`costmodel.runnable.selective_policy`) where any layer is selective, else
+    None."""
+    return selective_policy(has_attention_core(lg)) if AC.SELECTIVE in acs else None
+
+
 class Evaluator:
     """Costs of one (model, cluster, configuration, global batch); `evaluate` composes a step."""
 
     def __init__(self, lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
                  cache: dict | None = None, measured: tuple[dict, int] | None = None,
                  in_place_loss: bool = False, gathered_column_inputs: bool = True, compiled: bool = False,
-                 selective: str = "attention-core", autocast: bool = True) -> None:
+                 selective: str | None = None, autocast: bool = True) -> None:
         """``cache``: optional dict shared by Evaluators of the *same* ``lg`` and ``cluster`` (e.g. a planner's
         candidates): the parameter ownership is computed once and layer costs are shared between
         configurations whose (tp, sp, mbs, precision, pp > 1) agree, the only configuration fields they depend on.
@@ -278,10 +287,13 @@ class Evaluator:
         of other stacks), unlike autopar's runtime; ``gathered_column_inputs``: its column-parallel linears save
         their whole input, as autopar's runtime does (`CostContext.gathered_column_inputs`; False for Megatron-LM);
         ``compiled``: the blocks run under torch.compile (`CostContext.compiled`); ``selective``: what selective
-        checkpointing keeps (`CostContext.selective`); ``autocast``: outside FSDP the module's parameters stay
+        checkpointing keeps (`CostContext.selective`; None: the runtime's policy for this model,
+        `costmodel.runnable.selective_policy`); ``autocast``: outside FSDP the module's parameters stay
         fp32 under ``torch.autocast``, as in autopar's runtime (`costmodel.memory.state_bytes_per_param`; False
         for Megatron-LM's 16-bit parameters beside a master copy)."""
         check_config(lg, cluster, cfg, global_batch)
+        if selective is None:
+            selective = selective_policy(has_attention_core(lg))
         self.autocast = autocast
         self.lg, self.cluster, self.cfg, self.global_batch = lg, cluster, cfg, global_batch
         self.m = global_batch // (cfg.dp * cfg.mbs)

@@ -164,10 +164,12 @@ class CostContext:
     #: under sequence parallelism the all-gathered one; autopar's runtime, traced by `autopar check`); Megatron-LM
     #: saves only the sequence shard under SP and all-gathers it again in backward (Korthikanti et al. 2022 §4.2.2)
     gathered_column_inputs: bool = True
-    #: what ``selective`` checkpointing keeps: ``attention-core`` (Korthikanti et al. 2022 §5, Megatron-LM and
-    #: autopar's runtime: the attention core is recomputed, with a fused attention kernel nothing), or
-    #: ``every-other-matmul`` (torchtitan's per-op policy, ``selective_ac_option = "op"``: the outputs of the
-    #: attention kernel and of every second matmul of a block are saved, every other op is recomputed)
+    #: what ``selective`` checkpointing keeps (`costmodel.runnable.selective_policy`, the runtime's choice per
+    #: model): ``attention-core`` (Korthikanti et al. 2022 §5, Megatron-LM and autopar's runtime where the blocks
+    #: make seq×seq scores: the attention core is recomputed, with a fused attention kernel nothing), or
+    #: ``every-other-matmul`` (torchtitan's per-op policy, ``selective_ac_option = "op"``, and autopar's runtime
+    #: where the attention is fused: the outputs of the attention kernel and of every second matmul of a block are
+    #: saved, every other op is recomputed)
     selective: str = "attention-core"
     #: the blocks run compiled (the script's ``--compile``; torchtitan's torch.compile per block): memory-bound
     #: ops move the bytes of their fused kernels (`compiled_bytes`)
@@ -352,19 +354,26 @@ def tp_comm_time(nbytes: float, calls: int, ctx: CostContext) -> float:
     return all_reduce_time(nbytes, ctx.tp_span, ctx.cluster, calls)
 
 
-def recompute_comm_bytes(layer: Layer, ctx: CostContext) -> float:
-    """Tensor-parallel all-reduce payload (as `tp_comm_bytes`) that full recomputation repeats: the row-parallel
-    reductions before `recompute_stop`; under sequence parallelism also the all-gather half of each later one
-    (it runs at the start of the attention or MLP)."""
-    return recompute_traffic(layer, ctx)[0]
+def recompute_comm_bytes(layer: Layer, ctx: CostContext, ac: AC = AC.FULL) -> float:
+    """Tensor-parallel all-reduce payload (as `tp_comm_bytes`) that recomputation under ``ac`` repeats
+    (`recompute_traffic`)."""
+    return recompute_traffic(layer, ctx, ac)[0]
 
 
-def recompute_traffic(layer: Layer, ctx: CostContext) -> tuple[float, int]:
-    """(bytes, collectives) that full recomputation repeats (`recompute_comm_bytes`): one per row-parallel op whose
-    reduction it repeats, all of it before `recompute_stop`, the all-gather half after it under sequence
-    parallelism; at least one call."""
+def recompute_traffic(layer: Layer, ctx: CostContext, ac: AC = AC.FULL) -> tuple[float, int]:
+    """(bytes, collectives) that recomputation under ``ac`` repeats (`recompute_comm_bytes`), one per row-parallel
+    op whose reduction it repeats; at least one call. Full recomputation runs the block's forward again up to
+    `recompute_stop` (torch stops once every tensor the backward needs is back): each row-parallel reduction before
+    it whole, and under sequence parallelism the all-gather half of each later one (it runs at the start of the
+    attention or MLP). The per-op selective policy (`CostContext.selective` ``every-other-matmul``) runs the same
+    forward, but serves reduce-scatters' outputs from its cache: under sequence parallelism only the all-gather
+    halves are repeated, without it the same all-reduces. Nothing for the attention-core policy or none."""
+    op_policy = ac == AC.SELECTIVE and ctx.selective == "every-other-matmul"
+    if ac != AC.FULL and not op_policy:
+        return 0.0, 0
     stop = recompute_stop(layer)
-    rows = [(n, 1.0 if j < stop else 0.5) for j, n in enumerate(layer.nodes)
+    before = 0.5 if op_policy and ctx.sp else 1.0
+    rows = [(n, before if j < stop else 0.5) for j, n in enumerate(layer.nodes)
             if n.tp_role == "row" and (j < stop or ctx.sp)]
     nbytes = sum(n.output_bytes * share for n, share in rows) * ctx.scale * ctx.act_scale
     return nbytes, max(len(rows), 1)
@@ -492,9 +501,13 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         after_attention = 0.0 if n.kind == "attention" else after_attention + saved
         if op_policy and n.kind != "view":
             matmuls += n.kind == "matmul"
-            if n.kind == "attention" or (n.kind == "matmul" and matmuls % 2 == 1):
-                op_act += n.output_bytes * k * f * ctx.act_scale
-            else:
+            row = n.tp_role == "row" and tp > 1
+            if row and ctx.sp:  # the reduce-scatter of its partial sums, whose output the policy keeps
+                op_act += n.output_bytes * k / tp * ctx.act_scale
+            if (n.kind == "attention" and not n.dropout) or (n.kind == "matmul" and matmuls % 2 == 1):
+                # (a row-parallel matmul's output is its partial sums: whole, before they are reduced)
+                op_act += n.output_bytes * k * (1.0 if row else f) * ctx.act_scale
+            elif j < stop:  # recomputed, up to where torch's recomputation stops (`recompute_stop`)
                 op_rec += t_f
                 dt_op_rec += d_f
                 op_rec_flops += n.fwd_flops * k * cp
@@ -527,9 +540,11 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     elif ac == AC.SELECTIVE and op_policy:  # the saved outputs and the block's input; the rest recomputed
         keep = layer.input_bytes * k * ctx.act_scale / (ctx.tp if (ctx.sp and tp_layer) else 1)
         act, rec, rec_flops = min(act_none, op_act + keep), op_rec, op_rec_flops
-        # the policy saves reduce-scatters' outputs but not all-gathers' or all-reduces': under sequence parallelism
-        # the recomputation all-gathers again (half the forward's traffic), without it all-reduces again
-        rec_comm = comm_f * (0.5 if ctx.sp else 1.0)
+        # the policy saves reduce-scatters' outputs but not all-gathers' or all-reduces' (`recompute_traffic`)
+        rec_comm = 0.0
+        if tp > 1 and ctx.tp_span is not None:
+            nbytes, calls = recompute_traffic(layer, ctx, ac)
+            rec_comm = all_reduce_time(nbytes, ctx.tp_span, ctx.cluster, calls)
         rec_peak = act_none - act
     elif ac == AC.SELECTIVE:
         act, rec, rec_flops, rec_comm, rec_peak = act_none - core_act, core_fwd, core_flops, 0.0, core_act
@@ -537,7 +552,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         keep = layer.input_bytes * k * ctx.act_scale / (ctx.tp if (ctx.sp and tp_layer) else 1)
         rec_comm = 0.0
         if tp > 1 and ctx.tp_span is not None:
-            nbytes, calls = recompute_traffic(layer, ctx)
+            nbytes, calls = recompute_traffic(layer, ctx, ac)
             rec_comm = all_reduce_time(nbytes, ctx.tp_span, ctx.cluster, calls)
         act, rec, rec_flops, rec_peak = keep, rec_fwd, rec_full_flops, act_none
 

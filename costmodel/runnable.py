@@ -33,7 +33,7 @@ cannot run, `profiler.layers.tp_unsplit_linears`; empty: none), ``cp`` (context-
 pipeline stages, `profiler.layers.pipeline_split_problem`; empty or None: it can, or unknown), ``forward`` (why the
 training step cannot call the model for its logits, `profiler.layers.forward_problem`; empty or None: it can),
 ``attention_core`` (the blocks make seq×seq attention scores that selective AC can recompute,
-`profiler.layers.has_attention_core`; None: unknown).
+`profiler.layers.has_attention_core`; None: unknown: it picks the selective policy, `selective_policy`).
 """
 
 #: fp16 is not: its gradients underflow without loss scaling, which the runtime does not do yet (a GradScaler across
@@ -77,6 +77,24 @@ def pipelined_fsdp(zero: int, dp: int, pp: int) -> bool:
     return pp > 1 and zero >= 2 and dp > 1
 
 
+#: the selective activation-checkpointing policies, by what they keep (`selective_policy` picks one per model)
+SELECTIVE_POLICIES = ("attention-core", "every-other-matmul")
+
+
+def selective_policy(attention_core) -> str:
+    """What ``ac=selective`` does to a model's blocks; the cost model (`costmodel.layercost.CostContext.selective`)
+    and the runtime (`planner.emit.runtime.apply_ac`) read this one rule.
+
+    - ``attention-core`` where the blocks make seq×seq attention scores (``attention_core`` true or not known):
+      Korthikanti et al. 2022 §4.2, Megatron-LM's selective recomputation: the attention core is recomputed, every
+      other op's output kept.
+    - ``every-other-matmul`` where the attention is a fused kernel (``attention_core`` False), which leaves no core
+      to recompute: torchtitan's per-op policy (``selective_ac_option = "op"``, the default of its Llama 3
+      configurations): the attention kernel's output, every second matmul's (the 1st, 3rd, … of a block's forward)
+      and reduce-scatters' are kept, every other op is recomputed."""
+    return "every-other-matmul" if attention_core is False else "attention-core"
+
+
 def grad_compress_options(dp: int, tp: int, zero: int, schedule: str = "1f1b", pp: int = 1,
                           ep: int = 1) -> tuple[str, ...]:
     """The gradient compressions (``none``, ``bf16``, ``fp16``, ``powersgd``) the runtime can apply: DDP comm hooks
@@ -90,13 +108,15 @@ def grad_compress_options(dp: int, tp: int, zero: int, schedule: str = "1f1b", p
     return ("none", "bf16", "fp16", "powersgd")
 
 
-def checkpoint_modes(tp: int, ep: int = 1, compiled: bool = False, zero_bubble: bool = False) -> tuple[str, ...]:
+def checkpoint_modes(tp: int, ep: int = 1, compiled: bool = False, zero_bubble: bool = False, cp: int = 1,
+                     attention_core=None) -> tuple[str, ...]:
     """The activation-checkpointing modes a block may take (`problems` refuses the others): none under torch.compile
-    with tensor parallelism, no selective AC with expert parallelism or under the zero-bubble schedule (the search
-    offers the ILP only these)."""
+    with tensor parallelism, no selective AC with expert parallelism, under the zero-bubble schedule, or with
+    context parallelism where selective is the per-op policy (`selective_policy` of ``attention_core``); the
+    search offers the ILP only these."""
     if compiled and tp > 1:
         return ("none",)
-    if ep > 1 or zero_bubble:
+    if ep > 1 or zero_bubble or (cp > 1 and selective_policy(attention_core) != "attention-core"):
         return ("none", "full")
     return ("none", "selective", "full")
 
@@ -142,11 +162,10 @@ def problems(facts: dict) -> list:
         out.append(f"schedule={schedule} runs the {m} micro-batches per step in {rounds} equal rounds (torch's "
                    f"ScheduleInterleaved*: m divisible by max(1, m // pp)), which {m} is not; change --global-batch "
                    "or mbs")
-    if f.get("selective_ac") and f.get("attention_core") is False:
-        out.append("selective activation checkpointing recomputes the attention core (the seq×seq scores, Korthikanti "
-                   "et al. 2022 §4.2), and this model's blocks have none: their attention is a fused kernel, so it "
-                   "would recompute nothing while torch's selective checkpoint keeps every op's output (more than "
-                   "ac=none keeps); re-plan with --fix ac=none or ac=full")
+    if f.get("selective_ac") and f.get("cp", 1) > 1 and selective_policy(f.get("attention_core")) != "attention-core":
+        out.append(f"selective activation checkpointing with cp={f['cp']} is not supported yet on a model whose "
+                   "attention is a fused kernel (its per-op policy recomputes the context-parallel all-gather of "
+                   "the keys and values, which the cost model does not price); re-plan with --fix ac=full or cp=1")
     if pp > 1 and schedule == "zb" and f.get("selective_ac"):
         out.append("selective activation checkpointing with the zero-bubble schedule is not supported (torch 2.13's "
                    "selective checkpoint lets autograd through a region once, and the schedule's weight-gradient pass "

@@ -24,6 +24,7 @@ from costmodel.config import (  # noqa: F401 - re-exported: the plan speaks in t
     parse_grad_compress,
     parse_kv,
 )
+from costmodel.runnable import SELECTIVE_POLICIES
 
 SCHEMA_VERSION = 1
 
@@ -78,6 +79,9 @@ class Plan:
     #: the torch.compile backend the plan's blocks were priced under (`plan --compile`; the emitted script's default
     #: ``--compile``), or None: eager
     compile: str | None = None
+    #: what its selective layers recompute (`costmodel.runnable.selective_policy` of the model: ``attention-core`` or
+    #: ``every-other-matmul``), or None: no layer is selective (a plan file without it: ``attention-core``)
+    selective: str | None = None
     schema_version: int = SCHEMA_VERSION  #: plan file schema
 
     @property
@@ -92,7 +96,8 @@ class Plan:
             "config": self.config.to_dict(), "layers": [lay.to_dict() for lay in self.layers],
             "stages": [s.to_dict() for s in self.stages], "predicted": self.predicted, "solver": self.solver,
             "alternatives": list(self.alternatives), "provenance": self.provenance,
-        } | ({"traced": self.traced} if self.traced else {}) | ({"compile": self.compile} if self.compile else {})
+        } | ({"traced": self.traced} if self.traced else {}) | ({"compile": self.compile} if self.compile else {}) \
+            | ({"selective": self.selective} if self.selective else {})
 
     def dumps(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=120)
@@ -130,7 +135,8 @@ class Plan:
                     global_batch=int(d["global_batch"]), cluster=d["cluster"], config=config, layers=layers,
                     stages=stages, predicted=d.get("predicted") or {}, solver=d.get("solver") or {},
                     alternatives=tuple(d.get("alternatives") or ()), provenance=d.get("provenance") or {},
-                    traced=d.get("traced") or {}, compile=d.get("compile") or None)
+                    traced=d.get("traced") or {}, compile=d.get("compile") or None,
+                    selective=d.get("selective") or None)
         plan.validate(source=source)
         return plan
 
@@ -151,6 +157,9 @@ class Plan:
         if self.global_batch % (c.dp * c.mbs):
             raise ValueError(f"{source}: global_batch {self.global_batch} is not a multiple of dp·mbs = "
                              f"{c.dp}·{c.mbs}")
+        if self.selective is not None and self.selective not in SELECTIVE_POLICIES:
+            raise ValueError(f"{source}: selective {self.selective!r} is not a policy ({', '.join(SELECTIVE_POLICIES)}"
+                             "); re-run `autopar plan`")
         n_stages = c.pp * c.vpp
         prev = 0
         for lay in self.layers:

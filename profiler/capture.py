@@ -88,6 +88,14 @@ def _counting():
         yield flops, nbytes
 
 
+def _argument(op, args, kwargs, name: str):
+    """The value ``op`` is called with for its schema argument ``name`` (its default when not passed)."""
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name == name:
+            return kwargs.get(name, args[i] if i < len(args) else arg.default_value)
+    return None
+
+
 def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """Scaled-dot-product attention with FlashAttention's autograd semantics (what it saves for backward)."""
     if enable_gqa and key.shape[-3] != query.shape[-3]:
@@ -451,8 +459,10 @@ class _Replay:
         is_view = node.target in _VIEW_TARGETS or (fwd_bytes == 0 and fwd_flops == 0)
         if is_view and len(node.all_input_nodes) == 1 and node.all_input_nodes[0] in self.param_of:
             self.param_of[node] = self.param_of[node.all_input_nodes[0]]
+        dropout = False
         if node.op == "call_function" and node.target in _SDPA:
             kind = "attention"
+            dropout = bool(_argument(node.target, args, kwargs, "dropout_p"))
             if not fwd_flops:  # FlopCounterMode does not see the fused CPU kernels: use the closed form
                 fwd_flops, bwd_flops = _attention_flops(args, kwargs, out)
         elif fwd_flops:
@@ -473,6 +483,7 @@ class _Replay:
             output_bytes=sum(_nbytes(t) for t in out_t), params=tuple(params), saved_bytes=int(saved),
             saved_square_bytes=int(self._square_charged),
             attention_core=any(self.scores(s) for s in (*(t.shape for t in in_t), *(t.shape for t in out_t))),
+            dropout=dropout,
             saved=tuple(dict.fromkeys(self._saved)),
             inputs=tuple(a.name for a in node.all_input_nodes if a.op not in ("placeholder", "get_attr")),
         )

@@ -63,6 +63,9 @@ class NodeInfo:
     saved_square_bytes: int = 0  #: the part of saved_bytes in seq×seq tensors (attention scores/probabilities)
     #: whether it reads or makes attention scores (`attention_scores`, judged by the capture)
     attention_core: bool = False
+    #: a fused attention kernel that draws dropout (``dropout_p`` > 0): selective AC recomputes it, since a kept
+    #: kernel would skip its random draw in the recomputation (`planner.emit.runtime._FUSED_ATTENTION`)
+    dropout: bool = False
     saved_bytes: int  #: activation bytes first saved for backward by this node
     tp_role: str = "none"  #: ``column`` | ``row`` | ``sharded`` | ``replicated`` | ``vocab`` | ``none``
 

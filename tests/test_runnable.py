@@ -9,7 +9,13 @@ import pytest
 
 from costmodel.cluster import load_cluster
 from costmodel.config import ParallelConfig
-from costmodel.runnable import checkpoint_modes, grad_compress_options, post_step_allreduce, problems
+from costmodel.runnable import (
+    checkpoint_modes,
+    grad_compress_options,
+    post_step_allreduce,
+    problems,
+    selective_policy,
+)
 from planner.emit.config import runtime_config
 from planner.emit.runtime import plan_problems
 from planner.search.outer import NoPlanFits, candidates, make_plan, search
@@ -182,30 +188,42 @@ def test_irregular_groups_are_not_offered():
     assert {c.tp for c in cands} <= {1, 2}
 
 
-def test_selective_ac_is_offered_only_where_there_is_an_attention_core(tmp_path):
-    """Selective AC recomputes the seq×seq attention core; a model whose attention is a fused kernel has none, and
-    torch's selective checkpoint would keep every op's output there (more than no AC). The capture records which
-    (`profiler.layers.has_attention_core`); pinning selective on a fused model exits 2 with the reason, one line, no
-    plan written; on Megatron's unfused attention it plans."""
+def test_selective_ac_follows_the_models_attention(tmp_path):
+    """Selective AC recomputes the seq×seq attention core where the blocks make one (Megatron's unfused attention);
+    where the attention is a fused kernel there is none, and selective is torchtitan's per-op policy
+    (`selective_policy`). The capture records which (`profiler.layers.has_attention_core`), and the plan file says
+    which policy its selective layers run. With context parallelism the per-op policy is refused, one line,
+    exit 2, no plan written, and the search offers the ILP no selective AC there."""
     import subprocess
     import sys
+
+    import yaml
 
     fused = profile_model("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=192,vocab=128,seq=48")
     math = profile_model("gpt:layers=2,hidden=64,heads=4,vocab=128,seq=48,attention=math,dropout=0")
     assert (fused.model.arch["attention_core"], math.model.arch["attention_core"]) == (False, True)
-    found = problems(facts(checkpointed=True, selective_ac=True, attention_core=False))
-    assert len(found) == 1 and "fused kernel" in found[0] and "ac=none or ac=full" in found[0]
-    assert problems(facts(checkpointed=True, selective_ac=True, attention_core=None)) == []  # unknown: not judged
-    for spec, rc in (("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=192,vocab=128,seq=48", 2),
-                     ("gpt:layers=2,hidden=64,heads=4,vocab=128,seq=48,attention=math,dropout=0", 0)):
-        out = tmp_path / f"{rc}.yaml"
+    assert [selective_policy(core) for core in (False, True, None)] == [
+        "every-other-matmul", "attention-core", "attention-core"]
+    assert problems(facts(checkpointed=True, selective_ac=True, attention_core=False)) == []
+    found = problems(facts(checkpointed=True, selective_ac=True, attention_core=False, cp=2, cp_ready=True))
+    assert len(found) == 1 and "cp=2" in found[0] and "ac=full or cp=1" in found[0]
+    assert problems(facts(checkpointed=True, selective_ac=True, attention_core=True, cp=2, cp_ready=True)) == []
+    assert "selective" not in checkpoint_modes(1, cp=2, attention_core=False)
+    assert "selective" in checkpoint_modes(1, cp=2, attention_core=True)
+    assert "selective" in checkpoint_modes(1, cp=1, attention_core=False)
+    for spec, fix, rc, policy in (
+            ("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=192,vocab=128,seq=48", "dp=2", 0, "every-other-matmul"),
+            ("gpt:layers=2,hidden=64,heads=4,vocab=128,seq=48,attention=math,dropout=0", "dp=2", 0, "attention-core"),
+            ("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=192,vocab=128,seq=48", "cp=2", 2, None)):
+        out = tmp_path / f"{rc}-{policy}.yaml"
         cmd = [sys.executable, "-m", "planner", "plan", spec, "--cluster", "cpu-local", "--global-batch", "4",
-               "--fix", "dp=2,ac=selective", "--check", "off", "--out", str(out)]
-        proc = subprocess.run(cmd,
-                              capture_output=True, text=True, timeout=300)
+               "--fix", f"{fix},ac=selective", "--check", "off", "--out", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode == rc and out.exists() == (rc == 0), proc.stderr[-2000:]
         if rc:
-            assert proc.stderr.count("\n") == 1 and "fused kernel" in proc.stderr, proc.stderr
+            assert proc.stderr.count("\n") == 1 and "cp=2" in proc.stderr, proc.stderr
+        else:
+            assert yaml.safe_load(out.read_text())["selective"] == policy
 
 
 def test_attention_scores_are_told_from_activations_as_wide_as_the_sequence():

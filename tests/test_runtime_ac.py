@@ -11,27 +11,59 @@ from planner.emit import runtime
 from profiler.zoo.registry import resolve_model
 
 
-@pytest.mark.parametrize("attention", ["math", "sdpa"])
-def test_full_and_selective_checkpointing_match_no_checkpointing(attention):
-    """Same seed, dropout 0.1: `full` (whole block) and `selective` (the seq×seq attention core, Korthikanti et
-    al. 2022) recompute with the preserved RNG state, so loss and every gradient equal the plain run exactly."""
+@pytest.mark.parametrize("spec", ["gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128,attention=math,dropout=0.1",
+                                  "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128,attention=sdpa,dropout=0.1",
+                                  "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=160,seq=32,vocab=128"])
+def test_full_and_selective_checkpointing_match_no_checkpointing(spec):
+    """Same seed, dropout 0.1 where the model has it: `full` (whole block), `selective` under either policy (the
+    seq×seq attention core, Korthikanti et al. 2022; every op but the attention kernel and the odd matmuls,
+    torchtitan's) recompute with the preserved RNG state, so loss and every gradient equal the plain run exactly,
+    over two micro-batches (the per-op policy counts each call's matmuls afresh)."""
     torch.manual_seed(0)
-    model, _ = resolve_model(f"gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128,attention={attention},dropout=0.1") \
-        .build(batch=2, device="cpu")
-    x, y = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))
+    model, _ = resolve_model(spec).build(batch=2, device="cpu")
+    x, y = torch.randint(0, 128, (2, 2, 32)), torch.randint(0, 128, (2, 2, 32))
     results = {}
-    for mode in ("none", "full", "selective"):
+    for mode, policy in (("none", None), ("full", None), ("selective", "attention-core"),
+                         ("selective", "every-other-matmul")):
         m = copy.deepcopy(model).train()
         m._autopar_block_names = ["layers.0", "layers.1"]
         runtime.apply_ac(m, {"block_container": "layers", "ac": {"layers.0": mode, "layers.1": mode},
-                             "mbs": 2, "seq": 32})
+                             "selective": policy, "mbs": 2, "seq": 32})
         torch.manual_seed(123)
-        loss = m(x, y)
-        loss.backward()
-        results[mode] = (loss.item(), torch.cat([p.grad.flatten() for p in m.parameters()]))
-    for mode in ("full", "selective"):
-        assert results[mode][0] == results["none"][0]
-        torch.testing.assert_close(results[mode][1], results["none"][1], rtol=0, atol=0)
+        losses = []
+        for micro in range(2):
+            loss = m(x[micro], y[micro])
+            loss.backward()
+            losses.append(loss.item())
+        results[mode, policy] = (losses, torch.cat([p.grad.flatten() for p in m.parameters()]))
+    for key, (losses, grads) in results.items():
+        assert losses == results["none", None][0], key
+        torch.testing.assert_close(grads, results["none", None][1], rtol=0, atol=0)
+
+
+def test_the_per_op_policy_keeps_the_odd_matmuls_of_each_call():
+    """`runtime._op_policy` (torchtitan's per-op selective AC) keeps the 1st, 3rd, … matmul of a block's forward, the
+    attention kernel and reduce-scatters, and recomputes the rest; the recomputation's calls are counted apart, so
+    it asks for the kept outputs in the order they were cached. A matmul reading attention scores (SDPA's math
+    path on CPU) belongs to the attention: recomputed and not counted, as the capture costs the attention as one
+    kernel."""
+    from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+
+    save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    x, w, scores = torch.zeros(64, 8), torch.zeros(8, 8), torch.zeros(2, 4, 32, 32)
+    mm, add, sdpa = (torch.ops.aten.mm.default, torch.ops.aten.add.Tensor,
+                     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+    rs = torch.ops._c10d_functional.reduce_scatter_tensor.default
+    calls = [(mm, (x, w)), (add, (x, x)), (mm, (x, w)), (sdpa, (scores, scores, scores)), (mm, (x, w)),
+             (torch.ops.aten.bmm.default, (torch.zeros(8, 32, 32), torch.zeros(8, 32, 4))), (rs, (x, "sum", 2, "g")),
+             (mm, (x, w))]
+    want = [save, recompute, recompute, save, save, recompute, save, recompute]
+    policy = runtime._op_policy(2, 32)
+    forward = [policy(SelectiveCheckpointContext(is_recompute=False), op, *args) for op, args in calls]
+    again = [policy(SelectiveCheckpointContext(is_recompute=True), op, *args) for op, args in calls]
+    assert forward == again == want
+    assert [runtime._op_policy(2, 32)(SelectiveCheckpointContext(is_recompute=False), mm, x, w)
+            for _ in range(2)] == [save, save]  # a fresh policy per call of a block
 
 
 def test_selective_checkpointing_keeps_a_fused_attention_kernel():

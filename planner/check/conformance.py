@@ -122,8 +122,8 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
             for i in mine:
                 if is_tp_layer(lg.layers[i]):
                     bf, bb = tp_comm_bytes(lg.layers[i], ev.ctx)
-                    full = acs[i].value == "full" and lg.layers[i].kind == "block"
-                    tp_bytes += bf + bb + (recompute_comm_bytes(lg.layers[i], ev.ctx) if full else 0.0)
+                    block = lg.layers[i].kind == "block"  # (the runtime checkpoints blocks only)
+                    tp_bytes += bf + bb + (recompute_comm_bytes(lg.layers[i], ev.ctx, acs[i]) if block else 0.0)
             # and once per step, the sum of the gradients TP ranks compute from their share only
             collectives["all_reduce_equivalent@tp"] = ev.m * tp_bytes + tp_partial_bytes(costs, cfg)
         if cfg.pp > 1:  # each boundary: the activation forward, its gradient back, every micro-batch

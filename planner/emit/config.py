@@ -218,9 +218,13 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
         stage_rank = [s % c.pp for s in range(n_stages)]
     kind, rank = parse_grad_compress(c.grad_compress)
     experts = expert_modules(list(blocks))
+    # what selective AC recomputes: the policy the plan was priced under (a plan file from before the field: the
+    # attention core)
+    selective = plan.selective or "attention-core"
     # the rules the search and runtime apply
     why = problems({**c.runnable_facts(plan.global_batch, seq=plan.seq), "compile": compile, "checkpointed": bool(ac),
-                    "selective_ac": "selective" in ac.values(), "ep": c.ep, "experts": experts["experts"],
+                    "selective_ac": "selective" in ac.values(), "attention_core": selective == "attention-core",
+                    "ep": c.ep, "experts": experts["experts"],
                     "expert_dim1": experts["expert_dim1"],
                     "tp_unsplit": next(iter(tp_unsplit_linears(model)), ""),
                     "cp_ready": context_parallel_ready(model), "pp_split": "", "forward": ""})  # (judged above)
@@ -235,7 +239,8 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
         "powersgd_start_iter": powersgd_start_iter, "pp_compress": c.pp_compress, "precision": c.precision,
         "mbs": c.mbs, "grad_accum": plan.grad_accum, "global_batch": plan.global_batch, "seq": plan.seq,
         "block_container": container, "stage_of": {lay.name: lay.stage for lay in plan.layers},
-        "stage_rank": stage_rank, "ac": ac, "tp_blocks": tp_blocks, "tp_layout": layout, "sp_norms": sp_norms,
+        "stage_rank": stage_rank, "ac": ac, "selective": selective if "selective" in ac.values() else None,
+        "tp_blocks": tp_blocks, "tp_layout": layout, "sp_norms": sp_norms,
         "sp_gather": sp_gather, "tied": tied_parameters(model, plan, container, stage_rank) if c.pp > 1 else [],
         "optimizer": optimizer, "lr": lr, "weight_decay": weight_decay, "clip_norm": clip_norm,
         "warmup_steps": int(warmup_steps), "min_lr_ratio": min_lr_ratio, "seed": seed, "init": init_mode,

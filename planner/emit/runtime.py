@@ -85,6 +85,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import flop_registry
 
 from costmodel.runnable import attention_scores, post_step_allreduce, problems
 
@@ -131,7 +132,8 @@ def plan_problems(plan: dict) -> list:
     # (a PLAN from before ep, or before cp, has none of these)
     facts.update({key: plan[key] for key in ("ep", "experts", "expert_dim1", "cp") if key in plan})
     return problems({**facts, "micro_batches": plan["grad_accum"], "compile": plan["compile"],
-                     "checkpointed": bool(plan["ac"]), "selective_ac": "selective" in plan["ac"].values()})
+                     "checkpointed": bool(plan["ac"]), "selective_ac": "selective" in plan["ac"].values(),
+                     "attention_core": plan.get("selective", "attention-core") != "every-other-matmul"})
 
 
 #: how long a collective may wait before the job fails (torch's NCCL default is 10 minutes; a large model's first
@@ -885,34 +887,93 @@ def _selective_policy(batch: int, seq: int):
     recomputed: the recomputation replays the block's random draws from its start (preserve_rng_state), and a kept
     kernel would skip its own, so every later dropout would draw other masks (torch/utils/checkpoint.py)."""
 
-    def scores(t) -> bool:
-        return isinstance(t, torch.Tensor) and attention_scores(tuple(t.shape), batch, seq)
-
     def policy(ctx, op, *args, **kwargs):
         if op in _FUSED_ATTENTION and not _dropout_p(op, args, kwargs):
             return CheckpointPolicy.MUST_SAVE
         if torch.Tag.nondeterministic_seeded in op.tags or op.name().startswith("aten::empty") or \
                 op._schema.is_mutable:
             return CheckpointPolicy.PREFER_RECOMPUTE
-        if any(scores(a) for a in args):
+        if _in_attention_core(op, args, batch, seq):
             return CheckpointPolicy.PREFER_RECOMPUTE
-        if op in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default) and len(args) >= 2:
-            a, b = args[-2], args[-1]  # batched Q·Kᵀ makes [batch·heads, seq, seq]
-            if a.dim() == 3 and b.dim() == 3 and attention_scores((a.shape[0], a.shape[-2], b.shape[-1]), batch, seq):
-                return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE
 
     return policy
 
 
+def _in_attention_core(op, args, batch: int, seq: int) -> bool:
+    """Whether ``op`` reads or makes attention scores (`costmodel.runnable.attention_scores`): an op of the
+    attention core, as the capture judges it."""
+    if any(isinstance(a, torch.Tensor) and attention_scores(tuple(a.shape), batch, seq) for a in args):
+        return True
+    if op in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default) and len(args) >= 2:
+        a, b = args[-2], args[-1]  # batched Q·Kᵀ makes [batch·heads, seq, seq]
+        return a.dim() == 3 and b.dim() == 3 and attention_scores((a.shape[0], a.shape[-2], b.shape[-1]), batch, seq)
+    return False
+
+
+def _is_matmul(op) -> bool:
+    """A matmul of the per-op policy: an op torch's FLOP counter counts (`torch.utils.flop_counter.flop_registry`:
+    mm, addmm, bmm, baddbmm, convolutions, scaled mm), attention kernels aside. The capture calls a node a matmul
+    by the same counter (`profiler.capture`: a node with FLOPs), so the runtime's 1st, 2nd, … matmul of a block is
+    the cost model's."""
+    return op.overloadpacket in flop_registry and "attention" not in op.name()
+
+
+#: the collectives whose outputs the per-op policy keeps, as torchtitan's does: a reduce-scatter (sequence
+#: parallelism's row-parallel output) is not repeated in the recomputation; all-gathers and all-reduces are
+_SAVED_COLLECTIVES = {torch.ops._c10d_functional.reduce_scatter_tensor.default}
+
+
+def _op_policy(batch: int, seq: int):
+    """Selective AC where the attention is a fused kernel (`costmodel.runnable.selective_policy`:
+    ``every-other-matmul``, torchtitan's ``selective_ac_option = "op"``) for micro-batches of ``batch`` sequences of
+    ``seq`` tokens: keep the outputs of the attention kernel, of reduce-scatters and of the odd matmuls of the
+    block's forward (1st, 3rd, …), recompute every other op. A fresh policy per call of a block (`apply_ac`'s
+    ``context_fn``), counting the forward's and the recomputation's matmuls apart: torch serves each kept output
+    back in the order it was cached, so both must count the same ops from the block's start (torchtitan counts over
+    all calls of a block; per call, every micro-batch keeps the same ops, as the cost model prices:
+    `costmodel.layercost.layer_cost`).
+
+    Attention with dropout is recomputed, as in `_selective_policy`. Where SDPA runs it unfused (torch 2.13 on CPU:
+    its flash kernel takes no dropout, so SDPA falls back to its math path), the batched matmuls of that core are
+    part of the attention, which the capture costs as one kernel, not matmuls: they are recomputed and not counted."""
+    count = {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in _FUSED_ATTENTION:
+            return CheckpointPolicy.PREFER_RECOMPUTE if _dropout_p(op, args, kwargs) else CheckpointPolicy.MUST_SAVE
+        if op in _SAVED_COLLECTIVES:
+            return CheckpointPolicy.MUST_SAVE
+        if _in_attention_core(op, args, batch, seq):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if _is_matmul(op):
+            count[ctx.is_recompute] += 1
+            if count[ctx.is_recompute] % 2:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _op_contexts(batch: int, seq: int):
+    """The selective-checkpoint contexts of one call of a block under `_op_policy` (a policy of its own)."""
+    return create_selective_checkpoint_contexts(_op_policy(batch, seq))
+
+
 def apply_ac(part: nn.Module, plan: dict) -> None:
-    """Wrap the blocks the plan checkpoints: ``full`` recomputes the block, ``selective`` its attention core.
-    The RNG state is preserved so that recomputed dropout draws the same masks."""
+    """Wrap the blocks the plan checkpoints: ``full`` recomputes the block; ``selective`` its attention core
+    (`_selective_policy`), or, where the plan's policy is ``every-other-matmul`` (the model's attention is a fused
+    kernel), all but the outputs of its attention kernel and odd matmuls (`_op_policy`). The RNG state is preserved
+    so that recomputed dropout draws the same masks."""
     blocks = block_list(part, plan)
     for i, name in enumerate(part._autopar_block_names):
         mode = plan["ac"].get(name, "none")
         if mode == "full":
             blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=True)
+        elif mode == "selective" and plan.get("selective") == "every-other-matmul":
+            # (a fresh policy per call; cp > 1 is refused with this policy: `costmodel.runnable.problems`)
+            context_fn = partial(_op_contexts, plan.get("mbs", 1), plan.get("seq", 0))
+            blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=True, context_fn=context_fn)
         elif mode == "selective":
             # (this rank's sequence: context parallelism splits it)
             policy = _selective_policy(plan.get("mbs", 1), plan.get("seq", 0) // plan.get("cp", 1))

@@ -56,7 +56,7 @@ from dataclasses import dataclass, replace
 from costmodel.cluster import Cluster
 from costmodel.compression import allowed_options
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
-from costmodel.estimate import ConfigError, Evaluator, block_groups, even_stages, stage_blocks_problem
+from costmodel.estimate import ConfigError, Evaluator, block_groups, even_stages, selective_of, stage_blocks_problem
 from costmodel.layercost import is_tp_layer
 from costmodel.runnable import checkpoint_modes, context_problems
 from costmodel.runnable import problems as runnable_problems
@@ -64,6 +64,7 @@ from planner.plan import Plan
 from planner.search import ilp
 from planner.search.bounds import Bounds
 from profiler.graph import LayerGraph
+from profiler.layers import has_attention_core
 
 MAX_MBS = 16  #: largest micro-batch tried (a divisor of global_batch / dp)
 MAX_VPP = 8  #: most virtual stages per pipeline rank tried with the interleaved schedule
@@ -296,6 +297,7 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
     t0 = time.perf_counter()
     cache: dict = ({"measured": measured} if measured else {}) | ({"compiled": True} if compiled else {})
     kw = _ilp_options(fix, compress)
+    core = has_attention_core(lg)  # (which selective policy the runtime runs: `costmodel.runnable.selective_policy`)
     bounds = Bounds(lg, cluster, global_batch, cache,
                     grad_opts=kw.get("grad_opts", allowed_options(compress, ilp.GRAD_OPTIONS)))
     stats = {"candidates": 0, "pruned": 0, "pruned_memory": 0, "solved": 0, "infeasible": 0, "incumbents": 0,
@@ -344,7 +346,7 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
             if tight(i) > kth(ub):
                 continue
             sol = _greedy(lg, cluster, cfg, global_batch, cache, tight(i), fix,
-                          _candidate_options(kw, cfg, compiled).get("acs"))
+                          _candidate_options(kw, cfg, compiled, core).get("acs"))
             if sol is not None:
                 known[i] = sol
                 bisect.insort(ub, sol.objective)
@@ -377,7 +379,7 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
                     may_win = True
                     try:
                         sol = ilp.solve(lg, cluster, cfg, global_batch, time_limit=max(left, 1.0), cost_cache=cache,
-                                        cutoff=cut, **_candidate_options(kw, cfg, compiled))
+                                        cutoff=cut, **_candidate_options(kw, cfg, compiled, core))
                     except ilp.CutOff:
                         stats["cut_off"] += 1
                         may_win = False  # proved no faster than the best known plan
@@ -389,7 +391,7 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
                     try:
                         sol = ilp.solve(lg, cluster, cfg, global_batch, time_limit=max(min(left, ALT_TIME_S), 0.1),
                                         cost_cache=cache, cutoff=None if cut == float("inf") else cut,
-                                        **_candidate_options(kw, cfg, compiled))
+                                        **_candidate_options(kw, cfg, compiled, core))
                     finally:
                         alt_spent += time.perf_counter() - t_alt
             except ilp.CutOff:  # proved slower than the (top_k + 1)-th best known plan: cannot matter
@@ -445,11 +447,13 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
 GREEDY = "greedy"  #: the backend name of an incumbent that no ILP improved (time limit)
 
 
-def _candidate_options(kw: dict, cfg: ParallelConfig, compiled: bool) -> dict:
+def _candidate_options(kw: dict, cfg: ParallelConfig, compiled: bool, attention_core: bool) -> dict:
     """The ILP's options for one candidate: the search's, and the AC modes the runtime can run with it
     (`costmodel.runnable`): with torch.compile and tensor parallelism none (torch 2.13 cannot compile a checkpointed
-    block's DTensor inputs), with expert parallelism or the zero-bubble schedule no selective AC."""
-    modes = checkpoint_modes(cfg.tp, cfg.ep, compiled, zero_bubble=cfg.pp > 1 and cfg.schedule.value == "zb")
+    block's DTensor inputs), with expert parallelism, the zero-bubble schedule, or context parallelism where
+    selective AC is the per-op policy (the model has no attention core) no selective AC."""
+    modes = checkpoint_modes(cfg.tp, cfg.ep, compiled, zero_bubble=cfg.pp > 1 and cfg.schedule.value == "zb",
+                             cp=cfg.cp, attention_core=attention_core)
     if "acs" in kw or len(modes) == len(AC):
         return kw
     return kw | {"acs": tuple(a for a in ilp.AC_ORDER if a.value in modes)}
@@ -543,6 +547,7 @@ def make_plan(lg: LayerGraph, cluster: Cluster, global_batch: int, result: Searc
     return Plan(model=model, fingerprint=lg.model.fingerprint, seq=lg.model.seq, global_batch=global_batch,
                 cluster=cluster_spec, config=cfg, layers=layers, stages=stages, predicted=best.estimate.to_json(),
                 solver=solver, alternatives=alternatives, compile=compile,
+                selective=selective_of(lg, best.acs),
                 # workaround: plan.provenance returns torch.__version__ as a TorchVersion (a str subclass) that
                 # yaml.safe_dump refuses; a JSON round trip makes every value a plain type
                 provenance=json.loads(json.dumps(provenance(yaml.safe_load(dump_cluster(cluster))), default=str)))
@@ -570,7 +575,7 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
     times the world size; other keywords go to `search` (fix, top_k, time_limit)."""
     from costmodel.cluster import load_cluster
     from profiler.capture import capture
-    from profiler.layers import context_parallel_ready, group_layers, has_attention_core
+    from profiler.layers import context_parallel_ready, group_layers
     from profiler.zoo.hf import masks_as_trained
 
     cl = load_cluster(cluster)

@@ -37,7 +37,7 @@ PARTS = ("compute", "comm", "optimizer", "idle", "step")
 def plan_from(lg, cluster, cluster_spec: str, model: str, global_batch: int, cfg, *, acs=None,
               stage_of=None, solver: dict | None = None) -> Plan:
     """A `Plan` for ``cfg`` from the cost model (even stages unless ``stage_of``; ``cfg.ac`` unless ``acs``)."""
-    from costmodel.estimate import Evaluator, even_stages
+    from costmodel.estimate import Evaluator, even_stages, selective_of
     from costmodel.layercost import is_tp_layer
 
     n = len(lg.layers)
@@ -52,7 +52,7 @@ def plan_from(lg, cluster, cluster_spec: str, model: str, global_batch: int, cfg
                    for s in est.stages)
     return Plan(model=model, fingerprint=lg.model.fingerprint, seq=lg.model.seq, global_batch=global_batch,
                 cluster=cluster_spec, config=cfg, layers=layers, stages=stages, predicted=est.to_json(),
-                solver=solver or {"status": "GIVEN", "objective": est.step_time_s},
+                solver=solver or {"status": "GIVEN", "objective": est.step_time_s}, selective=selective_of(lg, acs),
                 provenance=_plain(provenance({"name": cluster.name, "world": cluster.world_size})))
 
 

@@ -71,6 +71,7 @@ PLAN = {
     "stage_of": {"embed": 0, "layers.0": 0, "layers.1": 1, "layers.2": 2, "layers.3": 3, "head": 3},
     "stage_rank": [0, 1, 0, 1],
     "ac": {},
+    "selective": None,
     "tp_blocks": [],
     "tp_layout": {
         "attention.wq": "colwise",
@@ -351,6 +352,20 @@ def post_step_allreduce(dp: int, tp: int, zero: int, schedule: str, pp: int) -> 
     return dp > 1 and zero <= 1 and (tp > 1 or (pp > 1 and schedule == "zb"))
 
 
+def selective_policy(attention_core) -> str:
+    """What ``ac=selective`` does to a model's blocks; the cost model (`costmodel.layercost.CostContext.selective`)
+    and the runtime (`planner.emit.runtime.apply_ac`) read this one rule.
+
+    - ``attention-core`` where the blocks make seq×seq attention scores (``attention_core`` true or not known):
+      Korthikanti et al. 2022 §4.2, Megatron-LM's selective recomputation: the attention core is recomputed, every
+      other op's output kept.
+    - ``every-other-matmul`` where the attention is a fused kernel (``attention_core`` False), which leaves no core
+      to recompute: torchtitan's per-op policy (``selective_ac_option = "op"``, the default of its Llama 3
+      configurations): the attention kernel's output, every second matmul's (the 1st, 3rd, … of a block's forward)
+      and reduce-scatters' are kept, every other op is recomputed."""
+    return "every-other-matmul" if attention_core is False else "attention-core"
+
+
 def grad_compress_options(
     dp: int, tp: int, zero: int, schedule: str = "1f1b", pp: int = 1, ep: int = 1
 ) -> tuple[str, ...]:
@@ -420,12 +435,11 @@ def problems(facts: dict) -> list:
             f"ScheduleInterleaved*: m divisible by max(1, m // pp)), which {m} is not; change --global-batch "
             "or mbs"
         )
-    if f.get("selective_ac") and f.get("attention_core") is False:
+    if f.get("selective_ac") and f.get("cp", 1) > 1 and selective_policy(f.get("attention_core")) != "attention-core":
         out.append(
-            "selective activation checkpointing recomputes the attention core (the seq×seq scores, Korthikanti "
-            "et al. 2022 §4.2), and this model's blocks have none: their attention is a fused kernel, so it "
-            "would recompute nothing while torch's selective checkpoint keeps every op's output (more than "
-            "ac=none keeps); re-plan with --fix ac=none or ac=full"
+            f"selective activation checkpointing with cp={f['cp']} is not supported yet on a model whose "
+            "attention is a fused kernel (its per-op policy recomputes the context-parallel all-gather of "
+            "the keys and values, which the cost model does not price); re-plan with --fix ac=full or cp=1"
         )
     if pp > 1 and schedule == "zb" and f.get("selective_ac"):
         out.append(
@@ -609,6 +623,7 @@ def plan_problems(plan: dict) -> list:
             "compile": plan["compile"],
             "checkpointed": bool(plan["ac"]),
             "selective_ac": "selective" in plan["ac"].values(),
+            "attention_core": plan.get("selective", "attention-core") != "every-other-matmul",
         }
     )
 
