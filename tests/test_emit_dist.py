@@ -34,8 +34,9 @@ STEPS = 3
 
 
 def make_plan(spec: str, n_blocks: int, *, stages: list[int] | None = None, ac: dict | None = None,
-              tp_blocks: set | None = None, global_batch: int = 8, **cfg) -> Plan:
-    """A hand-built plan: blocks split evenly over pp·vpp stages unless ``stages`` (one per block) is given."""
+              tp_blocks: set | None = None, global_batch: int = 8, selective: str | None = None, **cfg) -> Plan:
+    """A hand-built plan: blocks split evenly over pp·vpp stages unless ``stages`` (one per block) is given;
+    ``selective``: the policy of its selective blocks (`Plan.selective`)."""
     cfg.setdefault("precision", "fp32")
     config = ParallelConfig(**cfg)
     n_stages = config.pp * config.vpp
@@ -48,7 +49,7 @@ def make_plan(spec: str, n_blocks: int, *, stages: list[int] | None = None, ac: 
                                     tp=config.tp > 1 and (tp_blocks is None or name in tp_blocks)))
     layers.append(LayerStrategy(name="head", stage=n_stages - 1))
     return Plan(model=spec, fingerprint="hand-built", seq=32, global_batch=global_batch, cluster="cpu-local",
-                config=config, layers=tuple(layers))
+                config=config, layers=tuple(layers), selective=selective)
 
 
 def _hf_plan(spec: str = HF_LLAMA, **cfg) -> Plan:
@@ -93,8 +94,13 @@ CASES = {
     # --compile (aot_eager: AOTAutograd's traced forward and backward, without inductor's C++ build); with TP
     # (no SP) and with 1F1B it matches too, measured once, not kept here: 4 ranks compiling on 2 cores take ~75 s
     "compile_zero3_ac": (2, lambda: make_plan(LLAMA4, 4, dp=2, zero=3, ac={"layers.1": "full"}), EXACT),
-    "ac_some_layers": (2, lambda: make_plan(LLAMA4, 4, dp=2, ac={"layers.0": "full", "layers.2": "selective"}),
-                       EXACT),
+    # (the Llama's attention is fused: selective is the per-op policy, `costmodel.runnable.selective_policy`)
+    "ac_some_layers": (2, lambda: make_plan(LLAMA4, 4, dp=2, ac={"layers.0": "full", "layers.2": "selective"},
+                                            selective="every-other-matmul"), EXACT),
+    # the per-op policy keeps DTensor matmuls' outputs and SP's reduce-scatters', and repeats the all-gathers
+    "tp_sp_selective": (2, lambda: make_plan(LLAMA4, 4, tp=2, sp=True, mbs=2, ac={f"layers.{i}": "selective"
+                                                                                   for i in range(4)},
+                                             selective="every-other-matmul"), EXACT),
     "bf16_reduce": (2, lambda: make_plan(GPT, 2, dp=2, grad_compress="bf16"), CAST),
     "fp16_reduce": (2, lambda: make_plan(GPT, 2, dp=2, grad_compress="fp16"), CAST),
     "fsdp_bf16_reduce": (2, lambda: make_plan(GPT, 2, dp=2, zero=3, grad_compress="bf16"), CAST),
