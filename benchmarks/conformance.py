@@ -34,17 +34,18 @@ DEEPSEEK = ("hf:deepseek_v3:hidden_size=2048,num_hidden_layers=27,num_attention_
             "intermediate_size=11264,moe_intermediate_size=1408,n_routed_experts=64,num_experts_per_tok=6,"
             "n_shared_experts=2,first_k_dense_replace=1,n_group=1,topk_group=1,q_lora_rank=null,kv_lora_rank=512,"
             "qk_nope_head_dim=128,qk_rope_head_dim=64,v_head_dim=128,vocab_size=163840,seq=4096")
-JOBS = [  # (model, cluster, global batch, --fix): DDP, ZeRO-1/2/3, TP+SP, every schedule, AC, compression, tied
-    # embeddings, MoE (ep = 1, ep = 4, ep × tp × sp), a Hugging Face model, context parallelism (cp × dp, cp × tp,
-    # cp alone), llama3-8b on 8 H100, and the searched plans of llama3-70b on 64 H100 (cp × tp × sp since the
-    # search offers cp), llama3-405b on 512, mixtral-8x7b on 32, a DeepSeek-style model on 16 and llama3-8b at 128K
-    # on 8 and at 1M tokens on 32
+JOBS = [  # (model, cluster, global batch, --fix): DDP, ZeRO-1/2/3, TP+SP, every schedule, AC (selective's per-op
+    # policy too), compression, tied embeddings, MoE (ep = 1, ep = 4, ep × tp × sp), a Hugging Face model, context
+    # parallelism (cp × dp, cp × tp, cp alone), llama3-8b on 8 H100 (and at 8K without cp), and the searched plans
+    # of llama3-70b on 64 H100 (cp × tp × sp since the search offers cp), llama3-405b on 512, mixtral-8x7b on 32, a
+    # DeepSeek-style model on 16 and llama3-8b at 128K on 8 and at 1M tokens on 32
     ("llama-tiny", "cpu-local", 8, "dp=2,zero=0"),
     ("llama-tiny", "cpu-local", 8, "dp=2,zero=0,mbs=1"),  # DDP with gradient accumulation (4 micro-batches)
     ("llama-tiny", "cpu-local", 8, "dp=2,zero=1"),
     ("gpt-tiny", "cpu-local", 8, "dp=2,zero=1,grad_compress=bf16"),
     (MED, H8, 32, "dp=8,zero=3"),
     (MED, H8, 32, "dp=8,zero=2,ac=full"),
+    (MED, H8, 32, "dp=4,tp=2,zero=2,sp=on,ac=selective"),  # the per-op policy: kept partial sums, reduce-scatters
     (MED, H8, 32, "dp=4,tp=2,zero=2,sp=on"),
     (MED, H8, 32, "dp=2,tp=2,pp=2,zero=0,schedule=1f1b"),
     (MED, H8, 32, "dp=4,pp=2,zero=0,mbs=2,schedule=zb"),
@@ -60,6 +61,7 @@ JOBS = [  # (model, cluster, global batch, --fix): DDP, ZeRO-1/2/3, TP+SP, every
     (MED, H8, 16, "dp=2,cp=4,zero=3"),  # context parallelism: K/V all-gathers, gradients over dp × cp
     (MED, H8, 16, "dp=2,tp=2,cp=2,zero=2"),
     ("llama3-8b", H8, 8, "dp=8,zero=3,mbs=1"),
+    ("llama3-8b:seq=8192", H8, 64, "dp=8,cp=1,zero=3"),  # 8K without cp: the ILP mixes per-op selective AC
     ("llama3-70b", "dgx-h100:nodes=8", 512, ""),  # the README's job, as the search picks it
     ("llama3-405b", "dgx-h100:nodes=64", 512, ""),  # 512 GPUs, as the search picks it
     ("mixtral-8x7b", "dgx-h100:nodes=4", 256, ""),  # MoE as the search picks it (ep = 8)
