@@ -263,11 +263,17 @@ def even_stages(lg: LayerGraph, n_stages: int) -> list[int]:
     return stage_of
 
 
+def block_acs(lg: LayerGraph, acs) -> tuple[AC, ...]:
+    """Per-layer AC modes as the runtime applies them: it checkpoints blocks only, so every other layer (embedding,
+    head) is none, whatever a pinned ``--fix ac=…`` gave it (`Evaluator.cost` prices them so)."""
+    return tuple(a if layer.kind == "block" else AC.NONE for layer, a in zip(lg.layers, acs))
+
+
 def selective_of(lg: LayerGraph, acs) -> str | None:
     """The selective-checkpointing policy a plan of ``lg`` with per-layer modes ``acs`` runs (`Plan.selective`):
-    the runtime's policy for the model (`costmodel.runnable.selective_policy`) where any layer is selective, else
+    the runtime's policy for the model (`costmodel.runnable.selective_policy`) where any block is selective, else
     None."""
-    return selective_policy(has_attention_core(lg)) if AC.SELECTIVE in acs else None
+    return selective_policy(has_attention_core(lg)) if AC.SELECTIVE in block_acs(lg, acs) else None
 
 
 class Evaluator:

@@ -56,7 +56,15 @@ from dataclasses import dataclass, replace
 from costmodel.cluster import Cluster
 from costmodel.compression import allowed_options
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
-from costmodel.estimate import ConfigError, Evaluator, block_groups, even_stages, selective_of, stage_blocks_problem
+from costmodel.estimate import (
+    ConfigError,
+    Evaluator,
+    block_acs,
+    block_groups,
+    even_stages,
+    selective_of,
+    stage_blocks_problem,
+)
 from costmodel.layercost import is_tp_layer
 from costmodel.runnable import checkpoint_modes, context_problems
 from costmodel.runnable import problems as runnable_problems
@@ -530,7 +538,8 @@ def make_plan(lg: LayerGraph, cluster: Cluster, global_batch: int, result: Searc
 
     best = result.best
     cfg = best.config
-    layers = tuple(LayerStrategy(name=layer.name, stage=best.stage_of[i], ac=best.acs[i],
+    acs = block_acs(lg, best.acs)
+    layers = tuple(LayerStrategy(name=layer.name, stage=best.stage_of[i], ac=acs[i],
                                  tp=cfg.tp > 1 and _tp(layer)) for i, layer in enumerate(lg.layers))
     stages = tuple(StageInfo(index=s.index, rank=s.rank, first=s.first, last=s.last, time_s=s.time_s,
                              memory_bytes=s.memory_bytes, inflight=s.inflight, memory_parts=s.memory_parts)

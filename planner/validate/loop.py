@@ -37,14 +37,15 @@ PARTS = ("compute", "comm", "optimizer", "idle", "step")
 def plan_from(lg, cluster, cluster_spec: str, model: str, global_batch: int, cfg, *, acs=None,
               stage_of=None, solver: dict | None = None) -> Plan:
     """A `Plan` for ``cfg`` from the cost model (even stages unless ``stage_of``; ``cfg.ac`` unless ``acs``)."""
-    from costmodel.estimate import Evaluator, even_stages, selective_of
+    from costmodel.estimate import Evaluator, block_acs, even_stages, selective_of
     from costmodel.layercost import is_tp_layer
 
     n = len(lg.layers)
     acs = list(acs) if acs is not None else [cfg.ac] * n
     stage_of = list(stage_of) if stage_of is not None else even_stages(lg, cfg.pp * cfg.vpp)
     est = Evaluator(lg, cluster, cfg, global_batch).evaluate(acs, stage_of)
-    layers = tuple(LayerStrategy(name=layer.name, stage=stage_of[i], ac=acs[i],
+    planned = block_acs(lg, acs)  # (the runtime checkpoints blocks only)
+    layers = tuple(LayerStrategy(name=layer.name, stage=stage_of[i], ac=planned[i],
                                  tp=cfg.tp > 1 and layer.kind == "block" and is_tp_layer(layer))
                    for i, layer in enumerate(lg.layers))
     stages = tuple(StageInfo(index=s.index, rank=s.rank, first=s.first, last=s.last, time_s=s.time_s,
@@ -102,7 +103,8 @@ def as_runs(plans: dict[str, Plan], measured: dict[str, Measurement], lgs: list)
 
     runs, left_out = [], []
     for (name, plan), lg in zip(plans.items(), lgs, strict=True):
-        acs = {lay.ac for lay in plan.layers}
+        # (the blocks': the runtime checkpoints nothing else, `costmodel.estimate.block_acs`)
+        acs = {lay.ac for lay, layer in zip(plan.layers, lg.layers) if layer.kind == "block"}
         stages = [lay.stage for lay in plan.layers]
         if len(acs) != 1 or stages != list(even_stages(lg, plan.config.pp * plan.config.vpp)):
             left_out.append(name)

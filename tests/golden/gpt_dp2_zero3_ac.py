@@ -818,17 +818,22 @@ def _op_policy(batch: int, seq: int):
     ``every-other-matmul``, torchtitan's ``selective_ac_option = "op"``) for micro-batches of ``batch`` sequences of
     ``seq`` tokens: keep the outputs of the attention kernel, of reduce-scatters and of the odd matmuls of the
     block's forward (1st, 3rd, …), recompute every other op. A fresh policy per call of a block (`apply_ac`'s
-    ``context_fn``), counting the forward's and the recomputation's matmuls apart: torch serves each kept output
-    back in the order it was cached, so both must count the same ops from the block's start (torchtitan counts over
-    all calls of a block; per call, every micro-batch keeps the same ops, as the cost model prices:
-    `costmodel.layercost.layer_cost`).
+    ``context_fn`` runs once per call), so every micro-batch keeps the same ops, as the cost model prices
+    (`costmodel.layercost.layer_cost`; torchtitan counts over all calls of a block). torch 2.13 asks the policy in
+    the forward only: the recomputation serves each kept output back by its op's count (torch/utils/checkpoint.py,
+    ``_CachedTorchDispatchMode``), so it must run the same ops, which a deterministic block does.
 
     Attention with dropout is recomputed, as in `_selective_policy`. Where SDPA runs it unfused (torch 2.13 on CPU:
     its flash kernel takes no dropout, so SDPA falls back to its math path), the batched matmuls of that core are
-    part of the attention, which the capture costs as one kernel, not matmuls: they are recomputed and not counted."""
-    count = {False: 0, True: 0}
+    part of the attention, which the capture costs as one kernel, not matmuls: they are recomputed and not counted.
+
+    Not guarded (as in `_selective_policy`): a block that writes in place into a kept matmul's output through a
+    3-D view (``h = linear(x); h.mul_(2)``) escapes torch's mutation check (``_unsafe_view`` has a version counter
+    of its own) and gets wrong gradients; no zoo or Hugging Face block does."""
+    count = 0
 
     def policy(ctx, op, *args, **kwargs):
+        nonlocal count
         if op in _FUSED_ATTENTION:
             return CheckpointPolicy.PREFER_RECOMPUTE if _dropout_p(op, args, kwargs) else CheckpointPolicy.MUST_SAVE
         if op in _SAVED_COLLECTIVES:
@@ -836,8 +841,8 @@ def _op_policy(batch: int, seq: int):
         if _in_attention_core(op, args, batch, seq):
             return CheckpointPolicy.PREFER_RECOMPUTE
         if _is_matmul(op):
-            count[ctx.is_recompute] += 1
-            if count[ctx.is_recompute] % 2:
+            count += 1
+            if count % 2:
                 return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
