@@ -105,3 +105,47 @@ def test_a_fused_attention_with_dropout_is_recomputed():
         assert policy(None, op, *args) == CheckpointPolicy.MUST_SAVE
         assert policy(None, op, *args, dropout_p=0.1) == CheckpointPolicy.PREFER_RECOMPUTE
         assert policy(None, op, *args, 0.1) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize("policy", ["every-other-matmul", "attention-core"])
+def test_an_in_place_write_into_a_kept_output_is_refused(policy):
+    """torch serves a kept output back after checking its version, but a write through a view with a version counter
+    of its own (``linear`` on a 3-D input returns ``_unsafe_view(mm(…))``) escapes that check: the backward would
+    read the written values (gradients 3.2 off in a reviewer's reproduction). The runtime refuses it, one line
+    naming the op and the fix; the same block written out of place trains."""
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, in_place: bool):
+            super().__init__()
+            self.a, self.b, self.in_place = nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False), in_place
+
+        def forward(self, x):
+            h = self.a(x)
+            h = h.mul_(2) if self.in_place else h * 2
+            return self.b(torch.tanh(h))
+
+    class Model(nn.Module):
+        def __init__(self, in_place: bool):
+            super().__init__()
+            self.layers = nn.ModuleList([Block(in_place)])
+
+        def forward(self, x):
+            return self.layers[0](x).sum()
+
+    x = torch.randn(2, 8, 16)
+    for in_place in (True, False):
+        torch.manual_seed(0)
+        m = Model(in_place)
+        m._autopar_block_names = ["layers.0"]
+        runtime.apply_ac(m, {"block_container": "layers", "ac": {"layers.0": "selective"}, "selective": policy,
+                             "mbs": 2, "seq": 8})
+        if in_place:
+            with pytest.raises(RuntimeError, match=r"changes in place \(aten.mul_.Tensor\).*ac=full or ac=none"):
+                m(x)
+            continue
+        m(x).backward()
+        plain = Model(False)
+        plain.load_state_dict(m.state_dict())
+        plain(x).backward()
+        torch.testing.assert_close(m.layers[0].a.weight.grad, plain.layers[0].a.weight.grad, rtol=0, atol=0)

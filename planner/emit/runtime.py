@@ -938,9 +938,7 @@ def _op_policy(batch: int, seq: int):
     its flash kernel takes no dropout, so SDPA falls back to its math path), the batched matmuls of that core are
     part of the attention, which the capture costs as one kernel, not matmuls: they are recomputed and not counted.
 
-    Not guarded (as in `_selective_policy`): a block that writes in place into a kept matmul's output through a
-    3-D view (``h = linear(x); h.mul_(2)``) escapes torch's mutation check (``_unsafe_view`` has a version counter
-    of its own) and gets wrong gradients; no zoo or Hugging Face block does."""
+    A block that writes in place into a kept output is refused (`_KeptWrites`), under either policy."""
     count = 0
 
     def policy(ctx, op, *args, **kwargs):
@@ -960,9 +958,72 @@ def _op_policy(batch: int, seq: int):
     return policy
 
 
+class _KeptWrites(TorchDispatchMode):
+    """Refuses an in-place write into a tensor that selective AC keeps for the backward. torch checks a kept output's
+    version when it serves it back, but a write through a view with a version counter of its own escapes that check
+    (``linear`` on a 3-D input returns ``_unsafe_view(mm(…))``: ``h = linear(x); h.mul_(2)``), and the backward then
+    reads the written tensor where the recomputation assumed the value the op made: wrong gradients, without a
+    word. ``kept``: the storages of the outputs the policy kept so far (`_selective_contexts`)."""
+
+    def __init__(self, kept: set):
+        super().__init__()
+        self.kept = kept
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func._schema.is_mutable and self.kept:
+            for i, arg in enumerate(func._schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    t = kwargs.get(arg.name, args[i] if i < len(args) else None)
+                    if _storage_key(t) in self.kept:
+                        raise RuntimeError(
+                            f"selective activation checkpointing keeps a tensor that this block then changes in place "
+                            f"({func}): its backward would read the changed values; write the block out of place "
+                            "(y = y * 2, not y.mul_(2)) or re-plan with --fix ac=full or ac=none")
+        return func(*args, **kwargs)
+
+
+def _storage_key(t):
+    """An identity of the storage under ``t`` (a DTensor's: its local shard's), or None (no tensor)."""
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # (a tensor without storage)
+        return None
+
+
+def _selective_contexts(policy):
+    """The contexts of one call of a selectively checkpointed block: torch's (`create_selective_checkpoint_contexts`)
+    with ``policy``, and beside its forward `_KeptWrites`. torch 2.13 runs each op, then asks the policy with the
+    op's output (``SelectiveCheckpointContext.op_output``), so the storages of what it keeps are known before any
+    later op can write into them."""
+    kept: set = set()
+
+    def keeping(ctx, op, *args, **kwargs):
+        decision = policy(ctx, op, *args, **kwargs)
+        if decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+            out = getattr(ctx, "op_output", None)
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if (key := _storage_key(t)) is not None:
+                    kept.add(key)
+        return decision
+
+    forward, recompute = create_selective_checkpoint_contexts(keeping)
+
+    @contextlib.contextmanager
+    def guarded():
+        with _KeptWrites(kept), forward:
+            yield
+
+    return guarded(), recompute
+
+
 def _op_contexts(batch: int, seq: int):
     """The selective-checkpoint contexts of one call of a block under `_op_policy` (a policy of its own)."""
-    return create_selective_checkpoint_contexts(_op_policy(batch, seq))
+    return _selective_contexts(_op_policy(batch, seq))
 
 
 def apply_ac(part: nn.Module, plan: dict) -> None:
@@ -982,7 +1043,7 @@ def apply_ac(part: nn.Module, plan: dict) -> None:
         elif mode == "selective":
             # (this rank's sequence: context parallelism splits it)
             policy = _selective_policy(plan.get("mbs", 1), plan.get("seq", 0) // plan.get("cp", 1))
-            context_fn = partial(create_selective_checkpoint_contexts, policy)
+            context_fn = partial(_selective_contexts, policy)
             blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=True, context_fn=context_fn)
 
 
