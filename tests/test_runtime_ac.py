@@ -43,9 +43,10 @@ def test_full_and_selective_checkpointing_match_no_checkpointing(spec):
 
 def test_the_per_op_policy_keeps_the_odd_matmuls_of_each_call():
     """`runtime._op_policy` (torchtitan's per-op selective AC) keeps the 1st, 3rd, … matmul of a block's forward, the
-    attention kernel and reduce-scatters, and recomputes the rest (torch asks it in the forward only). A matmul
-    reading attention scores (SDPA's math path on CPU) belongs to the attention: recomputed and not counted, as the
-    capture costs the attention as one kernel."""
+    attention kernel and reduce-scatters, and recomputes the rest. torch 2.13 asks it in the forward only; earlier
+    releases ask again in the recomputation, which must decide alike (its own count: a block of 7 matmuls would
+    otherwise flip parity, as torch 2.11 on CUDA showed). A matmul reading attention scores (SDPA's math path on
+    CPU) belongs to the attention: recomputed and not counted, as the capture costs the attention as one kernel."""
     from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
     save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
@@ -58,7 +59,9 @@ def test_the_per_op_policy_keeps_the_odd_matmuls_of_each_call():
              (mm, (x, w))]
     want = [save, recompute, recompute, save, save, recompute, save, recompute]
     policy = runtime._op_policy(2, 32)
-    assert [policy(SelectiveCheckpointContext(is_recompute=False), op, *args) for op, args in calls] == want
+    forward = [policy(SelectiveCheckpointContext(is_recompute=False), op, *args) for op, args in calls]
+    again = [policy(SelectiveCheckpointContext(is_recompute=True), op, *args) for op, args in calls]
+    assert forward == again == want
     assert [runtime._op_policy(2, 32)(SelectiveCheckpointContext(is_recompute=False), mm, x, w)
             for _ in range(2)] == [save, save]  # a fresh policy per call of a block
 

@@ -33,7 +33,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import flop_registry
 
@@ -821,18 +820,20 @@ def _op_policy(batch: int, seq: int):
     block's forward (1st, 3rd, …), recompute every other op. A fresh policy per call of a block (`apply_ac`'s
     ``context_fn`` runs once per call), so every micro-batch keeps the same ops, as the cost model prices
     (`costmodel.layercost.layer_cost`; torchtitan counts over all calls of a block). torch 2.13 asks the policy in
-    the forward only: the recomputation serves each kept output back by its op's count (torch/utils/checkpoint.py,
-    ``_CachedTorchDispatchMode``), so it must run the same ops, which a deterministic block does.
+    the forward only and serves each kept output back by its op's count (torch/utils/checkpoint.py,
+    ``_CachedTorchDispatchMode``); earlier releases ask it again in the recomputation (``is_recompute``) and pop a
+    kept output where it says keep, so the recomputation counts its matmuls apart: a shared count would flip the
+    parity of a block with an odd number of matmuls and serve one matmul another's output (measured on torch 2.11,
+    CUDA: "shape '[8, 2048, 1024]' is invalid for input of size 33554432").
 
     Attention with dropout is recomputed, as in `_selective_policy`. Where SDPA runs it unfused (torch 2.13 on CPU:
     its flash kernel takes no dropout, so SDPA falls back to its math path), the batched matmuls of that core are
     part of the attention, which the capture costs as one kernel, not matmuls: they are recomputed and not counted.
 
-    A block that writes in place into a kept output is refused (`_KeptWrites`), under either policy."""
-    count = 0
+    A block that writes in place into a kept output is refused (`_selective_contexts`), under either policy."""
+    count = {False: 0, True: 0}  # (forward, recomputation)
 
     def policy(ctx, op, *args, **kwargs):
-        nonlocal count
         if op in _FUSED_ATTENTION:
             return CheckpointPolicy.PREFER_RECOMPUTE if _dropout_p(op, args, kwargs) else CheckpointPolicy.MUST_SAVE
         if op in _SAVED_COLLECTIVES:
@@ -840,38 +841,12 @@ def _op_policy(batch: int, seq: int):
         if _in_attention_core(op, args, batch, seq):
             return CheckpointPolicy.PREFER_RECOMPUTE
         if _is_matmul(op):
-            count += 1
-            if count % 2:
+            count[ctx.is_recompute] += 1
+            if count[ctx.is_recompute] % 2:
                 return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
-
-
-class _KeptWrites(TorchDispatchMode):
-    """Refuses an in-place write into a tensor that selective AC keeps for the backward. torch checks a kept output's
-    version when it serves it back, but a write through a view with a version counter of its own escapes that check
-    (``linear`` on a 3-D input returns ``_unsafe_view(mm(…))``: ``h = linear(x); h.mul_(2)``), and the backward then
-    reads the written tensor where the recomputation assumed the value the op made: wrong gradients, without a
-    word. ``kept``: the storages of the outputs the policy kept so far (`_selective_contexts`)."""
-
-    def __init__(self, kept: set):
-        super().__init__()
-        self.kept = kept
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func._schema.is_mutable and self.kept:
-            for i, arg in enumerate(func._schema.arguments):
-                if arg.alias_info is not None and arg.alias_info.is_write:
-                    t = kwargs.get(arg.name, args[i] if i < len(args) else None)
-                    if _storage_key(t) in self.kept:
-                        raise RuntimeError(
-                            f"selective activation checkpointing keeps a tensor that this block then changes in place "
-                            f"({func}): its backward would read the changed values; write the block out of place "
-                            "(y = y * 2, not y.mul_(2)) or re-plan with --fix ac=full or ac=none"
-                        )
-        return func(*args, **kwargs)
 
 
 def _storage_key(t):
@@ -888,28 +863,37 @@ def _storage_key(t):
 
 def _selective_contexts(policy):
     """The contexts of one call of a selectively checkpointed block: torch's (`create_selective_checkpoint_contexts`)
-    with ``policy``, and beside its forward `_KeptWrites`. torch 2.13 runs each op, then asks the policy with the
-    op's output (``SelectiveCheckpointContext.op_output``), so the storages of what it keeps are known before any
-    later op can write into them."""
+    with ``policy``, which also refuses an in-place write into a tensor it keeps for the backward. torch checks a
+    kept output's version when it serves it back, but a write through a view with a version counter of its own
+    escapes that check (``linear`` on a 3-D input returns ``_unsafe_view(mm(…))``: ``h = linear(x); h.mul_(2)``),
+    and the backward would read the written values where the recomputation assumed the op's: wrong gradients,
+    without a word. torch asks the policy about every op of the forward, the output at hand in 2.13
+    (``SelectiveCheckpointContext.op_output``), so the storages kept are known, and a later op writing into one is
+    refused before any backward runs (with no ``op_output``, as in earlier releases, nothing is checked)."""
     kept: set = set()
 
     def keeping(ctx, op, *args, **kwargs):
+        if kept and op._schema.is_mutable:
+            for i, arg in enumerate(op._schema.arguments):
+                if (
+                    arg.alias_info is not None
+                    and arg.alias_info.is_write
+                    and _storage_key(kwargs.get(arg.name, args[i] if i < len(args) else None)) in kept
+                ):
+                    raise RuntimeError(
+                        f"selective activation checkpointing keeps a tensor that this block then changes in place "
+                        f"({op}): its backward would read the changed values; write the block out of place "
+                        "(y = y * 2, not y.mul_(2)) or re-plan with --fix ac=full or ac=none"
+                    )
         decision = policy(ctx, op, *args, **kwargs)
-        if decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+        if decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE) and not ctx.is_recompute:
             out = getattr(ctx, "op_output", None)
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if (key := _storage_key(t)) is not None:
                     kept.add(key)
         return decision
 
-    forward, recompute = create_selective_checkpoint_contexts(keeping)
-
-    @contextlib.contextmanager
-    def guarded():
-        with _KeptWrites(kept), forward:
-            yield
-
-    return guarded(), recompute
+    return create_selective_checkpoint_contexts(keeping)
 
 
 def _op_contexts(batch: int, seq: int):
