@@ -40,6 +40,7 @@ from costmodel.layercost import (
 from costmodel.memory import (
     MemoryBreakdown,
     allowance,
+    autocast_dtype,
     dp_reduction_temp_bytes,
     fsdp_gathered_bytes,
     fsdp_reduce_bytes,
@@ -301,10 +302,20 @@ class Evaluator:
         if selective is None:
             selective = selective_policy(has_attention_core(lg))
         self.autocast = autocast
+        # a plan that trains under torch.autocast keeps its activations at the dtypes autocast gives them (the
+        # fp32 residual stream, norms' fp32 inputs, the loss's fp32 logits): priced from the model captured
+        # under autocast (`LayerGraph.under_autocast`) where it can be made, else from the 16-bit capture
+        under = autocast_dtype(cfg, autocast)
+        if under and not lg.model.arch.get("autocast"):
+            lg = lg.under_autocast() or lg
+        if lg.model.arch.get("autocast") and not under:
+            raise ValueError(f"a graph captured under autocast prices only plans that train under it (16-bit, "
+                             f"zero ≤ 1), not precision={cfg.precision} zero={cfg.zero}")
         self.lg, self.cluster, self.cfg, self.global_batch = lg, cluster, cfg, global_batch
         self.m = global_batch // (cfg.dp * cfg.mbs)
         captured = dtype_bytes(lg.model.dtype)
-        self.act_scale = (4 if cfg.precision == "fp32" else 2) / captured
+        # the autocast capture holds each activation's real dtype; a plain capture is rescaled to the precision
+        self.act_scale = 1.0 if lg.model.arch.get("autocast") else (4 if cfg.precision == "fp32" else 2) / captured
         gpn = cluster.gpus_per_node
         self.tp_span = group_span(cluster, cfg.tp, 1) if cfg.tp > 1 else None
         # the gradient-reduction group: dp × cp consecutive ranks of stride tp (`ParallelConfig.data_ranks`)
@@ -335,7 +346,8 @@ class Evaluator:
         self._tied_numel: float | None = None  # elements of the embedding/head tied weight per rank (pp > 1)
         self._cache: dict[tuple[str, str, AC], LayerCost] = shared.setdefault(
             ("layer_costs", cfg.tp, cfg.sp, cfg.mbs, cfg.precision, bool(measured), in_place_loss,
-             gathered_column_inputs, compiled, selective, pipelined, cfg.ep, cfg.cp), {})
+             gathered_column_inputs, compiled, selective, pipelined, cfg.ep, cfg.cp,
+             bool(lg.model.arch.get("autocast"))), {})
         self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
 
     # -- per-layer and per-boundary pieces (the ILP's coefficients) ------------------------------------------
@@ -381,8 +393,14 @@ class Evaluator:
         return pipeline_buffers(self.m, received, sent, self.cfg.tp == 1 and not self._pp_cast(),
                                 zero_bubble=self.cfg.schedule == Schedule.ZERO_BUBBLE and pp > 1)
 
+    @property
+    def wide_boundaries(self) -> bool:
+        """Whether stage boundaries carry activations wider than 16 bits (fp32 training, and the fp32 residual
+        stream under autocast), which ``pp_compress=bf16`` halves."""
+        return self.act_scale * dtype_bytes(self.lg.model.dtype) > 2
+
     def _pp_cast(self) -> bool:
-        return self.cfg.pp_compress == "bf16" and self.act_scale * dtype_bytes(self.lg.model.dtype) > 2
+        return self.cfg.pp_compress == "bf16" and self.wide_boundaries
 
     def pp_gathers(self, i: int) -> list[float]:
         """Tensor-parallel all-gathers (gathered bytes) one micro-batch adds at a stage boundary before layer ``i``,

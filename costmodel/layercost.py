@@ -372,11 +372,38 @@ def recompute_traffic(layer: Layer, ctx: CostContext, ac: AC = AC.FULL) -> tuple
     if ac != AC.FULL and not op_policy:
         return 0.0, 0
     stop = recompute_stop(layer)
-    before = 0.5 if op_policy and ctx.sp else 1.0
-    rows = [(n, before if j < stop else 0.5) for j, n in enumerate(layer.nodes)
-            if n.tp_role == "row" and (j < stop or ctx.sp)]
-    nbytes = sum(n.output_bytes * share for n, share in rows) * ctx.scale * ctx.act_scale
-    return nbytes, max(len(rows), 1)
+    gathered = _gathered_inputs(layer)
+    nbytes, calls = 0.0, 0
+    for j, n in enumerate(layer.nodes):
+        if n.tp_role != "row" or not (j < stop or ctx.sp):
+            continue
+        calls += 1
+        if not ctx.sp:  # the row's all-reduce
+            nbytes += n.output_bytes
+        elif j < stop and not op_policy:  # its reduce-scatter and the all-gather of its region's input: half each
+            nbytes += (n.output_bytes + gathered[n.name]) / 2
+        else:  # the all-gather half only
+            nbytes += gathered[n.name] / 2
+    return nbytes * ctx.scale * ctx.act_scale, max(calls, 1)
+
+
+def _gathered_inputs(layer: Layer) -> dict[str, float]:
+    """Row-parallel node → bytes of the distinct column-parallel inputs of its region (the column-parallel ops since
+    the previous row-parallel one): what sequence parallelism all-gathers before the region, where the row's
+    reduce-scatter moves its output. The two differ where the dtypes do (under autocast the residual stream's norm
+    output is fp32, the row's output 16-bit)."""
+    by_name = {n.name: n for n in layer.nodes}
+    out, pending, seen = {}, 0.0, set()
+    for n in layer.nodes:
+        if n.tp_role == "column":
+            src = next((i for i in n.inputs if i in by_name and by_name[i].tp_role not in _SHARDED_ROLES), None)
+            key = src or f"<input of {n.name}>"
+            if key not in seen:
+                seen.add(key)
+                pending += by_name[src].output_bytes if src else layer.input_bytes
+        elif n.tp_role == "row":
+            out[n.name], pending, seen = (pending or n.output_bytes), 0.0, set()
+    return out
 
 
 @cache

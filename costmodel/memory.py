@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 
 from costmodel.config import Schedule, parse_grad_compress
-from costmodel.runnable import pipelined_fsdp
+from costmodel.runnable import pipelined_fsdp, trains_under_autocast
 
 GiB = 2**30
 MiB = 2**20
@@ -139,6 +139,13 @@ def grads_held_at_peak(cfg, micro_batches: int, rank: int | None = None) -> bool
     ranks = range(cfg.pp) if rank is None else (rank,)
     return all(min(made) for r in ranks for _, _, made, _ in held_states(cfg.schedule, cfg.pp, cfg.vpp, r,
                                                                          micro_batches))
+
+
+def autocast_dtype(cfg, autocast: bool = True) -> str | None:
+    """The dtype ``torch.autocast`` computes in for ``cfg`` (None: it trains without autocast): 16-bit training
+    outside FSDP over fp32 parameters, as autopar's runtime does (`costmodel.runnable.trains_under_autocast`;
+    ``autocast``: False for stacks that keep 16-bit parameters beside a master copy, `state_bytes_per_param`)."""
+    return cfg.precision if autocast and trains_under_autocast(cfg.precision, cfg.zero, cfg.data_ranks) else None
 
 
 def module_param_bytes(cfg, autocast: bool = True) -> int:

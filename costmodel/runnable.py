@@ -68,6 +68,14 @@ def post_step_allreduce(dp: int, tp: int, zero: int, schedule: str, pp: int) -> 
     return dp > 1 and zero <= 1 and (tp > 1 or (pp > 1 and schedule == "zb"))
 
 
+def trains_under_autocast(precision: str, zero: int, data_ranks: int) -> bool:
+    """Whether autopar's runtime trains under ``torch.autocast`` over fp32 parameters: 16-bit training outside
+    FSDP (DDP, ZeRO-1, one data-parallel rank); FSDP2 (ZeRO 2/3 over dp × cp > 1) casts through its
+    mixed-precision policy instead. What the runtime does on GPUs (`planner.emit.train.autocast`), what a check
+    traces under CPU autocast, and which capture prices the plan's activations (`costmodel.memory.autocast_dtype`)."""
+    return precision in ("bf16", "fp16") and not (data_ranks > 1 and zero >= 2)
+
+
 def pipelined_fsdp(zero: int, dp: int, pp: int) -> bool:
     """FSDP2 (ZeRO 2/3) inside torch's pipeline stages: ``PipelineStage`` turns off FSDP's gradient sync and its
     reshard after backward for every micro-batch and reduce-scatters once after the last backward

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -136,14 +137,18 @@ def _folded_source(source):
 
 
 def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: str = "bf16",
-                  kernels: str = "gpu", fold: bool = True) -> LayerGraph:
+                  kernels: str = "gpu", fold: bool = True, autocast: str | None = None) -> LayerGraph:
     """Capture the model named by ``spec`` (zoo preset, ``gpt:…``, ``llama:…``, ``hf:…``, ``file.py:factory``) on
     the meta device (Hugging Face models on fake tensors) in ``dtype``, and group it into layers.
 
     ``batch`` is the micro-batch the facts are captured for (they scale linearly with it); ``seq`` overrides
     the model's default sequence length. ``fold``: capture a few blocks and repeat them to the full depth
-    (`profiler.fold`; exact for identical blocks, much faster for deep models).
+    (`profiler.fold`; exact for identical blocks, much faster for deep models). ``autocast`` (``"bf16"``,
+    ``"fp16"``; ``dtype`` must then be ``"fp32"``): replay the model under ``torch.autocast``
+    (`profiler.capture`). A 16-bit graph can make its autocast twin on demand (`LayerGraph.under_autocast`).
     """
+    if autocast is not None and dtype != "fp32":
+        raise ValueError(f"an autocast capture is of fp32 parameters: pass dtype='fp32', not {dtype!r}")
     if batch < 1:
         raise ValueError(f"batch must be ≥ 1, got {batch}")
     source = resolve_model(spec)
@@ -171,11 +176,14 @@ def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: s
     # whether the training step can call it for logits (zoo and Hugging Face models: by construction)
     arch["forward"] = forward_problem(model, inputs[0]) if source.family == "file" else ""
     with masks_as_trained():  # the masks a training step makes on real tensors (`profiler.zoo.hf`)
-        graph = capture(model, inputs, name=spec, arch=arch, kernels=kernels)
+        graph = capture(model, inputs, name=spec, arch=arch, kernels=kernels, autocast=autocast)
         if depth:
             graph = unfold(graph, depth)
         lg = group_layers(graph)
         lg.model.arch["attention_core"] = has_attention_core(lg)  # what selective AC recomputes (`runnable`)
         # whether the runtime can cut it into pipeline stages (`costmodel.runnable.problems`)
         lg.model.arch["pp_split"] = pipeline_split_problem(model, lg.block_container, seq=inputs[0].shape[1])
+    if autocast is None and dtype in ("bf16", "fp16"):  # what plans that train under autocast keep (`Evaluator`)
+        lg = dataclasses.replace(lg, recapture=functools.partial(
+            profile_model, spec, batch=batch, seq=seq, dtype="fp32", kernels=kernels, fold=fold, autocast=dtype))
     return lg

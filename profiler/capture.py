@@ -18,6 +18,14 @@ saves a mask in the input dtype). ``kernels="native"`` replays this machine's ow
 real run here. Attention FLOPs come from `torch.utils.flop_counter.sdpa_flop_count` whenever FlopCounterMode
 does not see the kernel (it does not see the CPU ones); the flash backward includes its recomputation of the
 scores, as the kernel does.
+
+``autocast="bf16"`` (or ``"fp16"``) replays an fp32 model under ``torch.autocast``, as autopar's runtime trains
+outside FSDP: every node's outputs and saved tensors then have the dtypes autocast gives them (the residual stream
+stays fp32, a norm saves its fp32 input, the loss casts the logits to fp32). The replay runs torch's own CPU
+autocast; with ``kernels="gpu"`` the ops CUDA's autocast runs in fp32 and CPU's leaves alone (softmax, layer_norm,
+rsqrt, …; `_cuda_fp32_policy`) are given CUDA's policy for the replay. Casts of parameters are autocast's cast
+cache, state the cost model charges with the parameters (`costmodel.memory.state_bytes_per_param`), not
+activations: they are neither saved bytes nor traffic here.
 """
 
 from __future__ import annotations
@@ -97,7 +105,11 @@ def _argument(op, args, kwargs, name: str):
 
 
 def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """Scaled-dot-product attention with FlashAttention's autograd semantics (what it saves for backward)."""
+    """Scaled-dot-product attention with FlashAttention's autograd semantics (what it saves for backward). Under
+    autocast its inputs are cast to the autocast dtype, as both policies do for SDPA."""
+    if torch.is_autocast_enabled("cpu"):
+        low = torch.get_autocast_dtype("cpu")
+        query, key, value = (t.to(low) if t.is_floating_point() else t for t in (query, key, value))
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         rep = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
@@ -116,6 +128,82 @@ def _fused_dropout(input, p, train):
     if not train or p == 0:
         return input
     return torch.ops.aten.native_dropout.default(input, p, train)[0]
+
+
+#: the ops torch's CUDA autocast runs in fp32 (ATen/autocast_mode.h, torch 2.13: AT_FORALL_FP32, casting every
+#: floating input) and those it gives an fp32 ``dtype`` when none is passed (AT_FORALL_FP32_SET_OPT_DTYPE)
+_CUDA_FP32 = ("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal",
+              "rsqrt", "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus",
+              "layer_norm", "native_layer_norm", "rms_norm", "group_norm", "frobenius_norm.dim", "nuclear_norm",
+              "nuclear_norm.dim", "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss",
+              "nll_loss2d", "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
+              "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
+              "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm",
+              "logsumexp")
+_CUDA_FP32_SET_OPT_DTYPE = ("prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum",
+                            "linalg_vector_norm", "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum",
+                            "sum.dim_IntList")
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+
+def _overload(name: str):
+    op, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.aten, op), overload or "default")
+
+
+def _eligible(t) -> bool:
+    """What autocast casts (autocast_mode.h, ``is_autocast_eligible``): floating tensors other than fp64."""
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+
+
+def _fp32_kernel(op, set_dtype: bool):
+    """An AutocastCPU kernel with CUDA autocast's fp32 policy for ``op`` (autocast_mode.h's ``fp32`` and
+    ``fp32_set_opt_dtype``): run it with autocast excluded, on fp32 inputs, or with ``dtype=float32``."""
+    def kernel(*args, **kwargs):
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            if set_dtype:
+                floating = any(_eligible(t) for t in _tensors((args, kwargs)))
+                if floating and _argument(op, args, kwargs, "dtype") is None:
+                    kwargs = {**kwargs, "dtype": torch.float32}
+                return op(*args, **kwargs)
+            up = lambda t: t.float() if _eligible(t) else t  # noqa: E731
+            return op(*pytree.tree_map(up, args), **pytree.tree_map(up, kwargs))
+    return kernel
+
+
+@contextlib.contextmanager
+def _cuda_fp32_policy():
+    """While inside, CPU autocast casts as CUDA's does where the two differ: the ops CUDA's autocast runs in fp32
+    and CPU's has no policy for get an AutocastCPU kernel that does so (registered in a `torch.library.Library`,
+    removed on exit). The lower-precision lists agree for the ops transformers run (linear, matmul, bmm,
+    baddbmm, SDPA: autocast_mode.h and autocast_mode.cpp); CPU's own fp32 ops (the losses) are left as they are."""
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        for set_dtype, names in ((False, _CUDA_FP32), (True, _CUDA_FP32_SET_OPT_DTYPE)):
+            for name in names:
+                if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "AutocastCPU"):
+                    lib.impl(name, _fp32_kernel(_overload(name), set_dtype), "AutocastCPU")
+        yield
+    finally:
+        lib._destroy()
+
+
+class _ParamCasts(TorchDispatchMode):
+    """Records the casts of parameters (autocast's cast cache): their outputs join ``constants``, the storages
+    that are never activations, and their bytes are kept apart from the node's traffic."""
+
+    def __init__(self, constants: set) -> None:
+        super().__init__()
+        self.constants, self.bytes = constants, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor) and \
+                StorageWeakRef(args[0].untyped_storage()) in self.constants:
+            self.constants.add(StorageWeakRef(out.untyped_storage()))
+            self.bytes += _nbytes(args[0]) + _nbytes(out)
+        return out
 
 
 def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
@@ -267,14 +355,24 @@ def capture(
     name: str | None = None,
     arch: dict | None = None,
     kernels: str = "gpu",
+    autocast: str | None = None,
 ) -> ModelGraph:
     """Capture ``model`` called on ``example_inputs`` (real, meta or fake tensors) as a `ModelGraph`.
 
     The model should return a scalar loss, so that the backward of every node is part of training.
-    ``kernels``: ``"gpu"`` or ``"native"`` (see the module docstring).
+    ``kernels``: ``"gpu"`` or ``"native"``; ``autocast``: None, ``"bf16"`` or ``"fp16"``, replaying the fp32
+    ``model`` under ``torch.autocast`` (see the module docstring; recorded as ``arch["autocast"]``).
     """
     if kernels not in _KERNELS:
         raise ValueError(f"kernels must be one of {_KERNELS}, got {kernels!r}")
+    if autocast is not None:
+        if autocast not in _AUTOCAST_DTYPES:
+            raise ValueError(f"autocast must be one of {tuple(_AUTOCAST_DTYPES)} or None, got {autocast!r}")
+        low = [n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
+        if low:
+            raise ValueError(f"autocast capture needs fp32 parameters (autocast trains over fp32 ones), but "
+                             f"{low[0]} is {next(p for n, p in model.named_parameters() if n == low[0]).dtype}; "
+                             "build the model in fp32")
     example_inputs = tuple(example_inputs)
     stack = _ModuleStack(model)
     try:
@@ -307,7 +405,8 @@ def capture(
     first = example_inputs[0] if example_inputs else None
     batch = int(first.shape[0]) if first is not None and first.dim() >= 1 else 1
     seq = int(first.shape[1]) if first is not None and first.dim() >= 2 else 0
-    replay = _Replay(gm, method, mapping, fake, canonical, inputs, mode, constant_storages, kernels, model, batch, seq)
+    replay = _Replay(gm, method, mapping, fake, canonical, inputs, mode, constant_storages, kernels, model, batch, seq,
+                     autocast=_AUTOCAST_DTYPES[autocast] if autocast else None)
     nodes = replay.run()
 
     seen: set[int] = set()
@@ -320,15 +419,19 @@ def capture(
                                 numel=t.numel(), is_buffer=fqn in named_buffers))
     float_params = [p for p in named_params.values() if p.is_floating_point()]
     dtype = str(float_params[0].dtype).removeprefix("torch.") if float_params else "float32"
+    arch = dict(arch or {})
+    if autocast:
+        arch["autocast"] = autocast
     return ModelGraph(name=name or type(model).__name__, method=method, batch=batch, seq=seq, dtype=dtype,
-                      nodes=tuple(nodes), params=tuple(params), arch=dict(arch or {}))
+                      nodes=tuple(nodes), params=tuple(params), arch=arch)
 
 
 class _Replay:
     """Runs the captured graph node by node on fake tensors and records each node's costs."""
 
     def __init__(self, gm, method, mapping, fake, canonical, inputs, mode, constant_storages, kernels, model,
-                 batch=1, seq=0):
+                 batch=1, seq=0, autocast: torch.dtype | None = None):
+        self.autocast = autocast
         self.gm, self.method, self.mapping = gm, method, mapping
         self.batch, self.seq = batch, seq
         self.fake, self.canonical, self.inputs, self.mode = fake, canonical, inputs, mode
@@ -393,7 +496,7 @@ class _Replay:
     def run(self) -> list[NodeInfo]:
         self._placeholders()
         out_nodes = []
-        with self.mode:
+        with self.mode, self._autocast():
             for node in self.gm.graph.nodes:
                 if node.op == "get_attr":
                     self.env[node] = self.fake.get(node.target, getattr(self.gm, node.target, None))
@@ -410,6 +513,17 @@ class _Replay:
                             f"{why}; write that part with standard torch operators in a file.py:factory model, "
                             "or report it to autopar") from exc
         return out_nodes
+
+    @contextlib.contextmanager
+    def _autocast(self):
+        """One autocast region over the whole replay, as over the runtime's training step (so its cast cache
+        lives as long), with CUDA's fp32 policy for ``kernels="gpu"``."""
+        if self.autocast is None:
+            yield
+            return
+        policy = _cuda_fp32_policy() if self.gpu_kernels else contextlib.nullcontext()
+        with policy, torch.autocast("cpu", dtype=self.autocast):
+            yield
 
     def _module_of(self, node: torch.fx.Node) -> tuple[str, str]:
         stack = node.meta.get("nn_module_stack")
@@ -439,12 +553,16 @@ class _Replay:
             args, kwargs = pytree.tree_map(
                 lambda t: t.clone() if isinstance(t, torch.Tensor) and t.requires_grad else t, (args, kwargs))
         fn = self._callable(node)
+        if self.autocast is not None and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            kwargs = {**kwargs, "dtype": None}  # export's check of the dtype it traced (fp32) before a cast
         self._charged = 0
         self._saved = []
         self._square_charged = 0
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), _counting() as (fc, bc):
+        casts = _ParamCasts(self.constant_storages) if self.autocast is not None else contextlib.nullcontext()
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), _counting() as (fc, bc), casts:
             out = fn(*args, **kwargs)
         fwd_flops, fwd_bytes, saved = fc.get_total_flops(), bc.total, self._charged
+        fwd_bytes -= casts.bytes if self.autocast is not None else 0
         self.env[node] = out
 
         ins = leaves

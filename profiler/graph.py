@@ -16,7 +16,7 @@ Conventions:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 Shape = tuple[int, ...]
@@ -187,6 +187,17 @@ class LayerGraph:
     model: ModelGraph  #: the captured graph the layers were made from
     layers: tuple[Layer, ...]  #: embed, blocks…, head in execution order
     block_container: str  #: FQN of the ModuleList holding the repeated blocks (``''`` if none found)
+    #: makes the same model's graph captured under ``torch.autocast`` (`under_autocast`); None where it cannot be
+    recapture: Callable[[], LayerGraph] | None = field(default=None, compare=False, repr=False)
+    _twin: list = field(default_factory=list, init=False, compare=False, repr=False)
+
+    def under_autocast(self) -> LayerGraph | None:
+        """The same model captured with fp32 parameters under ``torch.autocast`` (`profiler.capture`), as autopar's
+        runtime trains outside FSDP: its nodes carry the dtypes autocast gives them. Captured on first use (once
+        per graph); None for a graph that cannot be recaptured (read from a file, or a live module's)."""
+        if not self._twin and self.recapture is not None:
+            self._twin.append(self.recapture())
+        return self._twin[0] if self._twin else None
 
     @property
     def blocks(self) -> tuple[Layer, ...]:

@@ -74,6 +74,22 @@ def test_zero_0_and_1_keep_fp32_parameters_under_autocast(zero, expected):
     assert dp_step_bytes(cfg, 1.0, 1).get("broadcast", 4.0) == 4.0  # ZeRO-1 broadcasts the fp32 parameters
 
 
+def test_plans_under_autocast_keep_activations_at_autocasts_dtypes():
+    """A 16-bit DDP plan trains under ``torch.autocast``: its residual stream, norm inputs and loss stay fp32, so it
+    keeps more activation bytes than the same plan in FSDP's pure 16 bits and fewer than in fp32; priced from the
+    model captured under autocast (`LayerGraph.under_autocast`), which prices no FSDP plan."""
+    lg = profile_model("llama:layers=2,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=1000,seq=128")
+    cluster, acts = _cluster(), {}
+    for name, s in (("ddp", "dp=8,zero=0"), ("fsdp", "dp=8,zero=3"), ("fp32", "dp=8,zero=0,precision=fp32")):
+        ev = Evaluator(lg, cluster, cfg(s), 8)
+        acts[name] = sum(ev.cost(i, AC.NONE).act_bytes for i in range(len(lg.layers)))
+        assert bool(ev.lg.model.arch.get("autocast")) == (name == "ddp")
+    assert acts["fsdp"] < acts["ddp"] < acts["fp32"] == pytest.approx(2 * acts["fsdp"])
+    with pytest.raises(ValueError, match="autocast"):
+        Evaluator(lg.under_autocast(), cluster, cfg("dp=8,zero=3"), 8)
+    assert Evaluator(lg, cluster, cfg("dp=8,zero=0"), 8, autocast=False).lg is lg  # Megatron's 16-bit parameters
+
+
 def test_fsdp_zero2_in_fp32_keeps_its_shard_beside_the_unsharded_parameters():
     """fp32, ZeRO-2 over 4 ranks: unsharded parameters (4) + FSDP's fp32 shard (4/4), gradient shard 4/4, Adam 8/4
     (what `autopar check` traces: parameters 381 MiB = 305 MiB unsharded + 76 MiB shard on a 80M-parameter rank)."""

@@ -268,3 +268,78 @@ def test_leading_dense_blocks_fold_after_them():
         assert [getattr(x, attr) for x in folded.layers] == [getattr(x, attr) for x in whole.layers]
     assert folded.layers[1].signature != folded.layers[3].signature  # dense, then MoE
     assert folded.model.arch["dense_layers"] == 2 and folded.model.arch["shared_experts"] == 1
+
+
+AUTOCAST_MODEL = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32"
+
+
+def _whole_model_saved_bytes(spec: str) -> tuple[int, int]:
+    """(activation bytes autograd keeps, bytes of autocast's casts of the linears' weights) in one forward of the
+    whole fp32 model under CPU autocast on fake tensors: no node-by-node replay, no capture code."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from profiler.api import resolve_model
+
+    model, inputs = resolve_model(spec).build(batch=1, seq=32, device="meta")
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        model = model.float().to_empty(device="cpu")
+        inputs = [mode.from_tensor(torch.zeros(t.shape, dtype=t.dtype)) for t in inputs]
+        states = {StorageWeakRef(t.untyped_storage()) for t in [*model.parameters(), *model.buffers()]}
+        saved: dict = {}
+
+        def pack(t):
+            ref = StorageWeakRef(t.untyped_storage())
+            if ref not in states:
+                saved[ref] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(*inputs)
+    casts = sum(2 * m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return sum(saved.values()), casts
+
+
+def test_an_autocast_capture_saves_what_a_whole_autocast_run_saves():
+    """Node by node under CPU autocast, the capture keeps what one autocast forward of the whole model keeps, less
+    autocast's 16-bit copies of the weights (its cast cache: state, `costmodel.memory.state_bytes_per_param`);
+    between the 16-bit and the fp32 capture, since the residual stream and the loss stay fp32."""
+    lg = profile_model(AUTOCAST_MODEL, dtype="fp32", kernels="native", autocast="bf16")
+    whole, casts = _whole_model_saved_bytes(AUTOCAST_MODEL)
+    captured = sum(n.saved_bytes for n in lg.model.nodes)
+    assert captured == whole - casts
+    low = sum(n.saved_bytes for n in profile_model(AUTOCAST_MODEL, dtype="bf16", kernels="native").model.nodes)
+    high = sum(n.saved_bytes for n in profile_model(AUTOCAST_MODEL, dtype="fp32", kernels="native").model.nodes)
+    assert low < captured < high
+    dtypes = {n.op: n.output_dtypes for n in lg.model.nodes}
+    assert dtypes["aten.linear.default"] == ("bfloat16",) and dtypes["aten.embedding.default"] == ("float32",)
+    assert dtypes["aten.cross_entropy_loss.default"] == ("float32",)
+    assert lg.model.arch["autocast"] == "bf16"
+
+
+def test_the_gpu_replay_runs_cudas_fp32_ops_in_fp32():
+    """CUDA's autocast runs softmax and layer_norm in fp32 (ATen/autocast_mode.h), CPU's in the input's dtype: the
+    replay for GPUs gives an attention-core GPT's probabilities fp32, and the policy is gone afterwards."""
+    import torch
+
+    spec = "gpt:layers=1,hidden=64,heads=4,vocab=128,seq=32,attention=math"
+    gpu = profile_model(spec, dtype="fp32", autocast="bf16")
+    native = profile_model(spec, dtype="fp32", kernels="native", autocast="bf16")
+    softmax = [n for n in gpu.model.nodes if n.op.startswith("aten.softmax")]
+    assert softmax and all(n.output_dtypes == ("float32",) for n in softmax)
+    assert all(n.output_dtypes == ("bfloat16",) for n in native.model.nodes if n.op.startswith("aten.softmax"))
+    saved = {n.name: n.saved_bytes for n in native.model.nodes}
+    assert all(n.saved_bytes == 2 * saved[n.name] > 0 for n in softmax)  # the probabilities it saves: fp32, not 16-bit
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.softmax(torch.ones(2, 2, dtype=torch.bfloat16), -1).dtype == torch.bfloat16
+
+
+def test_a_16_bit_graph_makes_its_autocast_twin_once():
+    lg = profile_model(AUTOCAST_MODEL)
+    twin = lg.under_autocast()
+    assert twin is lg.under_autocast() and twin.model.arch["autocast"] == "bf16" and twin.model.dtype == "float32"
+    assert [layer.name for layer in twin.layers] == [layer.name for layer in lg.layers]
+    assert profile_model(AUTOCAST_MODEL, dtype="fp32").under_autocast() is None
+    with pytest.raises(ValueError, match="fp32"):
+        profile_model(AUTOCAST_MODEL, autocast="bf16")

@@ -6,7 +6,8 @@ pipeline rank (traced at dp = tp = 0). A deep plan's roles are traced folded (`p
 micro-batches, extrapolated; equal to the whole trace), each trace in its own process, as many at once as there
 are cores.
 
-Predicted (all from `costmodel`, at the precision the traced runtime runs: fp32 on CPU, see `planner.check.trace`):
+Predicted (all from `costmodel`, at the precision the traced runtime runs, `traced_precision`: fp32 on CPU, or the
+plan's 16-bit precision under CPU autocast where the runtime trains under autocast, see `planner.check.trace`):
 
 - memory: `costmodel.estimate.Evaluator` on the plan's layers, stages and AC: parameters, gradients, optimizer
   state, activations, temporaries (the "other" part less the GPU allowance, which a trace cannot see) and their sum;
@@ -37,7 +38,7 @@ from costmodel.cluster import load_cluster
 from costmodel.config import parse_grad_compress
 from costmodel.estimate import Evaluator
 from costmodel.layercost import is_tp_layer, recompute_comm_bytes, tp_comm_bytes
-from costmodel.memory import FRAGMENTATION, runtime_reserved_bytes
+from costmodel.memory import AUTOCAST_COPY_BYTES, FRAGMENTATION, autocast_dtype, runtime_reserved_bytes
 from costmodel.moe import COUNT_BYTES
 from costmodel.overlap import dp_step_bytes, tp_partial_bytes
 from planner.check.fold import extrapolate, fold_plan, makespan, trace_cost, traces_for
@@ -71,11 +72,23 @@ def rel_error(traced: float, predicted: float) -> float:
     return abs(traced - predicted) / top if top else 0.0
 
 
+def traced_precision(plan: Plan) -> str:
+    """The precision a check traces ``plan`` at: the plan's 16-bit one where the runtime trains under autocast
+    (traced under CPU autocast, `planner.check.trace`), else fp32 (FSDP's mixed-precision policy applies on GPUs
+    only)."""
+    return autocast_dtype(plan.config) or "fp32"
+
+
 def predicted_roles(plan: Plan, lg=None) -> list[dict]:
-    """What the cost model charges each pipeline rank of ``plan`` (traced precision: fp32 on CPU)."""
+    """What the cost model charges each pipeline rank of ``plan`` at the precision it is traced at
+    (`traced_precision`)."""
     cluster = load_cluster(plan.cluster) if isinstance(plan.cluster, str) else plan.cluster
-    cfg = replace(plan.config, precision="fp32")
-    lg = lg or check_capture(plan.model, plan.seq)
+    precision = traced_precision(plan)
+    cfg = replace(plan.config, precision=precision)
+    autocast = precision if precision != "fp32" else None
+    if lg is not None and lg.model.arch.get("autocast") != autocast:
+        lg = None
+    lg = lg or check_capture(plan.model, plan.seq, autocast)
     names = [layer.name for layer in lg.layers]
     by_name = {lay.name: lay for lay in plan.layers}
     if set(names) != set(by_name):
@@ -89,8 +102,11 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
     for r in range(cfg.pp):
         parts = next(s.memory_parts for s in est.stages if s.rank == r)
         allocated = (parts["peak"] - runtime_reserved_bytes(cfg, cluster.device)) / (1 + FRAGMENTATION)
-        memory = {"params": parts["params"], "grads": parts["grads"], "optimizer": parts["optimizer"],
-                  "activations": parts["activations"]}
+        # autocast's cast cache (16-bit copies of the parameters, held through the step) is a parameter state to
+        # the cost model (`costmodel.memory.state_bytes_per_param`) and tensors made in the step to torch's tracker
+        cache = parts["params"] * AUTOCAST_COPY_BYTES / (4 + AUTOCAST_COPY_BYTES) if autocast and cfg.zero <= 1 else 0
+        memory = {"params": parts["params"] - cache, "grads": parts["grads"], "optimizer": parts["optimizer"],
+                  "activations": parts["activations"] + cache}
         memory["temporaries"] = allocated - sum(memory.values())
         memory["peak"] = allocated
         mine = [i for i, s in enumerate(stage_of) if s % cfg.pp == r]
@@ -257,4 +273,5 @@ def check_plan(plan: Plan, *, prepare=None, fold: bool = True, tracers: Tracers 
         how += f" (pipeline rank(s) {', '.join(map(str, refolded))} traced whole: their peak could not be followed)"
     return {"ok": ok, "memory_error_max": worst["memory"], "comm_error_max": worst["comm"],
             "flops_error_max": worst["flops"], "unreduced_params": unreduced, "roles": roles, "traced_how": how,
-            "precision_traced": "fp32", "tolerances": {"memory": MEMORY_TOL, "comm": COMM_TOL, "flops": FLOPS_TOL}}
+            "precision_traced": traced_precision(plan),
+            "tolerances": {"memory": MEMORY_TOL, "comm": COMM_TOL, "flops": FLOPS_TOL}}

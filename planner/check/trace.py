@@ -21,12 +21,14 @@ How (torch 2.13, shared/FINDINGS.md "Large-scale behaviour without a GPU"):
   (a DTensor op's shards; attention by `sdpa_flop_count`, which the CPU kernel lacks). One step, not
   two: DDP rebuilds its buckets before the second, which needs real tensors.
 
-What the trace cannot see: the CPU path of the runtime trains in fp32 (autocast and FSDP's mixed-precision policy
-apply on GPUs only), so a bf16 plan is traced, and compared, at fp32. Two things a fake group cannot carry are
-supplied by the harness, each the same as what torch would have computed: pipeline stages get their boundary shapes
-from the model's own forward on the meta device instead of torch 2.13's vote and metadata exchange
-(`_static_stages`), and DDP's built-in all-reduce becomes the same reduction as a Python hook
-(`_python_allreduce_hooks`). Under zero-bubble a stage's received activations reach its module as views of the
+Precision: the CPU path of the runtime trains in fp32 (autocast and FSDP's mixed-precision policy apply on GPUs
+only). A plan the runtime trains under autocast (16-bit outside FSDP) is traced under CPU autocast, which the
+harness enters where a GPU would enter CUDA's (`_gpu_autocast`); an FSDP plan is traced, and compared, at fp32.
+
+Two things a fake group cannot carry are supplied by the harness, each the same as what torch would have computed:
+pipeline stages get their boundary shapes from the model's own forward on the meta device instead of torch 2.13's
+vote and metadata exchange (`_static_stages`), and DDP's built-in all-reduce becomes the same reduction as a Python
+hook (`_python_allreduce_hooks`). Under zero-bubble a stage's received activations reach its module as views of the
 receive buffers (`_as_views`), so that torch's memory tracker can follow its ``autograd.grad`` input-gradient pass.
 
 Three things of the tracker's own are set right: a real parameter's fake copy counts as the parameter
@@ -52,6 +54,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from costmodel.memory import autocast_dtype
 from planner.check.fold import micro_batches_traced
 from planner.check.record import Trace, memory_parts
 from planner.emit import runtime, train
@@ -469,7 +472,8 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         with (_no_cycle_collection(), _module_hooks_any(), fake, tracker, counter, _inner_collectives(counter),
               grouped_mm_on_fake_fp32(), masks_as_trained(), _step_actions(par, tracker, counter, tr) as marks):
             tracker.hold_buckets(_ddp_bucket_sizes(par))
-            tr.train_step_loss(par, optimizer, inputs, labels)
+            with _gpu_autocast(plan):
+                tr.train_step_loss(par, optimizer, inputs, labels)
         if micro_batches is not None and micro_batches > plan.grad_accum:
             _repeat_middle(counter, marks, micro_batches - plan.grad_accum)
         memory = memory_parts(tracker.category_max.__getitem__)
@@ -508,6 +512,14 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
                      moments=moments)
     finally:
         dist.destroy_process_group()
+
+
+def _gpu_autocast(plan: Plan):
+    """The autocast a GPU runs the step under (`planner.emit.train.autocast`), on the CPU: the runtime's CPU path
+    trains without it, so the harness enters CPU autocast where a GPU would enter CUDA's (the check's capture
+    replays the same CPU policy: `planner.check.tracers.check_capture`)."""
+    dtype = autocast_dtype(plan.config)
+    return torch.autocast("cpu", dtype=runtime.DTYPES[dtype]) if dtype else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

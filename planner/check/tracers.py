@@ -38,11 +38,12 @@ def load_script(path: str):
     return module
 
 
-def check_capture(model: str, seq: int | None):
-    """The capture a check predicts from (`planner.check.conformance.predicted_roles`)."""
+def check_capture(model: str, seq: int | None, autocast: str | None = None):
+    """The capture a check predicts from (`planner.check.conformance.predicted_roles`): fp32, or for a plan that
+    trains under autocast, fp32 parameters under CPU autocast to ``autocast``, as the trace runs it."""
     from profiler.api import profile_model
 
-    return profile_model(model, seq=seq, dtype="fp32", kernels=KERNELS)
+    return profile_model(model, seq=seq, dtype="fp32", kernels=KERNELS, autocast=autocast)
 
 
 def _child(job, args: tuple, kwargs: dict, conn, prepare) -> None:

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from costmodel.runnable import post_step_allreduce
+from costmodel.runnable import post_step_allreduce, trains_under_autocast
 from planner.emit.runtime import (
     DTYPES,
     Parallel,
@@ -40,7 +40,7 @@ from planner.emit.runtime import (
 
 def autocast(plan: dict, device: torch.device):
     """Mixed precision for DDP/pipeline runs on GPUs (FSDP casts through its policy; CPU runs stay fp32)."""
-    if device.type != "cuda" or plan["precision"] == "fp32" or (plan["dp"] * plan["cp"] > 1 and plan["zero"] >= 2):
+    if device.type != "cuda" or not trains_under_autocast(plan["precision"], plan["zero"], plan["dp"] * plan["cp"]):
         return contextlib.nullcontext()
     return torch.autocast("cuda", dtype=DTYPES[plan["precision"]])
 

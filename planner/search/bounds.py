@@ -60,6 +60,7 @@ from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.estimate import Evaluator, block_groups, pipeline_factor, split_layers
 from costmodel.memory import (
     FRAGMENTATION,
+    autocast_dtype,
     dp_reduction_temp_bytes,
     edge_inflight,
     grads_held_at_peak,
@@ -93,15 +94,17 @@ class Bounds:
         self.groups = block_groups(lg)  #: what the ILP counts: a group of the run's pattern stands for a block
 
     def _ev(self, cfg: ParallelConfig) -> Evaluator:
-        key = (cfg.dp, cfg.tp, cfg.pp, cfg.mbs, cfg.sp, cfg.precision, cfg.ep, cfg.cp)
+        # the capture that prices the candidate's layers: under autocast or not (`Evaluator`), by its ZeRO stage
+        zero = 0 if autocast_dtype(cfg) or cfg.precision == "fp32" else cfg.zero
+        key = (cfg.dp, cfg.tp, cfg.pp, cfg.mbs, cfg.sp, cfg.precision, cfg.ep, cfg.cp, zero)
         if key not in self._evs:
             base = ParallelConfig(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, mbs=cfg.mbs, sp=cfg.sp, precision=cfg.precision,
-                                  schedule=Schedule.ONE_F_ONE_B, ep=cfg.ep, cp=cfg.cp)
+                                  schedule=Schedule.ONE_F_ONE_B, ep=cfg.ep, cp=cfg.cp, zero=zero)
             self._evs[key] = Evaluator(self.lg, self.cluster, base, self.gb, cache=self.cache)
         return self._evs[key]
 
     def _group(self, cfg: ParallelConfig) -> _Group:
-        key = (cfg.tp, cfg.sp, cfg.mbs, cfg.precision, cfg.ep, cfg.cp)
+        key = (cfg.tp, cfg.sp, cfg.mbs, cfg.precision, cfg.ep, cfg.cp, bool(autocast_dtype(cfg)))
         if key not in self._groups:
             self._groups[key] = _Group.build(self, self._ev(cfg))
         return self._groups[key]
@@ -118,7 +121,7 @@ class Bounds:
         p2p = 0.0
         if S > 1:
             p2p = ev.p2p_time(self.groups[-1][0])
-            if cfg.precision == "fp32":
+            if ev.wide_boundaries:
                 p2p /= 2  # bf16 casts at best halve the transfer
         fixed = g.pre_t + g.post_t + (S - 1) * p2p + self._fsdp(cfg, g, ev)
         best = INF

@@ -582,6 +582,8 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
 
     ``world_size`` (when given) must equal the cluster's GPUs; ``global_batch`` defaults to the example batch
     times the world size; other keywords go to `search` (fix, top_k, time_limit)."""
+    import torch
+
     from costmodel.cluster import load_cluster
     from profiler.capture import capture
     from profiler.layers import context_parallel_ready, group_layers
@@ -600,6 +602,16 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
         graph = capture(model, example_inputs, name=name, arch={"cp_ready": context_parallel_ready(model)})
     lg = group_layers(graph)
     lg.model.arch["attention_core"] = has_attention_core(lg)
+    if all(p.dtype == torch.float32 for p in model.parameters() if p.is_floating_point()):
+
+        def under_autocast():  # what its plans that train under autocast keep (`LayerGraph.under_autocast`)
+            with masks_as_trained():
+                twin = group_layers(capture(model, example_inputs, name=name, autocast="bf16",
+                                            arch={"cp_ready": context_parallel_ready(model)}))
+            twin.model.arch["attention_core"] = has_attention_core(twin)
+            return twin
+
+        lg = replace(lg, recapture=under_autocast)
     batch = lg.model.batch or 1
     gb = global_batch or batch * cl.world_size
     result = search(lg, cl, gb, **kw)

@@ -352,6 +352,14 @@ def post_step_allreduce(dp: int, tp: int, zero: int, schedule: str, pp: int) -> 
     return dp > 1 and zero <= 1 and (tp > 1 or (pp > 1 and schedule == "zb"))
 
 
+def trains_under_autocast(precision: str, zero: int, data_ranks: int) -> bool:
+    """Whether autopar's runtime trains under ``torch.autocast`` over fp32 parameters: 16-bit training outside
+    FSDP (DDP, ZeRO-1, one data-parallel rank); FSDP2 (ZeRO 2/3 over dp × cp > 1) casts through its
+    mixed-precision policy instead. What the runtime does on GPUs (`planner.emit.train.autocast`), what a check
+    traces under CPU autocast, and which capture prices the plan's activations (`costmodel.memory.autocast_dtype`)."""
+    return precision in ("bf16", "fp16") and not (data_ranks > 1 and zero >= 2)
+
+
 def selective_policy(attention_core) -> str:
     """What ``ac=selective`` does to a model's blocks; the cost model (`costmodel.layercost.CostContext.selective`)
     and the runtime (`planner.emit.runtime.apply_ac`) read this one rule.
@@ -911,7 +919,9 @@ def _stages_stay_unsharded(local_stages: int):
 
 def autocast(plan: dict, device: torch.device):
     """Mixed precision for DDP/pipeline runs on GPUs (FSDP casts through its policy; CPU runs stay fp32)."""
-    return contextlib.nullcontext()
+    if device.type != "cuda" or not trains_under_autocast(plan["precision"], plan["zero"], plan["dp"] * plan["cp"]):
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=DTYPES[plan["precision"]])
 
 
 def build_optimizer(par: Parallel, plan: dict) -> torch.optim.Optimizer:
