@@ -387,6 +387,24 @@ def recompute_traffic(layer: Layer, ctx: CostContext, ac: AC = AC.FULL) -> tuple
     return nbytes * ctx.scale * ctx.act_scale, max(calls, 1)
 
 
+def _expert_dtypes(layer: Layer, owned, ctx: CostContext) -> tuple[int, int]:
+    """Bytes per element of the tokens the experts take and of the outputs they give: the dtypes the capture saw at
+    the expert modules' first input and last output (under autocast the tokens come from a norm of the fp32
+    residual stream and the experts' matmuls give 16 bits); the training precision's where the capture shows none
+    (a plain capture is in one dtype: `CostContext.act_scale` rescales it)."""
+    plain = 4 if ctx.precision == "fp32" else 2
+    if ctx.act_scale != 1.0:
+        return plain, plain
+    paths = {p.fqn.rsplit(".", 1)[0] for p in owned if is_expert_param(p, ctx.experts)}
+    mine = [n for n in layer.nodes if n.module_path in paths or any(n.module_path.startswith(q + ".") for q in paths)]
+    if not mine:
+        return plain, plain
+    first = next((n for n in mine if n.input_dtypes and n.kind != "view"), mine[0])
+    last = next((n for n in reversed(mine) if n.output_dtypes and n.kind != "view"), mine[-1])
+    into = _elt(first.input_dtypes[0]) if first.input_dtypes else plain
+    return into, _elt(last.output_dtypes[0]) if last.output_dtypes else plain
+
+
 def _gathered_inputs(layer: Layer) -> dict[str, float]:
     """Row-parallel node → bytes of the distinct column-parallel inputs of its region (the column-parallel ops since
     the previous row-parallel one): what sequence parallelism all-gathers before the region, where the row's
@@ -519,7 +537,10 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
             rec_full_flops += n.fwd_flops * k * cp
             rank_rec_full += n.fwd_flops * k * f * counted
         whole = n.tp_role == "column" and ctx.gathered_column_inputs  # its saved input is not split
-        saved = n.saved_bytes * k * (1.0 if whole else f) * ctx.act_scale
+        # copies of weights it saves (`NodeInfo.saved_weight_bytes`) are the rank's shard of the weight, whatever
+        # the batch: an expert's under expert parallelism on 1/ep of the ranks
+        copies = n.saved_weight_bytes * f / (ctx.ep if any(p in experts for p in n.params) else 1)
+        saved = (n.saved_bytes - n.saved_weight_bytes) * k * (1.0 if whole else f) * ctx.act_scale + copies
         if n.tp_role in _SHARDED_ROLES and tp_layer and not whole:
             act_sharded += saved
         else:
@@ -627,9 +648,11 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     ffns = moe_modules(owned, ctx.experts)
     if ffns and ctx.ep > 1 and ctx.ep_span is not None:
         # mbs·seq tokens (under sequence parallelism each TP rank routes its slice of them), top_k rows of hidden
-        # each, in the training precision's activation dtype
-        payload = ctx.mbs * ctx.tokens * ctx.top_k * ctx.hidden * (4 if ctx.precision == "fp32" else 2)
-        payload /= tp if ctx.sp else 1
+        # each, in the dtypes the experts take and give (`_expert_dtypes`): the dispatch and its gradient move the
+        # tokens, the combine and its gradient the experts' outputs, half the calls each
+        rows = ctx.mbs * ctx.tokens * ctx.top_k * ctx.hidden / (tp if ctx.sp else 1)
+        into, out_of = _expert_dtypes(layer, owned, ctx)
+        payload = rows * (into + out_of) / 2
         calls, count_calls = a2a_calls(ffns, ac == AC.FULL)
         one = all_to_all_time(payload, ctx.ep_span, ctx.cluster)
         counts = all_to_all_time(ctx.experts * COUNT_BYTES, ctx.ep_span, ctx.cluster)

@@ -190,19 +190,28 @@ def _cuda_fp32_policy():
 
 
 class _ParamCasts(TorchDispatchMode):
-    """Records the casts of parameters (autocast's cast cache): their outputs join ``constants``, the storages
-    that are never activations, and their bytes are kept apart from the node's traffic."""
+    """Records the casts autocast keeps in its cast cache: their outputs join ``constants``, the storages that are
+    never activations, and their bytes are kept apart from the node's traffic. torch caches the cast of an fp32 leaf
+    that requires grad and is not a view, to the autocast dtype (autocast_mode.cpp, ``cached_cast``): a whole
+    parameter (``whole``: storage → shape and strides), not a slice or a transpose of one (a grouped expert
+    weight's ``w.transpose(1, 2)``, ``w[e]``), whose copy is made, and saved, at every call."""
 
-    def __init__(self, constants: set) -> None:
+    def __init__(self, constants: set, whole: dict, copies: set) -> None:
         super().__init__()
-        self.constants, self.bytes = constants, 0
+        self.constants, self.whole, self.copies, self.bytes = constants, whole, copies, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor) and \
-                StorageWeakRef(args[0].untyped_storage()) in self.constants:
+        a = args[0] if args else None
+        if func is not torch.ops.aten._to_copy.default or not isinstance(a, torch.Tensor):
+            return out
+        ref = StorageWeakRef(a.untyped_storage())
+        if a.dtype == torch.float32 and out.dtype in (torch.bfloat16, torch.float16) and a.storage_offset() == 0 \
+                and self.whole.get(ref) == (tuple(a.shape), a.stride()):
             self.constants.add(StorageWeakRef(out.untyped_storage()))
-            self.bytes += _nbytes(args[0]) + _nbytes(out)
+            self.bytes += _nbytes(a) + _nbytes(out)
+        elif ref in self.whole:  # a copy of (part of) a weight, made per call: sized as the weight, not the batch
+            self.copies.add(StorageWeakRef(out.untyped_storage()))
         return out
 
 
@@ -432,6 +441,10 @@ class _Replay:
     def __init__(self, gm, method, mapping, fake, canonical, inputs, mode, constant_storages, kernels, model,
                  batch=1, seq=0, autocast: torch.dtype | None = None):
         self.autocast = autocast
+        # the parameters autocast caches a cast of (fp32 leaves that require grad: `_ParamCasts`)
+        self.whole = {StorageWeakRef(t.untyped_storage()): (tuple(t.shape), t.stride()) for t in fake.values()
+                      if t.requires_grad and t.dtype == torch.float32}
+        self.weight_copies: set = set()  # casts of parts of them, made per call (`NodeInfo.saved_weight_bytes`)
         self.gm, self.method, self.mapping = gm, method, mapping
         self.batch, self.seq = batch, seq
         self.fake, self.canonical, self.inputs, self.mode = fake, canonical, inputs, mode
@@ -453,12 +466,15 @@ class _Replay:
         if ref in self.constant_storages:
             return t
         square = self.scores(t.shape)  # seq×seq attention scores/probabilities
+        weight = ref in self.weight_copies
         if ref not in self.storage_ids:
             self.storage_ids[ref] = len(self.storage_ids)
             self._charged += t.untyped_storage().nbytes()
             if square:
                 self._square_charged += t.untyped_storage().nbytes()
-        self._saved.append((self.storage_ids[ref], t.untyped_storage().nbytes(), bool(square)))
+            if weight:
+                self._weight_charged += t.untyped_storage().nbytes()
+        self._saved.append((self.storage_ids[ref], t.untyped_storage().nbytes(), bool(square), weight))
         return t
 
     def _placeholders(self) -> None:
@@ -558,7 +574,9 @@ class _Replay:
         self._charged = 0
         self._saved = []
         self._square_charged = 0
-        casts = _ParamCasts(self.constant_storages) if self.autocast is not None else contextlib.nullcontext()
+        self._weight_charged = 0
+        casts = _ParamCasts(self.constant_storages, self.whole, self.weight_copies) if self.autocast is not None else \
+            contextlib.nullcontext()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), _counting() as (fc, bc), casts:
             out = fn(*args, **kwargs)
         fwd_flops, fwd_bytes, saved = fc.get_total_flops(), bc.total, self._charged
@@ -599,7 +617,7 @@ class _Replay:
             output_dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in out_t),
             fwd_flops=int(fwd_flops), bwd_flops=int(bwd_flops), fwd_bytes=int(fwd_bytes), bwd_bytes=int(bwd_bytes),
             output_bytes=sum(_nbytes(t) for t in out_t), params=tuple(params), saved_bytes=int(saved),
-            saved_square_bytes=int(self._square_charged),
+            saved_square_bytes=int(self._square_charged), saved_weight_bytes=int(self._weight_charged),
             attention_core=any(self.scores(s) for s in (*(t.shape for t in in_t), *(t.shape for t in out_t))),
             dropout=dropout,
             saved=tuple(dict.fromkeys(self._saved)),

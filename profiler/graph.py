@@ -59,8 +59,13 @@ class NodeInfo:
     output_bytes: int  #: bytes of the node's tensor outputs
     params: tuple[str, ...]  #: FQNs of the parameters this node reads directly
     inputs: tuple[str, ...] = ()  #: names of the call nodes whose outputs this node reads
-    saved: tuple[tuple[int, int, bool], ...] = ()  #: (storage id, bytes, is seq×seq) of every storage it saves
+    #: (storage id, bytes, is seq×seq, is a weight's copy) of every storage it saves
+    saved: tuple[tuple[int, int, bool, bool], ...] = ()
     saved_square_bytes: int = 0  #: the part of saved_bytes in seq×seq tensors (attention scores/probabilities)
+    #: the part of saved_bytes in per-call copies of (parts of) parameters: under autocast the cast of a weight
+    #: autocast does not cache (a grouped expert weight's transpose, `profiler.capture._ParamCasts`); sized as the
+    #: weight (its shard on a rank), not as the batch
+    saved_weight_bytes: int = 0
     #: whether it reads or makes attention scores (`attention_scores`, judged by the capture)
     attention_core: bool = False
     #: a fused attention kernel that draws dropout (``dropout_p`` > 0): selective AC recomputes it, since a kept

@@ -355,10 +355,11 @@ def _dedupe_saved_within(nodes: list[NodeInfo]) -> list[NodeInfo]:
     seen: set[int] = set()
     out = []
     for n in nodes:
-        fresh = [(sid, b, sq) for sid, b, sq in n.saved if sid not in seen]
-        seen.update(sid for sid, _, _ in fresh)
-        out.append(_with(n, saved_bytes=sum(b for _, b, _ in fresh),
-                         saved_square_bytes=sum(b for _, b, sq in fresh if sq)))
+        fresh = [(sid, b, sq, bool(w and w[0])) for sid, b, sq, *w in n.saved if sid not in seen]
+        seen.update(sid for sid, *_ in fresh)
+        out.append(_with(n, saved_bytes=sum(b for _, b, _, _ in fresh),
+                         saved_square_bytes=sum(b for _, b, sq, _ in fresh if sq),
+                         saved_weight_bytes=sum(b for _, b, _, w in fresh if w)))
     return out
 
 

@@ -54,7 +54,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from costmodel.memory import autocast_dtype
+from costmodel.runnable import trains_under_autocast
 from planner.check.fold import micro_batches_traced
 from planner.check.record import Trace, memory_parts
 from planner.emit import runtime, train
@@ -472,7 +472,7 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         with (_no_cycle_collection(), _module_hooks_any(), fake, tracker, counter, _inner_collectives(counter),
               grouped_mm_on_fake_fp32(), masks_as_trained(), _step_actions(par, tracker, counter, tr) as marks):
             tracker.hold_buckets(_ddp_bucket_sizes(par))
-            with _gpu_autocast(plan):
+            with _gpu_autocast(tr):
                 tr.train_step_loss(par, optimizer, inputs, labels)
         if micro_batches is not None and micro_batches > plan.grad_accum:
             _repeat_middle(counter, marks, micro_batches - plan.grad_accum)
@@ -514,12 +514,25 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         dist.destroy_process_group()
 
 
-def _gpu_autocast(plan: Plan):
-    """The autocast a GPU runs the step under (`planner.emit.train.autocast`), on the CPU: the runtime's CPU path
-    trains without it, so the harness enters CPU autocast where a GPU would enter CUDA's (the check's capture
-    replays the same CPU policy: `planner.check.tracers.check_capture`)."""
-    dtype = autocast_dtype(plan.config)
-    return torch.autocast("cpu", dtype=runtime.DTYPES[dtype]) if dtype else contextlib.nullcontext()
+@contextlib.contextmanager
+def _gpu_autocast(tr):
+    """The autocast a GPU runs the step under, on the CPU: the runtime's CPU path trains without it, so while
+    inside, the step's own ``autocast`` (`planner.emit.train.autocast`, or an emitted script's) enters CPU autocast
+    where a GPU would enter CUDA's, over the same region (the forward and backward passes, not the gradient
+    reductions after them, the clipping or the optimizer step). The check's capture replays the same CPU policy
+    (`planner.check.tracers.check_capture`)."""
+    original = tr.autocast
+
+    def on_cpu(plan: dict, device):
+        if trains_under_autocast(plan["precision"], plan["zero"], plan["dp"] * plan.get("cp", 1)):
+            return torch.autocast("cpu", dtype=runtime.DTYPES[plan["precision"]])
+        return original(plan, device)
+
+    tr.autocast = on_cpu
+    try:
+        yield
+    finally:
+        tr.autocast = original
 
 
 @contextlib.contextmanager
