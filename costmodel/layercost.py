@@ -274,11 +274,10 @@ def _tp_comm(layer: Layer) -> tuple[float, float, int, int]:
     bwd, n_bwd = 0.0, 0
     for n in layer.nodes:
         if n.tp_role == "column":
-            src = next((i for i in n.inputs if i in by_name and by_name[i].tp_role not in _SHARDED_ROLES), None)
-            key = src or f"<input of {n.name}>"
+            key, nbytes = _column_input(n, by_name, layer)
             if key not in col_inputs:
                 col_inputs.add(key)
-                bwd += by_name[src].output_bytes if src else layer.input_bytes
+                bwd += nbytes
                 n_bwd += 1
         elif n.tp_role == "vocab" and "embedding" in n.op:
             fwd += n.output_bytes
@@ -288,6 +287,14 @@ def _tp_comm(layer: Layer) -> tuple[float, float, int, int]:
                 bwd += _prod(n.input_shapes[0]) * _elt(n.input_dtypes[0])
                 n_bwd += 1
     return fwd, bwd, n_fwd, n_bwd
+
+
+def _column_input(n: NodeInfo, by_name: dict, layer: Layer) -> tuple[str, float]:
+    """What a column-parallel node reads whole (its input's gradient is all-reduced, or under sequence parallelism
+    the input all-gathered): its input from a node that is not sharded itself, else the layer's input; (a key that
+    names it, its bytes at the captured batch)."""
+    src = next((i for i in n.inputs if i in by_name and by_name[i].tp_role not in _SHARDED_ROLES), None)
+    return (src, by_name[src].output_bytes) if src else (f"<input of {n.name}>", layer.input_bytes)
 
 
 def _prod(shape) -> int:
@@ -414,11 +421,10 @@ def _gathered_inputs(layer: Layer) -> dict[str, float]:
     out, pending, seen = {}, 0.0, set()
     for n in layer.nodes:
         if n.tp_role == "column":
-            src = next((i for i in n.inputs if i in by_name and by_name[i].tp_role not in _SHARDED_ROLES), None)
-            key = src or f"<input of {n.name}>"
+            key, nbytes = _column_input(n, by_name, layer)
             if key not in seen:
                 seen.add(key)
-                pending += by_name[src].output_bytes if src else layer.input_bytes
+                pending += nbytes
         elif n.tp_role == "row":
             out[n.name], pending, seen = (pending or n.output_bytes), 0.0, set()
     return out
