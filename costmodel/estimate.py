@@ -308,14 +308,15 @@ class Evaluator:
         under = autocast_dtype(cfg, autocast)
         if under and not lg.model.arch.get("autocast"):
             lg = lg.under_autocast() or lg
-        if lg.model.arch.get("autocast") and not under:
+        autocast_capture = bool(lg.model.arch.get("autocast"))
+        if autocast_capture and not under:
             raise ValueError(f"a graph captured under autocast prices only plans that train under it (16-bit, "
                              f"zero ≤ 1), not precision={cfg.precision} zero={cfg.zero}")
         self.lg, self.cluster, self.cfg, self.global_batch = lg, cluster, cfg, global_batch
         self.m = global_batch // (cfg.dp * cfg.mbs)
         captured = dtype_bytes(lg.model.dtype)
         # the autocast capture holds each activation's real dtype; a plain capture is rescaled to the precision
-        self.act_scale = 1.0 if lg.model.arch.get("autocast") else (4 if cfg.precision == "fp32" else 2) / captured
+        self.act_scale = 1.0 if autocast_capture else (4 if cfg.precision == "fp32" else 2) / captured
         gpn = cluster.gpus_per_node
         self.tp_span = group_span(cluster, cfg.tp, 1) if cfg.tp > 1 else None
         # the gradient-reduction group: dp × cp consecutive ranks of stride tp (`ParallelConfig.data_ranks`)
@@ -346,8 +347,7 @@ class Evaluator:
         self._tied_numel: float | None = None  # elements of the embedding/head tied weight per rank (pp > 1)
         self._cache: dict[tuple[str, str, AC], LayerCost] = shared.setdefault(
             ("layer_costs", cfg.tp, cfg.sp, cfg.mbs, cfg.precision, bool(measured), in_place_loss,
-             gathered_column_inputs, compiled, selective, pipelined, cfg.ep, cfg.cp,
-             bool(lg.model.arch.get("autocast"))), {})
+             gathered_column_inputs, compiled, selective, pipelined, cfg.ep, cfg.cp, autocast_capture), {})
         self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
 
     # -- per-layer and per-boundary pieces (the ILP's coefficients) ------------------------------------------

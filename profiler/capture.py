@@ -377,11 +377,11 @@ def capture(
     if autocast is not None:
         if autocast not in _AUTOCAST_DTYPES:
             raise ValueError(f"autocast must be one of {tuple(_AUTOCAST_DTYPES)} or None, got {autocast!r}")
-        low = [n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
+        low = next(((n, p.dtype) for n, p in model.named_parameters()
+                    if p.is_floating_point() and p.dtype != torch.float32), None)
         if low:
             raise ValueError(f"autocast capture needs fp32 parameters (autocast trains over fp32 ones), but "
-                             f"{low[0]} is {next(p for n, p in model.named_parameters() if n == low[0]).dtype}; "
-                             "build the model in fp32")
+                             f"{low[0]} is {low[1]}; build the model in fp32")
     example_inputs = tuple(example_inputs)
     stack = _ModuleStack(model)
     try:

@@ -94,8 +94,9 @@ class Bounds:
         self.groups = block_groups(lg)  #: what the ILP counts: a group of the run's pattern stands for a block
 
     def _ev(self, cfg: ParallelConfig) -> Evaluator:
-        # the capture that prices the candidate's layers: under autocast or not (`Evaluator`), by its ZeRO stage
-        zero = 0 if autocast_dtype(cfg) or cfg.precision == "fp32" else cfg.zero
+        # the capture that prices the candidate's layers (`Evaluator`): under autocast (zero 0 stands for it) or not
+        # (16-bit FSDP: zero 3 stands for zero 2 too, their layers cost the same)
+        zero = 0 if autocast_dtype(cfg) or cfg.precision == "fp32" else 3
         key = (cfg.dp, cfg.tp, cfg.pp, cfg.mbs, cfg.sp, cfg.precision, cfg.ep, cfg.cp, zero)
         if key not in self._evs:
             base = ParallelConfig(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, mbs=cfg.mbs, sp=cfg.sp, precision=cfg.precision,

@@ -52,6 +52,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 
 from costmodel.cluster import Cluster
 from costmodel.compression import allowed_options
@@ -597,21 +598,20 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
             raise ValueError(f"world size {world_size} but cluster {cluster} has {cl.world_size} GPUs; pass a "
                              "cluster with that many GPUs")
     name = f"module:{type(model).__name__}"
-    # (the arch fact the rules read: whether the runtime can split this module's sequence)
-    with masks_as_trained():  # (a Hugging Face module: the masks a training step makes, not export's)
-        graph = capture(model, example_inputs, name=name, arch={"cp_ready": context_parallel_ready(model)})
-    lg = group_layers(graph)
-    lg.model.arch["attention_core"] = has_attention_core(lg)
+
+    def layers(autocast: str | None = None) -> LayerGraph:
+        # (the arch fact the rules read: whether the runtime can split this module's sequence)
+        with masks_as_trained():  # (a Hugging Face module: the masks a training step makes, not export's)
+            graph = capture(model, example_inputs, name=name, arch={"cp_ready": context_parallel_ready(model)},
+                            autocast=autocast)
+        out = group_layers(graph)
+        out.model.arch["attention_core"] = has_attention_core(out)
+        return out
+
+    lg = layers()
     if all(p.dtype == torch.float32 for p in model.parameters() if p.is_floating_point()):
-
-        def under_autocast():  # what its plans that train under autocast keep (`LayerGraph.under_autocast`)
-            with masks_as_trained():
-                twin = group_layers(capture(model, example_inputs, name=name, autocast="bf16",
-                                            arch={"cp_ready": context_parallel_ready(model)}))
-            twin.model.arch["attention_core"] = has_attention_core(twin)
-            return twin
-
-        lg = replace(lg, recapture=under_autocast)
+        # what its plans that train under autocast keep (`LayerGraph.under_autocast`)
+        lg = replace(lg, recapture=partial(layers, "bf16"))
     batch = lg.model.batch or 1
     gb = global_batch or batch * cl.world_size
     result = search(lg, cl, gb, **kw)
