@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 #: Collective kinds a link may carry per-kind figures for (the values of ``costmodel.collectives.Collective``).
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 
 #: Where ``python -m costmodel.gloo_bench`` writes the fitted loopback link of the ``cpu-local`` cluster.
 CPU_LOCAL_FILE = Path(__file__).parent / "data" / "cpu_local.yaml"

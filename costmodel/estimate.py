@@ -13,8 +13,9 @@ Composition (all per optimizer step; m = global_batch / (dp · mbs) micro-batche
    for zero-bubble ZB-H1 (bubble (p − 1)(T_F + T_B − T_W) ≈ ⅓ of 1F1B's with T_F ≈ T_B ≈ T_W, Qi et al. 2023
    §3.1). With p = 1 the step is m · T.
 3. Data-parallel gradient reduction after the last micro-batch overlaps that micro-batch's backward
-   (`costmodel.overlap.dp_exposed`); the slowest rank's exposed part is added, then the optimizer step
-   (memory-bound Adam, `optimizer_time`).
+   (`costmodel.overlap.dp_exposed`); the slowest rank's exposed part is added, then the gradient clipping and the
+   optimizer step (memory-bound, `clip_time` and Adam's `optimizer_time`) and the loss's reduction
+   (`loss_sync_time`).
 
 The same composition is what the planner's ILP linearises (planner/search/ilp.py); `evaluate` is its reference.
 """
@@ -53,7 +54,7 @@ from costmodel.memory import (
     runtime_reserved_bytes,
     state_bytes_at_peak,
 )
-from costmodel.overlap import dp_exposed, fsdp_exposed, optimizer_time, tp_partial_bytes
+from costmodel.overlap import clip_time, dp_exposed, fsdp_exposed, loss_sync_time, optimizer_time, tp_partial_bytes
 from costmodel.runnable import selective_policy
 from profiler.graph import LayerGraph
 from profiler.layers import has_attention_core
@@ -524,11 +525,14 @@ class Evaluator:
             exposed, encode = dp_exposed(rc, self)
             dp_exp.append(exposed)
             comp_cost.append(encode)
-            opt.append(optimizer_time(params, self, extra))
+            # the optimizer step and the gradient clipping before it
+            opt.append(optimizer_time(params, self, extra)
+                       + clip_time(params, sum(x.param_tensors for x in rc), self, extra))
             partial.append(self.tp_partial_sync_time(rc))
             mems.append(self._rank_memory(r, rank_of, stages, costs, params, extra))
         tied = [self.tied_sync_time(r) for r in range(cfg.pp)]
-        finish = [dp_exp[r] + comp_cost[r] + opt[r] + tied[r] + partial[r] for r in range(cfg.pp)]
+        loss_dp, loss_pp = loss_sync_time(self)  # the step's loss, averaged over the ranks: every rank waits for it
+        finish = [dp_exp[r] + comp_cost[r] + opt[r] + tied[r] + partial[r] + loss_dp + loss_pp for r in range(cfg.pp)]
         last = max(range(cfg.pp), key=lambda r: finish[r])
         step = pipe + finish[last]
 
@@ -537,8 +541,9 @@ class Evaluator:
         breakdown = {
             "compute": self.m * agg["compute"], "recompute": self.m * agg["recompute"],
             "tp_comm": self.m * agg["tp_comm"] + partial[last], "cp_comm": self.m * agg["cp_comm"],
-            "pp_comm": self.m * agg["pp_comm"] + tied[last],
-            "dp_comm_exposed": self.m * agg["fsdp"] + dp_exp[last], "bubble": pipe - self.m * t_rank[bottleneck],
+            "pp_comm": self.m * agg["pp_comm"] + tied[last] + loss_pp,
+            "dp_comm_exposed": self.m * agg["fsdp"] + dp_exp[last] + loss_dp,
+            "bubble": pipe - self.m * t_rank[bottleneck],
             "optimizer": opt[last], "compression": comp_cost[last],
         }
         if cfg.ep > 1:  # the expert all-to-alls (a key beyond shared/DESIGN.md's set, only where there are any)

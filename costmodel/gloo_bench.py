@@ -4,10 +4,11 @@
 
 Measurement. ``--launches`` times (12), fork ``--ranks`` gloo processes on 127.0.0.1 (one thread each, rank r
 pinned to the r-th core when there is a core per rank, glibc's malloc thresholds fixed at the values a long-running
-process settles at) and time all_reduce, all_gather, reduce_scatter, all_to_all and send/recv (ping-pong, half the
-round trip) at every power of two from 4 KiB to 64 MiB. Every sample is one op, timed alone. Each launch visits the
-points ``--rounds`` times (2) in a shuffled order (the same on every rank), a batch of samples each time, so that a
-burst of load from elsewhere, and whatever ran just before, land on all sizes alike: a size's time depends on its
+process settles at) and time all_reduce, all_gather, reduce_scatter, all_to_all, send/recv (ping-pong, half the
+round trip) and broadcast (from rank 0) at every power of two from 4 KiB to 64 MiB. Every sample is one op, timed
+alone. Each launch visits the points ``--rounds`` times (2) in a shuffled order (the same on every rank), a batch of
+samples each time, so that a burst of load from elsewhere, and whatever ran just before, land on all sizes alike:
+a size's time depends on its
 predecessor (all_to_all at 1 MiB took 0.13 ms among small ops, 0.19 ms right after 64 MiB ones). A point's figure
 is the geometric mean over the launches of each launch's 0.1 quantile.
 
@@ -40,6 +41,9 @@ the mean over launches of such calls less the fit is the link's ``call_latency``
 
 Output: the YAML read by ``costmodel.cluster`` (``intra`` with ``by_kind`` figures; the defaults are all_reduce's),
 the date, torch version, the statistic, and the raw times. A full run takes ~3 min, a check ~2 min.
+
+``--kinds K,…`` measures, fits and times the calls of those kinds only and merges them into the saved fit file,
+leaving the other kinds' figures as they were (a kind added to the benchmark after the file was written).
 
 ``--check`` measures again, in fresh processes, at 1-64 MiB: the fitted powers of two and, between each two, a size
 the fit never saw (1.5, 3, 6, 12, 24, 48 MiB), among the fit's own sizes (so that each size has the same
@@ -79,7 +83,7 @@ LINE_MAX = 256 * KiB
 #: the check: 1-64 MiB, the fitted powers of two and, between each two, a size the fit never saw (1.5·2^k).
 CHECK_SIZES = tuple(sorted({MiB * 2**i for i in range(7)} | {3 * MiB // 2 * 2**i for i in range(6)}))
 KINDS = (Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL,
-         Collective.SEND_RECV)
+         Collective.SEND_RECV, Collective.BROADCAST)
 TOLERANCE = 0.20
 #: the kinds the check's verdict is on (issue 3's acceptance); the others are measured and printed alongside.
 GRADED = (Collective.ALL_REDUCE, Collective.ALL_GATHER)
@@ -130,6 +134,9 @@ def _op(kind: Collective, nbytes: int, rank: int, world: int):
     if kind is Collective.ALL_TO_ALL:  # nbytes = buffer per rank
         inp, out = torch.ones(numel), torch.empty(numel)
         return lambda: dist.all_to_all_single(out, inp)
+    if kind is Collective.BROADCAST:  # nbytes = the buffer, from rank 0 (ZeroRedundancyOptimizer's, per tensor)
+        buf = torch.ones(numel)
+        return lambda: dist.broadcast(buf, src=0)
     buf = torch.ones(numel)  # send/recv ping-pong between ranks 0 and 1; other ranks idle
 
     def ping_pong() -> None:
@@ -547,6 +554,40 @@ def _read_fit(path: Path) -> tuple[str, dict, Link] | None:
         return None
 
 
+def _update_kinds(args, kinds: Sequence[Collective], text: str, saved: dict, link: Link, t0: float) -> int:
+    """``--kinds``: measure, refine, fit and time the calls of ``kinds`` on the saved file's ranks, and write them
+    into the file beside the other kinds' figures, which stay as they were."""
+    ranks = saved.get("ranks", args.ranks)
+    quantile, rounds, launches = saved.get("quantile", args.quantile), saved.get("rounds", args.rounds), \
+        saved.get("launches", args.launches)
+    times_by = measure(kinds, SIZES, ranks=ranks, rounds=rounds, quantile=quantile, launches=launches)
+    refine(times_by, ranks=ranks, rounds=rounds, launches=launches, quantile=quantile)
+    fits = {kind: fit_kind(kind, times_by[kind.value], ranks) for kind in kinds}
+    new = link_from_fits(fits, link.source)
+    calls = measure_call_latency(new, kinds, ranks=ranks)
+    link = replace(link, bandwidth_by_kind={**link.bandwidth_by_kind, **new.bandwidth_by_kind},
+                   latency_by_kind={**link.latency_by_kind, **new.latency_by_kind},
+                   curve_by_kind={**link.curve_by_kind, **new.curve_by_kind},
+                   call_latency_by_kind={**link.call_latency_by_kind, **{k: lat for k, (_, lat) in calls.items()}})
+    saved["intra"] = _dump_link(link)
+    saved.setdefault("fit_max_rel_error", {}).update({k.value: round(f.max_rel_error, 4) for k, f in fits.items()})
+    record = saved.setdefault("call_latency", _call_record(calls))
+    record.setdefault("mean_ms", {}).update({k: _sig(m * 1e3) for k, (m, _) in calls.items()})
+    saved.setdefault("updated", {}).update({k.value: datetime.date.today().isoformat() for k in kinds})
+    saved.setdefault("measured_s", {}).update(
+        {k: {int(n): _sig(t) for n, t in sorted(v.items())} for k, v in times_by.items()})
+    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    args.out.write_text(header + yaml.safe_dump(saved, sort_keys=False, width=120, allow_unicode=True,
+                                                default_flow_style=None))
+    table, _ = _table(times_by, link, ranks)
+    print(table)
+    for kind, fit in fits.items():
+        print(f"{kind.value:<15} B = {fit.bandwidth / 1e9:.3f} GB/s  α = {fit.latency * 1e6:.1f} µs/step  "
+              f"call latency {calls[kind.value][1] * 1e3:.3f} ms  max fit error {fit.max_rel_error:.1%}")
+    print(f"updated {', '.join(k.value for k in kinds)} in {args.out}; {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m costmodel.gloo_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2, help="gloo ranks (2: one per core on this machine)")
@@ -559,14 +600,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="measure only the per-call latency and update it in the saved fit file")
     parser.add_argument("--check", action="store_true",
                         help="re-measure 1-64 MiB (sizes outside the fit too) and report the saved fit's error")
+    parser.add_argument("--kinds", help="measure and fit only these kinds (comma-separated, e.g. broadcast) and "
+                                        "merge them into the saved fit file")
     args = parser.parse_args(argv)
     if not 0.0 <= args.quantile <= 1.0:
         parser.error(f"--quantile must lie in [0, 1], got {args.quantile}")
     if args.rounds < 1 or args.launches < 1:
         parser.error(f"--rounds and --launches must be at least 1, got {args.rounds} and {args.launches}")
+    kinds = list(KINDS)
+    if args.kinds:
+        try:
+            kinds = [Collective(k.strip()) for k in args.kinds.split(",") if k.strip()]
+        except ValueError as exc:
+            parser.error(f"--kinds: {exc}; known: {', '.join(k.value for k in KINDS)}")
     t0 = time.perf_counter()
 
-    if args.calls or args.check:
+    if args.calls or args.check or args.kinds:
         loaded = _read_fit(args.out)
         if loaded is None:
             return 2
@@ -584,8 +633,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"updated {args.out}; {time.perf_counter() - t0:.1f} s")
         return 0
 
+    if args.kinds and not args.check:
+        return _update_kinds(args, kinds, text, saved, link, t0)
+
     if args.check:
-        kinds = [Collective(k) for k in saved["intra"].get("by_kind", {})] or list(KINDS)
+        if not args.kinds:
+            kinds = [Collective(k) for k in saved["intra"].get("by_kind", {})] or list(KINDS)
         ranks = saved.get("ranks", args.ranks)
         # the fit's own sizes are measured alongside, unreported, so that every size is timed among the same
         # neighbours as in the fit (an op's time depends on what ran just before it; see the module docstring)

@@ -277,8 +277,8 @@ def test_yaml_that_is_not_a_mapping():
 def test_link_and_cluster_validation_show_numbers():
     with pytest.raises(ValueError, match="bandwidth must be > 0 bytes/s, got -1"):
         Link(name="x", bandwidth=-1, latency=0)
-    with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
-        Link(name="x", bandwidth=1, latency=0, bandwidth_by_kind={"broadcast": 1.0})
+    with pytest.raises(ValueError, match="unknown collective 'gather'"):
+        Link(name="x", bandwidth=1, latency=0, bandwidth_by_kind={"gather": 1.0})
     with pytest.raises(ValueError, match="nodes must be an integer >= 1, got 0"):
         replace(load_cluster("dgx-h100"), nodes=0)
 

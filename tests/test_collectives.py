@@ -14,6 +14,7 @@ from costmodel.collectives import (
     all_gather_time,
     all_reduce_time,
     all_to_all_time,
+    broadcast_time,
     bus_bandwidth,
     collective_time,
     reduce_scatter_time,
@@ -50,6 +51,17 @@ def test_intra_node_closed_forms(a100x2, n):
     assert all_to_all_time(S, span, a100x2) == pytest.approx((n - 1) / n * S / B + (n - 1) * a)
 
 
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_broadcast_closed_form(a100x2, n):
+    """nccl-tests' broadcast: busbw = algbw, S/B + (n−1)·α; each call pays the call latency."""
+    S, B, a = 256 * MB, a100x2.intra.bandwidth, a100x2.intra.latency
+    assert broadcast_time(S, _span(n), a100x2) == pytest.approx(S / B + (n - 1) * a)
+    lat = 1e-3
+    slow = replace(a100x2, intra=replace(a100x2.intra, call_latency=lat))
+    ring = 7 * broadcast_time(S / 7, _span(n), a100x2)
+    assert broadcast_time(S, _span(n), slow, calls=7) == pytest.approx(ring + 7 * lat)
+
+
 def test_all_reduce_is_reduce_scatter_plus_all_gather(a100x2):
     S, span = 1e9, _span(8)
     assert all_reduce_time(S, span, a100x2) == pytest.approx(
@@ -83,8 +95,9 @@ def test_dispatcher_matches_functions(a100x2):
     assert collective_time(Collective.ALL_TO_ALL, S, span, a100x2) == all_to_all_time(S, span, a100x2)
     assert collective_time(Collective.SEND_RECV, S, group_span(a100x2, 2, 8), a100x2) == send_recv_time(
         S, True, a100x2)
+    assert collective_time("broadcast", S, span, a100x2) == broadcast_time(S, span, a100x2)
     with pytest.raises(ValueError):
-        collective_time("broadcast", S, span, a100x2)
+        collective_time("gather", S, span, a100x2)
 
 
 def test_negative_bytes_and_oversized_groups_are_rejected(a100x2):
@@ -290,8 +303,8 @@ def test_gloo_check_grades_the_saved_fit_against_a_new_measurement(monkeypatch, 
 
     monkeypatch.setattr(gb, "measure_samples", fake_samples)
     call = {"latency": 2e-3}  # what a call after compute adds on this synthetic machine
-    monkeypatch.setattr(gb, "measure_call_latency", lambda link, ranks=2: {
-        k.value: (call["latency"] + 1e-4, call["latency"]) for k in gb.KINDS})
+    monkeypatch.setattr(gb, "measure_call_latency", lambda link, kinds=gb.KINDS, ranks=2: {
+        k.value: (call["latency"] + 1e-4, call["latency"]) for k in kinds})
     fit = tmp_path / "fit.yaml"
 
     def saved_link():
@@ -334,6 +347,26 @@ def test_gloo_check_grades_the_saved_fit_against_a_new_measurement(monkeypatch, 
     assert fit.read_text().startswith("# cpu-local loopback link")
     assert gb.main(["--calls", "--out", str(tmp_path / "foreign.yaml")]) == 2
     assert "foreign.yaml: not a gloo_bench fit file" in capsys.readouterr().err
+
+    # --kinds measures and fits those kinds alone and merges them: here broadcast, on a machine where it got 2×
+    # slower; every other kind's figures stay as they were
+    slower["broadcast"] = 2.0
+    call["latency"] = 5e-3
+    assert gb.main(["--kinds", "broadcast", "--out", str(fit)]) == 0
+    merged = saved_link()
+    assert "updated broadcast" in capsys.readouterr().out
+    for kind in gb.KINDS:
+        if kind is not Collective.BROADCAST:
+            assert merged.bandwidth_for(kind.value) == pytest.approx(after.bandwidth_for(kind.value))
+            assert merged.call_latency_for(kind.value) == pytest.approx(after.call_latency_for(kind.value))
+    assert merged.call_latency_for("broadcast") == pytest.approx(5e-3)
+    for n in (4 * MiB, 32 * MiB):  # the new fit reproduces the slower broadcast
+        assert gb.predict(Collective.BROADCAST, n, 2, gb._lock_step(merged)) == pytest.approx(
+            truth(Collective.BROADCAST, n), rel=0.02)
+    assert fit.read_text().startswith("# cpu-local loopback link")
+    with pytest.raises(SystemExit) as refused:  # argparse's one-line error
+        gb.main(["--kinds", "gather", "--out", str(fit)])
+    assert refused.value.code == 2 and "--kinds" in capsys.readouterr().err
 
 
 def test_calls_split_the_bytes_and_each_pays_the_call_latency(a100x2):

@@ -270,7 +270,7 @@ def test_communication_on_the_compute_cores_is_not_hidden(gpt):
     gloo rank) hides nothing: ZeRO-3's gathers and reduce-scatters, and ZeRO-2's reduce-scatter, cost their whole
     time, where a GPU with s = 0 hides them under compute. A device property, read by the one overlap formula."""
     from costmodel.collectives import all_gather_time, reduce_scatter_time
-    from costmodel.overlap import GRAD_REDUCE_BYTES
+    from costmodel.overlap import GRAD_REDUCE_BYTES, loss_sync_time
 
     assert load_cluster("cpu-local").device.overlap_slowdown == 1.0
     cl = _cluster(nodes=1)
@@ -282,8 +282,59 @@ def test_communication_on_the_compute_cores_is_not_hidden(gpt):
     span = ser.dp_span
     comm = sum(all_gather_time(x.param_numel * 2, span, serial) * 2
                + reduce_scatter_time(x.param_numel * GRAD_REDUCE_BYTES, span, serial) for x in rank)
+    comm += loss_sync_time(ser)[0]  # (and the loss's all-reduce at the step's end, which nothing could hide)
     assert e_ser.breakdown_s["dp_comm_exposed"] == pytest.approx(comm, rel=1e-9)
     assert e_hid.breakdown_s["dp_comm_exposed"] < 0.5 * comm
+
+
+def test_the_step_ends_with_clipping_and_the_losss_reduction(gpt):
+    """What the runtime's step runs after the backward besides Adam (`planner.emit.train`): the gradient clipping
+    reads every local fp32 gradient element for its norm and scales it in place (12 bytes each, at the device's
+    memory bandwidth), all-reduces the squared norm over every rank, and the loss is all-reduced over the
+    data-parallel group at the end; the ``optimizer`` part holds the clipping, ``dp_comm_exposed`` the loss's
+    reduction. Under ZeRO 2/3 the gradients are FSDP's shards, 1/dp of them."""
+    from costmodel.cluster import group_span
+    from costmodel.collectives import all_reduce_time
+    from costmodel.overlap import clip_time, loss_sync_time, optimizer_time
+
+    cl = _cluster(nodes=2)
+    mem_bw = cl.device.hbm_bw * cl.device.memory_eff
+    for text, sharded in (("dp=16", 1), ("dp=16,zero=1", 1), ("dp=16,zero=3", 16), ("dp=8,pp=2,zero=2", 8)):
+        c = cfg(text)
+        ev = Evaluator(gpt, cl, c, 64)
+        est = ev.evaluate()
+        params = sum(ev.cost(i, AC.NONE).param_numel for i, s in enumerate(even_stages(gpt, c.pp)) if s == 0)
+        tensors = sum(ev.cost(i, AC.NONE).param_tensors for i, s in enumerate(even_stages(gpt, c.pp)) if s == 0)
+        norm = all_reduce_time(4, group_span(cl, 16, 1), cl)
+        clip = clip_time(params, tensors, ev)
+        assert clip == pytest.approx(params / sharded * 12 / mem_bw + norm, rel=1e-12), text  # (GPU: no op cost)
+        loss_dp, loss_pp = loss_sync_time(ev)
+        assert loss_dp == pytest.approx(all_reduce_time(4, ev.dp_span, cl), rel=1e-12) and loss_dp > 0
+        assert (loss_pp > 0) == (c.pp > 1)
+        if c.pp == 1:
+            assert est.breakdown_s["optimizer"] == pytest.approx(optimizer_time(params, ev) + clip, rel=1e-12)
+    # on a CPU every op also pays its host time: 2 per parameter tensor
+    cpu = load_cluster("cpu-local")
+    ev = Evaluator(gpt, cpu, cfg("dp=2"), 4)
+    bare = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, op_overhead_s=(0.0, 0.0)))
+    assert clip_time(1e6, 10, ev) - clip_time(1e6, 10, Evaluator(gpt, bare, cfg("dp=2"), 4)) == pytest.approx(
+        20 * cpu.device.op_overhead_s[0])
+
+
+def test_zero1_broadcasts_each_tensor(gpt):
+    """ZeroRedundancyOptimizer broadcasts every parameter tensor from its owner (torch 2.13 ``_sync_params``): one
+    broadcast per tensor, each with the link's call latency."""
+    from costmodel.collectives import broadcast_time
+    from costmodel.overlap import zero1_sync_time
+
+    cl = _cluster()
+    slow = dataclasses.replace(cl, intra=dataclasses.replace(cl.intra, call_latency=1e-3))
+    for cluster in (cl, slow):
+        ev = Evaluator(gpt, cluster, cfg("dp=8,zero=1,precision=bf16"), 64)
+        costs = [ev.cost(i, AC.NONE) for i in range(len(gpt.layers))]
+        params, n = sum(c.param_numel for c in costs), sum(c.param_tensors for c in costs)
+        ring = n * broadcast_time(params * 4 / n, ev.dp_span, cl)  # fp32 module parameters under autocast
+        assert zero1_sync_time(costs, ev) == pytest.approx(ring + n * cluster.intra.call_latency, rel=1e-12)
 
 
 def test_tensor_parallel_across_nodes_is_slower(gpt):

@@ -38,7 +38,8 @@ Constraint families, one function each:
    (`costmodel.overlap.fsdp_exposed`; s = overlap_slowdown). max(0, A − W) + s·min(A, W) = (1 − s)·max(0, A − W)
    + s·A, and 1 − s > 0, so the concave min needs no binary: the epigraph is tight at the optimum.
 4. `add_bottleneck`: bottleneck ≥ T_r = Σ_{c≡r} T_c.
-5. `add_finish`: finish ≥ dp_exposed_r + encode_r + optimizer_r for every rank (for the chosen gradient
+5. `add_finish`: finish ≥ dp_exposed_r + encode_r + optimizer_r (with the clipping) + the loss's reductions for
+   every rank (for the chosen gradient
    compression k, big-M-gated by compress["dp", k]). DDP/ZeRO-1 (`costmodel.overlap.dp_exposed`): exposed =
    max(max(0, x), L) + s·min(C, W) with x = C − W, C the all-reduce time (tabulated in N_r), W the rank's backward
    window, L the last bucket. Written as s·C + G with G ≥ (1 − s)·x, G ≥ 0, G ≥ L − s·P and P ≤ max(0, x) by a
@@ -81,7 +82,9 @@ from costmodel.memory import (
 )
 from costmodel.overlap import (
     GRAD_REDUCE_BYTES,
+    clip_time,
     fsdp_gather_share,
+    loss_sync_time,
     optimizer_time,
     zero1_sync_time,
     zero2_gather_time,
@@ -293,10 +296,13 @@ class Model:
         self.dp_excess, self.dp_tail, self.dp_delta = {}, {}, {}
         for r in range(d.pp):
             # the optimizer, and the sum over tp of the gradients TP ranks compute from their share only
+            # (and the gradient clipping before it)
             opt, _, opt_hi = self.tab(r, lambda n, r=r: self._t(
                 optimizer_time(self._params(r, n), d.ev, self._extra(r, n))
+                + clip_time(self._params(r, n), self._tensors(r, n), d.ev, self._extra(r, n))
                 + d.ev.tp_partial_sync_time(_rank_layer_costs(d, r, n))))
             tied = self._t(d.ev.tied_sync_time(r))  # the embedding group's all-reduce, exposed (first/last rank)
+            tied += self._t(sum(loss_sync_time(d.ev)))  # the loss's reductions, on every rank
             opt, opt_hi = opt + tied, opt_hi + tied
             if d.cfg.data_ranks == 1 or (d.cfg.zero == 3 and not d.cfg.fsdp_in_pipeline):
                 s.Add(self.finish >= opt)
@@ -318,6 +324,12 @@ class Model:
         memo = self.__dict__.setdefault("_params_memo", {})
         if (r, n) not in memo:
             memo[r, n] = sum(x.param_numel for x in _rank_layer_costs(self.d, r, n))
+        return memo[r, n]
+
+    def _tensors(self, r: int, n: int) -> float:
+        memo = self.__dict__.setdefault("_tensors_memo", {})
+        if (r, n) not in memo:
+            memo[r, n] = sum(x.param_tensors for x in _rank_layer_costs(self.d, r, n))
         return memo[r, n]
 
     def _extra(self, r: int, n: int) -> float:

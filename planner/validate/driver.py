@@ -11,7 +11,8 @@ CASES.json lists ``{"name", "script", "steps", "warmup"}``. Each rank imports ev
   hooks, and their parameter all-gathers, fall inside);
 - backward: ``torch.autograd.backward`` / ``torch.autograd.grad`` wrapped (``loss.backward()`` and the pipeline
   stages' backward both go through them; nested calls count once);
-- optimizer: ``Optimizer`` step pre/post hooks;
+- optimizer: ``Optimizer`` step pre/post hooks, and the script's gradient clipping before it (its
+  ``clip_grad_norm``, wrapped where the script has one), as the cost model's ``optimizer`` part holds both;
 - exposed communication: one extra step under ``torch.profiler``; the union of the main thread's intervals inside
   communication ops (``c10d::*``, ``_c10d_functional::wait_tensor``, FSDP all-gather/reduce waits), split into the
   part inside forward/backward and the rest, scaled to the unprofiled step time (the profiler slows ops down);
@@ -172,6 +173,17 @@ def measure(mod, steps: int, warmup: int) -> dict:
         handles.append(module.register_forward_hook(lambda m, a, o, k=k: timer.stop("forward", k)))
     handles.append(opt.register_step_pre_hook(lambda o, a, kw: timer.start("optimizer")))
     handles.append(opt.register_step_post_hook(lambda o, a, kw: timer.stop("optimizer")))
+    clip = getattr(mod, "clip_grad_norm", None)
+    if clip is not None:  # the script's train step looks it up in its module at every call
+
+        def timed_clip(*args, **kwargs):
+            timer.start("optimizer", "clip")
+            try:
+                return clip(*args, **kwargs)
+            finally:
+                timer.stop("optimizer", "clip")
+
+        mod.clip_grad_norm = timed_clip
     TIMER = timer
     # as the script's own loop reads batches: middle pipeline stages read none (scripts emitted before feeds_data
     # existed: every rank)
@@ -211,6 +223,8 @@ def measure(mod, steps: int, warmup: int) -> dict:
         TIMER = None
         for h in handles:
             h.remove()
+        if clip is not None:
+            mod.clip_grad_norm = clip
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     scale = med["step"] / comm["step_s"] if comm["step_s"] > 0 else 1.0
     if device.type == "cuda":
