@@ -557,18 +557,26 @@ def _read_fit(path: Path) -> tuple[str, dict, Link] | None:
 def _update_kinds(args, kinds: Sequence[Collective], text: str, saved: dict, link: Link, t0: float) -> int:
     """``--kinds``: measure, refine, fit and time the calls of ``kinds`` on the saved file's ranks, and write them
     into the file beside the other kinds' figures, which stay as they were."""
-    ranks = saved.get("ranks", args.ranks)
-    quantile, rounds, launches = saved.get("quantile", args.quantile), saved.get("rounds", args.rounds), \
-        saved.get("launches", args.launches)
+    ranks, quantile = saved.get("ranks", args.ranks), saved.get("quantile", args.quantile)  # (the file's statistic)
+    rounds, launches = args.rounds, args.launches
     times_by = measure(kinds, SIZES, ranks=ranks, rounds=rounds, quantile=quantile, launches=launches)
     refine(times_by, ranks=ranks, rounds=rounds, launches=launches, quantile=quantile)
     fits = {kind: fit_kind(kind, times_by[kind.value], ranks) for kind in kinds}
     new = link_from_fits(fits, link.source)
     calls = measure_call_latency(new, kinds, ranks=ranks)
-    link = replace(link, bandwidth_by_kind={**link.bandwidth_by_kind, **new.bandwidth_by_kind},
-                   latency_by_kind={**link.latency_by_kind, **new.latency_by_kind},
-                   curve_by_kind={**link.curve_by_kind, **new.curve_by_kind},
-                   call_latency_by_kind={**link.call_latency_by_kind, **{k: lat for k, (_, lat) in calls.items()}})
+    names = {k.value for k in kinds}
+
+    def merged(old: Mapping, fresh: Mapping) -> dict:  # a refitted kind's figures are all new (a curve may go)
+        return {**{k: v for k, v in old.items() if k not in names}, **fresh}
+
+    link = replace(link, bandwidth_by_kind=merged(link.bandwidth_by_kind, new.bandwidth_by_kind),
+                   latency_by_kind=merged(link.latency_by_kind, new.latency_by_kind),
+                   curve_by_kind=merged(link.curve_by_kind, new.curve_by_kind),
+                   call_latency_by_kind=merged(link.call_latency_by_kind, {k: lat for k, (_, lat) in calls.items()}))
+    if Collective.ALL_REDUCE in fits:  # the link's defaults are all_reduce's (`link_from_fits`)
+        fit = fits[Collective.ALL_REDUCE]
+        link = replace(link, bandwidth=fit.bandwidth, latency=fit.latency,
+                       call_latency=calls[Collective.ALL_REDUCE.value][1])
     saved["intra"] = _dump_link(link)
     saved.setdefault("fit_max_rel_error", {}).update({k.value: round(f.max_rel_error, 4) for k, f in fits.items()})
     record = saved.setdefault("call_latency", _call_record(calls))
@@ -613,6 +621,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             kinds = [Collective(k.strip()) for k in args.kinds.split(",") if k.strip()]
         except ValueError as exc:
             parser.error(f"--kinds: {exc}; known: {', '.join(k.value for k in KINDS)}")
+        if not kinds:
+            parser.error(f"--kinds names no kind; known: {', '.join(k.value for k in KINDS)}")
+        if args.calls:
+            parser.error("--kinds and --calls: --kinds already measures those kinds' call latency; give one")
     t0 = time.perf_counter()
 
     if args.calls or args.check or args.kinds:

@@ -180,7 +180,7 @@ def dp_step_bytes(cfg, params: float, m: int, autocast: bool = True) -> dict[str
     if cfg.zero == 2:  # dp_exposed: a reduce-scatter per micro-batch (pipelined: per step), one all-gather
         return {"all_gather": params * pbytes, "reduce_scatter": rs * params * GRAD_REDUCE_BYTES}
     out = {} if kind == "powersgd" else {"all_reduce": params * (2 if kind in ("bf16", "fp16") else GRAD_REDUCE_BYTES)}
-    if cfg.zero == 1:  # zero1_sync_time: the owners' broadcasts, an all-gather's volume
+    if cfg.zero == 1:  # zero1_sync_time: the owners' broadcasts, each tensor once
         out["broadcast"] = params * module_param_bytes(cfg, autocast)
     return out
 

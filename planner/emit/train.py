@@ -106,7 +106,9 @@ def clip_grad_norm(par: Parallel, max_norm: float) -> torch.Tensor:
 
     One pass reads each gradient for its norm (``torch.linalg.vector_norm`` in fp32, nothing written) and one scales
     it in place: 12 bytes per fp32 element, as ``torch.nn.utils.clip_grad_norm_`` moves, the figure the cost model
-    prices (`costmodel.overlap.clip_time`)."""
+    prices (`costmodel.overlap.clip_time`). Like torch's, on a CPU the norm of a whole tensor accumulates in fp32
+    (a relative error ~1e-5 at 1 M elements, ~1e-3 at 10 M, against ~1e-8 for ``pow(2).sum()``); GPUs reduce in a
+    tree."""
     plan = par.plan
     stage_ranks = plan["dp"] * plan["cp"] * plan["tp"]
     counted = {id(p) for tie in plan["tied"] for p in tied_copies(par, tie)[:1]} if 0 in par.stage_indices else set()

@@ -35,7 +35,8 @@ factor, s the device's overlap slowdown, T_r the per-micro-batch time of rank r,
    Wb = Σ (bwd + fwd) may replace them. DDP/ZeRO-1 (`costmodel.overlap.dp_exposed`): exposed = max(max(0, C − W), L) +
    s·min(C, W) ≥ max(s·C, L, C − (1 − s)·W) with C the gradient all-reduce under the compression option, L the least
    last bucket, plus its encode time (PowerSGD's matmuls at the curve's e_max), minimised over the options; ZeRO-1
-   adds the parameter all-gather; ZeRO-2 the two (1 − s)·max(0, ·) + s·(·) overlaps; every rank its Adam step.
+   adds one broadcast of the parameters (one call: ≤ the per-tensor ones); ZeRO-2 the two (1 − s)·max(0, ·) + s·(·)
+   overlaps; every rank its Adam step and clipping, and the loss's reductions.
 
 A block above is a group of `costmodel.estimate.block_groups` (one block when the run's blocks are alike; a period
 of its pattern of block kinds otherwise), as the ILP counts them; its modes are every choice of one AC mode per kind
@@ -54,7 +55,7 @@ import itertools
 from dataclasses import dataclass
 
 from costmodel.cluster import Cluster
-from costmodel.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
+from costmodel.collectives import all_gather_time, all_reduce_time, broadcast_time, reduce_scatter_time
 from costmodel.compression import powersgd_volume
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.estimate import Evaluator, block_groups, pipeline_factor, split_layers
@@ -319,8 +320,8 @@ class Bounds:
             enc = flops / (dev.peak(dtype) * max(dev.matmul_eff.e_max, 1e-12)) + 12 * mat / mem_bw
             options.append((comm, all_reduce_time(min(last_elems, 1.0) * 4, span, cl), enc))
         exposed = min(max(sl * c, last, c - (1 - sl) * wb) + enc for c, last, enc in options)
-        if cfg.zero == 1:  # one all-gather: a lower bound of ZeroRedundancyOptimizer's per-tensor broadcasts
-            exposed += all_gather_time(P * pbytes, span, cl)
+        if cfg.zero == 1:  # one broadcast of them all: a lower bound of ZeroRedundancyOptimizer's per-tensor ones
+            exposed += broadcast_time(P * pbytes, span, cl)
         return finish + exposed
 
     # ---------------------------------------------------------------------------------------------- memory

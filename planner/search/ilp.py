@@ -44,7 +44,7 @@ Constraint families, one function each:
    max(max(0, x), L) + s·min(C, W) with x = C − W, C the all-reduce time (tabulated in N_r), W the rank's backward
    window, L the last bucket. Written as s·C + G with G ≥ (1 − s)·x, G ≥ 0, G ≥ L − s·P and P ≤ max(0, x) by a
    binary δ (P ≤ x + M(1 − δ), P ≤ M·δ): the concave part of the max is what needs the binary. ZeRO-2: two tight
-   epigraphs as in 3. ZeRO-1 adds the parameter all-gather (tabulated).
+   epigraphs as in 3. ZeRO-1 adds the parameters' broadcasts (tabulated).
 6. `add_memory`: per rank, 1.05·(params + grads + optimizer + in-flight activations + backward peak +
    temporaries) + reserve ≤ capacity (`costmodel.memory`); blocks weigh the rank's average in-flight count, the
    embedding and head their own chunk's; the backward peak is the max over the rank's layers, rec_peak[r] ≥
@@ -358,7 +358,7 @@ class Model:
         return (1 - sl) * (d.m * e1 + e2) + sl * (d.m * rs + ag)  # a reduce-scatter per micro-batch
 
     def _ddp(self, r, k):
-        """(expression, upper bound) of exposed DDP reduction + encode (+ ZeRO-1 all-gather) under option k."""
+        """(expression, upper bound) of exposed DDP reduction + encode (+ ZeRO-1 broadcasts) under option k."""
         d, s = self.d, self.solver
         ev_k, sl = d.evs[k], d.slow
 

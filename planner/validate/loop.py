@@ -12,7 +12,7 @@ Parts compared (predicted ← the estimate's ``breakdown_s``; measured ← the d
 - comm: predicted tp_comm + cp_comm + dp_comm_exposed; measured main-thread time in collectives (profiled step);
 - optimizer: predicted optimizer (the step and the gradient clipping before it); measured the optimizer step and the
   script's clipping;
-- idle: predicted bubble + pp_comm; measured step − compute − comm − optimizer (pipeline waits, loss reduction);
+- idle: predicted bubble + pp_comm; measured step − compute − comm − optimizer (pipeline waits);
 - step: the step time (median over the timed steps of the slowest rank).
 """
 
