@@ -143,8 +143,10 @@ def clip_time(params: float, tensors: float, ev: SyncView, extra: float = 0.0) -
     Memory-bound, `CLIP_BYTES` per element, plus the device's host time per op for `CLIP_OPS` ops per parameter
     tensor (``tensors``; 0 on GPUs, `costmodel.hardware.DeviceSpec.op_overhead_s`). Priced with clipping on, the
     emitted script's default (``--clip-norm 0`` still takes the norm, for the log, and skips only the scaling).
-    Measured on cpu-local (2 gloo ranks, the 3.5 M-parameter validate model, 39 fp32 tensors, DDP): median 3.05 ms
-    (2.8-6.7 over 8 steps) against 3.3 ms priced before the all-reduce's call latency."""
+    Measured on cpu-local (2 gloo ranks, the 3.5 M-parameter validate model, 39 fp32 tensors, DDP): median 2.15 ms
+    (2.0-8.9 over 8 steps, its all-reduce included) against 1.9 ms priced without the all-reduce and 4.6 ms with it:
+    the all-reduce's call latency (all_reduce's, 2.7 ms, measured after compute by `costmodel.gloo_bench`) was paid
+    in 2 of the 8 steps."""
     cfg = ev.cfg
     local = (params + extra) / cfg.data_ranks if cfg.zero >= 2 else params
     dev = ev.cluster.device
