@@ -41,10 +41,10 @@ Constraint families, one function each:
 5. `add_finish`: finish ≥ dp_exposed_r + encode_r + optimizer_r (with the clipping) + the loss's reductions for every
    rank (for the chosen gradient compression k, big-M-gated by compress["dp", k]). DDP/ZeRO-1
    (`costmodel.overlap.dp_exposed`): exposed = max(max(0, x), L) + s·min(C, W) with x = C − W, C the all-reduce time
-   (tabulated in N_r), W the rank's backward window, L the last bucket. Written as s·C + G with G ≥ (1 − s)·x, G ≥ 0, G
-   ≥ L − s·P and P ≤ max(0, x) by a
-   binary δ (P ≤ x + M(1 − δ), P ≤ M·δ): the concave part of the max is what needs the binary. ZeRO-2: two tight
-   epigraphs as in 3. ZeRO-1 adds the parameters' broadcasts (tabulated).
+   (tabulated in N_r), W the rank's backward window, L the last bucket. Written as s·C + G with G ≥ (1 − s)·x,
+   G ≥ 0, G ≥ L − s·P and P ≤ max(0, x) by a binary δ (P ≤ x + M(1 − δ), P ≤ M·δ): the concave part of the max
+   is what needs the binary. ZeRO-2: two tight epigraphs as in 3. ZeRO-1 adds the parameters' broadcasts
+   (tabulated).
 6. `add_memory`: per rank, 1.05·(params + grads + optimizer + in-flight activations + backward peak +
    temporaries) + reserve ≤ capacity (`costmodel.memory`); blocks weigh the rank's average in-flight count, the
    embedding and head their own chunk's; the backward peak is the max over the rank's layers, rec_peak[r] ≥
