@@ -641,10 +641,11 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     if layer.kind == "head" and ctx.in_place_loss:
         grad_working_set = 0.0
     elif layer.kind == "head" and tp > 1:  # torch 2.13's loss_parallel backward (tensor/parallel/loss.py,
-        # _nll_loss_and_log_softmax_backward) holds twice the *whole* vocabulary's logits of the local batch, not a
-        # multiple of this rank's slice: traced (autopar check, llama, dp=2 sp zero3 at mbs 1 and 4) 4.0× the slice
-        # at tp = 2 and 8.0× at tp = 4, i.e. 2·tp× ("widest" is the slice)
-        grad_working_set = 2 * tp * widest
+        # _nll_loss_and_log_softmax_backward, on the local slices): zeros_like(x), exp(x) and their sum live at once
+        # before the product with the output's gradient, one slice more than a plain log-softmax backward (MemTracker
+        # on a fake process group: 5 slices against 4 at tp = 2 and 4). An earlier trace's 2·tp× was the sharding
+        # propagator's global-shape fake tensors, which hold no memory on a GPU (`planner.check.trace`)
+        grad_working_set = 3 * widest
     # a context-parallel attention's backward: whole-sequence key and value gradients, once the saved tensors of
     # the nodes after it are freed
     grad_working_set = max(grad_working_set, kv_grads - after_attention)

@@ -469,7 +469,8 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         mirrors = [fake.from_tensor(t) for t in real]  # (the converter keeps them: ops get these same copies)
         tracker.mirrors = {id(st) for t in mirrors for st in get_untyped_storages(t)}
         tracker.track_external(*par.modules, getattr(optimizer, "optim", optimizer))  # ZeRO-1: its local optim
-        with (_no_cycle_collection(), _module_hooks_any(), fake, tracker, counter, _inner_collectives(counter),
+        with (_no_cycle_collection(), _propagation_off_the_books(), _module_hooks_any(), fake, tracker, counter,
+              _inner_collectives(counter),
               grouped_mm_on_fake_fp32(), masks_as_trained(), _step_actions(par, tracker, counter, tr) as marks):
             tracker.hold_buckets(_ddp_bucket_sizes(par))
             with _gpu_autocast(tr):
@@ -555,6 +556,28 @@ def _module_hooks_any():
         yield
     finally:
         mod_tracker.register_multi_grad_hook = saved
+
+
+@contextlib.contextmanager
+def _propagation_off_the_books():
+    """DTensor's sharding propagator derives an op's global output shape by running the op on fake tensors of the
+    *global* shapes (torch 2.13, ``ShardingPropagator._propagate_tensor_meta_non_cached``: "call the tracing in fake
+    tensor mode so that it avoids materializing memory"), in ``detect_fake_mode() or FakeTensorMode()``. On a GPU no
+    fake mode is active, so it takes a fresh one: no device memory. Under the check's own fake mode it found that
+    one, and torch's MemTracker counted those global tensors: ``loss_parallel``'s backward (a custom handler that
+    propagates the whole vocabulary's logits) traced 6 and 10 local slices at tp = 2 and 4 where its real working
+    set, run on the local slices only (``_nll_loss_and_log_softmax_backward``), is 5 at any tp (a MemTracker on a
+    fake process group, 4096 tokens × 32000 vocab, 2026-12-04). Here the propagator gets a fake mode of its own, as
+    on a GPU."""
+    from torch.distributed.tensor import _sharding_prop
+
+    own = FakeTensorMode()
+    found = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args, **kwargs: own
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = found
 
 
 @contextlib.contextmanager
