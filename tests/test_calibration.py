@@ -63,10 +63,10 @@ def test_torchtitan_rows_under_the_torch_native_stack(predictions):
 
 def test_torchtitan_runs_fit_and_their_published_memory(predictions):
     """Every published run ran, so each is predicted to fit its card; and torchtitan's reports give each run's peak
-    memory (the most over its GPUs, as its memory monitor reports it: what torch's caching allocator reserved), which
-    the predicted peak stays within 20 % of (measured: −13 % to −7 %, the allocator's reserve above what it
-    allocates). The 70B FSDP + TP row (tp 8, local batch 16, 71.9 GiB published) was predicted at 174 GiB, not to
-    fit, while the loss-parallel backward was priced as twice the whole vocabulary's logits."""
+    memory (the most over its GPUs, as its memory monitor reports it: what torch's caching allocator reserved, at
+    least what it allocated), which the predicted peak stays at most 20 % under and 2 % over (measured: −13.2 % to
+    −2.1 %). The 70B FSDP + TP row (tp 8, local batch 16, 71.9 GiB published) was predicted at 174 GiB, not to fit,
+    while the loss-parallel backward was priced as twice the whole vocabulary's logits."""
     import json
 
     no_fit = [row.id for row, est in predictions if not est.fits]
@@ -77,7 +77,7 @@ def test_torchtitan_runs_fit_and_their_published_memory(predictions):
     checked = {row.id: est.memory.peak / 2**30 / published[row.id] - 1 for row, est in predictions
                if row.source == "torchtitan" and row.id in published}
     assert len(checked) == 8, sorted(checked)
-    assert all(abs(e) <= 0.20 for e in checked.values()), checked
+    assert all(-0.20 <= e <= 0.02 for e in checked.values()), checked
 
 
 def test_each_stack_has_its_constants_where_it_has_rows():

@@ -336,7 +336,8 @@ def test_loss_parallel_backward_holds_local_slices_only():
     (3 slices beyond the saved ones) then conforms on a plan, where it and the check had agreed on 2·tp slices."""
     assert _loss_parallel_peak(2, True) == pytest.approx(5.0, abs=0.01)
     assert _loss_parallel_peak(4, True) == pytest.approx(5.0, abs=0.01)
-    assert _loss_parallel_peak(4, False) > 6.0  # (what the tracker counted before)
+    assert _loss_parallel_peak(4, False) > 6.0  # (torch's MemTracker as the check entered it before: if torch
+    # stops counting the propagator's tensors this fails, and `_propagation_off_the_books` is no longer needed)
     spec = "llama:layers=2,hidden=1024,heads=16,kv_heads=8,ffn=2816,vocab=32000,seq=2048"
     result = check_plan(plan_from_config(spec, "dgx-h100:nodes=1", 8, "dp=2,tp=4,zero=3,sp=on,mbs=4,ac=full"))
     assert result["memory_error_max"] <= 0.05, result["roles"][0]["errors"]["memory"]

@@ -473,6 +473,8 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
               _inner_collectives(counter),
               grouped_mm_on_fake_fp32(), masks_as_trained(), _step_actions(par, tracker, counter, tr) as marks):
             tracker.hold_buckets(_ddp_bucket_sizes(par))
+            # (what keeps the propagator's tensors out: the tracker counts ops under the mode it was entered under)
+            assert getattr(tracker, "_fake_mode_on_entry", fake) is fake, "MemTracker entered outside the check's mode"
             with _gpu_autocast(tr):
                 tr.train_step_loss(par, optimizer, inputs, labels)
         if micro_batches is not None and micro_batches > plan.grad_accum:
@@ -560,15 +562,18 @@ def _module_hooks_any():
 
 @contextlib.contextmanager
 def _propagation_off_the_books():
-    """DTensor's sharding propagator derives an op's global output shape by running the op on fake tensors of the
-    *global* shapes (torch 2.13, ``ShardingPropagator._propagate_tensor_meta_non_cached``: "call the tracing in fake
-    tensor mode so that it avoids materializing memory"), in ``detect_fake_mode() or FakeTensorMode()``. On a GPU no
-    fake mode is active, so it takes a fresh one: no device memory. Under the check's own fake mode it found that
-    one, and torch's MemTracker counted those global tensors: ``loss_parallel``'s backward (a custom handler that
-    propagates the whole vocabulary's logits) traced 6 and 10 local slices at tp = 2 and 4 where its real working
-    set, run on the local slices only (``_nll_loss_and_log_softmax_backward``), is 5 at any tp (a MemTracker on a
-    fake process group, 4096 tokens × 32000 vocab, 2026-12-04). Here the propagator gets a fake mode of its own, as
-    on a GPU."""
+    """DTensor's sharding propagator derives every op's global output shape by running the op on fake tensors of
+    the *global* shapes (torch 2.13, ``ShardingPropagator._propagate_tensor_meta_non_cached``: "call the tracing in
+    fake tensor mode so that it avoids materializing memory"), in ``detect_fake_mode() or FakeTensorMode()``. On a
+    GPU no fake mode is active, so it takes a fresh one: no device memory. Under the check it found the check's own
+    fake mode, and torch's MemTracker counts an op exactly when the active fake mode is the one it was entered under
+    (``mem_tracker.py``, ``_fake_mode_on_entry``): it counted those global tensors. Every tensor-parallel op's trace
+    was inflated (a column-parallel matmul and its backward at tp = 4: 5.5 local output slices against 3.5), and
+    ``loss_parallel``'s backward, which propagates the whole vocabulary's logits, traced 6 and 10 local slices at
+    tp = 2 and 4 where its real working set, run on the local slices only (``_nll_loss_and_log_softmax_backward``),
+    is 5 at any tp (a MemTracker on a fake process group, 4096 tokens × 32000 vocab, 2026-12-04). Here the
+    propagator gets a fake mode of its own, as on a GPU, which MemTracker's filter then leaves out (a private
+    heuristic of torch's: the traced step asserts the tracker was entered under the check's mode)."""
     from torch.distributed.tensor import _sharding_prop
 
     own = FakeTensorMode()
