@@ -14,7 +14,7 @@ Composition (all per optimizer step; m = global_batch / (dp · mbs) micro-batche
    §3.1). With p = 1 the step is m · T.
 3. Data-parallel gradient reduction after the last micro-batch overlaps that micro-batch's backward
    (`costmodel.overlap.dp_exposed`); the slowest rank's exposed part is added, then the gradient clipping and the
-   optimizer step (memory-bound, `clip_time` and Adam's `optimizer_time`) and the loss's reduction
+   optimizer step (memory-bound, `optimizer_part_time`) and the loss's reduction
    (`loss_sync_time`).
 
 The same composition is what the planner's ILP linearises (planner/search/ilp.py); `evaluate` is its reference.
@@ -54,7 +54,7 @@ from costmodel.memory import (
     runtime_reserved_bytes,
     state_bytes_at_peak,
 )
-from costmodel.overlap import clip_time, dp_exposed, fsdp_exposed, loss_sync_time, optimizer_time, tp_partial_bytes
+from costmodel.overlap import dp_exposed, fsdp_exposed, loss_sync_time, optimizer_part_time, tp_partial_bytes
 from costmodel.runnable import selective_policy
 from profiler.graph import LayerGraph
 from profiler.layers import has_attention_core
@@ -525,9 +525,7 @@ class Evaluator:
             exposed, encode = dp_exposed(rc, self)
             dp_exp.append(exposed)
             comp_cost.append(encode)
-            # the optimizer step and the gradient clipping before it
-            opt.append(optimizer_time(params, self, extra)
-                       + clip_time(params, sum(x.param_tensors for x in rc), self, extra))
+            opt.append(optimizer_part_time(params, sum(x.param_tensors for x in rc), self, extra))
             partial.append(self.tp_partial_sync_time(rc))
             mems.append(self._rank_memory(r, rank_of, stages, costs, params, extra))
         tied = [self.tied_sync_time(r) for r in range(cfg.pp)]

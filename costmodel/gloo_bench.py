@@ -532,8 +532,17 @@ def write_fit(path: Path, link: Link, fits: Mapping[Collective, Fit], times_by: 
               f"# the small sizes, the bandwidth as a curve over message size (size_curve: factor × bw_GBps);\n"
               f"# call_latency_us: what a call right after compute pays beyond that (measure_call_latency).\n")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(header + yaml.safe_dump(data, sort_keys=False, width=120, allow_unicode=True,
-                                            default_flow_style=None))
+    path.write_text(header + _yaml(data))
+
+
+def _yaml(data: dict) -> str:
+    return yaml.safe_dump(data, sort_keys=False, width=120, allow_unicode=True, default_flow_style=None)
+
+
+def _rewrite(path: Path, text: str, saved: dict) -> None:
+    """Write ``saved`` back to the fit file whose text was ``text``, keeping its header comment."""
+    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    path.write_text(header + _yaml(saved))
 
 
 def _read_fit(path: Path) -> tuple[str, dict, Link] | None:
@@ -584,9 +593,7 @@ def _update_kinds(args, kinds: Sequence[Collective], text: str, saved: dict, lin
     saved.setdefault("updated", {}).update({k.value: datetime.date.today().isoformat() for k in kinds})
     saved.setdefault("measured_s", {}).update(
         {k: {int(n): _sig(t) for n, t in sorted(v.items())} for k, v in times_by.items()})
-    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
-    args.out.write_text(header + yaml.safe_dump(saved, sort_keys=False, width=120, allow_unicode=True,
-                                                default_flow_style=None))
+    _rewrite(args.out, text, saved)
     table, _ = _table(times_by, link, ranks)
     print(table)
     for kind, fit in fits.items():
@@ -634,12 +641,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         text, saved, link = loaded
 
     if args.calls:
-        header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
         calls = measure_call_latency(link, ranks=saved.get("ranks", args.ranks))
         saved["intra"] = _dump_link(with_call_latency(link, calls))
         saved["call_latency"] = _call_record(calls)
-        args.out.write_text(header + yaml.safe_dump(saved, sort_keys=False, width=120, allow_unicode=True,
-                                                    default_flow_style=None))
+        _rewrite(args.out, text, saved)
         for kind, (mean, lat) in calls.items():
             print(f"{kind:<15} after compute: mean {mean * 1e3:.3f} ms, call latency {lat * 1e3:.3f} ms")
         print(f"updated {args.out}; {time.perf_counter() - t0:.1f} s")

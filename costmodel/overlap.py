@@ -154,6 +154,12 @@ def clip_time(params: float, tensors: float, ev: SyncView, extra: float = 0.0) -
     return local * CLIP_BYTES / (dev.hbm_bw * dev.memory_eff) + tensors * CLIP_OPS * dev.op_overhead_s[0] + norm
 
 
+def optimizer_part_time(params: float, tensors: float, ev: SyncView, extra: float = 0.0) -> float:
+    """The step's ``optimizer`` part on one rank: the gradient clipping, then the optimizer step (`clip_time`,
+    `optimizer_time`); what `costmodel.estimate.Evaluator`, the ILP and the search bounds charge."""
+    return clip_time(params, tensors, ev, extra) + optimizer_time(params, ev, extra)
+
+
 def loss_sync_time(ev: SyncView) -> tuple[float, float]:
     """(data-parallel, pipeline) seconds of the step's loss reductions (`planner.emit.train.train_step_loss`): the
     mean loss is one fp32 scalar all-reduced over the pipeline group (only the last stage holds it) and then over

@@ -135,7 +135,8 @@ class ModelGraph:
             NodeInfo(**{**n, **{k: tup(n[k]) for k in ("input_shapes", "output_shapes")},
                         "input_dtypes": tuple(n["input_dtypes"]), "output_dtypes": tuple(n["output_dtypes"]),
                         "params": tuple(n["params"]), "inputs": tuple(n.get("inputs", ())),
-                        "saved": tuple(tuple(x) for x in n.get("saved", ()))})
+                        # (a profile written before the weight-copy flag has 3-tuples: no copies)
+                        "saved": tuple((*x, False)[:4] for x in n.get("saved", ()))})
             for n in d["nodes"]
         )
         params = tuple(ParamInfo(**{**p, "shape": tuple(p["shape"])}) for p in d["params"])

@@ -355,7 +355,7 @@ def _dedupe_saved_within(nodes: list[NodeInfo]) -> list[NodeInfo]:
     seen: set[int] = set()
     out = []
     for n in nodes:
-        fresh = [(sid, b, sq, bool(w and w[0])) for sid, b, sq, *w in n.saved if sid not in seen]
+        fresh = [s for s in n.saved if s[0] not in seen]
         seen.update(sid for sid, *_ in fresh)
         out.append(_with(n, saved_bytes=sum(b for _, b, _, _ in fresh),
                          saved_square_bytes=sum(b for _, b, sq, _ in fresh if sq),

@@ -71,7 +71,7 @@ from costmodel.memory import (
     runtime_reserved_bytes,
     state_bytes_at_peak,
 )
-from costmodel.overlap import GRAD_REDUCE_BYTES, clip_time, fsdp_gather_share, loss_sync_time, optimizer_time
+from costmodel.overlap import GRAD_REDUCE_BYTES, fsdp_gather_share, loss_sync_time, optimizer_part_time
 from planner.search.ilp import GRAD_OPTIONS
 from profiler.graph import LayerGraph
 
@@ -279,10 +279,9 @@ class Bounds:
     def _finish(self, cfg: ParallelConfig, g: _Group, ev: Evaluator, grad_opts) -> float:
         p = cfg.pp
         P = g.params / p
-        view = _OptView(cfg, self.cluster)
-        # the average rank's optimizer step and clipping (affine in its parameters and tensors: ≤ the slowest's),
+        # the average rank's clipping and optimizer step (affine in its parameters and tensors: ≤ the slowest's),
         # the loss's reductions (every rank's)
-        finish = (optimizer_time(P, view) + clip_time(P, sum(c.param_tensors for c in g.costs) / p, view)
+        finish = (optimizer_part_time(P, sum(c.param_tensors for c in g.costs) / p, _OptView(cfg, self.cluster))
                   + sum(loss_sync_time(ev)))
         pipelined = cfg.fsdp_in_pipeline
         if cfg.zero == 3 and pipelined:  # one exposed reduce-scatter of the average rank's gradients (affine: ≤ max)
@@ -486,7 +485,7 @@ class _PerSpan(dict):
 
 @dataclass
 class _OptView:
-    """What `optimizer_time` and `clip_time` read from an Evaluator."""
+    """What `optimizer_part_time` reads from an Evaluator."""
 
     cfg: ParallelConfig
     cluster: Cluster

@@ -82,10 +82,9 @@ from costmodel.memory import (
 )
 from costmodel.overlap import (
     GRAD_REDUCE_BYTES,
-    clip_time,
     fsdp_gather_share,
     loss_sync_time,
-    optimizer_time,
+    optimizer_part_time,
     zero1_sync_time,
     zero2_gather_time,
 )
@@ -295,15 +294,13 @@ class Model:
         d, s = self.d, self.solver
         self.dp_excess, self.dp_tail, self.dp_delta = {}, {}, {}
         for r in range(d.pp):
-            # the optimizer, and the sum over tp of the gradients TP ranks compute from their share only
-            # (and the gradient clipping before it)
+            # the clipping and the optimizer, and the sum over tp of the gradients TP ranks compute from their share
             opt, _, opt_hi = self.tab(r, lambda n, r=r: self._t(
-                optimizer_time(self._params(r, n), d.ev, self._extra(r, n))
-                + clip_time(self._params(r, n), self._tensors(r, n), d.ev, self._extra(r, n))
+                optimizer_part_time(self._params(r, n), self._tensors(r, n), d.ev, self._extra(r, n))
                 + d.ev.tp_partial_sync_time(_rank_layer_costs(d, r, n))))
-            tied = self._t(d.ev.tied_sync_time(r))  # the embedding group's all-reduce, exposed (first/last rank)
-            tied += self._t(sum(loss_sync_time(d.ev)))  # the loss's reductions, on every rank
-            opt, opt_hi = opt + tied, opt_hi + tied
+            # the embedding group's all-reduce (first/last rank) and the loss's reductions (every rank), exposed
+            fixed = self._t(d.ev.tied_sync_time(r) + sum(loss_sync_time(d.ev)))
+            opt, opt_hi = opt + fixed, opt_hi + fixed
             if d.cfg.data_ranks == 1 or (d.cfg.zero == 3 and not d.cfg.fsdp_in_pipeline):
                 s.Add(self.finish >= opt)
             elif d.cfg.zero == 3:  # pipelined: one reduce-scatter after the last backward, nothing hides it
