@@ -28,6 +28,8 @@ from pathlib import Path
 MED = "llama:layers=8,hidden=1024,heads=16,kv_heads=8,ffn=2816,vocab=32000,seq=2048"
 GPT_MED = "gpt:layers=8,hidden=1024,heads=16,seq=2048,vocab=32000"  # tied embedding and head
 MOE_MED = "moe:layers=4,hidden=1024,heads=16,kv_heads=8,ffn=2816,vocab=32000,seq=1024,experts=8,top_k=2"
+#: dense and MoE blocks in turn (dense, MoE, dense, MoE, dense): stages cut wherever the ILP puts them
+MOE_ALT = MOE_MED.replace("layers=4", "layers=5") + ",moe_every=2"
 HF_MED = ("hf:llama:num_hidden_layers=4,hidden_size=1024,intermediate_size=2816,num_attention_heads=16,"
           "num_key_value_heads=8,vocab_size=32000,seq=2048")
 H8 = "dgx-h100:nodes=1"
@@ -59,6 +61,7 @@ JOBS = [  # (model, cluster, global batch, --fix): DDP, ZeRO-1/2/3, TP+SP, every
     (MOE_MED, H8, 32, "dp=8,ep=4,zero=2"),  # expert parallelism: all-to-alls, experts reduced over edp
     (MOE_MED, H8, 32, "dp=4,tp=2,ep=2,zero=2,sp=on"),  # EP × TP × SP: the router and experts summed over tp
     (MOE_MED, H8, 32, "dp=4,pp=2,ep=4,zero=0,schedule=1f1b"),  # DDP beside experts it ignores, pipelined
+    (MOE_ALT, H8, 32, "dp=4,pp=2,zero=3,schedule=1f1b"),  # two block kinds, split by the ILP
     (HF_MED, H8, 32, "dp=8,zero=3"),
     (MED, H8, 16, "dp=2,cp=4,zero=3"),  # context parallelism: K/V all-gathers, gradients over dp × cp
     (MED, H8, 16, "dp=2,tp=2,cp=2,zero=2"),

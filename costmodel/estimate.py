@@ -150,31 +150,26 @@ def _attention_widths(arch: dict) -> tuple[int, int]:
 
 
 def split_layers(lg: LayerGraph) -> tuple[list[int], list[int], list[int]]:
-    """(pre, blocks, post): the layers the ILP counts as interchangeable groups of blocks are the run of the most
-    whole periods of one pattern of block signatures (`block_period`: 1 for a model whose blocks are alike, 2 for
-    one that alternates dense and MoE blocks, 6 for five local attention blocks and a global one); every layer
-    before it is fixed on the first stage with the embedding, every layer after it on the last stage with the head.
-    Stages are cut only between groups: for a model whose blocks are all alike this is every split; for one with a
-    few blocks of another kind at either end (DeepSeek's leading dense blocks before its MoE blocks, a period's
-    remainder) those blocks stay with the embedding or the head, and the plan is optimal among such splits. One
-    rule for the ILP, the outer search, its bounds and `even_stages`."""
-    return _split(lg)[:3]
+    """(pre, blocks, post): the run of blocks pipeline stages are cut inside is the longest run of consecutive
+    layers that are blocks, whatever their kinds (signatures): alike blocks, dense and MoE blocks in turn, five
+    local attention blocks and a global one, DeepSeek's leading dense blocks before its MoE blocks. A stage may
+    start and end at any block of it and hold any mix of kinds. Every layer before the run is fixed on the first
+    stage with the embedding, every layer after it on the last stage with the head (for the models autopar
+    captures, the embedding and the head alone). One rule for the ILP, the outer search, its bounds and
+    `even_stages`."""
+    lo, hi = _run(_block_signatures(lg))
+    n = len(lg.layers)
+    return list(range(lo)), list(range(lo, hi)), list(range(hi, n))
 
 
-def block_period(lg: LayerGraph) -> int:
-    """Blocks per group of `split_layers`' run: the period of the pattern its groups repeat."""
-    return _split(lg)[3]
-
-
-def block_groups(lg: LayerGraph) -> list[list[int]]:
-    """`split_layers`' run as its groups of `block_period` consecutive layers, in order."""
-    blocks, p = split_layers(lg)[1], block_period(lg)
-    return [blocks[k:k + p] for k in range(0, len(blocks), p)]
-
-
-#: the longest pattern of block signatures `split_layers` looks for (Gemma 3's five local and one global attention
-#: blocks is 6; Jamba's attention every 8 blocks with MoE every 2 is 8)
-MAX_PERIOD = 8
+def block_classes(lg: LayerGraph) -> list[list[int]]:
+    """`split_layers`' run by kind: per block signature (in order of first appearance), the run's layers with it.
+    The ILP counts each kind per stage; one kind for a model whose blocks are alike."""
+    blocks = split_layers(lg)[1]
+    by_kind: dict[str, list[int]] = {}
+    for i in blocks:
+        by_kind.setdefault(lg.layers[i].signature, []).append(i)
+    return list(by_kind.values())
 
 
 def _block_signatures(lg: LayerGraph) -> tuple:
@@ -196,71 +191,54 @@ def _firsts(sig: tuple) -> dict[str, int]:
     return out
 
 
-def _split(lg: LayerGraph) -> tuple[list[int], list[int], list[int], int]:
-    lo, hi, p = _run(_block_signatures(lg))
-    n = len(lg.layers)
-    return list(range(lo)), list(range(lo, hi)), list(range(hi, n)), p
-
-
 @functools.lru_cache(maxsize=256)
-def _run(sig: tuple) -> tuple[int, int, int]:
-    """(start, end, period) of the run of whole periods (at least two of a period > 1) with the most groups (the
-    most stages it can be cut into; then the most blocks, then the smaller period, then the later run, which leaves
-    a period's remainder beside the embedding rather than the head); (n, n, 1) when there is no block. Cached: the
-    search asks per candidate."""
+def _run(sig: tuple) -> tuple[int, int]:
+    """(start, end) of the longest run of consecutive blocks (the first of equal ones); (n, n) when there is no
+    block. Cached: the search asks per candidate."""
     n = len(sig)
-    best, key = (n, n, 1), (0, 0, 0, 0)
-    for p in range(1, MAX_PERIOD + 1):
-        for i in range(n - p + 1):
-            if None in sig[i:i + p] or (i >= p and sig[i - p:i] == sig[i:i + p]):
-                continue  # not a run's start: a layer is not a block, or the run began a period earlier
-            j = i + p  # extend while a layer repeats the one a period before it
-            while j < n and sig[j] is not None and sig[j] == sig[j - p]:
-                j += 1
-            groups = (j - i) // p
-            if p > 1 and groups < 2:
-                continue  # one group is no pattern: its blocks are as well fixed beside the embedding or head
-            k = (groups, groups * p, -p, i)
-            if k > key:
-                best, key = (i, i + groups * p, p), k
+    best, i = (n, n), 0
+    while i < n:
+        if sig[i] is None:
+            i += 1
+            continue
+        j = i
+        while j < n and sig[j] is not None:
+            j += 1
+        if j - i > best[1] - best[0] or best[0] == n:
+            best = (i, j)
+        i = j
     return best
 
 
 def stage_blocks_problem(lg: LayerGraph, n_stages: int) -> str:
-    """Why ``n_stages`` pipeline stages cannot each get a group of `split_layers`' run ('' when they can): the one
+    """Why ``n_stages`` pipeline stages cannot each get a block of `split_layers`' run ('' when they can): the one
     message of the ILP and the outer search."""
-    run, p, groups = len(split_layers(lg)[1]), block_period(lg), len(block_groups(lg))
-    if n_stages <= 1 or n_stages <= groups:
+    run = len(split_layers(lg)[1])
+    if n_stages <= 1 or n_stages <= run:
         return ""
     total = sum(1 for layer in lg.layers if layer.kind == "block")
-    if p > 1:
-        which = (f"{groups} groups of {p} blocks in a row (of {total} blocks: stages are cut only between the "
-                 "repeats of its pattern of block kinds, costmodel.estimate.split_layers)")
-    elif run == total:
-        which = f"{run} blocks"
-    else:
-        which = (f"{run} identical blocks in a row (of {total}: stages are cut only inside the longest run of like "
-                 "blocks, costmodel.estimate.split_layers)")
+    which = f"{run} blocks" if run == total else (
+        f"{run} blocks in a row (of {total}: stages are cut only inside the longest run of consecutive blocks, "
+        "costmodel.estimate.split_layers)")
     return f"pp·vpp = {n_stages} stages need a block each, and the model has only {which}; lower pp or vpp"
 
 
 def even_stages(lg: LayerGraph, n_stages: int) -> list[int]:
-    """Megatron's split: groups of blocks (`block_groups`: single blocks when they are alike) divided evenly (extra
-    ones to the middle stages), embed on the first stage and the head on the last; blocks outside the run
-    (`split_layers`) with the embedding or the head."""
-    groups = block_groups(lg)
-    if not groups:
+    """Megatron's split: the blocks divided evenly by count (extra ones to the middle stages), the embedding on the
+    first stage and the head on the last; layers outside the run (`split_layers`) with the embedding or the
+    head."""
+    pre, blocks, _ = split_layers(lg)
+    if not blocks:
         per = -(-len(lg.layers) // n_stages)
         return [min(i // per, n_stages - 1) for i in range(len(lg.layers))]
-    base, extra = divmod(len(groups), n_stages)
+    base, extra = divmod(len(blocks), n_stages)
     counts = [base] * n_stages
     middle = list(range(n_stages))[1:-1] or list(range(n_stages))
     for j in range(extra):
         counts[middle[j % len(middle)]] += 1
-    stage_of = [0] * groups[0][0]
+    stage_of = [0] * len(pre)
     for c, k in enumerate(counts):
-        for _ in range(k):
-            stage_of += [c] * len(groups[0])
+        stage_of += [c] * k
     stage_of += [n_stages - 1] * (len(lg.layers) - len(stage_of))
     return stage_of
 

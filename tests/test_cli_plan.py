@@ -36,24 +36,22 @@ def test_no_fit_exits_2_with_one_line(capsys):
     assert len(err.splitlines()) == 1 and "GiB per GPU" in err and "more GPUs" in err
 
 
-def test_two_block_kinds_pipeline_at_the_run_and_say_why_not_beyond(capsys):
-    """A dense block before MoE blocks: pp plans with the dense block beside the embedding; dense and MoE blocks in
-    turn are cut between the pairs they repeat; one dense and one MoE block leave no run of two like blocks and no
-    repeated pattern, so a pinned pp = 2 is refused naming the rule."""
+def test_two_block_kinds_pipeline_anywhere_and_say_why_not_beyond(capsys):
+    """Blocks of two kinds (a dense block before MoE blocks; dense and MoE in turn; one of each) are cut into stages
+    between any two blocks: every stage holds a block and the head's stage ends the model; more stages than blocks
+    are refused naming the rule."""
     ends = "moe:layers=3,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=128,seq=32,experts=4,top_k=2,dense_layers=1"
-    assert main(["plan", ends, "--cluster", "cpu-local", "--global-batch", "8", "--fix", "pp=2", "--check", "off",
-                 "--json"]) == 0
-    first, second = json.loads(capsys.readouterr().out)["stages"]  # layers: embed, dense, MoE, MoE, head
-    assert (first["first"], first["last"], second["first"], second["last"]) == (0, 2, 3, 4)
     turns = ends.replace("layers=3", "layers=4").replace("dense_layers=1", "moe_every=2")
-    assert main(["plan", turns, "--cluster", "cpu-local", "--global-batch", "8", "--fix", "pp=2", "--check", "off",
-                 "--json"]) == 0
-    first, second = json.loads(capsys.readouterr().out)["stages"]  # embed, dense, MoE | dense, MoE, head
-    assert (first["first"], first["last"], second["first"], second["last"]) == (0, 2, 3, 5)
     one_each = ends.replace("layers=3", "layers=2")
-    assert main(["plan", one_each, "--cluster", "cpu-local", "--global-batch", "8", "--fix", "pp=2"]) == 2
+    for spec, n_layers in ((ends, 5), (turns, 6), (one_each, 4)):
+        assert main(["plan", spec, "--cluster", "cpu-local", "--global-batch", "8", "--fix", "pp=2", "--check",
+                     "off", "--json"]) == 0
+        first, second = json.loads(capsys.readouterr().out)["stages"]
+        assert first["first"] == 0 and 1 < first["last"] + 1 == second["first"] < n_layers - 1
+        assert second["last"] == n_layers - 1
+    assert main(["plan", one_each, "--cluster", "dgx-h100:nodes=1", "--global-batch", "8", "--fix", "pp=4"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "1 identical blocks in a row (of 2" in err and "lower pp" in err
+    assert len(err.splitlines()) == 1 and "only 2 blocks" in err and "lower pp" in err
 
 
 def test_bad_fix_exits_2(capsys):

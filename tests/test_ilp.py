@@ -3,8 +3,7 @@
 Space of one candidate: an AC mode per layer (none, selective, full), contiguous stages with every stage holding
 ≥ 1 block (embedding on stage 0, head on the last), one gradient compression and one boundary compression. The
 brute force enumerates every per-layer AC assignment (3^layers), every stage split and every compression pair.
-Blocks of another kind before or after the run of like ones (`costmodel.estimate.split_layers`: DeepSeek's leading
-dense blocks) stay on the first or last stage: the brute force cuts stages inside the run only, as the ILP does.
+Blocks of several kinds (DeepSeek's leading dense blocks, dense and MoE in turn) are cut anywhere, as alike ones.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import pytest
 
 from costmodel.cluster import parse_cluster_yaml
 from costmodel.config import AC, ParallelConfig, Schedule
-from costmodel.estimate import Evaluator, block_groups, split_layers
+from costmodel.estimate import Evaluator, split_layers
 from planner.search import ilp
 from profiler.api import profile_model
 
@@ -27,9 +26,9 @@ MODELS = ("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128", "gpt:layers=3,hidde
           "moe:layers=3,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=128,seq=32,experts=4,top_k=2")
 #: two block kinds: a dense block, then three MoE blocks (the zoo's DeepSeek-style ``dense_layers``)
 TWO_KINDS = "moe:layers=5,hidden=64,heads=4,kv_heads=2,ffn=32,vocab=64,seq=64,experts=4,top_k=2,dense_layers=1"
-#: two kinds that alternate after a leading block of one of them: dense, then dense, MoE, dense, MoE, … (the zoo's
-#: ``dense_layers`` and Llama 4-style ``moe_every``): groups of two blocks, the first dense block beside the embedding
-ALTERNATING = ("moe:layers=7,hidden=64,heads=4,kv_heads=2,ffn=32,vocab=64,seq=64,experts=4,top_k=2,moe_every=2,"
+#: two kinds that alternate after a leading block of one of them: dense, then dense, MoE, dense, MoE (the zoo's
+#: ``dense_layers`` and Llama 4-style ``moe_every``): a stage may start and end at either kind
+ALTERNATING = ("moe:layers=5,hidden=64,heads=4,kv_heads=2,ffn=32,vocab=64,seq=64,experts=4,top_k=2,moe_every=2,"
                "dense_layers=1")
 
 
@@ -88,7 +87,7 @@ def random_problem(seed: int, spec: str | None = None, floor: float = 0.02):
     rng = random.Random(seed)
     spec = rng.choice(MODELS) if spec is None else spec
     lg = graph(spec)
-    nb = len(block_groups(lg))  # what stages are cut between
+    nb = len(split_layers(lg)[1])  # what stages are cut inside
     gpn, nodes = rng.choice([(2, 1), (2, 2), (4, 1), (1, 4)])
     world = gpn * nodes
     tp = rng.choice([t for t in (1, 2) if world % t == 0 and t <= gpn])
@@ -184,28 +183,32 @@ def test_decoded_plan_is_evaluated_and_reports_solver_facts():
     assert list(sol.stage_of) == sorted(sol.stage_of) and set(sol.stage_of) == {0, 1}
 
 
-def test_blocks_without_a_repeated_pattern_are_refused_clearly():
-    """Blocks A, B, A leave runs of one like block and no pattern that repeats (`block_groups` needs two periods):
-    no two stages can be cut, and the refusal says so; one stage plans."""
+@pytest.mark.parametrize("pp", [2, 3])
+def test_blocks_without_a_repeated_pattern_are_cut_anywhere(pp):
+    """Blocks A, B, A repeat no pattern: stages are cut between any two of them, and the ILP equals the brute force
+    over every split; more stages than blocks are refused, saying so."""
     lg = graph(MODELS[1])
     blocks = [i for i, layer in enumerate(lg.layers) if layer.kind == "block"]
     layers = list(lg.layers)
     layers[blocks[1]] = replace(layers[blocks[1]], signature="other")
     lg2 = replace(lg, layers=tuple(layers))
-    cl = cluster(random.Random(0), 100.0, 2, 1)
-    with pytest.raises(ilp.NotSupportedError, match="only 1 identical blocks in a row"):
-        ilp.solve(lg2, cl, ParallelConfig(pp=2), 4)
-    assert ilp.solve(lg2, cl, ParallelConfig(dp=2), 4).status == "OPTIMAL"  # one stage: per-layer choices
+    cl = cluster(random.Random(0), 100.0, pp, 1)
+    cfg = ParallelConfig(pp=pp, dp=1, precision="fp32")
+    expected = brute_force(lg2, cl, cfg, 4, ("none",), ("none",), (AC.NONE, AC.FULL))
+    sol = ilp.solve(lg2, cl, cfg, 4, grad_opts=("none",), pp_opts=("none",), acs=(AC.NONE, AC.FULL))
+    assert sol.objective == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ilp.NotSupportedError, match="only 3 blocks"):
+        ilp.solve(lg2, cluster(random.Random(0), 100.0, 4, 1), ParallelConfig(pp=4), 4)
 
 
 @pytest.mark.parametrize("seed", range(16))
 def test_two_block_kinds_equal_brute_force(seed):
-    """A dense block before four MoE blocks: the ILP (the dense block fixed with the embedding, the MoE blocks
-    counted) equals the brute force over every assignment of no or full AC and every split of the MoE run, and the
+    """A dense block before four MoE blocks: the ILP (each kind counted per stage, the stages placed by their cuts)
+    equals the brute force over every assignment of no or full AC and every split of the five blocks, and the
     outer search's bound stays below it."""
     lg, cl, cfg, gb, grad_opts, pp_opts = random_problem(seed, TWO_KINDS, floor=0.0)
     pre, run, _ = split_layers(lg)
-    assert [lg.layers[i].kind for i in pre] == ["embed", "block"] and len(run) == 4
+    assert [lg.layers[i].kind for i in pre] == ["embed"] and len(run) == 5
     acs = (AC.NONE, AC.FULL)
     assert_optimum_and_bound(lg, cl, cfg, gb, grad_opts, pp_opts, acs,
                              brute_force(lg, cl, cfg, gb, grad_opts, pp_opts, acs))
@@ -226,54 +229,18 @@ def assert_optimum_and_bound(lg, cl, cfg, gb, grad_opts, pp_opts, acs, expected)
     assert bound <= sol.objective * (1 + 1e-9)
 
 
-def brute_force_groups(lg, cl, cfg, gb, grad_opts, pp_opts, acs):
-    """The best plan among those the ILP may choose for a run of groups: every split between groups, one mode per
-    kind of block in each group, one per fixed layer; None when nothing fits."""
-    n, groups = len(lg.layers), block_groups(lg)
-    kinds = sorted({lg.layers[i].signature for i in groups[0]})
-    fixed = [i for i in range(n) if i not in {j for g in groups for j in g}]
-    S = cfg.pp * cfg.vpp
-    best = None
-    for counts in splits(len(groups), S):
-        stage_of = [0] * n
-        k = 0
-        for c, count in enumerate(counts):
-            for g in groups[k:k + count]:
-                for i in g:
-                    stage_of[i] = c
-            k += count
-        for i in fixed:
-            stage_of[i] = 0 if i < groups[0][0] else S - 1
-        for g_opt, p_opt in itertools.product(grad_opts, pp_opts):
-            ev = Evaluator(lg, cl, replace(cfg, grad_compress=g_opt, pp_compress=p_opt), gb)
-            per_group = list(itertools.product(acs, repeat=len(kinds)))
-            for choice in itertools.product(per_group, repeat=len(groups)):
-                for fixed_modes in itertools.product(acs, repeat=len(fixed)):
-                    modes = [None] * n
-                    for g, c in zip(groups, choice):
-                        for i in g:
-                            modes[i] = c[kinds.index(lg.layers[i].signature)]
-                    for i, a in zip(fixed, fixed_modes):
-                        modes[i] = a
-                    est = ev.evaluate(modes, stage_of)
-                    if est.fits and (best is None or est.step_time_s < best):
-                        best = est.step_time_s
-    return best
-
-
 @pytest.mark.parametrize("seed", range(16))
 def test_alternating_block_kinds_equal_brute_force(seed):
-    """Dense and MoE blocks that alternate are counted in groups of the pattern (dense, MoE): stages are cut between
-    groups, and each kind in a group takes its own AC mode; a leading dense block stays beside the embedding with
-    the cost of its kind's first block (`Evaluator.cost`), in whichever order the ILP's data asks for costs. The
-    ILP equals the brute force over every such plan (no or full AC), and the outer search's bound stays below
-    it."""
+    """Dense and MoE blocks that alternate after a leading dense one: a stage may start or end inside the pattern
+    (a cut inside a period), each block takes its own AC mode, and a block's costs are its kind's first block's
+    (`Evaluator.cost`) in whichever order the ILP's data asks for them. The ILP equals the brute force over every
+    split and every per-layer no or full AC, and the outer search's bound stays below it."""
     lg, cl, cfg, gb, grad_opts, pp_opts = random_problem(seed, ALTERNATING, floor=0.0)
-    groups = block_groups(lg)
-    assert len(groups) == 3 and all(len({lg.layers[i].signature for i in g}) == 2 for g in groups)
+    kinds = [lg.layers[i].signature for i in split_layers(lg)[1]]
+    assert len(kinds) == 5 and kinds[1:] == [kinds[0], kinds[2], kinds[0], kinds[2]] and kinds[0] != kinds[2]
     acs = (AC.NONE, AC.FULL)
     assert_optimum_and_bound(lg, cl, cfg, gb, grad_opts, pp_opts, acs,
-                             brute_force_groups(lg, cl, cfg, gb, grad_opts, pp_opts, acs))
+                             brute_force(lg, cl, cfg, gb, grad_opts, pp_opts, acs))
 
 
 @pytest.mark.parametrize("seed", range(60))

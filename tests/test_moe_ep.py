@@ -30,10 +30,10 @@ HF_MOE = ("hf:mixtral:num_hidden_layers=2,hidden_size=64,intermediate_size=64,nu
 QWEN3 = ("hf:qwen3:num_hidden_layers=2,hidden_size=64,intermediate_size=64,num_attention_heads=4,"
          "num_key_value_heads=2,head_dim=16,vocab_size=128,seq=32")
 #: two block kinds: a dense block before MoE ones (the zoo's DeepSeek-style ``dense_layers``), pipelined as the
-#: search splits it (`costmodel.estimate.split_layers`: the dense block stays with the embedding on the first stage)
+#: search splits it (stages cut between any two blocks)
 DENSE_MOE = "moe:layers=5,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=128,seq=32,experts=4,top_k=2,dense_layers=1"
-#: two kinds that alternate (the zoo's Llama 4-style ``moe_every=2``: dense, MoE, dense, MoE): stages are cut between
-#: the pattern's groups (`costmodel.estimate.block_groups`), so a stage holds both kinds
+#: two kinds that alternate (the zoo's Llama 4-style ``moe_every=2``: dense, MoE, dense, MoE): a stage may start at
+#: either kind
 ALTERNATING = "moe:layers=8,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=128,seq=32,experts=4,top_k=2,moe_every=2"
 QWEN3_MOE = ("hf:qwen3_moe:num_hidden_layers=2,hidden_size=64,intermediate_size=64,num_attention_heads=4,"
              "num_key_value_heads=2,head_dim=16,vocab_size=128,moe_intermediate_size=32,num_experts=4,"
@@ -96,6 +96,14 @@ CASES = {
                                              ac={"layers.1": "full", "layers.5": "full", "layers.7": "full"})),
     "alternating_pp2_interleaved": (2, lambda: make_plan(ALTERNATING, 8, pp=2, vpp=2, mbs=2, schedule="interleaved",
                                                          stages=[0, 0, 1, 1, 2, 2, 3, 3])),
+    # cut inside the pattern: a stage starts at a MoE block, stages of 3 and 5 blocks (both kinds on each); and
+    # interleaved chunks of 1, 3, 1 and 3 blocks
+    "alternating_pp2_cut_in_pattern": (2, lambda: make_plan(ALTERNATING, 8, pp=2, mbs=2, schedule="1f1b",
+                                                            stages=[0] * 3 + [1] * 5,
+                                                            ac={"layers.2": "full", "layers.3": "full"})),
+    "alternating_pp2_interleaved_uneven": (2, lambda: make_plan(ALTERNATING, 8, pp=2, vpp=2, mbs=2,
+                                                                schedule="interleaved",
+                                                                stages=[0, 1, 1, 1, 2, 3, 3, 3])),
     "moe_tp2": (2, lambda: make_plan(MOE, 2, tp=2)),
     # with sequence parallelism the feed-forward runs on each TP rank's slice: router and experts summed over tp
     "moe_tp2_sp": (2, lambda: make_plan(MOE, 2, tp=2, sp=True)),

@@ -14,9 +14,10 @@ factor, s the device's overlap slowdown, T_r the per-micro-batch time of rank r,
      model-state bytes per parameter, P_r its parameters, temp_r its least temporaries, the recomputation peak
      dropped); dividing by inflight_r and summing gives Σ_r act_r ≤ Σ_r (cap − per·P_r − temp_r)/inflight_r, whose
      largest value over the block distributions puts every block beyond the one per stage on the rank with the
-     most micro-batches in flight. The blocks' AC counts N_a then solve min Σ N_a·t_a s.t. Σ N_a = n_blocks,
-     Σ N_a·act_a ≤ that capacity minus the least activations of the pre/post layers: a fractional knapsack with
-     two constraints, whose optimum mixes at most two modes (closed form over the single modes and the pairs).
+     most micro-batches in flight. The blocks' AC modes then solve min Σ t s.t. Σ act ≤ that capacity minus the
+     least activations of the pre/post layers: a fractional knapsack over the run's points with each kind at one
+     mode, weights summing to one, whose optimum mixes at most two points (closed form over the points and the
+     pairs).
      No feasible mix ⇒ no plan fits (+∞, pruned as memory);
    - pre/post: those layers at their cheapest mode; p2p the boundary transfer (halved at best by bf16 casts of
      fp32 activations);
@@ -38,9 +39,10 @@ factor, s the device's overlap slowdown, T_r the per-micro-batch time of rank r,
    adds one broadcast of the parameters (one call: ≤ the per-tensor ones); ZeRO-2 the two (1 − s)·max(0, ·) + s·(·)
    overlaps; every rank its Adam step and clipping, and the loss's reductions.
 
-A block above is a group of `costmodel.estimate.block_groups` (one block when the run's blocks are alike; a period
-of its pattern of block kinds otherwise), as the ILP counts them; its modes are every choice of one AC mode per kind
-of block in it (a superset of the ILP's, `planner.search.ilp_data.group_modes`), the dominated ones dropped.
+Blocks of several kinds (`costmodel.estimate.block_classes`): W's relaxation is over the run's (activations, time)
+points with each kind at one mode (every per-kind mix of modes lies in their convex hull); the
+placement term charges a smallest block per stage; B_int and the memory bottleneck take each block at the least
+time (and the least weight) of any kind; a stage's first layer is any kind's for the last bucket.
 
 `Bounds.memory`: the most loaded rank's model states plus its least activations (every layer at its smallest
 mode) and temporaries; > capacity ⇒ no plan of the candidate fits.
@@ -51,14 +53,13 @@ mode) and temporaries; > capacity ⇒ no plan of the candidate fits.
 from __future__ import annotations
 
 import heapq
-import itertools
 from dataclasses import dataclass
 
 from costmodel.cluster import Cluster
 from costmodel.collectives import all_gather_time, all_reduce_time, broadcast_time, reduce_scatter_time
 from costmodel.compression import powersgd_volume
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
-from costmodel.estimate import Evaluator, block_groups, pipeline_factor, split_layers
+from costmodel.estimate import Evaluator, block_classes, pipeline_factor, split_layers
 from costmodel.memory import (
     FRAGMENTATION,
     autocast_dtype,
@@ -90,9 +91,10 @@ class Bounds:
         self.grad_opts = tuple(grad_opts)  #: the gradient compressions the ILP may choose
         self._groups: dict = {}
         self._evs: dict = {}
-        # the ILP's split (`costmodel.estimate.split_layers`): a run of like blocks counted, the layers around it fixed
+        # the ILP's split (`costmodel.estimate.split_layers`): a run of blocks cut into stages, the layers around it
+        # fixed; the run's blocks by kind (`block_classes`)
         self.pre, self.blocks, self.post = split_layers(lg)
-        self.groups = block_groups(lg)  #: what the ILP counts: a group of the run's pattern stands for a block
+        self.classes = block_classes(lg)
 
     def _ev(self, cfg: ParallelConfig) -> Evaluator:
         # the capture that prices the candidate's layers (`Evaluator`): under autocast (zero 0 stands for it) or not
@@ -117,12 +119,12 @@ class Bounds:
         per-rank memory bound on the bottleneck (`_memory_bottleneck`, a few ms: for candidates that survive the
         cheap bound)."""
         g, ev = self._group(cfg), self._ev(cfg)
-        p, S, nb = cfg.pp, cfg.pp * cfg.vpp, len(self.groups)
+        p, S, nb = cfg.pp, cfg.pp * cfg.vpp, len(self.blocks)
         m = self.gb // (cfg.dp * cfg.mbs)
         phi = pipeline_factor(cfg.schedule, cfg.vpp)
         p2p = 0.0
-        if S > 1:
-            p2p = ev.p2p_time(self.groups[-1][0])
+        if S > 1:  # a stage may start at any block but the first: the least of their transfers
+            p2p = min(ev.p2p_time(c[-1]) for c in self.classes if c[-1] != self.blocks[0])
             if ev.wide_boundaries:
                 p2p /= 2  # bf16 casts at best halve the transfer
         fixed = g.pre_t + g.post_t + (S - 1) * p2p + self._fsdp(cfg, g, ev)
@@ -150,25 +152,27 @@ class Bounds:
         return best * (1 - ROUND)
 
     def _block_work(self, cfg: ParallelConfig, g: _Group, m: int, extra: float = 0.0) -> float:
-        """Σ over the blocks of their per-micro-batch time under the aggregated memory relaxation."""
-        nb = len(self.groups)
-        if not nb:
+        """Σ over the blocks of their per-micro-batch time under the aggregated memory relaxation: the least over
+        the convex hull of the run's (activations, time) with each kind of block at one mode (`_Group.run_opts`,
+        every per-kind mix of modes is in it) under the capacity; an LP with two constraints (the weights sum to
+        one, the capacity), whose optimum mixes at most two points."""
+        if not self.blocks:
             return 0.0
         cap = self._capacity(cfg, g, m, extra)
-        if cap == INF or g.block_opts[0][0] * nb <= cap:
-            return nb * g.block_opts[0][1]  # the cheapest mode (none) fits everywhere
+        if cap == INF or g.run_opts[0][0] <= cap:
+            return g.run_opts[0][1]  # the fastest fits everywhere
         best = INF
-        for act, t in g.block_opts:
-            if act * nb <= cap:
-                best = min(best, nb * t)
-        for i, (act_a, t_a) in enumerate(g.block_opts):
-            for act_b, t_b in g.block_opts[i + 1:]:
+        for act, t in g.run_opts:
+            if act <= cap:
+                best = min(best, t)
+        for i, (act_a, t_a) in enumerate(g.run_opts):
+            for act_b, t_b in g.run_opts[i + 1:]:
                 hi, lo = (act_a, t_a), (act_b, t_b)
                 if hi[0] < lo[0]:
                     hi, lo = lo, hi
-                if hi[0] * nb > cap >= lo[0] * nb and hi[0] > lo[0]:
-                    n_hi = (cap - nb * lo[0]) / (hi[0] - lo[0])
-                    best = min(best, n_hi * hi[1] + (nb - n_hi) * lo[1])
+                if hi[0] > cap >= lo[0] and hi[0] > lo[0]:
+                    share = (cap - lo[0]) / (hi[0] - lo[0])
+                    best = min(best, share * hi[1] + (1 - share) * lo[1])
         return best
 
     def _budget(self, cfg: ParallelConfig, g: _Group, m: int, extra: float) -> tuple[float, float, float]:
@@ -178,8 +182,8 @@ class Bounds:
         cap = (self.cluster.memory_budget_bytes - runtime_reserved_bytes(cfg, dev)) / (1 + FRAGMENTATION)
         per = _state_at_peak(cfg, m) + extra
         temp = dp_reduction_temp_bytes(cfg, "none", 0.0)  # a lower bound: the least over compressions and ranks
-        if cfg.zero == 3 and cfg.data_ranks > 1:  # at least the gathered block (every rank holds one)
-            temp = g.gathered_params * cfg.param_bytes
+        if cfg.zero == 3 and cfg.data_ranks > 1:  # at least a gathered block (every rank holds one)
+            temp = g.min_block_params * cfg.param_bytes
         return cap, per, temp
 
     def _capacity(self, cfg: ParallelConfig, g: _Group, m: int, extra: float = 0.0) -> float:
@@ -196,10 +200,10 @@ class Bounds:
             total += (cap - per * fixed - temp) / k
             inv_own += cfg.vpp / k if p > 1 else 0.0
             inv_least = min(inv_least, 1.0 / k)
-        nb = len(self.groups)
         own = cfg.vpp * p if p > 1 else 0
-        # Σ_r n_r / inflight_r is least with the blocks beyond one per stage on the rank with the most in flight
-        total -= per * g.block_params * (inv_own + (nb - own) * inv_least)
+        # Σ_r P_r / inflight_r is least with a smallest block per stage and the rest on the rank with the most in
+        # flight: Σ_own P_b/k_r + Σ_rest P_b/k_r ≥ min·Σ_own 1/k_r + (P_run − own·min)·min_r 1/k_r
+        total -= per * (g.min_block_params * inv_own + (g.run_params - own * g.min_block_params) * inv_least)
         k_pre, k_post = _edge_held(cfg, m)  # their own chunks' counts, over the rank's
         return total - g.pre_act * k_pre / ks[0] - g.post_act * k_post / ks[last]
 
@@ -213,7 +217,7 @@ class Bounds:
             load.append(fixed + v * t)
         heap = [(x, r) for r, x in enumerate(load)]
         heapq.heapify(heap)
-        for _ in range(len(self.groups) - S):
+        for _ in range(len(self.blocks) - S):
             x, r = heapq.heappop(heap)
             heapq.heappush(heap, (x + t, r))
         return max(x for x, _ in heap)
@@ -235,8 +239,8 @@ class Bounds:
             budget = cap - temp - per * ((g.pre_params if r == 0 else 0.0) + (g.post_params if r == (S - 1) % p
                                                                                 else 0.0))
             budget -= (k_pre * g.pre_act if r == 0 else 0.0) + (k_post * g.post_act if r == (S - 1) % p else 0.0)
-            ranks.append((fixed_t, budget, [(t, per * g.block_params + k * act) for act, t in g.block_opts]))
-        nb = len(self.groups)
+            ranks.append((fixed_t, budget, [(t, per * params + k * act) for act, t, params in g.block_opts]))
+        nb = len(self.blocks)
 
         def holds(x: float) -> bool:
             n = 0
@@ -333,14 +337,13 @@ class Bounds:
         temp = dp_reduction_temp_bytes(cfg, "none", 0.0)
         block_act = g.block_opts_act_min
         k_pre, k_post = edge_inflight(cfg.schedule, cfg.pp, cfg.vpp, m)
-        first = (per * (g.pre_params + cfg.vpp * g.block_params) + k_pre * g.pre_act
+        first = (per * (g.pre_params + cfg.vpp * g.min_block_params) + k_pre * g.pre_act
                  + inflight(cfg.schedule, cfg.pp, cfg.vpp, 0, m) * cfg.vpp * block_act)
         last_rank = (cfg.pp * cfg.vpp - 1) % cfg.pp
-        last = (per * (g.post_params + cfg.vpp * g.block_params) + k_post * g.post_act
+        last = (per * (g.post_params + cfg.vpp * g.min_block_params) + k_post * g.post_act
                 + inflight(cfg.schedule, cfg.pp, cfg.vpp, last_rank, m) * cfg.vpp * block_act)
         if cfg.pp == 1:
-            n = len(self.groups)
-            first = per * g.params + g.pre_act + g.post_act + n * block_act
+            first = per * g.params + g.pre_act + g.post_act + g.run_act_min
         after = sum(plan_state_bytes(cfg))  # every gradient
         allocated = max(first, last, after * g.params / cfg.pp) + temp
         return (1 + FRAGMENTATION) * allocated + runtime_reserved_bytes(cfg, self.cluster.device)
@@ -379,11 +382,13 @@ def _state_at_peak(cfg: ParallelConfig, m: int) -> float:
 class _Group:
     """Per (tp, sp, mbs, precision): the layer-cost sums the bounds read."""
 
-    block_opts: list  #: (act, time) of a group's modes (`block_groups`), sorted by time (none first)
-    block_opts_t_min: float
-    block_opts_act_min: float
-    block_params: float  #: a group's
-    gathered_params: float  #: the largest block of a group: ZeRO-3 gathers at least it on every rank
+    run_opts: list  #: (act, time) of the whole run with each kind of block at one mode, undominated, fastest first
+    block_opts: list  #: (act, time, parameters) of one block, per kind and mode
+    block_opts_t_min: float  #: the least time of a block of any kind
+    block_opts_act_min: float  #: the least activations of a block of any kind
+    min_block_params: float  #: the smallest kind's parameters: ZeRO-3 gathers at least those on every rank
+    run_params: float
+    run_act_min: float  #: Σ over the run of each block's least activations
     pre_t: float
     post_t: float
     pre_act: float
@@ -413,31 +418,26 @@ class _Group:
         def least_act(idx):
             return sum(min(per_ac[a][i].act_bytes for a in AC) for i in idx)
 
-        if b.groups:
-            g0 = b.groups[0]
-            # every mode per kind of block in the group (a superset of the ILP's `group_modes`), the undominated
-            kinds = list(dict.fromkeys(b.lg.layers[i].signature for i in g0))
-            options = set()
-            for choice in itertools.product(AC, repeat=len(kinds)):
-                mode = {k: a for k, a in zip(kinds, choice)}
-                options.add((sum(per_ac[mode[b.lg.layers[i].signature]][i].act_bytes for i in g0),
-                             sum(t(per_ac[mode[b.lg.layers[i].signature]][i]) for i in g0)))
-            opts, fastest = [], INF
-            for act, time in sorted(options):  # by activations: keep each that is faster than every smaller one
-                if time < fastest:
-                    opts.append((act, time))
-                    fastest = time
-            opts.sort(key=lambda x: (x[1], x[0]))
-            block_params = sum(none[i].param_numel for i in g0)
-            gathered = max(none[i].param_numel for i in g0)
-        else:
-            opts, block_params, gathered = [(0.0, 0.0)], 0.0, 0.0
+        # the run with each kind at one mode (every mode, a superset of the ILP's): the kinds' undominated
+        # (activations, time) points added one kind at a time (a sum's undominated points are sums of undominated
+        # ones)
+        run = [(0.0, 0.0)]
+        block_opts = []
+        for c in b.classes:
+            i = c[0]
+            mine = [(len(c) * per_ac[a][i].act_bytes, len(c) * t(per_ac[a][i])) for a in AC]
+            run = _undominated([(x + y, u + w) for x, u in run for y, w in mine])
+            block_opts += [(per_ac[a][i].act_bytes, t(per_ac[a][i]), none[i].param_numel) for a in AC]
+        run.sort(key=lambda x: (x[1], x[0]))
+        block_opts = block_opts or [(0.0, 0.0, 0.0)]
         pb = 4 if ev.cfg.precision == "fp32" else 2
-        firsts = [none[i].param_numel for i in ([b.pre[0]] if b.pre else []) + b.blocks[:1]]
+        firsts = [none[i].param_numel for i in ([b.pre[0]] if b.pre else []) + [c[0] for c in b.classes]]
         return _Group(
-            block_opts=opts, block_opts_t_min=min(x[1] for x in opts), block_opts_act_min=min(x[0] for x in opts),
-            block_params=block_params, gathered_params=gathered, pre_t=least_t(b.pre), post_t=least_t(b.post),
-            pre_act=least_act(b.pre),
+            run_opts=run, block_opts=block_opts, block_opts_t_min=min(x[1] for x in block_opts),
+            block_opts_act_min=min(x[0] for x in block_opts),
+            min_block_params=min((none[c[0]].param_numel for c in b.classes), default=0.0),
+            run_params=sum(none[i].param_numel for i in b.blocks), run_act_min=least_act(b.blocks),
+            pre_t=least_t(b.pre), post_t=least_t(b.post), pre_act=least_act(b.pre),
             post_act=least_act(b.post), pre_params=sum(none[i].param_numel for i in b.pre),
             post_params=sum(none[i].param_numel for i in b.post), params=sum(c.param_numel for c in none),
             fwd=sum(c.fwd_s for c in none), bwd=sum(c.bwd_s for c in none),
@@ -450,6 +450,16 @@ class _Group:
     def powersgd(self, rank: int) -> tuple[float, float, float, float]:
         """Σ over all layers of (compressed elements, vector elements, encode FLOPs, matrix elements)."""
         return powersgd_volume(self.costs, rank)
+
+
+def _undominated(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (activations, time) points no other point beats in both, by activations."""
+    out, fastest = [], INF
+    for act, time in sorted(set(points)):
+        if time < fastest:
+            out.append((act, time))
+            fastest = time
+    return out
 
 
 def _lp_max_blocks(time_room: float, mem_room: float, opts) -> float:

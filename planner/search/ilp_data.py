@@ -7,6 +7,7 @@ count with the cost model's own functions.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, replace
@@ -14,7 +15,7 @@ from dataclasses import dataclass, replace
 from costmodel.cluster import Cluster
 from costmodel.compression import allowed_options
 from costmodel.config import AC, ParallelConfig, parse_grad_compress
-from costmodel.estimate import Evaluator, block_groups, pipeline_factor, split_layers, stage_blocks_problem
+from costmodel.estimate import Evaluator, block_classes, pipeline_factor, split_layers, stage_blocks_problem
 from costmodel.runnable import grad_compress_options
 from profiler.graph import LayerGraph
 
@@ -40,9 +41,11 @@ class Data:
     slow: float
     pre: list[int]
     post: list[int]
-    blocks: list[int]  #: the run's layers (`split_layers`), counted in groups
-    groups: list[list[int]]  #: the run's groups (`block_groups`): what the ILP counts per stage
-    acs: tuple[tuple[AC, ...], ...]  #: AC combinations offered to a group: one mode per layer of `group`
+    blocks: list[int]  #: the run's layers (`split_layers`), in order
+    reps: list[int]  #: per kind of block (`block_classes`), the layer whose costs stand for every block of it
+    kind_of: list[int]  #: per position in the run, its block's kind (an index into ``reps``)
+    counts: list[int]  #: blocks of each kind in the run
+    acs: tuple[tuple[AC, ...], ...]  #: per kind, the AC modes offered to its blocks (most activations first)
     modes: tuple[AC, ...]  #: the AC modes offered
     fixed_acs: dict  #: pre/post layer → AC modes offered to it
     grad_opts: tuple[str, ...]
@@ -57,13 +60,77 @@ class Data:
     evs: dict  #: grad option → evaluator with that compression
 
     @property
-    def group(self) -> list[int]:
-        """The run's first group: its layers stand for every group's (all groups are alike)."""
-        return self.groups[0] if self.groups else []
+    def kinds(self) -> range:
+        return range(len(self.reps))
 
     @property
-    def ngroups(self) -> int:
-        return len(self.groups)
+    def cut(self) -> bool:
+        """Whether stages are placed by their cut positions: blocks of several kinds, where which blocks a stage
+        holds depends on where it starts and ends (one kind: only how many)."""
+        return len(self.reps) > 1
+
+    @property
+    def nblocks(self) -> int:
+        return len(self.blocks)
+
+    def prefix(self, k: int) -> list[int]:
+        """Blocks of kind k among the run's first j, for j = 0 … nblocks."""
+        out = [0]
+        for x in self.kind_of:
+            out.append(out[-1] + (x == k))
+        return out
+
+    def vectors(self, r: int) -> list[tuple[int, ...]]:
+        """The per-kind block counts rank r can hold: of the blocks between two cuts where the rank is one stage,
+        every count vector with its total in `n_range` otherwise (a superset: the counts are tied to the cuts)."""
+        return _vectors(tuple(self.kind_of), self.S, self.pp, r, self.n_range[r])
+
+
+@functools.lru_cache(maxsize=1024)
+def _vectors(kind_of: tuple, S: int, pp: int, r: int, n_range: tuple) -> list[tuple[int, ...]]:
+    if not kind_of:
+        return [()]
+    K, B = max(kind_of) + 1, len(kind_of)
+    lo, hi = n_range
+    if K == 1:
+        return [(n,) for n in range(lo, hi + 1)]
+    if S == pp:  # one stage: the blocks between its first and its last cut
+        prefix = [[0] * K]
+        for x in kind_of:
+            prefix.append(list(prefix[-1]))
+            prefix[-1][x] += 1
+        out = {tuple(e - s for e, s in zip(prefix[end], prefix[start]))
+               for start in range(r, B - (S - r) + 1) for end in range(start + 1, B - (S - 1 - r) + 1)}
+        return sorted(out)
+    counts = [kind_of.count(k) for k in range(K)]
+    if math.prod(c + 1 for c in counts) > MAX_VECTORS:
+        raise NotSupportedError(
+            f"{K} kinds of block ({', '.join(map(str, counts))} blocks) make more than {MAX_VECTORS} block counts "
+            "per pipeline rank for the ILP's tables with interleaved stages; use vpp=1")
+    return [v for v in itertools.product(*(range(c + 1) for c in counts)) if lo <= sum(v) <= hi]
+
+
+#: the longest pattern of block kinds `pattern_cuts` looks for (Gemma 3's five local and one global attention blocks
+#: is 6; Jamba's attention every 8 blocks with MoE every 2 is 8)
+MAX_PERIOD = 8
+
+
+def pattern_cuts(kind_of: list[int], n_stages: int) -> set[int] | None:
+    """Where stages may be cut so that every stage but the first holds whole repeats of the run's pattern of block
+    kinds: the positions (o + p·t, t ≥ 1) after the shortest prefix o beyond which the kinds repeat with the
+    shortest period p ≤ `MAX_PERIOD` (DeepSeek's leading dense blocks: o = 3, p = 1; dense and MoE in turn: p = 2);
+    None when no such pattern leaves room for ``n_stages`` stages. The ILP's warm start (`Model.warm_start`)."""
+    B = len(kind_of)
+    for p in range(1, MAX_PERIOD + 1):
+        for o in range(0, B - p):
+            if all(kind_of[j] == kind_of[j - p] for j in range(o + p, B)):
+                allowed = set(range(o + p if o == 0 else o, B, p))
+                return allowed if len(allowed) >= n_stages - 1 else None
+    return None
+
+
+#: the most per-kind count vectors a rank's tables are built over (`Data.vectors`, interleaved stages)
+MAX_VECTORS = 20000
 
 
 def _evaluator(lg, cluster, cfg, global_batch, cache):
@@ -76,15 +143,15 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
     base = replace(cfg, grad_compress="none", pp_compress="none")
     ev = _evaluator(lg, cluster, base, global_batch, cost_cache)
     S = cfg.pp * cfg.vpp
-    kinds = [layer.kind for layer in lg.layers]
     pre, blocks, post = split_layers(lg)
-    groups = block_groups(lg)
-    group, nb = (groups[0] if groups else []), len(groups)  # (as `Data.group`, `Data.ngroups`)
+    classes = block_classes(lg)
+    reps = [c[0] for c in classes]
+    kind_of = [next(k for k, c in enumerate(classes) if i in c) for i in blocks]
     if why := stage_blocks_problem(lg, S):
         raise NotSupportedError(f"{lg.model.name}: {why}")
     # offer an AC mode only when it changes the layer's costs (selective on a layer without an attention core is
     # none): equal-cost choices would otherwise be broken arbitrarily by the solver
-    block_acs = group_modes(ev, group, acs) if blocks else tuple((a,) for a in acs)
+    block_acs = tuple(_most_activations_first(ev, i, _distinct_acs(ev, [i], acs)) for i in reps)
     fixed_acs = {i: _distinct_acs(ev, [i], acs) for i in pre + post}
     # offer a compression option only when it can change some coefficient
     if grad_opts is None:  # among those the runtime can apply to this sharding (costmodel.runnable) and the
@@ -99,15 +166,21 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
     p2p, buffers = {}, {}
     for k in pp_opts:
         e = ev if k == "none" else _evaluator(lg, cluster, replace(base, pp_compress=k), global_batch, cost_cache)
-        vals = {e.p2p_time(g[0]) for g in groups[1:]} if S > 1 else {0.0}
-        assert len(vals) == 1, "alike groups must have alike boundary transfers"
+        # a stage after the first may start at any block but the run's first: one transfer and one set of buffers
+        # for all of them (a block's input is the residual stream, whatever its kind), or the ILP cannot price it
+        starts = list({kind_of[j]: blocks[j] for j in range(len(blocks) - 1, 0, -1)}.values()) if S > 1 else []
+        vals = {e.p2p_time(i) for i in starts} or {0.0}
+        bufs = {r: [e.pipeline_buffers(r, [0] + [i] * (S - 1) if S > 1 else [0]) for i in starts or [0]]
+                for r in range(cfg.pp)}
+        if len(vals) > 1 or any(v.count(v[0]) < len(v) for v in bufs.values()):
+            raise NotSupportedError(f"{lg.model.name}: its blocks' inputs differ in size between kinds, and the "
+                                    "ILP prices one stage boundary for all; use pp=1")
         p2p[k] = vals.pop()
-        # every stage after the first starts at a group (each holds one), all alike: any group stands for its first
-        firsts = [0] + [groups[-1][0]] * (S - 1) if S > 1 else [0]
-        buffers |= {(k, r): e.pipeline_buffers(r, firsts) for r in range(cfg.pp)}
+        buffers |= {(k, r): v[0] for r, v in bufs.items()}
     if len(p2p) > 1 and p2p.get("bf16") == p2p["none"]:
         del p2p["bf16"]  # bf16 boundary casts change nothing when activations are already 16-bit
     pp_opts = tuple(p2p)
+    nb = len(blocks)
     n_range = {}
     for r in range(cfg.pp):
         own = sum(1 for c in range(S) if c % cfg.pp == r)
@@ -122,42 +195,20 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
     else:
         units = [tuple(range(r, S, cfg.pp)) for r in range(cfg.pp)]
     # units: the even, no-recompute step for time, capacity/1000 for memory (solver tolerances become relative)
-    t_ref = sum(ev.cost(i, AC.NONE).fwd_s + ev.cost(i, AC.NONE).bwd_s for i in range(len(kinds))) * ev.m
+    t_ref = sum(ev.cost(i, AC.NONE).fwd_s + ev.cost(i, AC.NONE).bwd_s for i in range(len(lg.layers))) * ev.m
     return Data(ev=ev, cfg=cfg, S=S, pp=cfg.pp, m=ev.m, phi=pipeline_factor(cfg.schedule, cfg.vpp),
-                slow=cluster.device.overlap_slowdown, pre=pre, post=post, blocks=blocks, groups=groups,
-                acs=block_acs, modes=tuple(a for a in AC_ORDER if a in acs),
+                slow=cluster.device.overlap_slowdown, pre=pre, post=post, blocks=blocks, reps=reps, kind_of=kind_of,
+                counts=[len(c) for c in classes], acs=block_acs, modes=tuple(a for a in AC_ORDER if a in acs),
                 fixed_acs=fixed_acs,
                 grad_opts=tuple(grad_opts), pp_opts=pp_opts, p2p=p2p, buffers=buffers, n_range=n_range,
                 fixed_rank=fixed_rank, units=units,
                 time_unit=max(t_ref, 1e-12) / 1000.0, mem_unit=cluster.memory_budget_bytes / 1000.0, evs=evs)
 
 
-#: most AC combinations offered to a group (`group_modes`): 3 modes for each of 3 kinds of block in it
-MAX_GROUP_MODES = 27
-
-
-def group_modes(ev: Evaluator, group: list[int], acs) -> tuple[tuple[AC, ...], ...]:
-    """The AC combinations offered to a group of blocks (`costmodel.estimate.block_groups`), one mode per layer:
-    blocks of one kind (signature) in a group share a mode, each kind among the modes that change its costs; all
-    kinds one mode where that makes more than `MAX_GROUP_MODES`. Combinations that cost the same as an earlier one
-    are dropped, and they are sorted by the group's activations, most first (the order `Model.decode` relies on)."""
-    layers = ev.lg.layers
-    kinds = list(dict.fromkeys(layers[i].signature for i in group))
-    per_kind = [_distinct_acs(ev, [i for i in group if layers[i].signature == k], acs) for k in kinds]
-    if len(per_kind) == 1 or math.prod(len(m) for m in per_kind) > MAX_GROUP_MODES:
-        combos = [tuple(a for _ in group) for a in _distinct_acs(ev, group, acs)]
-    else:
-        combos = [tuple(choice[kinds.index(layers[i].signature)] for i in group)
-                  for choice in itertools.product(*per_kind)]
-    kept, seen = [], set()
-    for c in combos:
-        key = tuple(ev.cost(i, a) for i, a in zip(group, c))
-        if key not in seen:
-            seen.add(key)
-            kept.append(c)
+def _most_activations_first(ev: Evaluator, i: int, modes) -> tuple[AC, ...]:
+    """``modes`` of layer i by its activations, most first (the order `Model.decode` relies on)."""
     order = {a: k for k, a in enumerate(AC_ORDER)}
-    return tuple(sorted(kept, key=lambda c: (-sum(ev.cost(i, a).act_bytes for i, a in zip(group, c)),
-                                             [order[a] for a in c])))
+    return tuple(sorted(modes, key=lambda a: (-ev.cost(i, a).act_bytes, order[a])))
 
 
 def _distinct_acs(ev: Evaluator, layers: list[int], acs) -> tuple[AC, ...]:
@@ -178,13 +229,12 @@ def _units_of(d: Data, r: int) -> list[int]:
     return [u for u, st in enumerate(d.units) if st[0] % d.pp == r]
 
 
-def _rank_layer_costs(d: Data, r: int, n: int) -> list:
-    """Costs (AC none: only parameters are read) of rank r holding n groups, in evaluate's order: every stage
-    holds a group, so the rank's first layer is a group's first unless the rank holds the pre layers."""
+def _rank_layer_costs(d: Data, r: int, v: tuple[int, ...]) -> list:
+    """Costs (AC none: only parameters are read) of rank r holding v[k] blocks of kind k, in evaluate's order but
+    for the blocks' (every use is a sum over them, or of the rank's first layer only where it holds the pre
+    layers: `Model.first_block` gives it otherwise)."""
     ev = d.ev
     first = [ev.cost(i, AC.NONE) for i in d.pre] if r == 0 else []
-    blocks = [ev.cost(i, AC.NONE) for i in d.group] * n
+    blocks = [ev.cost(i, AC.NONE) for i, n in zip(d.reps, v) for _ in range(n)]
     last = [ev.cost(i, AC.NONE) for i in d.post] if (d.S - 1) % d.pp == r else []
     return first + blocks + last
-
-

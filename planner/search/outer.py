@@ -61,9 +61,9 @@ from costmodel.estimate import (
     ConfigError,
     Evaluator,
     block_acs,
-    block_groups,
     even_stages,
     selective_of,
+    split_layers,
     stage_blocks_problem,
 )
 from costmodel.layercost import is_tp_layer
@@ -130,7 +130,7 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
     world, gpn = cluster.world_size, cluster.gpus_per_node
     arch = lg.model.arch
     experts = int(arch.get("experts") or 0)
-    n_blocks = len(block_groups(lg))  # the groups of the run of like blocks that pipeline stages are cut between
+    n_blocks = len(split_layers(lg)[1])  # the run of blocks pipeline stages are cut inside
     tp_ok = any(is_tp_layer(layer) for layer in lg.blocks)
     # mixed bf16 where the device has bf16 units; fp32 otherwise (the cpu-local ranks train in fp32)
     precision = fix.get("precision", "bf16" if "bf16" in cluster.device.peak_flops else "fp32")
