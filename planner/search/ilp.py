@@ -696,7 +696,7 @@ class Model:
         self.solver.SetHint([v for v, _ in pairs], [float(x) for _, x in pairs])
 
     def warm_start(self, time_limit: float):
-        """Blocks of several kinds that repeat a pattern (`ilp_data.pattern`): first solve with stages cut only
+        """Blocks of several kinds that repeat a pattern (`ilp_data.pattern_cuts`): first solve with stages cut only
         where the pattern starts again (the problem of counted groups, which SCIP solves fast), then hand that
         whole solution to the full problem as its start, with the restriction lifted. Return the restricted
         problem's plan and objective (seconds) as `decode` gives them, None when there was none."""
@@ -836,14 +836,16 @@ def solve(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: i
         model.add_cutoff(cutoff)
     first = model.warm_start(time_limit / 2)
     code = model.solve(time_limit - (time.perf_counter() - t0))
-    if first and code not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        # out of time before the warm start's plan was even taken back: that plan, proved nothing of
-        (acs_out, stage_of, grad, ppc), objective = first
-        code, bound = pywraplp.Solver.FEASIBLE, 0.0
-    elif code in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+    if code in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         acs_out, stage_of, grad, ppc = model.decode()
         objective = model.solver.Objective().Value() * d.time_unit
         bound = model.solver.Objective().BestBound() * d.time_unit
+        if first and first[1] < objective and code != pywraplp.Solver.OPTIMAL:
+            # the solver set the warm start's plan aside (tolerances) and found a worse one in time: keep it
+            (acs_out, stage_of, grad, ppc), objective = first
+    elif first:  # out of time before the warm start's plan was even taken back: that plan, proved nothing of
+        (acs_out, stage_of, grad, ppc), objective = first
+        code, bound = pywraplp.Solver.FEASIBLE, 0.0
     status = _STATUS.get(code, str(code))
     if code not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         if cutoff is not None and code == pywraplp.Solver.INFEASIBLE:

@@ -54,7 +54,7 @@ class Data:
     buffers: dict  #: (pp option, rank) → torch's pipelining buffers (`Evaluator.pipeline_buffers`)
     n_range: dict  #: rank → (lowest, highest) block count
     fixed_rank: dict  #: fixed layer → rank
-    units: list  #: groups of stages counted together: one per rank, or one per stage under ZeRO-3
+    units: list  #: groups of stages counted together: one per rank, or one per stage (ZeRO-3, or vpp > 1)
     time_unit: float
     mem_unit: float
     evs: dict  #: grad option → evaluator with that compression
@@ -72,13 +72,6 @@ class Data:
     @property
     def nblocks(self) -> int:
         return len(self.blocks)
-
-    def prefix(self, k: int) -> list[int]:
-        """Blocks of kind k among the run's first j, for j = 0 … nblocks."""
-        out = [0]
-        for x in self.kind_of:
-            out.append(out[-1] + (x == k))
-        return out
 
     def vectors(self, r: int) -> list[tuple[int, ...]]:
         """The per-kind block counts rank r can hold: of the blocks between two cuts where the rank is one stage,
@@ -99,8 +92,10 @@ def _vectors(kind_of: tuple, S: int, pp: int, r: int, n_range: tuple) -> list[tu
         for x in kind_of:
             prefix.append(list(prefix[-1]))
             prefix[-1][x] += 1
-        out = {tuple(e - s for e, s in zip(prefix[end], prefix[start]))
-               for start in range(r, B - (S - r) + 1) for end in range(start + 1, B - (S - 1 - r) + 1)}
+        # (the first stage starts at the run's first block, the last ends at its last)
+        starts = [0] if r == 0 else range(r, B - (S - r) + 1)
+        out = {tuple(e - s for e, s in zip(prefix[end], prefix[start])) for start in starts
+               for end in ([B] if r == S - 1 else range(start + 1, B - (S - 1 - r) + 1))}
         return sorted(out)
     counts = [kind_of.count(k) for k in range(K)]
     if math.prod(c + 1 for c in counts) > MAX_VECTORS:
@@ -116,16 +111,19 @@ MAX_PERIOD = 8
 
 
 def pattern_cuts(kind_of: list[int], n_stages: int) -> set[int] | None:
-    """Where stages may be cut so that every stage but the first holds whole repeats of the run's pattern of block
-    kinds: the positions (o + p·t, t ≥ 1) after the shortest prefix o beyond which the kinds repeat with the
-    shortest period p ≤ `MAX_PERIOD` (DeepSeek's leading dense blocks: o = 3, p = 1; dense and MoE in turn: p = 2);
-    None when no such pattern leaves room for ``n_stages`` stages. The ILP's warm start (`Model.warm_start`)."""
+    """Where stages may be cut so that every stage but the first starts a repeat of the run's pattern of block kinds:
+    after the shortest prefix o (then the shortest period p ≤ `MAX_PERIOD`) beyond which the kinds repeat at least
+    twice, at o and every p blocks after it (DeepSeek's leading dense blocks: o = 3, p = 1; dense and MoE in turn:
+    o = 0, p = 2; Gemma 3's five local blocks and a global one, with two local ones left over: o = 0, p = 6); None
+    when no pattern leaves room for ``n_stages`` stages. The ILP's warm start (`Model.warm_start`)."""
     B = len(kind_of)
-    for p in range(1, MAX_PERIOD + 1):
-        for o in range(0, B - p):
-            if all(kind_of[j] == kind_of[j - p] for j in range(o + p, B)):
-                allowed = set(range(o + p if o == 0 else o, B, p))
-                return allowed if len(allowed) >= n_stages - 1 else None
+    for o in range(B):
+        for p in range(1, MAX_PERIOD + 1):
+            if (B - o) // p < 2 or any(kind_of[j] != kind_of[j - p] for j in range(o + p, B)):
+                continue
+            allowed = set(range(o if o else p, B, p))
+            if len(allowed) >= n_stages - 1:
+                return allowed
     return None
 
 
@@ -167,16 +165,15 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
     for k in pp_opts:
         e = ev if k == "none" else _evaluator(lg, cluster, replace(base, pp_compress=k), global_batch, cost_cache)
         # a stage after the first may start at any block but the run's first: one transfer and one set of buffers
-        # for all of them (a block's input is the residual stream, whatever its kind), or the ILP cannot price it
-        starts = list({kind_of[j]: blocks[j] for j in range(len(blocks) - 1, 0, -1)}.values()) if S > 1 else []
-        vals = {e.p2p_time(i) for i in starts} or {0.0}
-        bufs = {r: [e.pipeline_buffers(r, [0] + [i] * (S - 1) if S > 1 else [0]) for i in starts or [0]]
-                for r in range(cfg.pp)}
-        if len(vals) > 1 or any(v.count(v[0]) < len(v) for v in bufs.values()):
-            raise NotSupportedError(f"{lg.model.name}: its blocks' inputs differ in size between kinds, and the "
-                                    "ILP prices one stage boundary for all; use pp=1")
+        # (which read the boundary's bytes only) for all of them (a block's input is the residual stream, whatever
+        # its kind), or the ILP cannot price it
+        vals = {e.p2p_time(i) for i in blocks[1:]} if S > 1 else {0.0}
+        if len(vals) > 1 or len({e.p2p_bytes(i) for i in blocks[1:]}) > 1:
+            raise NotSupportedError(f"{lg.model.name}: its blocks' inputs differ in size, and the ILP prices one "
+                                    "stage boundary for all; use pp=1")
+        firsts = [0] + [blocks[-1]] * (S - 1) if S > 1 else [0]
+        buffers |= {(k, r): e.pipeline_buffers(r, firsts) for r in range(cfg.pp)}
         p2p[k] = vals.pop()
-        buffers |= {(k, r): v[0] for r, v in bufs.items()}
     if len(p2p) > 1 and p2p.get("bf16") == p2p["none"]:
         del p2p["bf16"]  # bf16 boundary casts change nothing when activations are already 16-bit
     pp_opts = tuple(p2p)
@@ -212,7 +209,7 @@ def _most_activations_first(ev: Evaluator, i: int, modes) -> tuple[AC, ...]:
 
 
 def _distinct_acs(ev: Evaluator, layers: list[int], acs) -> tuple[AC, ...]:
-    """The modes among ``acs`` that give the layers (a group's, all at one mode) costs no earlier mode gives."""
+    """The modes among ``acs`` that give the layers (all at one mode) costs no earlier mode gives."""
     kept: list[AC] = []
     for a in AC_ORDER:
         if a in acs and all([ev.cost(i, a) for i in layers] != [ev.cost(i, b) for i in layers] for b in kept):
@@ -232,7 +229,7 @@ def _units_of(d: Data, r: int) -> list[int]:
 def _rank_layer_costs(d: Data, r: int, v: tuple[int, ...]) -> list:
     """Costs (AC none: only parameters are read) of rank r holding v[k] blocks of kind k, in evaluate's order but
     for the blocks' (every use is a sum over them, or of the rank's first layer only where it holds the pre
-    layers: `Model.first_block` gives it otherwise)."""
+    layers: `Model.first_kind` gives it otherwise)."""
     ev = d.ev
     first = [ev.cost(i, AC.NONE) for i in d.pre] if r == 0 else []
     blocks = [ev.cost(i, AC.NONE) for i, n in zip(d.reps, v) for _ in range(n)]
