@@ -862,7 +862,7 @@ def solve(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: i
         f"ILP objective {objective!r} != Evaluator.evaluate {est.step_time_s!r} for {final} ({status})")
     assert est.fits, f"decoded plan does not fit: {est.memory.peak} > {est.capacity_bytes}"
     validate(stage_of, d.S)
-    bound = min(bound, est.step_time_s)
+    bound = min(max(bound, 0.0), est.step_time_s)  # (SCIP's dual bound is -1e20 where it has none yet)
     gap = max(0.0, (est.step_time_s - bound) / est.step_time_s)
     return Solution(config=final, acs=tuple(acs_out), stage_of=tuple(stage_of), estimate=est, status=status,
                     objective=est.step_time_s, bound=bound, gap=gap, time_s=time.perf_counter() - t0,
