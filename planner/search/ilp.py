@@ -697,9 +697,9 @@ class Model:
 
     def warm_start(self, time_limit: float):
         """Blocks of several kinds that repeat a pattern (`ilp_data.pattern_cuts`): first solve with stages cut only
-        where the pattern starts again (the problem of counted groups, which SCIP solves fast), then hand that
-        whole solution to the full problem as its start, with the restriction lifted. Return the restricted
-        problem's plan and objective (seconds) as `decode` gives them, None when there was none."""
+        where the pattern starts again (fewer splits: SCIP finds good plans there quickly), then hand that whole
+        solution to the full problem as its start, with the restriction lifted. Return the restricted problem's
+        plan and objective (seconds) as `decode` gives them, None when there was none."""
         d, s = self.d, self.solver
         allowed = pattern_cuts(d.kind_of, d.S) if d.cut else None
         if allowed is None:
