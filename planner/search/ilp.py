@@ -156,7 +156,7 @@ class Model:
         self.solver, self.backend = _create_solver(backend)
         self.inf = self.solver.infinity()
         self.add_variables()
-        self.add_assignment()
+        self.add_assignment()  # (family 2, the rank counts' one-hots, is added where a table needs it: `tab`)
         self.add_stage_times()
         self.add_bottleneck()
         self.add_finish()
@@ -322,10 +322,6 @@ class Model:
         # exactly one compression per communication group
         for group, opts in (("dp", d.grad_opts), ("pp", d.pp_opts)):
             s.Add(sum(self.compress[group, k] for k in opts) == 1)
-
-    # -- 2. rank block counts --------------------------------------------------------------------------------
-    def add_rank_counts(self) -> None:
-        """Family 2 is added lazily by `tab` (`_onehot`): only ranks with a non-affine table need it."""
 
     # -- 3. stage times --------------------------------------------------------------------------------------
     def add_stage_times(self) -> None:

@@ -43,7 +43,7 @@ class Data:
     post: list[int]
     blocks: list[int]  #: the run's layers (`split_layers`), in order
     reps: list[int]  #: per kind of block (`block_classes`), the layer whose costs stand for every block of it
-    kind_of: list[int]  #: per position in the run, its block's kind (an index into ``reps``)
+    kind_of: tuple[int, ...]  #: per position in the run, its block's kind (an index into ``reps``)
     counts: list[int]  #: blocks of each kind in the run
     acs: tuple[tuple[AC, ...], ...]  #: per kind, the AC modes offered to its blocks (most activations first)
     modes: tuple[AC, ...]  #: the AC modes offered
@@ -76,7 +76,7 @@ class Data:
     def vectors(self, r: int) -> list[tuple[int, ...]]:
         """The per-kind block counts rank r can hold: of the blocks between two cuts where the rank is one stage,
         every count vector with its total in `n_range` otherwise (a superset: the counts are tied to the cuts)."""
-        return _vectors(tuple(self.kind_of), self.S, self.pp, r, self.n_range[r])
+        return _vectors(self.kind_of, self.S, self.pp, r, self.n_range[r])
 
 
 @functools.lru_cache(maxsize=1024)
@@ -110,7 +110,7 @@ def _vectors(kind_of: tuple, S: int, pp: int, r: int, n_range: tuple) -> list[tu
 MAX_PERIOD = 8
 
 
-def pattern_cuts(kind_of: list[int], n_stages: int) -> set[int] | None:
+def pattern_cuts(kind_of: tuple[int, ...], n_stages: int) -> set[int] | None:
     """Where stages may be cut so that every stage but the first starts a repeat of the run's pattern of block kinds:
     after the shortest prefix o (then the shortest period p ≤ `MAX_PERIOD`) beyond which the kinds repeat at least
     twice, at o and every p blocks after it (DeepSeek's leading dense blocks: o = 3, p = 1; dense and MoE in turn:
@@ -144,7 +144,8 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
     pre, blocks, post = split_layers(lg)
     classes = block_classes(lg)
     reps = [c[0] for c in classes]
-    kind_of = [next(k for k, c in enumerate(classes) if i in c) for i in blocks]
+    kind = {i: k for k, c in enumerate(classes) for i in c}
+    kind_of = tuple(kind[i] for i in blocks)
     if why := stage_blocks_problem(lg, S):
         raise NotSupportedError(f"{lg.model.name}: {why}")
     # offer an AC mode only when it changes the layer's costs (selective on a layer without an attention core is
