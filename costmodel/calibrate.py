@@ -32,8 +32,9 @@ efficiency curve (``e_max``, ``f_half``), the memory-bound efficiency, the fused
 efficiency (only where the kind has fp8 rows) and the overlap slowdown. A faster kind's matmul curve is held at or
 above a slower kind's achieved FLOP/s at every GEMM size (`matmul_floor`). The fit minimises the mean absolute
 relative error of the step time over the kind's rows (Nelder-Mead on bounded, transformed parameters),
-each source weighted equally. Korthikanti Table 4 (per-layer forward/backward of the 22B model) is predicted, not
-fitted, and printed as a check.
+each source weighted equally, from fixed starts and from the constants in fitted.yaml, so that a refit on the same
+rows never makes them worse (`fit`). Korthikanti Table 4 (per-layer forward/backward of the 22B model) is
+predicted, not fitted, and printed as a check.
 """
 
 from __future__ import annotations
@@ -207,27 +208,60 @@ def _error(rows: list[Row], k: Constants) -> float:
     return sum(sum(v) / len(v) for v in by_source.values()) / len(by_source)
 
 
+def _sig(v: float) -> float:
+    return 1 / (1 + math.exp(-v))
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-9), 1 - 1e-9)  # (a constant on its bound starts just inside it)
+    return math.log(p / (1 - p))
+
+
+def _box(e_max: float, f_half: float, floor: tuple[Constants, float, float]) -> tuple[float, float, float]:
+    """(memory_eff's lower bound, overlap_slowdown's upper bound, attention_eff's lower bound) under ``floor`` for
+    a matmul curve (e_max, f_half): see `_unpack`."""
+    slower, peak_ratio, hbm_ratio = floor
+    # the smallest ratio of this kind's GEMM rate to the slower kind's, over all sizes (≥ 1 by the floor)
+    gemm = min(peak_ratio * e_max / slower.e_max, peak_ratio * e_max * slower.f_half / (slower.e_max * f_half))
+    memory_lo = max(0.2, min(1.0, slower.memory_eff / hbm_ratio))
+    attention_lo = max(0.2, min(1.0, slower.attention_eff / gemm))  # fused attention runs at the GEMM rate × this
+    slowdown_hi = min(0.5, (1 + slower.overlap_slowdown) * gemm - 1)  # overlapped compute: (1 + slowdown) × time
+    return memory_lo, slowdown_hi, attention_lo
+
+
 def _unpack(x, floor: tuple[Constants, float, float] | None = None) -> Constants:
     """Constants from the optimiser's unbounded parameters. ``floor`` = (a slower kind's constants, this kind's bf16
     peak over that kind's, its HBM bandwidth over that kind's): each constant is kept where this kind is at least
     as fast as the slower one on every operation (`matmul_floor`)."""
-    sig = lambda v: 1 / (1 + math.exp(-v))  # noqa: E731
-    e_max = 0.3 + 0.7 * sig(x[0])
+    e_max = 0.3 + 0.7 * _sig(x[0])
+    fp8_eff = 0.2 + 0.8 * _sig(x[5]) if len(x) > 5 else 1.0
     if floor is None:
-        return Constants(e_max=e_max, f_half=math.exp(x[1]), memory_eff=0.2 + 0.8 * sig(x[2]),
-                         overlap_slowdown=0.5 * sig(x[3]), attention_eff=0.2 + 0.8 * sig(x[4]),
-                         fp8_eff=0.2 + 0.8 * sig(x[5]) if len(x) > 5 else 1.0)
-    slower, peak_ratio, hbm_ratio = floor
-    f_half = matmul_floor(e_max, slower, peak_ratio) * sig(x[1])
-    # the smallest ratio of this kind's GEMM rate to the slower kind's, over all sizes (≥ 1 by the floor above)
-    gemm = min(peak_ratio * e_max / slower.e_max, peak_ratio * e_max * slower.f_half / (slower.e_max * f_half))
-    low = lambda lo, hi, v: lo + (hi - lo) * sig(v)  # noqa: E731
-    memory_lo = max(0.2, min(1.0, slower.memory_eff / hbm_ratio))
-    attention_lo = max(0.2, min(1.0, slower.attention_eff / gemm))  # fused attention runs at the GEMM rate × this
-    slowdown_hi = min(0.5, (1 + slower.overlap_slowdown) * gemm - 1)  # overlapped compute: (1 + slowdown) × time
+        return Constants(e_max=e_max, f_half=math.exp(x[1]), memory_eff=0.2 + 0.8 * _sig(x[2]),
+                         overlap_slowdown=0.5 * _sig(x[3]), attention_eff=0.2 + 0.8 * _sig(x[4]), fp8_eff=fp8_eff)
+    f_half = matmul_floor(e_max, floor[0], floor[1]) * _sig(x[1])
+    memory_lo, slowdown_hi, attention_lo = _box(e_max, f_half, floor)
+    low = lambda lo, hi, v: lo + (hi - lo) * _sig(v)  # noqa: E731
     return Constants(e_max=e_max, f_half=f_half, memory_eff=low(memory_lo, 1.0, x[2]),
                      overlap_slowdown=low(0.0, slowdown_hi, x[3]), attention_eff=low(attention_lo, 1.0, x[4]),
-                     fp8_eff=0.2 + 0.8 * sig(x[5]) if len(x) > 5 else 1.0)
+                     fp8_eff=fp8_eff)
+
+
+def _pack(k: Constants, floor: tuple[Constants, float, float] | None, fp8: bool) -> list[float]:
+    """`_unpack`'s inverse: the optimiser's parameters of constants ``k`` (each clipped into its bounds under
+    ``floor``, should a refitted slower kind have moved them)."""
+    e = _logit((k.e_max - 0.3) / 0.7)
+    tail = [_logit((k.fp8_eff - 0.2) / 0.8)] if fp8 else []
+    if floor is None:
+        return [e, math.log(k.f_half), _logit((k.memory_eff - 0.2) / 0.8), _logit(k.overlap_slowdown / 0.5),
+                _logit((k.attention_eff - 0.2) / 0.8), *tail]
+    e_max = 0.3 + 0.7 * _sig(e)
+    ceiling = matmul_floor(e_max, floor[0], floor[1])
+    f_half = min(k.f_half, ceiling)
+    memory_lo, slowdown_hi, attention_lo = _box(e_max, f_half, floor)
+    frac = lambda lo, hi, v: (v - lo) / (hi - lo) if hi > lo else 0.5  # noqa: E731
+    return [e, _logit(f_half / ceiling), _logit(frac(memory_lo, 1.0, k.memory_eff)),
+            _logit(frac(0.0, slowdown_hi, k.overlap_slowdown)), _logit(frac(attention_lo, 1.0, k.attention_eff)),
+            *tail]
 
 
 def matmul_floor(e_max: float, slower: Constants, peak_ratio: float) -> float:
@@ -243,16 +277,22 @@ def matmul_floor(e_max: float, slower: Constants, peak_ratio: float) -> float:
     return slower.f_half * peak_ratio * e_max / slower.e_max
 
 
-def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None) -> tuple[Constants, float]:
-    """Nelder-Mead over the kind's constants (fp8_eff only where the kind has fp8 rows); ``floor``: see `_unpack`."""
+def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None,
+        kept: Constants | None = None) -> tuple[Constants, float]:
+    """Nelder-Mead over the kind's constants (fp8_eff only where the kind has fp8 rows); ``floor``: see `_unpack`.
+    ``kept``: the constants in use, one more start; Nelder-Mead never leaves its best vertex for a worse one, so
+    the result is never worse on ``rows`` than ``kept`` (clipped into the floor's bounds) and a refit is
+    monotone."""
     from scipy.optimize import minimize
 
     has_fp8 = any(r.config.precision == "fp8" for r in rows)
     best = None
     # a few fixed starts: the surface has shallow local minima (under a floor, f_half starts at fractions of it)
-    starts = (math.log(2e9), math.log(2e10), math.log(2e11)) if floor is None else (-2.0, 0.0, 2.0)
-    for f_half0 in starts:
-        x0 = [1.0, f_half0, 1.0, -2.0, 1.0] + ([0.0] if has_fp8 else [])
+    starts = [[1.0, f_half0, 1.0, -2.0, 1.0] + ([0.0] if has_fp8 else [])
+              for f_half0 in ((math.log(2e9), math.log(2e10), math.log(2e11)) if floor is None else (-2.0, 0.0, 2.0))]
+    if kept is not None:
+        starts.append(_pack(kept, floor, has_fp8))
+    for x0 in starts:
         res = minimize(lambda x: _error(rows, _unpack(x, floor)), x0, method="Nelder-Mead",
                        options={"maxiter": 400, "xatol": 1e-3, "fatol": 1e-5})
         if best is None or res.fun < best.fun:
@@ -361,10 +401,12 @@ def _source(rows: list[Row], err: float, floored: bool) -> str:
                                                      if floored else ""))
 
 
-def fit_all(rows: list[Row], only: str | None = None) -> tuple[dict, dict]:
+def fit_all(rows: list[Row], only: str | None = None, warm: bool = True) -> tuple[dict, dict]:
     """Each device kind's constants on its rows of `BASE_STACKS`, then each other stack's per kind on its own rows
     (both under the slower kinds' floor). ``only``: ``KIND`` refits that kind's own constants, ``STACK`` that
-    stack's; everything else keeps fitted.yaml's."""
+    stack's; everything else keeps fitted.yaml's. ``warm``: each fit also starts from fitted.yaml's constants, so
+    a refit on the same rows never makes them worse (`fit`); cross-validation fits cold, since those constants
+    have seen the rows it holds out."""
     kept = fitted()
     fits: dict = {}
     stacks: dict = {}
@@ -375,7 +417,7 @@ def fit_all(rows: list[Row], only: str | None = None) -> tuple[dict, dict]:
             fits[kind] = (_kept(kept[kind]), kept[kind]["source"], kr)
         elif kr:
             floor = _floor(order[kind], fits) if kind in order else None
-            k, err = fit(kr, floor)
+            k, err = fit(kr, floor, _kept(kept[kind]) if warm and kind in kept else None)
             print(f"{kind}: objective {err:.2%}", flush=True)
             fits[kind] = (k, _source(kr, err, floor is not None), kr)
     for stack in sorted({r.stack for r in rows} - set(BASE_STACKS)):
@@ -386,7 +428,7 @@ def fit_all(rows: list[Row], only: str | None = None) -> tuple[dict, dict]:
                 stacks.setdefault(stack, {})[kind] = (_kept(old), old["source"], sr)
                 continue
             floor = _floor(order[kind], fits) if kind in order else None
-            k, err = fit(sr, floor)
+            k, err = fit(sr, floor, _kept(old) if warm and old else None)
             print(f"{kind}, {stack}: objective {err:.2%}", flush=True)
             stacks.setdefault(stack, {})[kind] = (k, _source(sr, err, floor is not None), sr)
     return fits, stacks
@@ -399,7 +441,7 @@ ANCHORS = 8
 def _fits_without(rows: list[Row], held: str) -> dict[tuple[str, str], Constants]:
     """(kind, stack) → constants fitted on every row but those of source ``held``, as `fit_all` fits them (a kind's
     own on its Megatron and Composer rows, a stack's on its own rows; one with no rows left takes its kind's)."""
-    base, stacks = fit_all([r for r in rows if r.source != held])
+    base, stacks = fit_all([r for r in rows if r.source != held], warm=False)
     own = {(kind, stack): k for stack, kinds in stacks.items() for kind, (k, _, _) in kinds.items()}
     out = {}
     for kind, stack in {(r.kind, r.stack) for r in rows}:

@@ -150,3 +150,41 @@ def test_anchoring_on_one_row_reproduces_it():
     moved = calibrate._anchored(row, start)
     assert calibrate.predict(row, moved).step_time_s == pytest.approx(row.measured_step_s, rel=1e-3)
     assert dataclasses.replace(moved, e_max=0.5) == start
+
+
+def test_the_optimiser_parameters_of_the_kept_constants_give_them_back():
+    """`calibrate._pack` inverts `_unpack`, with and without the faster kind's floor: a refit can start from the
+    constants in use (the torch-native stack's sit under the A100's floor)."""
+    from costmodel.stacks import fitted
+
+    kept = fitted()
+    floor = calibrate._floor(1, {"a100": (calibrate._kept(kept["a100"]), "", [])})
+    for entry, fl, fp8 in ((kept["a100"], None, False), (kept["h100"], floor, True),
+                           (kept["stacks"]["torch-native"]["h100"], floor, True)):
+        k = calibrate._kept(entry)
+        back = calibrate._unpack(calibrate._pack(k, fl, fp8), fl)
+        for name in ("e_max", "f_half", "memory_eff", "overlap_slowdown", "attention_eff") + (("fp8_eff",) * fp8):
+            assert getattr(back, name) == pytest.approx(getattr(k, name), rel=1e-9), name
+
+
+def test_a_refit_never_makes_the_kept_constants_worse(monkeypatch):
+    """`calibrate.fit` starts from the kept constants too, so a refit on the same rows is monotone. The objective
+    here has its minimum in a narrow well at the kept constants, out of reach of the fixed starts: cold, the fit
+    lands elsewhere; warm, it keeps them."""
+    import math
+
+    from costmodel.hardware import fitted_constants
+
+    kept = calibrate._kept(fitted_constants("a100"))
+    target = calibrate._pack(kept, None, False)
+
+    def error(rows, k):
+        x = calibrate._pack(k, None, False)
+        d2 = sum((a - b) ** 2 for a, b in zip(x, target))
+        return 1.0 - 0.9 * math.exp(-d2 / 1e-4) + 1e-3 * sum(v * v for v in x)  # a well at kept; a bowl at 0
+
+    monkeypatch.setattr(calibrate, "_error", error)
+    cold, cold_err = calibrate.fit([])
+    warm, warm_err = calibrate.fit([], kept=kept)
+    assert warm_err <= error([], kept) + 1e-9 < cold_err
+    assert warm.e_max == pytest.approx(kept.e_max, rel=1e-3) and warm.f_half == pytest.approx(kept.f_half, rel=1e-2)
