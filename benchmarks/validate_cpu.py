@@ -7,6 +7,13 @@ run: the zoo GPT ties its head to the embedding, which cannot span pipeline rank
 with one thread each. Prints predicted (as planned, cpu-local) and predicted (recalibrated) vs measured step time
 per plan, the mean absolute error and Spearman's rank correlation of each, and where the plan `planner.search.outer`
 picks on the recalibrated cluster lands among the measured ones (it is measured too when it is a new plan).
+
+The machine's speed beside it: this 2-vCPU VM's single-thread GEMM rate moves by 20-40 % within minutes (a 512³
+linear forward + backward read 87 GFLOP/s, then 73 with a spread of 59-77, ten minutes apart, with no steal time
+reported), and the same emitted DDP script stepped in 185 ms, then 255 ms. The prediction uses the cpu device as
+measured once and cached (`costmodel.hardware.measure_cpu_device`), so the run prints that figure and the same
+benchmark's rate now, before and after the plans run: an error of the size of that drift is the machine's, not
+the cost model's. ``--remeasure`` measures the device afresh first, as on a new machine.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from costmodel.cluster import load_cluster  # noqa: E402
+from costmodel.hardware import _cpu_cache_file, _median_seconds  # noqa: E402
 from planner.validate.fit import fit  # noqa: E402
 from planner.validate.loop import (  # noqa: E402
     compare,
@@ -50,19 +58,49 @@ CONFIGS = {
 }
 
 
+def gemm_rate() -> float:
+    """FLOP/s of the cpu device's peak benchmark (`costmodel.hardware._measure_cpu_device`: a linear layer's forward
+    and backward, the median over n = 256, 512, 1024), one thread, measured now."""
+    import statistics
+
+    import torch
+    import torch.nn.functional as F
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rates = []
+        for n in (256, 512, 1024):
+            x, w = torch.randn(n, n, requires_grad=True), torch.randn(n, n, requires_grad=True)
+            rates.append(6.0 * n**3 / _median_seconds(lambda x=x, w=w: F.linear(x, w).sum().backward(), budget=0.1))
+        return statistics.median(rates)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default="/tmp/cpu_recalibrated.yaml", help="recalibrated cluster file")
     ap.add_argument("--json", help="also write the results as JSON here")
+    ap.add_argument("--remeasure", action="store_true",
+                    help="measure the cpu device again first (replacing the cached figures), as on a new machine")
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
+    if args.remeasure:
+        _cpu_cache_file().unlink(missing_ok=True)
     base = load_cluster("cpu-local")
     lg = profile_for(MODEL, base)
     plans = {name: plan_from_config(MODEL, "cpu-local", GLOBAL_BATCH, cfg, lg=lg) for name, cfg in CONFIGS.items()}
+    speed = {"device": base.device.peak("fp32"), "before": gemm_rate()}
     measured = run_plans(plans, steps=args.steps, warmup=args.warmup)
+    speed["after"] = gemm_rate()
+    print(f"machine speed (one thread, linear forward + backward at n = 256, 512, 1024): the cpu device as cached "
+          f"{speed['device'] / 1e9:.1f} GFLOP/s; now {speed['before'] / 1e9:.1f} before the plans ran "
+          f"({speed['before'] / speed['device'] - 1:+.0%}), {speed['after'] / 1e9:.1f} after "
+          f"({speed['after'] / speed['device'] - 1:+.0%})\n")
     before = [compare(n, plans[n], measured[n]) for n in plans]
     render(before, title=f"{MODEL}, global batch {GLOBAL_BATCH}: predicted (cpu-local as shipped) vs measured")
 
@@ -109,6 +147,7 @@ def main(argv=None) -> int:
                     "summary_before": s0,
                     "summary_after": s1,
                     "scales": res.scales.to_dict(),
+                    "machine_flops": speed,
                     "search_pick": {
                         "config": pick_cfg,
                         "name": pick_name,
