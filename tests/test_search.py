@@ -65,6 +65,25 @@ def test_model_too_big_for_a_node_with_tp_alone_gets_pipeline_stages():
     assert r.best.config.pp > 1 and r.best.config.tp <= 8
 
 
+def test_no_fit_says_what_the_closest_plan_needs_with_the_recomputation_pinned():
+    """When nothing fits, the message gives the peak of the closest candidate's plan with the recomputation --fix
+    allows (its activations counted), not the memory bound clamped to the capacity ("needs at least 71.2 GiB but a
+    GPU has 71.2 GiB, under full recomputation" was printed for llama3-8b at 8K with --fix ac=none)."""
+    import re
+
+    lg = graph(SMALL)
+    fix = {"dp": 8, "zero": 3, "mbs": 1, "ac": "none", "tp": 1, "pp": 1}
+    r0 = search(lg, node_cluster(80), 256, fix=fix)
+    need = r0.best.estimate.memory.peak
+    cap = 0.9 * need / 2**30  # the model states fit; with their activations they do not
+    with pytest.raises(NoPlanFits) as e:
+        search(lg, replace_memory(node_cluster(80), cap), 256, fix=fix)
+    msg = str(e.value)
+    assert "ac=none as --fix pins it" in msg and "full recomputation" not in msg
+    needs, has = (float(x) for x in re.search(r"needs ([\d.]+) GiB per GPU but a GPU has ([\d.]+) GiB", msg).groups())
+    assert needs == pytest.approx(need / 2**30, abs=0.05) and has == pytest.approx(cap, abs=0.05)
+
+
 def test_tensor_parallel_stays_inside_a_node():
     lg = graph("gpt:layers=4,hidden=2048,heads=32,seq=1024,vocab=8192")
     r = search(lg, node_cluster(80, nodes=2, gpn=4), 32)

@@ -510,17 +510,32 @@ def _no_fit(lg, cluster, global_batch, fix, smallest) -> NoPlanFits:
         return NoPlanFits(f"no configuration of {lg.model.name} fits on {cluster.world_size} GPUs{where} "
                           f"(global batch {global_batch}); every candidate was infeasible in memory: use more GPUs, "
                           "a smaller micro-batch or recomputation")
-    mem, _, cfg = min(smallest, key=lambda x: (x[0], x[1]))
+    bound, _, cfg = min(smallest, key=lambda x: (x[0], x[1]))
+    # its least-memory plan as the search may make it: even stages, the recomputation --fix allows that holds least
+    ac = AC(fix["ac"]) if "ac" in fix else AC.FULL
+    what = f"ac={ac.value} as --fix pins it" if "ac" in fix else "full recomputation"
+    try:
+        est = Evaluator(lg, cluster, replace(cfg, ac=ac), global_batch).evaluate(
+            [ac] * len(lg.layers), even_stages(lg, cfg.pp * cfg.vpp))
+        mem, needs = max(bound, est.memory.peak), "needs"
+    except (ConfigError, AssertionError):
+        mem, needs = bound, "needs at least"
+    if mem <= cap:  # (the memory bound fits, yet no recomputation or stage split did: say no more than is known)
+        return NoPlanFits(
+            f"no plan fits: the closest ({_short(cfg)}) fits no split of its layers into stages with the "
+            f"recomputation --fix allows in {cap / GiB:.1f} GiB per GPU; use more GPUs, a smaller micro-batch, or "
+            "recomputation/sharding (ac=full, zero=3) if --fix excludes them")
     more = max(2, -(-int(mem) // int(cap)))
     return NoPlanFits(
-        f"no plan fits: the smallest ({_short(cfg)}, full recomputation) needs at least {mem / GiB:.1f} GiB per GPU "
-        f"but a GPU has {cap / GiB:.1f} GiB; use more GPUs (about {more}× as many), a smaller micro-batch, "
+        f"no plan fits: the smallest ({_short(cfg)}, {what}) {needs} {mem / GiB:.1f} GiB per GPU but a GPU has "
+        f"{cap / GiB:.1f} GiB; use more GPUs (about {more}× as many), a smaller micro-batch, "
         f"or recomputation/sharding (ac=full, zero=3) if --fix excludes them")
 
 
 def _short(cfg: ParallelConfig) -> str:
     return (f"dp={cfg.dp},tp={cfg.tp},pp={cfg.pp},mbs={cfg.mbs},zero={cfg.zero}"
-            + (f",vpp={cfg.vpp}" if cfg.vpp > 1 else ""))
+            + (f",vpp={cfg.vpp}" if cfg.vpp > 1 else "") + (f",cp={cfg.cp}" if cfg.cp > 1 else "")
+            + (f",ep={cfg.ep}" if cfg.ep > 1 else ""))
 
 
 __all__ = ["search", "candidates", "Bounds", "SearchResult", "Alternative", "NoPlanFits"]
