@@ -11,7 +11,8 @@ RUNS.yaml (the shared/DESIGN.md contract) is a list of runs::
       cluster: dgx-h100:nodes=4        # its cluster (same device as --cluster; nodes may differ)
       global_batch: 256
       seq_len: 8192                    # optional: the model's default otherwise
-      config: {tp: 2, zero: 3, mbs: 2, ac: selective}   # the keys that are known (`ParallelConfig`)
+      config: {tp: 2, zero: 3, mbs: 2, ac: selective}   # the keys that are known (`ParallelConfig`), or as
+                                       # --config writes them: "tp=2,zero=3,mbs=2,ac=selective"
       step_time_s: 6.2                 # or tokens_per_s: 338000
 
 What a set of runs can identify: step times constrain the constants through the time they predict, and one run
@@ -40,7 +41,7 @@ from typing import Any
 import yaml
 
 from costmodel.cluster import Cluster, load_cluster
-from costmodel.config import ParallelConfig
+from costmodel.config import ParallelConfig, parse_kv
 from costmodel.hardware import EfficiencyCurve
 
 #: the constants in the order runs unlock them, with their bounds (the fit never leaves them)
@@ -117,8 +118,11 @@ def _run(path: Path, k: int, item: Any) -> Run:
     if isinstance(measured, bool) or not isinstance(measured, (int, float)) or not measured > 0:
         raise ValueError(f"{where}: step_time_s / tokens_per_s must be a positive number, got {measured!r}")
     config = item.get("config") or {}
+    if isinstance(config, str):  # (as --config and --baseline write it: "tp=2,zero=3,ac=selective")
+        config = parse_kv(config, what=f"{where}: config")
     if not isinstance(config, dict):
-        raise ValueError(f"{where}: config must be a mapping of ParallelConfig keys, got {config!r}")
+        raise ValueError(f"{where}: config must be a mapping of ParallelConfig keys or k=v,… as --config takes "
+                         f"them, got {config!r}")
     known = [f.name for f in dataclasses.fields(ParallelConfig)]
     bad = sorted(set(config) - set(known))
     if bad:

@@ -58,12 +58,21 @@ def test_one_run_fits_one_constant(tmp_path):
     assert dev.overlap_slowdown == old.overlap_slowdown and dev.attention_eff == old.attention_eff
 
 
+def test_a_run_config_may_be_written_as_config_takes_it(tmp_path):
+    """``config: "dp=8,zero=3,mbs=6"``, as --config and --baseline write it, is the same run as the mapping."""
+    runs = tmp_path / "runs.yaml"
+    runs.write_text(yaml.safe_dump([RUNS[0], dict(RUNS[0], config="dp=8,zero=3,mbs=6")]))
+    first, second = load_runs(runs)
+    assert first.config == second.config and second.config.zero == 3 and second.config.mbs == 6
+
+
 @pytest.mark.parametrize("edit, needle", [
     (lambda r: r.pop("step_time_s"), "run 1: give exactly one of step_time_s or tokens_per_s"),
     (lambda r: r["config"].update(tpp=2), "run 1: unknown config key tpp"),
     (lambda r: r.update(cluster="dgx-a100-80g"), "has a100-80g devices, the cluster to calibrate has h100-sxm"),
     (lambda r: r.update(global_batch=0), "run 1: global_batch must be an integer ≥ 1, got 0"),
     (lambda r: r.update(step_time_s=-1), "run 1: step_time_s / tokens_per_s must be a positive number"),
+    (lambda r: r.update(config="dp=8,zero3"), "run 1: config: 'zero3' is not key=value"),
 ])
 def test_bad_runs_are_one_line_and_write_nothing(tmp_path, capsys, edit, needle):
     run = json.loads(json.dumps(RUNS[0]))
