@@ -87,6 +87,8 @@ class ParallelConfig:
             raise ValueError(f"precision={self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if self.vpp > 1 and self.schedule not in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE):
             raise ValueError(f"vpp={self.vpp} needs schedule=interleaved (or zb); got schedule={self.schedule.value}")
+        if self.vpp > 1 and self.pp == 1:
+            raise ValueError(f"vpp={self.vpp} virtual stages per pipeline rank need a pipeline; set pp ≥ 2 or vpp=1")
         if self.schedule == Schedule.INTERLEAVED and self.pp > 1 and self.vpp < 2:
             raise ValueError("schedule=interleaved needs vpp ≥ 2 virtual stages per rank; set vpp=2 or more")
         if self.sp and self.tp == 1:

@@ -382,6 +382,13 @@ def test_bad_configurations_explain_themselves(gpt, config, match):
         estimate(gpt, _cluster(), cfg(config), 64)
 
 
+def test_virtual_stages_need_a_pipeline():
+    """vpp > 1 with pp = 1 was accepted: `estimate` priced it as two stages on one rank and `ilp.solve` asserted."""
+    with pytest.raises(ValueError, match="vpp=2 virtual stages per pipeline rank need a pipeline"):
+        cfg("dp=8,vpp=2,schedule=interleaved")
+    assert cfg("dp=4,pp=2,vpp=2,schedule=interleaved").vpp == 2
+
+
 def test_tp_must_divide_heads():
     lg = profile_model("gpt:layers=2,hidden=96,heads=6,seq=64,vocab=256")
     with pytest.raises(ConfigError, match="does not divide heads=6"):
