@@ -265,8 +265,8 @@ def _ilp_options(fix: dict, compress: str) -> dict:
 
 def check_fix(fix: dict) -> None:
     """Refuse unknown keys, bad values and pins that contradict each other. A pin constrains only its own key:
-    where a rule ties it to a key left free (schedule=interleaved and vpp, vpp > 1 and the schedule, sp=on and tp),
-    the free key is validated at a value the search may choose, not at its default."""
+    where a rule ties it to a key left free (schedule=interleaved and vpp, vpp > 1 and the schedule and pp, sp=on
+    and tp), the free key is validated at a value the search may choose, not at its default."""
     bad = sorted(set(fix) - set(FIXABLE))
     if bad:
         raise ValueError(f"--fix: unknown key {bad[0]!r}; known keys: {', '.join(FIXABLE)}")
@@ -275,6 +275,8 @@ def check_fix(fix: dict) -> None:
         free["vpp"] = 2
     if int(fix.get("vpp", 1)) > 1 and "schedule" not in fix:
         free["schedule"] = Schedule.INTERLEAVED.value
+    if int(fix.get("vpp", 1)) > 1 and "pp" not in fix:
+        free["pp"] = 2
     if str(fix.get("sp", "")).lower() in ("on", "true", "1") and "tp" not in fix:
         free["tp"] = 2
     if int(fix.get("ep", 1)) > 1 and "dp" not in fix:
