@@ -51,14 +51,16 @@ def test_llm_foundry_throughput_and_fit(predictions):
 
 def test_torchtitan_rows_under_the_torch_native_stack(predictions):
     """torchtitan's published Llama 3.1 runs on H100 (FSDP, FSDP + TP; eager, compiled, float8 tensorwise), under
-    the torch-native stack's own constants (`costmodel.stacks`): the level reached, mean absolute error ≤ 7 % over
-    the 12 rows and 7 of them within 8 % (issue 15 asks for all). Outside: the TP = 8 rows of the async-TP
-    report's vanilla-TP column (−9 to −15 %: predicted faster than measured) and two compiled 8B rows (±8.5 %)."""
+    the torch-native stack's own constants (`costmodel.stacks`): the level reached, mean absolute error ≤ 4 % over
+    the 12 rows (2.8 %) and 10 of them within 8 % (issue 15 asks for all). Outside: the two 8B TP = 8 rows of the
+    async-TP report's vanilla-TP column (−10 % and −13 %: predicted faster than measured). Held out of the fit in
+    turn (leave-one-out), nine rows are predicted within 2.4 %, the async-TP report's 70B bf16 at −6.0 % and those
+    two at −10.3 % and −13.6 %: mean 3.5 %."""
     errs = _errors(predictions, "torchtitan")
     assert len(errs) == 12
-    assert sum(abs(e) for e in errs.values()) / len(errs) <= 0.07, errs
-    assert sum(abs(e) <= 0.08 for e in errs.values()) >= 7, errs
-    assert all(abs(e) <= 0.16 for e in errs.values()), errs
+    assert sum(abs(e) for e in errs.values()) / len(errs) <= 0.04, errs
+    assert sum(abs(e) <= 0.08 for e in errs.values()) >= 10, errs
+    assert all(abs(e) <= 0.14 for e in errs.values()), errs
 
 
 def test_torchtitan_runs_fit_and_their_published_memory(predictions):
@@ -169,7 +171,7 @@ def test_the_optimiser_parameters_of_the_kept_constants_give_them_back():
 
 def test_a_refit_never_makes_the_kept_constants_worse(monkeypatch):
     """`calibrate.fit` starts from the kept constants too, so a refit on the same rows is monotone. The objective
-    here has its minimum in a narrow well at the kept constants, out of reach of the fixed starts: cold, the fit
+    here has its minimum in a narrow well at the kept constants, which the seeded search misses: cold, the fit
     lands elsewhere; warm, it keeps them."""
     import math
 
