@@ -91,12 +91,13 @@ def test_what_context_parallelism_cannot_run():
 
 def test_torchtitans_context_parallel_rows_are_predicted():
     """torchtitan's Llama 3.1 8B context-parallel table (8 H100, 64K-256K tokens, cp 2-8, float8, compiled, full
-    AC), never fitted: per-row errors as measured (+5 %, −22 %, −26 %: the longer the sequence, the more the cost
-    model under-prices torchtitan's chunked attention), mean held at the level reached."""
+    AC), never fitted: per-row errors as measured (+8.9 %, −17.3 %, −20.1 % with the constants of 4f7b0de; +5 %,
+    −22 %, −26 % before: the longer the sequence, the more the cost model under-prices torchtitan's chunked
+    attention), mean held at the level reached (15.4 %)."""
     rows = context_parallel_rows()
     assert [r.config.cp for r in rows] == [2, 4, 8]
     errors = [abs(predict(r).step_time_s / r.measured_step_s - 1) for r in rows]
-    assert sum(errors) / len(errors) <= 0.18, errors
+    assert sum(errors) / len(errors) <= 0.16, errors
 
 
 @pytest.mark.parametrize("seq, gb, nodes", [(1048576, 4, 4)])
