@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from costmodel.cluster import load_cluster  # noqa: E402
-from costmodel.hardware import _cpu_cache_file, _median_seconds  # noqa: E402
+from costmodel.hardware import _cpu_cache_file, linear_rate  # noqa: E402
 from planner.validate.fit import fit  # noqa: E402
 from planner.validate.loop import (  # noqa: E402
     compare,
@@ -59,21 +59,16 @@ CONFIGS = {
 
 
 def gemm_rate() -> float:
-    """FLOP/s of the cpu device's peak benchmark (`costmodel.hardware._measure_cpu_device`: a linear layer's forward
-    and backward, the median over n = 256, 512, 1024), one thread, measured now."""
+    """The cpu device's peak benchmark (`costmodel.hardware.linear_rate`, the median over n = 256, 512, 1024), one
+    thread, measured now."""
     import statistics
 
     import torch
-    import torch.nn.functional as F
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        rates = []
-        for n in (256, 512, 1024):
-            x, w = torch.randn(n, n, requires_grad=True), torch.randn(n, n, requires_grad=True)
-            rates.append(6.0 * n**3 / _median_seconds(lambda x=x, w=w: F.linear(x, w).sum().backward(), budget=0.1))
-        return statistics.median(rates)
+        return statistics.median(linear_rate(n, budget=0.1) for n in (256, 512, 1024))
     finally:
         torch.set_num_threads(threads)
 

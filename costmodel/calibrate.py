@@ -217,51 +217,59 @@ def _logit(p: float) -> float:
     return math.log(p / (1 - p))
 
 
-def _box(e_max: float, f_half: float, floor: tuple[Constants, float, float]) -> tuple[float, float, float]:
-    """(memory_eff's lower bound, overlap_slowdown's upper bound, attention_eff's lower bound) under ``floor`` for
-    a matmul curve (e_max, f_half): see `_unpack`."""
-    slower, peak_ratio, hbm_ratio = floor
-    # the smallest ratio of this kind's GEMM rate to the slower kind's, over all sizes (≥ 1 by the floor)
-    gemm = min(peak_ratio * e_max / slower.e_max, peak_ratio * e_max * slower.f_half / (slower.e_max * f_half))
-    memory_lo = max(0.2, min(1.0, slower.memory_eff / hbm_ratio))
-    attention_lo = max(0.2, min(1.0, slower.attention_eff / gemm))  # fused attention runs at the GEMM rate × this
-    slowdown_hi = min(0.5, (1 + slower.overlap_slowdown) * gemm - 1)  # overlapped compute: (1 + slowdown) × time
-    return memory_lo, slowdown_hi, attention_lo
+#: the optimiser's parameters, in order: each constant's transformed value (f_half: its log, or under a floor its
+#: fraction of `matmul_floor`'s ceiling; the others: where they sit in their range of `_ranges`)
+_PARAMS = ("e_max", "f_half", "memory_eff", "overlap_slowdown", "attention_eff", "fp8_eff")
+_E_MAX = (0.3, 1.0)
+
+
+def _ranges(e_max: float, f_half: float, floor: tuple[Constants, float, float] | None) -> dict:
+    """Each constant's range but e_max's and f_half's, for a matmul curve (e_max, f_half); under ``floor`` (see
+    `_unpack`) narrowed so that this kind is no slower than the slower one on any operation."""
+    memory_lo, slowdown_hi, attention_lo = 0.2, 0.5, 0.2
+    if floor is not None:
+        slower, peak_ratio, hbm_ratio = floor
+        # the smallest ratio of this kind's GEMM rate to the slower kind's, over all sizes (≥ 1 by the floor)
+        gemm = min(peak_ratio * e_max / slower.e_max, peak_ratio * e_max * slower.f_half / (slower.e_max * f_half))
+        memory_lo = max(0.2, min(1.0, slower.memory_eff / hbm_ratio))
+        attention_lo = max(0.2, min(1.0, slower.attention_eff / gemm))  # fused attention: the GEMM rate × this
+        slowdown_hi = min(0.5, (1 + slower.overlap_slowdown) * gemm - 1)  # overlapped compute: (1 + s) × time
+    return {"memory_eff": (memory_lo, 1.0), "overlap_slowdown": (0.0, slowdown_hi),
+            "attention_eff": (attention_lo, 1.0), "fp8_eff": (0.2, 1.0)}
+
+
+def _within(span: tuple[float, float], v: float) -> float:
+    return span[0] + (span[1] - span[0]) * _sig(v)
+
+
+def _where(span: tuple[float, float], value: float) -> float:  # (`_within`'s inverse)
+    return _logit((value - span[0]) / (span[1] - span[0]) if span[1] > span[0] else 0.5)
 
 
 def _unpack(x, floor: tuple[Constants, float, float] | None = None) -> Constants:
-    """Constants from the optimiser's unbounded parameters. ``floor`` = (a slower kind's constants, this kind's bf16
-    peak over that kind's, its HBM bandwidth over that kind's): each constant is kept where this kind is at least
-    as fast as the slower one on every operation (`matmul_floor`)."""
-    e_max = 0.3 + 0.7 * _sig(x[0])
-    fp8_eff = 0.2 + 0.8 * _sig(x[5]) if len(x) > 5 else 1.0
-    if floor is None:
-        return Constants(e_max=e_max, f_half=math.exp(x[1]), memory_eff=0.2 + 0.8 * _sig(x[2]),
-                         overlap_slowdown=0.5 * _sig(x[3]), attention_eff=0.2 + 0.8 * _sig(x[4]), fp8_eff=fp8_eff)
-    f_half = matmul_floor(e_max, floor[0], floor[1]) * _sig(x[1])
-    memory_lo, slowdown_hi, attention_lo = _box(e_max, f_half, floor)
-    low = lambda lo, hi, v: lo + (hi - lo) * _sig(v)  # noqa: E731
-    return Constants(e_max=e_max, f_half=f_half, memory_eff=low(memory_lo, 1.0, x[2]),
-                     overlap_slowdown=low(0.0, slowdown_hi, x[3]), attention_eff=low(attention_lo, 1.0, x[4]),
-                     fp8_eff=fp8_eff)
+    """Constants from the optimiser's unbounded parameters (`_PARAMS`; fp8_eff 1 without a sixth). ``floor`` = (a
+    slower kind's constants, this kind's bf16 peak over that kind's, its HBM bandwidth over that kind's): each
+    constant is kept where this kind is at least as fast as the slower one on every operation (`matmul_floor`)."""
+    e_max = _within(_E_MAX, x[0])
+    f_half = math.exp(x[1]) if floor is None else matmul_floor(e_max, floor[0], floor[1]) * _sig(x[1])
+    ranges = _ranges(e_max, f_half, floor)
+    rest = {name: _within(ranges[name], v) for name, v in zip(_PARAMS[2:], x[2:])}
+    return Constants(e_max=e_max, f_half=f_half, **{"fp8_eff": 1.0} | rest)
 
 
 def _pack(k: Constants, floor: tuple[Constants, float, float] | None, fp8: bool) -> list[float]:
     """`_unpack`'s inverse: the optimiser's parameters of constants ``k`` (each clipped into its bounds under
     ``floor``, should a refitted slower kind have moved them)."""
-    e = _logit((k.e_max - 0.3) / 0.7)
-    tail = [_logit((k.fp8_eff - 0.2) / 0.8)] if fp8 else []
+    e = _where(_E_MAX, k.e_max)
+    e_max = _within(_E_MAX, e)
     if floor is None:
-        return [e, math.log(k.f_half), _logit((k.memory_eff - 0.2) / 0.8), _logit(k.overlap_slowdown / 0.5),
-                _logit((k.attention_eff - 0.2) / 0.8), *tail]
-    e_max = 0.3 + 0.7 * _sig(e)
-    ceiling = matmul_floor(e_max, floor[0], floor[1])
-    f_half = min(k.f_half, ceiling)
-    memory_lo, slowdown_hi, attention_lo = _box(e_max, f_half, floor)
-    frac = lambda lo, hi, v: (v - lo) / (hi - lo) if hi > lo else 0.5  # noqa: E731
-    return [e, _logit(f_half / ceiling), _logit(frac(memory_lo, 1.0, k.memory_eff)),
-            _logit(frac(0.0, slowdown_hi, k.overlap_slowdown)), _logit(frac(attention_lo, 1.0, k.attention_eff)),
-            *tail]
+        f_half, f = k.f_half, math.log(k.f_half)
+    else:
+        ceiling = matmul_floor(e_max, floor[0], floor[1])
+        f_half = min(k.f_half, ceiling)
+        f = _logit(f_half / ceiling)
+    ranges = _ranges(e_max, f_half, floor)
+    return [e, f] + [_where(ranges[name], getattr(k, name)) for name in _PARAMS[2:6 if fp8 else 5]]
 
 
 def matmul_floor(e_max: float, slower: Constants, peak_ratio: float) -> float:

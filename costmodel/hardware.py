@@ -331,6 +331,16 @@ def _median_seconds(fn: Callable[[], object], *, budget: float = 0.04, rounds: i
     return times[len(times) // 2]
 
 
+def linear_rate(n: int, budget: float = 0.04) -> float:
+    """FLOP/s of a linear layer's forward and backward on n×n (x·Wᵀ, then dY·W and dYᵀ·x: 3·2n³ FLOPs) in this
+    thread, `_median_seconds` of it: the cpu device's peak and matmul-curve benchmark."""
+    import torch
+    import torch.nn.functional as F
+
+    x, w = torch.randn(n, n, requires_grad=True), torch.randn(n, n, requires_grad=True)
+    return 3 * 2.0 * n**3 / _median_seconds(lambda: F.linear(x, w).sum().backward(), budget=budget)
+
+
 def _measure_cpu_device() -> DeviceSpec:
     """Measure this machine's CPU as a device: one thread, as the ``cpu-local`` gloo ranks run. Every figure is the
     median rate of a training-shaped microbenchmark (`_median_seconds`), each named for the cost model's term:
@@ -362,9 +372,7 @@ def _measure_cpu_device() -> DeviceSpec:
     try:
         rates = {}
         for n in (32, 64, 128, 256, 512, 1024):
-            x = torch.randn(n, n, requires_grad=True)
-            w = torch.randn(n, n, requires_grad=True)
-            rates[n] = 3 * 2.0 * n**3 / _median_seconds(lambda x=x, w=w: F.linear(x, w).sum().backward())
+            rates[n] = linear_rate(n)
         peak = float(np.median([rates[n] for n in (256, 512, 1024)]))  # the plateau: robust to one lucky size
         f = np.array([2.0 * n**3 for n in rates])
         e = np.array([min(r / peak, 0.999) for r in rates.values()])

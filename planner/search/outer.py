@@ -273,10 +273,8 @@ def check_fix(fix: dict) -> None:
     free: dict = {}
     if str(fix.get("schedule")) in ("interleaved", Schedule.INTERLEAVED.value) and "vpp" not in fix:
         free["vpp"] = 2
-    if int(fix.get("vpp", 1)) > 1 and "schedule" not in fix:
-        free["schedule"] = Schedule.INTERLEAVED.value
-    if int(fix.get("vpp", 1)) > 1 and "pp" not in fix:
-        free["pp"] = 2
+    if int(fix.get("vpp", 1)) > 1:
+        free |= {key: value for key, value in (("schedule", Schedule.INTERLEAVED.value), ("pp", 2)) if key not in fix}
     if str(fix.get("sp", "")).lower() in ("on", "true", "1") and "tp" not in fix:
         free["tp"] = 2
     if int(fix.get("ep", 1)) > 1 and "dp" not in fix:
