@@ -156,3 +156,28 @@ def test_pruning_is_exact(spec, memory_gib, global_batch, nodes, gpn):
             continue
     assert won.status == "OPTIMAL"
     assert won.best.objective == pytest.approx(best, rel=1e-9)
+
+
+def test_runner_up_budget_caps_runner_up_ilps_and_not_the_proof():
+    """Once `ALT_TOTAL_S` is spent, a candidate whose ILP proved it no faster than the best known plan is not
+    solved a second time as a runner-up (each candidate gets one ILP), and the winner and its proof are the
+    same as with the budget."""
+    from collections import Counter
+    from unittest import mock
+
+    from planner.search import ilp, outer
+
+    lg, cluster = graph(SMALL), node_cluster(2, inter_GBps=5)
+    calls: Counter = Counter()
+    solve = ilp.solve
+
+    def counted(lg, cluster, cfg, *args, **kwargs):
+        calls[cfg] += 1
+        return solve(lg, cluster, cfg, *args, **kwargs)
+
+    full = search(lg, cluster, 64, top_k=2)
+    with mock.patch.object(outer, "ALT_TOTAL_S", 0.0), mock.patch.object(outer.ilp, "solve", counted):
+        lean = search(lg, cluster, 64, top_k=2)
+    assert calls and max(calls.values()) == 1 and lean.alt_greedy > 0
+    assert lean.status == full.status == "OPTIMAL"
+    assert lean.best.config == full.best.config and lean.best.objective == full.best.objective

@@ -394,7 +394,11 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
                         may_win = False  # proved no faster than the best known plan
                 if sol is None:
                     # a runner-up at best: solved with the cutoff of the (top_k + 1)-th best known plan, within
-                    # ALT_TIME_S (a time-limited runner-up keeps its own gap; the winner's proof is unaffected)
+                    # ALT_TIME_S (a time-limited runner-up keeps its own gap; the winner's proof is unaffected),
+                    # while the runner-up budget lasts; after it, its greedy plan (if any) stays
+                    if alt_spent >= ALT_TOTAL_S:
+                        stats["alt_greedy"] += 1
+                        continue
                     cut = kth(best_known)
                     t_alt = time.perf_counter()
                     try:
