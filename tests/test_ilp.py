@@ -257,7 +257,7 @@ def test_time_bound_is_a_lower_bound(seed):
         sol = ilp.solve(lg, cl, cfg, gb, grad_opts=grad_opts, pp_opts=pp_opts)
     except ilp.Infeasible:
         return
-    assert b.memory(cfg) <= cl.device.memory_bytes
+    assert b.memory(cfg) <= sol.estimate.memory.peak * (1 + 1e-9), (cfg, b.memory(cfg), sol.estimate.memory.peak)
     assert refined <= sol.objective, (cfg, cheap, refined, sol.objective)
 
 
@@ -287,3 +287,73 @@ def test_interleaved_relaxation_charges_a_late_chunk_no_more_than_the_evaluator(
         over_average |= inflight(cfg.schedule, 4, 2, r, ev.m) * sum(chunks) > held
     assert over_average  # the case this guards: the average would charge some rank more than it holds
     assert Bounds(lg, cl, 8, {}, grad_opts=("none",)).time(cfg, refine=True) <= sol.objective * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_memory_bound_is_below_every_plans_peak(seed):
+    """`Bounds.memory` is a lower bound on the peak of every plan of the candidate: random pipelines (every
+    schedule, up to 32 micro-batches, so that torch's per-micro-batch buffers and zero-bubble's pending weight
+    passes weigh), every stage split with full recomputation (the least activations: where the bound is closest)
+    and random splits with random recomputation per layer, each evaluated by `Evaluator.evaluate`; the runtime's
+    reserve is left out, as the plans do not differ in it."""
+    from planner.search.bounds import Bounds
+
+    rng = random.Random(seed)
+    lg = graph("llama:layers=8,hidden=1024,heads=8,kv_heads=2,ffn=2048,vocab=1024,seq=4096")
+    pre, blocks, post = split_layers(lg)
+    pp = rng.choice([2, 4])
+    schedule = rng.choice(list(Schedule))
+    vpp = 2 if schedule == Schedule.INTERLEAVED else 1
+    tp, dp = rng.choice([(1, 1), (1, 2), (2, 1)])
+    cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=schedule, mbs=rng.choice([1, 2]),
+                         zero=rng.choice([0, 1, 2, 3]) if dp > 1 else 0, sp=tp > 1 and rng.random() < 0.5,
+                         precision=rng.choice(["bf16", "fp32"]), pp_compress=rng.choice(["none", "bf16"]))
+    gb = dp * cfg.mbs * rng.choice([1, 4, 16, 32])
+    cl = cluster(random.Random(seed), 1000.0, dp * tp * pp, 1)
+    cl = replace(cl, device=replace(cl.device, runtime_reserved=0.0))
+    bound = Bounds(lg, cl, gb, {}).memory(cfg)
+    ev = Evaluator(lg, cl, cfg, gb)
+    n = pp * vpp
+
+    def stages(cuts):
+        out = [0] * len(pre)
+        for c, (a, b) in enumerate(zip((0, *cuts), (*cuts, len(blocks)))):
+            out += [c] * (b - a)
+        return out + [n - 1] * len(post)
+
+    full = [AC.FULL] * len(lg.layers)
+    least = min(ev.evaluate(full, stages(cuts)).memory.peak for cuts in splits_cuts(len(blocks), n))
+    assert bound <= least * (1 + 1e-9), (cfg, gb, bound, least)
+    for _ in range(4):
+        acs = [rng.choice(list(AC)) for _ in lg.layers]
+        cuts = sorted(rng.sample(range(1, len(blocks)), n - 1))
+        assert bound <= ev.evaluate(acs, stages(cuts)).memory.peak * (1 + 1e-9)
+
+
+def splits_cuts(n_blocks: int, n_stages: int):
+    """Every way to cut ``n_blocks`` blocks into ``n_stages`` non-empty stages, as the cut points."""
+    return itertools.combinations(range(1, n_blocks), n_stages - 1)
+
+
+@pytest.mark.parametrize("schedule", [Schedule.ZERO_BUBBLE, Schedule.ONE_F_ONE_B])
+def test_every_rank_memory_bound_prunes_what_the_ilp_cannot_fit(schedule):
+    """Many micro-batches on a pipeline: torch's receive buffers (one per micro-batch, kept) and, under
+    zero-bubble, the later ranks' micro-batches pending a weight pass are what do not fit. The bound over every
+    rank (`Bounds._held_peak`) says so where the first-and-last-rank bound does not, and the ILP agrees: at a
+    memory between the two there is no plan."""
+    from planner.search.bounds import Bounds
+
+    lg = graph("llama:layers=8,hidden=1024,heads=8,kv_heads=2,ffn=2048,vocab=1024,seq=4096")
+    cfg = ParallelConfig(pp=4, schedule=schedule, mbs=1)
+    gb = 64
+    probe = cluster(random.Random(0), 1000.0, 4, 1)
+    probe = replace(probe, device=replace(probe.device, runtime_reserved=0.0))
+    b = Bounds(lg, probe, gb, {})
+    full = b.memory(cfg)
+    quick = b.memory(cfg, capacity=0.0)  # (the looser bound: it exceeds any capacity of 0)
+    assert quick < full
+    between = (quick + full) / 2
+    cl = replace(probe, device=replace(probe.device, memory_bytes=between))
+    assert b.memory(cfg, capacity=between) > between
+    with pytest.raises(ilp.Infeasible):
+        ilp.solve(lg, cl, cfg, gb, grad_opts=("none",), pp_opts=("none", "bf16"))

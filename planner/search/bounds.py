@@ -73,7 +73,7 @@ from costmodel.memory import (
     state_bytes_at_peak,
 )
 from costmodel.overlap import GRAD_REDUCE_BYTES, fsdp_gather_share, loss_sync_time, optimizer_part_time
-from planner.search.ilp import GRAD_OPTIONS
+from planner.search.ilp import GRAD_OPTIONS, PP_OPTIONS
 from profiler.graph import LayerGraph
 
 INF = float("inf")
@@ -85,10 +85,11 @@ class Bounds:
     are shared across candidates with the same (tp, sp, mbs, precision) through ``cost_cache``."""
 
     def __init__(self, lg: LayerGraph, cluster: Cluster, global_batch: int, cost_cache: dict, *,
-                 grad_opts=GRAD_OPTIONS) -> None:
+                 grad_opts=GRAD_OPTIONS, pp_opts=PP_OPTIONS) -> None:
         self.lg, self.cluster, self.gb, self.cache = lg, cluster, global_batch, cost_cache
         self.affine_cluster = cluster.without_curves()  #: for the Jensen bound on the data-parallel sync
         self.grad_opts = tuple(grad_opts)  #: the gradient compressions the ILP may choose
+        self.pp_opts = tuple(pp_opts)  #: the stage-boundary compressions it may choose
         self._groups: dict = {}
         self._evs: dict = {}
         # the ILP's split (`costmodel.estimate.split_layers`): a run of blocks cut into stages, the layers around it
@@ -328,12 +329,20 @@ class Bounds:
         return finish + exposed
 
     # ---------------------------------------------------------------------------------------------- memory
-    def memory(self, cfg: ParallelConfig) -> float:
+    def memory(self, cfg: ParallelConfig, capacity: float | None = None) -> float:
         """Peak memory of the most loaded rank with every layer at its smallest activations and the fewest
-        layers it can hold."""
+        layers it can hold (`_held_peak` on every pipeline rank). With ``capacity``, a looser bound first (no
+        gradient charged at the peak, the first and the last rank only), returned when it already exceeds it: the
+        full one reads every rank's passes as torch orders them, ~10 ms a candidate with hundreds of micro-batches."""
         g = self._group(cfg)
         m = self.gb // (cfg.dp * cfg.mbs)
-        per = _state_at_peak(cfg, m)
+        p, gr, k, made, _ = state_bytes_at_peak(cfg)
+        if capacity is not None and (quick := self._memory(cfg, g, m, p + gr + k, False)) > capacity:
+            return quick
+        return self._memory(cfg, g, m, p + gr + k + (made if grads_held_at_peak(cfg, m) else 0.0), True)
+
+    def _memory(self, cfg: ParallelConfig, g: _Group, m: int, per: float, every_rank: bool) -> float:
+        """`memory` with ``per`` model-state bytes per parameter at the peak (`_state_at_peak`)."""
         temp = dp_reduction_temp_bytes(cfg, "none", 0.0)
         block_act = g.block_opts_act_min
         k_pre, k_post = edge_inflight(cfg.schedule, cfg.pp, cfg.vpp, m)
@@ -345,8 +354,46 @@ class Bounds:
         if cfg.pp == 1:
             first = per * g.params + g.pre_act + g.post_act + g.run_act_min
         after = sum(plan_state_bytes(cfg))  # every gradient
-        allocated = max(first, last, after * g.params / cfg.pp) + temp
+        held = self._held_peak(cfg, g, m, per) if every_rank else 0.0
+        allocated = max(first, last, held, after * g.params / cfg.pp) + temp
         return (1 + FRAGMENTATION) * allocated + runtime_reserved_bytes(cfg, self.cluster.device)
+
+    def _held_peak(self, cfg: ParallelConfig, g: _Group, m: int, per: float) -> float:
+        """With a pipeline: the least peak of the most loaded rank over the ways the run's N blocks can be spread,
+        each rank holding b_r ≥ v of them. At each of rank r's states (`costmodel.memory.held_states`: f_c
+        micro-batches of chunk c holding their activations, w_c pending a weight pass) the ILP charges
+        - torch's pipelining buffers (`costmodel.memory.pipeline_buffers`): m receive buffers of each chunk but the
+          first stage and m sent outputs of each chunk but the last stage, kept, less at most one received buffer
+          per micro-batch in flight (the received input the first layer saves): at least
+          B_s = m·(chunks that send)·β + Σ over chunks that receive of (m − f_c − w_c)·β, with β the least
+          boundary bytes (`_Group.boundary_min`);
+        - each block of chunk c at f_c times its activations and w_c times what a pending micro-batch keeps
+          (`_Group.block_pending_min`; the first stage's pending ones at full activations); every other term ≥ 0.
+        So a block costs rank r at least u_r = per·(least block parameters) + max over states of min over chunks of
+        (f_c·least activations + w_c·least pending). Then the peak is ≥ B_s + v·per·(least block parameters) +
+        Σ_c (f_c·least activations + w_c·least pending) at every state of every rank (a block per chunk), and,
+        with B_r = min over its states of B_s, ≥ (N + Σ_r B_r/u_r) / Σ_r 1/u_r (below it, Σ_r b_r < N).
+        Zero-bubble's later ranks hold the most activations (their weight passes trail further)."""
+        if cfg.pp == 1:
+            return 0.0
+        act, beta = g.block_opts_act_min, g.boundary_min
+        base = per * g.min_block_params
+        last = cfg.pp * cfg.vpp - 1  # the last stage
+        one_per_chunk, unit, buf = 0.0, [], []
+        for r in range(cfg.pp):
+            stages = [c * cfg.pp + r for c in range(cfg.vpp)]
+            sends = m * sum(s < last for s in stages) * beta
+            pend = [act if s == 0 else g.block_pending_min for s in stages]  # (the first stage's: held as full)
+            states = [(sends + sum((m - f - w) * beta for s, f, w in zip(stages, full, pending) if s > 0),
+                       [f * act + w * x for f, w, x in zip(full, pending, pend)])
+                      for full, pending, *_ in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, m)]
+            one_per_chunk = max(one_per_chunk, cfg.vpp * base + max(b + sum(x) for b, x in states))
+            buf.append(min(b for b, _ in states))
+            unit.append(base + max(min(x) for _, x in states))
+        if not all(unit):
+            return one_per_chunk
+        spread = (len(self.blocks) + sum(b / u for b, u in zip(buf, unit))) / sum(1 / u for u in unit)
+        return max(one_per_chunk, spread)
 
 
 def _held(cfg: ParallelConfig, r: int, m: int) -> float:
@@ -386,6 +433,11 @@ class _Group:
     block_opts: list  #: (act, time, parameters) of one block, per kind and mode
     block_opts_t_min: float  #: the least time of a block of any kind
     block_opts_act_min: float  #: the least activations of a block of any kind
+    #: the least a block of any kind holds for a micro-batch pending its weight pass (zero-bubble), at any mode
+    block_pending_min: float
+    #: the least bytes a stage boundary into a block carries per micro-batch (`Evaluator.p2p_bytes`, halved where
+    #: the ILP may choose a bf16 boundary cast that applies)
+    boundary_min: float
     min_block_params: float  #: the smallest kind's parameters: ZeRO-3 gathers at least those on every rank
     run_params: float
     run_act_min: float  #: Σ over the run of each block's least activations
@@ -435,6 +487,9 @@ class _Group:
         return _Group(
             run_opts=run, block_opts=block_opts, block_opts_t_min=min(x[1] for x in block_opts),
             block_opts_act_min=min(x[0] for x in block_opts),
+            block_pending_min=min((per_ac[a][c[0]].pending_bytes for c in b.classes for a in AC), default=0.0),
+            boundary_min=min((ev.p2p_bytes(c[0]) for c in b.classes), default=0.0) / (
+                2 if ev.wide_boundaries and "bf16" in b.pp_opts else 1),
             min_block_params=min((none[c[0]].param_numel for c in b.classes), default=0.0),
             run_params=sum(none[i].param_numel for i in b.blocks), run_act_min=least_act(b.blocks),
             pre_t=least_t(b.pre), post_t=least_t(b.post), pre_act=least_act(b.pre),

@@ -308,7 +308,8 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
     kw = _ilp_options(fix, compress)
     core = has_attention_core(lg)  # (which selective policy the runtime runs: `costmodel.runnable.selective_policy`)
     bounds = Bounds(lg, cluster, global_batch, cache,
-                    grad_opts=kw.get("grad_opts", allowed_options(compress, ilp.GRAD_OPTIONS)))
+                    grad_opts=kw.get("grad_opts", allowed_options(compress, ilp.GRAD_OPTIONS)),
+                    pp_opts=kw.get("pp_opts", allowed_options(compress, ilp.PP_OPTIONS)))
     stats = {"candidates": 0, "pruned": 0, "pruned_memory": 0, "solved": 0, "infeasible": 0, "incumbents": 0,
              "cut_off": 0, "alt_greedy": 0}
     alt_spent = 0.0  # seconds of runner-up-only ILPs
@@ -330,7 +331,7 @@ def search(lg: LayerGraph, cluster: Cluster, global_batch: int, *, fix: dict | N
         capacity = cluster.memory_budget_bytes
         live = []
         for cfg in cands:
-            mem = bounds.memory(cfg)
+            mem = bounds.memory(cfg, capacity)
             lb = bounds.time(cfg) if mem <= capacity else float("inf")
             if lb == float("inf"):  # no plan of it fits (memory bound, or the activation knapsack)
                 stats["pruned_memory"] += 1
