@@ -353,6 +353,10 @@ class Bounds:
                 + inflight(cfg.schedule, cfg.pp, cfg.vpp, last_rank, m) * cfg.vpp * block_act)
         if cfg.pp == 1:
             first = per * g.params + g.pre_act + g.post_act + g.run_act_min
+        else:  # torch's kept buffers of the outputs each chunk sends (`_held_peak`): all of the first rank's chunks,
+            # all but the last stage of the last rank's
+            first += m * cfg.vpp * g.boundary_min
+            last += m * (cfg.vpp - 1) * g.boundary_min
         after = sum(plan_state_bytes(cfg))  # every gradient
         held = self._held_peak(cfg, g, m, per) if every_rank else 0.0
         allocated = max(first, last, held, after * g.params / cfg.pp) + temp
