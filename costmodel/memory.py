@@ -38,6 +38,8 @@ import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from costmodel.config import Schedule, parse_grad_compress
 from costmodel.runnable import pipelined_fsdp, trains_under_autocast
 
@@ -385,8 +387,8 @@ def _rank_passes(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches
 
         ops = torch_schedules._get_1f1b_rank_ops(vpp, pp, warmup, steady, total - steady, rank, forward_stage,
                                                 backward_stage, rank, enable_zero_bubble=True)
-    # (``_value_``: the member's value without the enum's ``value`` descriptor, a tenth of the time over the
-    # thousands of passes of each of the search's ranks)
+    # (``_value_``: the member's value without the enum's ``value`` descriptor, which dominated this line's time
+    # over the thousands of passes of each of the search's ranks)
     return [(op.stage_index // pp, op.computation_type._value_) for op in ops if op is not None]
 
 
@@ -395,8 +397,6 @@ def _pareto(states: set[tuple]) -> list[tuple]:
     (a state that dominates another has a larger sum: the states are distinct), and every state it dominates is not
     (nor is one dominated through it), so each round keeps one and drops those below it, on all states at once: the
     search asks for hundreds of ranks with up to thousands of states each."""
-    import numpy as np
-
     left = np.array(sorted(states), dtype=np.int64).reshape(len(states), -1)
     keep: list[tuple] = []
     while len(left):
