@@ -45,7 +45,9 @@ placement term charges a smallest block per stage; B_int and the memory bottlene
 time (and the least weight) of any kind; a stage's first layer is any kind's for the last bucket.
 
 `Bounds.memory`: the most loaded rank's model states plus its least activations (every layer at its smallest
-mode) and temporaries; > capacity ⇒ no plan of the candidate fits.
+mode) and temporaries; with a pipeline, every rank's states with torch's kept boundary buffers and zero-bubble's
+pending weight passes, and the blocks spread over the ranks (`Bounds._held_peak`); > capacity ⇒ no plan of the
+candidate fits. `tests/test_ilp.py` checks it against the peak of every plan of random pipelines.
 
 `tests/test_ilp.py::test_time_bound_is_a_lower_bound` checks bound ≤ ILP optimum on the random problems.
 """
