@@ -292,7 +292,7 @@ def test_interleaved_relaxation_charges_a_late_chunk_no_more_than_the_evaluator(
 @pytest.mark.parametrize("seed", range(40))
 def test_memory_bound_is_below_every_plans_peak(seed):
     """`Bounds.memory` is a lower bound on the peak of every plan of the candidate: random pipelines (every
-    schedule, up to 32 micro-batches, so that torch's per-micro-batch buffers and zero-bubble's pending weight
+    schedule, up to 256 micro-batches, so that torch's per-micro-batch buffers and zero-bubble's pending weight
     passes weigh), every stage split with full recomputation (the least activations: where the bound is closest)
     and random splits with random recomputation per layer, each evaluated by `Evaluator.evaluate`; the runtime's
     reserve is left out, as the plans do not differ in it."""
@@ -308,7 +308,7 @@ def test_memory_bound_is_below_every_plans_peak(seed):
     cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=schedule, mbs=rng.choice([1, 2]),
                          zero=rng.choice([0, 1, 2, 3]) if dp > 1 else 0, sp=tp > 1 and rng.random() < 0.5,
                          precision=rng.choice(["bf16", "fp32"]), pp_compress=rng.choice(["none", "bf16"]))
-    gb = dp * cfg.mbs * rng.choice([1, 4, 16, 32])
+    gb = dp * cfg.mbs * rng.choice([1, 4, 16, 32, 256])
     cl = cluster(random.Random(seed), 1000.0, dp * tp * pp, 1)
     cl = replace(cl, device=replace(cl.device, runtime_reserved=0.0))
     bound = Bounds(lg, cl, gb, {}).memory(cfg)
@@ -357,3 +357,18 @@ def test_every_rank_memory_bound_prunes_what_the_ilp_cannot_fit(schedule):
     assert b.memory(cfg, capacity=between) > between
     with pytest.raises(ilp.Infeasible):
         ilp.solve(lg, cl, cfg, gb, grad_opts=("none",), pp_opts=("none", "bf16"))
+
+
+def test_memory_bound_of_a_candidate_does_not_depend_on_the_ones_before():
+    """The layer costs the bounds share across candidates (`Bounds._group`) differ with a pipeline (the head keeps
+    its logits, a tied embedding its copy): a pipelined candidate bounded first must not raise a later
+    unpipelined one's bound above that plan's own peak."""
+    from planner.search.bounds import Bounds
+
+    lg = graph("gpt:layers=6,hidden=256,heads=4,seq=512,vocab=32768")
+    cl = cluster(random.Random(0), 1000.0, 2, 1)
+    one = ParallelConfig(dp=2, mbs=1)
+    fresh = Bounds(lg, cl, 8, {}).memory(one)
+    b = Bounds(lg, cl, 8, {})
+    b.memory(ParallelConfig(pp=2, mbs=1))
+    assert b.memory(one) == fresh

@@ -111,7 +111,8 @@ class Bounds:
         return self._evs[key]
 
     def _group(self, cfg: ParallelConfig) -> _Group:
-        key = (cfg.tp, cfg.sp, cfg.mbs, cfg.precision, cfg.ep, cfg.cp, bool(autocast_dtype(cfg)))
+        # (a pipeline's layer costs differ: the head keeps its logits, a tied embedding its copy)
+        key = (cfg.tp, cfg.sp, cfg.mbs, cfg.precision, cfg.ep, cfg.cp, bool(autocast_dtype(cfg)), cfg.pp > 1)
         if key not in self._groups:
             self._groups[key] = _Group.build(self, self._ev(cfg))
         return self._groups[key]
@@ -494,7 +495,8 @@ class _Group:
             run_opts=run, block_opts=block_opts, block_opts_t_min=min(x[1] for x in block_opts),
             block_opts_act_min=min(x[0] for x in block_opts),
             block_pending_min=min((per_ac[a][c[0]].pending_bytes for c in b.classes for a in AC), default=0.0),
-            boundary_min=min((ev.p2p_bytes(c[0]) for c in b.classes), default=0.0) / (
+            # (a stage starts at any block but the first, whose captured input also holds what every block reads)
+            boundary_min=min((ev.p2p_bytes(i) for i in b.blocks[1:]), default=0.0) / (
                 2 if ev.wide_boundaries and "bf16" in b.pp_opts else 1),
             min_block_params=min((none[c[0]].param_numel for c in b.classes), default=0.0),
             run_params=sum(none[i].param_numel for i in b.blocks), run_act_min=least_act(b.blocks),
