@@ -339,10 +339,11 @@ class Bounds:
         full one reads every rank's passes as torch orders them, ~10 ms a candidate with hundreds of micro-batches."""
         g = self._group(cfg)
         m = self.gb // (cfg.dp * cfg.mbs)
-        p, gr, k, made, _ = state_bytes_at_peak(cfg)
-        if capacity is not None and (quick := self._memory(cfg, g, m, p + gr + k, False)) > capacity:
-            return quick
-        return self._memory(cfg, g, m, p + gr + k + (made if grads_held_at_peak(cfg, m) else 0.0), True)
+        if capacity is not None:
+            p, gr, k, _, _ = state_bytes_at_peak(cfg)
+            if (quick := self._memory(cfg, g, m, p + gr + k, False)) > capacity:
+                return quick
+        return self._memory(cfg, g, m, _state_at_peak(cfg, m), True)
 
     def _memory(self, cfg: ParallelConfig, g: _Group, m: int, per: float, every_rank: bool) -> float:
         """`memory` with ``per`` model-state bytes per parameter at the peak (`_state_at_peak`)."""
