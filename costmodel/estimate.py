@@ -36,6 +36,7 @@ from costmodel.layercost import (
     is_tp_layer,
     layer_cost,
     owned_params,
+    seq_relayout_time,
     vocab_output_bytes,
 )
 from costmodel.memory import (
@@ -262,7 +263,7 @@ class Evaluator:
     def __init__(self, lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
                  cache: dict | None = None, measured: tuple[dict, int] | None = None,
                  in_place_loss: bool = False, gathered_column_inputs: bool = True, compiled: bool = False,
-                 selective: str | None = None, autocast: bool = True) -> None:
+                 selective: str | None = None, autocast: bool = True, seq_relayout: bool = True) -> None:
         """``cache``: optional dict shared by Evaluators of the *same* ``lg`` and ``cluster`` (e.g. a planner's
         candidates): the parameter ownership is computed once and layer costs are shared between
         configurations whose (tp, sp, mbs, precision, pp > 1) agree, the only configuration fields they depend on.
@@ -276,7 +277,9 @@ class Evaluator:
         checkpointing keeps (`CostContext.selective`; None: the runtime's policy for this model,
         `costmodel.runnable.selective_policy`); ``autocast``: outside FSDP the module's parameters stay
         fp32 under ``torch.autocast``, as in autopar's runtime (`costmodel.memory.state_bytes_per_param`; False
-        for Megatron-LM's 16-bit parameters beside a master copy)."""
+        for Megatron-LM's 16-bit parameters beside a master copy); ``seq_relayout``: the collectives along the
+        sequence copy around NCCL's layout, as torch's DTensor does on autopar's batch-first activations
+        (`costmodel.layercost.seq_relayout_bytes`; False for Megatron-LM's sequence-first ones)."""
         check_config(lg, cluster, cfg, global_batch)
         if selective is None:
             selective = selective_policy(has_attention_core(lg))
@@ -313,7 +316,8 @@ class Evaluator:
                                captured_batch=lg.model.batch, precision=cfg.precision, act_scale=self.act_scale,
                                tp_span=self.tp_span, measured=measured[0] if measured else None,
                                measured_batch=measured[1] if measured else 1, in_place_loss=in_place_loss,
-                               gathered_column_inputs=gathered_column_inputs, compiled=compiled,
+                               gathered_column_inputs=gathered_column_inputs, seq_relayout=seq_relayout,
+                               compiled=compiled,
                                selective=selective, experts=int(lg.model.arch.get("experts") or 0),
                                top_k=int(lg.model.arch.get("top_k") or 0), tokens=lg.model.seq,
                                hidden=int(lg.model.arch.get("hidden") or 0), ep=cfg.ep, ep_span=self.ep_span,
@@ -326,7 +330,8 @@ class Evaluator:
         self._tied_numel: float | None = None  # elements of the embedding/head tied weight per rank (pp > 1)
         self._cache: dict[tuple[str, str, AC], LayerCost] = shared.setdefault(
             ("layer_costs", cfg.tp, cfg.sp, cfg.mbs, cfg.precision, bool(measured), in_place_loss,
-             gathered_column_inputs, compiled, selective, pipelined, cfg.ep, cfg.cp, autocast_capture), {})
+             gathered_column_inputs, seq_relayout, compiled, selective, pipelined, cfg.ep, cfg.cp, autocast_capture),
+            {})
         self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
 
     # -- per-layer and per-boundary pieces (the ILP's coefficients) ------------------------------------------
@@ -401,7 +406,9 @@ class Evaluator:
         the tensor-parallel all-gathers around them (`pp_gathers`)."""
         nbytes = self.p2p_bytes(i)
         cast = 2 * pp_cast_time(nbytes, self.cluster) if self._pp_cast() else 0.0
-        gather = sum(all_gather_time(g, self.tp_span, self.cluster) for g in self.pp_gathers(i))
+        gathers = self.pp_gathers(i)  # (along the sequence: each with the copy torch makes, `seq_relayout_time`)
+        gather = sum(all_gather_time(g, self.tp_span, self.cluster) for g in gathers)
+        gather += seq_relayout_time(sum(gathers), 0.0, self.ctx)
         return 2 * send_recv_time(nbytes, self.pp_cross_node, self.cluster) + cast + gather
 
     def tp_partial_sync_time(self, rank_costs: list) -> float:

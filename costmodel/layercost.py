@@ -17,7 +17,11 @@ the same (Korthikanti §4.2.2). A vocabulary-parallel embedding all-reduces its 
 head all-reduces its input gradient (loss-parallel statistics are a few bytes per token and are neglected). With
 sequence parallelism the runtime (`planner.emit.runtime.apply_tp`) slices the embedding's output into the first
 block (backward: an all-gather) and all-gathers the last block's output for the head (forward), each half an
-all-reduce's payload.
+all-reduce's payload. Two things torch adds: DTensor's sequence-parallel collectives copy the whole activation
+between its batch-first layout and NCCL's dim 0 (`tp_relayout_bytes`, `seq_relayout_bytes`: read from torch 2.13's
+functional collectives, traced by `autopar check`, part of tp_comm's time), and float8 training gathers in float8
+(`CostContext.gather_scale`). A rank's share of a split linear does 1/t of its FLOPs but still reads or writes the
+whole activation on its unsplit side (`_whole_bytes`), which is what a skinny GEMM's time is.
 
 Context parallelism (``cp`` ranks share each sequence; `planner.emit.runtime.apply_cp`): the sequence is cut into
 2·cp chunks and a rank holds chunks r and 2·cp − 1 − r (torchtitan's and Megatron-LM's load balancing), so every
@@ -120,6 +124,10 @@ class LayerCost:
     cp_comm_bwd_s: float = 0.0
     cp_gather_bytes: float = 0.0  #: gathered bytes (outputs) of those all-gathers per micro-batch on a rank
     cp_scatter_bytes: float = 0.0  #: input bytes of those reduce-scatters per micro-batch on a rank
+    #: bytes torch copies around the tensor-parallel collectives along the sequence per micro-batch on a rank:
+    #: forward, backward and what the recomputation repeats (`tp_relayout_bytes`, `recompute_relayout_bytes`), in
+    #: tp_comm's time
+    relayout_bytes: float = 0.0
 
     @property
     def cp_comm_s(self) -> float:
@@ -171,6 +179,10 @@ class CostContext:
     #: where the attention is fused: the outputs of the attention kernel and of every second matmul of a block are
     #: saved, every other op is recomputed)
     selective: str = "attention-core"
+    #: the runtime's collectives along the sequence copy to and from NCCL's layout (torch's DTensor on batch-first
+    #: activations: `seq_relayout_bytes`); False for Megatron-LM, whose sequence-first activations are gathered and
+    #: scattered along dim 0 in place
+    seq_relayout: bool = True
     #: the blocks run compiled (the script's ``--compile``; torchtitan's torch.compile per block): memory-bound
     #: ops move the bytes of their fused kernels (`compiled_bytes`)
     compiled: bool = False
@@ -190,6 +202,14 @@ class CostContext:
     #: the capture replays this machine's CPU kernels (`profiler.capture`, ``kernels="native"``: what `autopar check`
     #: predicts from), whose attention materialises a lower-right causal mask (`context_parallel_comm`)
     native_kernels: bool = False
+
+    @property
+    def gather_scale(self) -> float:
+        """Bytes a sequence-parallel all-gather moves per byte of the 16-bit tensor it gathers: ½ under float8
+        training, whose tensor-parallel linears cast to float8 before gathering (torchao's tensorwise
+        ``PrepareFloat8ModuleInput`` and ``Float8ColwiseParallel`` the inputs forward, ``Float8RowwiseParallel`` the
+        output gradients backward, as torchtitan's float8 runs use them), while reductions stay 16-bit; else 1."""
+        return 0.5 if self.precision == "fp8" and self.sp else 1.0
 
     @property
     def scale(self) -> float:
@@ -226,6 +246,19 @@ def _shard(node: NodeInfo, tp: int, sp: bool, tp_layer: bool) -> float:
     if node.tp_role == "replicated" and sp:
         return 1.0 / tp
     return 1.0
+
+
+def _whole_bytes(n: NodeInfo, f: float, layer: Layer, by_name: dict) -> tuple[float, float]:
+    """(forward, backward) bytes at the captured batch that a tensor-parallel rank's share ``f`` of a split matmul
+    does not shrink, on top of ``f`` of its captured bytes: a column-parallel (or vocabulary-parallel) linear reads
+    its whole input (`_column_input`), forward and again for its weight's gradient, and writes its input's whole
+    gradient (partial sums); a row-parallel one writes whole partial sums forward and reads the whole output
+    gradient twice backward (for its input's gradient and its weight's). A skinny GEMM's time is these bytes (8B at
+    tp = 8: the key and value projections' 128 output columns)."""
+    if f >= 1 or n.kind != "matmul" or n.tp_role not in ("column", "row", "vocab"):
+        return 0.0, 0.0
+    whole = n.output_bytes if n.tp_role == "row" else _column_input(n, by_name, layer)[1]
+    return whole * (1 - f), 2 * whole * (1 - f)
 
 
 def is_tp_layer(layer: Layer) -> bool:
@@ -352,13 +385,77 @@ def recompute_stop(layer: Layer) -> int:
 
 def tp_comm_time(nbytes: float, calls: int, ctx: CostContext) -> float:
     """Seconds of ``calls`` tensor-parallel reductions moving ``nbytes`` in all: all-reduces, or with sequence
-    parallelism a reduce-scatter and an all-gather each (the same ring bytes; each a call of its own)."""
+    parallelism a reduce-scatter and an all-gather each (the same ring bytes, each a call of its own; the
+    all-gather in float8 under float8 training, `CostContext.gather_scale`). The copies around them are
+    `tp_relayout_bytes`'."""
     if not nbytes or ctx.tp_span is None:
         return 0.0
     if ctx.sp:
-        return (reduce_scatter_time(nbytes, ctx.tp_span, ctx.cluster, calls)
-                + all_gather_time(nbytes, ctx.tp_span, ctx.cluster, calls))
+        return sp_comm_time(nbytes, calls, nbytes, calls, ctx)
     return all_reduce_time(nbytes, ctx.tp_span, ctx.cluster, calls)
+
+
+def sp_comm_time(gathered: float, gathers: int, scattered: float, scatters: int, ctx: CostContext) -> float:
+    """Seconds of ``gathers`` sequence-parallel all-gathers of ``gathered`` 16-bit bytes in all (their outputs;
+    in float8 under float8 training, `CostContext.gather_scale`) and ``scatters`` reduce-scatters of
+    ``scattered`` bytes (their inputs)."""
+    t = 0.0
+    if gathered:
+        t += all_gather_time(gathered * ctx.gather_scale, ctx.tp_span, ctx.cluster, gathers)
+    if scattered:
+        t += reduce_scatter_time(scattered, ctx.tp_span, ctx.cluster, scatters)
+    return t
+
+
+def tp_relayout_bytes(layer: Layer, ctx: CostContext) -> tuple[float, float]:
+    """(forward, backward) bytes one micro-batch copies on a rank around the layer's tensor-parallel collectives
+    along the sequence (`seq_relayout_bytes`), as the runtime runs them under sequence parallelism
+    (`planner.emit.runtime.apply_tp`): a block's all-gathers and reduce-scatters, in pairs (`tp_traffic`; the
+    all-gathers in float8 under float8 training); the head's all-gather of the last block's output (forward; its
+    input's gradient is all-reduced whole); the backward all-gather of the embedding's gradient into the first
+    block's slice (its forward output is all-reduced whole). Nothing without sequence parallelism: plain TP
+    all-reduces whole tensors."""
+    if not ctx.sp or ctx.tp == 1 or ctx.tp_span is None or not is_tp_layer(layer):
+        return 0.0, 0.0
+    k = ctx.scale * ctx.act_scale
+    if layer.kind == "head":
+        return seq_relayout_bytes(layer.input_bytes * k, 0.0, ctx), 0.0
+    if layer.kind == "embed":
+        return 0.0, seq_relayout_bytes(vocab_output_bytes(layer) * k, 0.0, ctx)
+    bf, bb = tp_comm_bytes(layer, ctx)
+    g = ctx.gather_scale
+    return seq_relayout_bytes(bf * g, bf, ctx), seq_relayout_bytes(bb * g, bb, ctx)
+
+
+def seq_relayout_bytes(gathered: float, scattered: float, ctx: CostContext) -> float:
+    """Bytes copied (each read once and written once) around collectives that all-gather ``gathered`` bytes (their
+    outputs) and reduce-scatter ``scattered`` bytes (their inputs) along the sequence: sequence parallelism's, and
+    the gathers around a pipeline boundary under tensor parallelism (`costmodel.estimate.Evaluator.pp_gathers`).
+
+    NCCL gathers and scatters along dim 0, and the runtime's activations are batch-first with the sequence on
+    dim 1 (``Shard(1)``). torch 2.13's functional collectives, which DTensor's redistributions call, bridge the two
+    with a copy of the whole tensor (`torch.distributed._functional_collectives`): ``reduce_scatter_single`` first
+    rewrites its input with the sequence chunks outermost (``_chunk_or_narrow_cat``), always; ``all_gather_single``
+    re-interleaves the gathered chunks (``_maybe_view_chunk_cat``) unless every dim before the sequence has size
+    one, where a view does: a micro-batch of one sequence (traced on a fake process group in
+    tests/test_costmodel.py, and in the runtime by `autopar check`). Nothing for a stack whose activations are
+    sequence-first (`CostContext.seq_relayout`)."""
+    if not ctx.seq_relayout:
+        return 0.0
+    return scattered + (gathered if ctx.mbs > 1 else 0.0)
+
+
+def seq_relayout_time(gathered: float, scattered: float, ctx: CostContext) -> float:
+    """Seconds of `seq_relayout_bytes`' copies (`copy_time`)."""
+    return copy_time(seq_relayout_bytes(gathered, scattered, ctx), ctx)
+
+
+def copy_time(nbytes: float, ctx: CostContext) -> float:
+    """Seconds to copy ``nbytes`` (read and write each once) at the achieved memory bandwidth. A copy around a
+    collective runs on the compute stream between the collective and the op waiting for it, so it adds to the step
+    as the collective does."""
+    dev = ctx.cluster.device
+    return 2 * nbytes / (dev.hbm_bw * dev.memory_eff)
 
 
 def recompute_comm_bytes(layer: Layer, ctx: CostContext, ac: AC = AC.FULL) -> float:
@@ -375,23 +472,66 @@ def recompute_traffic(layer: Layer, ctx: CostContext, ac: AC = AC.FULL) -> tuple
     attention or MLP). The per-op selective policy (`CostContext.selective` ``every-other-matmul``) runs the same
     forward, but serves reduce-scatters' outputs from its cache: under sequence parallelism only the all-gather
     halves are repeated, without it the same all-reduces. Nothing for the attention-core policy or none."""
+    parts = _recomputed_collectives(layer, ctx, ac)
+    if ctx.sp:
+        nbytes = sum(g + s for g, s in parts) / 2  # an all-gather or a reduce-scatter: half an all-reduce's payload
+    else:
+        nbytes = sum(s for _, s in parts)
+    return nbytes * ctx.scale * ctx.act_scale, max(len(parts), 1)
+
+
+def recompute_comm_time(layer: Layer, ctx: CostContext, ac: AC) -> float:
+    """Seconds of the tensor-parallel collectives recomputation under ``ac`` repeats (`recompute_traffic`): the
+    all-reduces, or under sequence parallelism each all-gather and reduce-scatter as itself."""
+    if ctx.tp_span is None:
+        return 0.0
+    nbytes, calls = recompute_traffic(layer, ctx, ac)
+    if not nbytes:
+        return 0.0
+    if not ctx.sp:
+        return all_reduce_time(nbytes, ctx.tp_span, ctx.cluster, calls)
+    k = ctx.scale * ctx.act_scale
+    parts = _recomputed_collectives(layer, ctx, ac)
+    gathered, scattered = [g for g, _ in parts], [s for _, s in parts]
+    return sp_comm_time(sum(gathered) * k, sum(1 for g in gathered if g), sum(scattered) * k,
+                        sum(1 for s in scattered if s), ctx)
+
+
+def recompute_relayout_bytes(layer: Layer, ctx: CostContext, ac: AC) -> float:
+    """Bytes the recomputation under ``ac`` copies around sequence-parallel collectives (`seq_relayout_bytes`; the
+    all-gathers' in float8 under float8 training): those of the collectives it repeats (`recompute_traffic`), and
+    under the per-op selective policy also the copy before each reduce-scatter it serves from its cache, an op of
+    its own that it runs again (traced by `autopar check`). Nothing without sequence parallelism."""
+    if not ctx.sp or ctx.tp_span is None:
+        return 0.0
+    k = ctx.scale * ctx.act_scale
+    parts = _recomputed_collectives(layer, ctx, ac)
+    scattered = sum(s for _, s in parts)
+    if parts and ac == AC.SELECTIVE and ctx.selective == "every-other-matmul":
+        stop = recompute_stop(layer)
+        scattered = sum(n.output_bytes for j, n in enumerate(layer.nodes) if n.tp_role == "row" and j < stop)
+    return seq_relayout_bytes(sum(g for g, _ in parts) * k * ctx.gather_scale, scattered * k, ctx)
+
+
+def _recomputed_collectives(layer: Layer, ctx: CostContext, ac: AC) -> list[tuple[float, float]]:
+    """(bytes all-gathered, bytes reduce-scattered or all-reduced) at the captured batch of each tensor-parallel
+    collective that recomputation under ``ac`` repeats (see `recompute_traffic`)."""
     op_policy = ac == AC.SELECTIVE and ctx.selective == "every-other-matmul"
     if ac != AC.FULL and not op_policy:
-        return 0.0, 0
+        return []
     stop = recompute_stop(layer)
     gathered = _gathered_inputs(layer)
-    nbytes, calls = 0.0, 0
+    parts = []
     for j, n in enumerate(layer.nodes):
         if n.tp_role != "row" or not (j < stop or ctx.sp):
             continue
-        calls += 1
         if not ctx.sp:  # the row's all-reduce
-            nbytes += n.output_bytes
-        elif j < stop and not op_policy:  # its reduce-scatter and the all-gather of its region's input: half each
-            nbytes += (n.output_bytes + gathered[n.name]) / 2
-        else:  # the all-gather half only
-            nbytes += gathered[n.name] / 2
-    return nbytes * ctx.scale * ctx.act_scale, max(calls, 1)
+            parts.append((0.0, float(n.output_bytes)))
+        elif j < stop and not op_policy:  # its reduce-scatter and the all-gather of its region's input
+            parts.append((float(gathered[n.name]), float(n.output_bytes)))
+        else:  # the all-gather only
+            parts.append((float(gathered[n.name]), 0.0))
+    return parts
 
 
 def _expert_dtypes(layer: Layer, owned, ctx: CostContext) -> tuple[int, int]:
@@ -516,6 +656,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     wrapped = dtensor_ops(layer, ctx, tp_layer)
     dt_f = dt_b = dt_rec_full = dt_op_rec = 0.0
     experts = {p.fqn for p in owned if is_expert_param(p, ctx.experts)}
+    by_name = {n.name: n for n in layer.nodes}
     for j, n in enumerate(layer.nodes):
         f = _shard(n, ctx.tp, ctx.sp, tp_layer)
         if n.kind != "view":  # a view allocates nothing, nor does its gradient (a view of the output's gradient)
@@ -525,11 +666,12 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
             weight_outputs += n.output_bytes * k * f * ctx.act_scale
         attn = n.kind == "attention"
         b_f, b_b = fused.get(n.name, (n.fwd_bytes, n.bwd_bytes))
+        w_f, w_b = _whole_bytes(n, f, layer, by_name)
         # the busiest expert sets an expert GEMM's time (`costmodel.moe`: the capture is the balanced case)
         busy = ctx.imbalance if experts and any(p in experts for p in n.params) else 1.0
-        t_f = busy * _node_time(n.fwd_flops * k * f, b_f * k * f * ctx.act_scale, ctx, attention=attn) + o_f
+        t_f = busy * _node_time(n.fwd_flops * k * f, (b_f * f + w_f) * k * ctx.act_scale, ctx, attention=attn) + o_f
         fwd += t_f
-        bwd += busy * _node_time(n.bwd_flops * k * f, b_b * k * f * ctx.act_scale, ctx, attention=attn) + o_b
+        bwd += busy * _node_time(n.bwd_flops * k * f, (b_b * f + w_b) * k * ctx.act_scale, ctx, attention=attn) + o_b
         fwd_flops += n.fwd_flops * k * cp  # model FLOPs: the whole layer, all TP and CP ranks
         # torch's counter charges a rank's two chunks of attention (2·cp + 1)·c² score blocks, not S²/cp
         counted = (2 * cp + 1) / (4 * cp) if attn and cp > 1 else 1.0
@@ -583,31 +725,36 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         fwd, bwd, core_fwd, rec_fwd, op_rec = fwd * s_f, bwd * s_b, core_fwd * s_f, rec_fwd * s_f, op_rec * s_f
     fwd, bwd, rec_fwd, op_rec = fwd + dt_f, bwd + dt_b, rec_fwd + dt_rec_full, op_rec + dt_op_rec
 
-    comm_f = comm_b = 0.0
+    comm_f = comm_b = relayout = 0.0
     if tp > 1 and ctx.tp_span is not None:
         bf, bb, calls_f, calls_b = tp_traffic(layer, ctx)
-        comm_f, comm_b = tp_comm_time(bf, calls_f, ctx), tp_comm_time(bb, calls_b, ctx)
+        copy_f, copy_b = tp_relayout_bytes(layer, ctx)
+        comm_f = tp_comm_time(bf, calls_f, ctx) + copy_time(copy_f, ctx)
+        comm_b = tp_comm_time(bb, calls_b, ctx) + copy_time(copy_b, ctx)
+        relayout = copy_f + copy_b
 
     rank_rec = {AC.NONE: 0.0, AC.FULL: rank_rec_full}.get(ac, rank_op_rec if op_policy else rank_core)
     if ac == AC.NONE:
         act, rec, rec_flops, rec_comm, rec_peak = act_none, 0.0, 0.0, 0.0, 0.0
+        rec_copy = 0.0
     elif ac == AC.SELECTIVE and op_policy:  # the saved outputs and the block's input; the rest recomputed
         keep = layer.input_bytes * k * ctx.act_scale / (ctx.tp if (ctx.sp and tp_layer) else 1)
         act, rec, rec_flops = min(act_none, op_act + keep), op_rec, op_rec_flops
         # the policy saves reduce-scatters' outputs but not all-gathers' or all-reduces' (`recompute_traffic`)
-        rec_comm = 0.0
-        if tp > 1 and ctx.tp_span is not None:
-            nbytes, calls = recompute_traffic(layer, ctx, ac)
-            rec_comm = all_reduce_time(nbytes, ctx.tp_span, ctx.cluster, calls)
+        rec_comm = rec_copy = 0.0
+        if tp > 1:
+            rec_copy = recompute_relayout_bytes(layer, ctx, ac)
+            rec_comm = recompute_comm_time(layer, ctx, ac) + copy_time(rec_copy, ctx)
         rec_peak = act_none - act
     elif ac == AC.SELECTIVE:
         act, rec, rec_flops, rec_comm, rec_peak = act_none - core_act, core_fwd, core_flops, 0.0, core_act
+        rec_copy = 0.0
     else:  # FULL: keep the input (sharded along the sequence with SP), recompute up to `recompute_stop`
         keep = layer.input_bytes * k * ctx.act_scale / (ctx.tp if (ctx.sp and tp_layer) else 1)
-        rec_comm = 0.0
-        if tp > 1 and ctx.tp_span is not None:
-            nbytes, calls = recompute_traffic(layer, ctx, ac)
-            rec_comm = all_reduce_time(nbytes, ctx.tp_span, ctx.cluster, calls)
+        rec_comm = rec_copy = 0.0
+        if tp > 1:
+            rec_copy = recompute_relayout_bytes(layer, ctx, ac)
+            rec_comm = recompute_comm_time(layer, ctx, ac) + copy_time(rec_copy, ctx)
         act, rec, rec_flops, rec_peak = keep, rec_fwd, rec_full_flops, act_none
 
     param_numel = shard_extra = expert_numel = partial_numel = partial_experts = 0.0
@@ -675,7 +822,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         a2a_calls=calls, a2a_count_calls=count_calls, expert_shard_extra=shard_extra,
         expert_numel=expert_numel, rank_flops=rank_fb + rank_rec, tp_partial_numel=partial_numel,
         tp_partial_expert_numel=partial_experts, cp_comm_fwd_s=cp_f, cp_comm_bwd_s=cp_b, cp_gather_bytes=cp_gather,
-        cp_scatter_bytes=cp_scatter,
+        cp_scatter_bytes=cp_scatter, relayout_bytes=relayout + rec_copy,
     )
 
 

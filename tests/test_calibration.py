@@ -51,16 +51,19 @@ def test_llm_foundry_throughput_and_fit(predictions):
 
 def test_torchtitan_rows_under_the_torch_native_stack(predictions):
     """torchtitan's published Llama 3.1 runs on H100 (FSDP, FSDP + TP; eager, compiled, float8 tensorwise), under
-    the torch-native stack's own constants (`costmodel.stacks`): the level reached, mean absolute error ≤ 4 % over
-    the 12 rows (2.8 %) and 10 of them within 8 % (issue 15 asks for all). Outside: the two 8B TP = 8 rows of the
-    async-TP report's vanilla-TP column (−10 % and −13 %: predicted faster than measured). Held out of the fit in
-    turn (leave-one-out), nine rows are predicted within 2.4 %, the async-TP report's 70B bf16 at −6.0 % and those
-    two at −10.3 % and −13.6 %: mean 3.5 %."""
+    the torch-native stack's own constants (`costmodel.stacks`): mean absolute error ≤ 3 % over the 12 rows (1.9 %)
+    and 11 of them within 8 % (issue 15 asks for all), none beyond 12 %. Outside: the async-TP report's 8B float8
+    row at tp = 8 (−11 %: predicted faster than measured; its bf16 twin is at 0.0 %). The two 8B TP = 8 rows were at
+    −10.3 % and −13.4 % before the copies torch makes around sequence-parallel collectives were costed
+    (`costmodel.layercost.sp_relayout_bytes`), with float8's all-gathers and the whole activations split linears
+    move. Held out of the fit in turn (leave-one-out), ten rows are predicted within 5.0 %, that float8 row at
+    −11.5 % and the one 32K-token row at +18.7 %: it alone pins the attention's efficiency (without it the fit
+    trades attention 0.84 → 0.55 for matmul e_max 0.54 → 0.62 at an equal objective); mean 4.5 %."""
     errs = _errors(predictions, "torchtitan")
     assert len(errs) == 12
-    assert sum(abs(e) for e in errs.values()) / len(errs) <= 0.04, errs
-    assert sum(abs(e) <= 0.08 for e in errs.values()) >= 10, errs
-    assert all(abs(e) <= 0.14 for e in errs.values()), errs
+    assert sum(abs(e) for e in errs.values()) / len(errs) <= 0.03, errs
+    assert sum(abs(e) <= 0.08 for e in errs.values()) >= 11, errs
+    assert all(abs(e) <= 0.12 for e in errs.values()), errs
 
 
 def test_torchtitan_runs_fit_and_their_published_memory(predictions):
@@ -156,7 +159,8 @@ def test_anchoring_on_one_row_reproduces_it():
 
 def test_the_optimiser_parameters_of_the_kept_constants_give_them_back():
     """`calibrate._pack` inverts `_unpack`, with and without the faster kind's floor: a refit can start from the
-    constants in use (the torch-native stack's sit under the A100's floor)."""
+    constants in use (the torch-native stack's sit under the A100's floor). A constant on a bound of its range
+    (the torch-native overlap_slowdown at 0.5) comes back just inside it, by 1e-9 of the range (`calibrate._logit`)."""
     from costmodel.stacks import fitted
 
     kept = fitted()
@@ -166,7 +170,7 @@ def test_the_optimiser_parameters_of_the_kept_constants_give_them_back():
         k = calibrate._kept(entry)
         back = calibrate._unpack(calibrate._pack(k, fl, fp8), fl)
         for name in ("e_max", "f_half", "memory_eff", "overlap_slowdown", "attention_eff") + (("fp8_eff",) * fp8):
-            assert getattr(back, name) == pytest.approx(getattr(k, name), rel=1e-9), name
+            assert getattr(back, name) == pytest.approx(getattr(k, name), rel=1e-8), name
 
 
 def test_a_refit_never_makes_the_kept_constants_worse(monkeypatch):

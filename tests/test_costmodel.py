@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 
@@ -621,10 +622,18 @@ def test_tensor_parallel_calls_are_counted_per_collective():
     """A Llama block all-reduces twice in each pass under TP (after the attention's and the MLP's row-parallel
     projections; before the shared inputs of q/k/v and of gate/up), so on a link with a per-call latency L the
     block's forward communication is 2 calls; with sequence parallelism each becomes a reduce-scatter and an
-    all-gather, two calls each."""
+    all-gather, two calls each, and the copy torch makes before the reduce-scatter (`seq_relayout_time`; at one
+    sequence per micro-batch the all-gather's is a view)."""
     from costmodel.cluster import group_span
     from costmodel.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
-    from costmodel.layercost import CostContext, layer_cost, owned_params, tp_comm_bytes, tp_comm_calls
+    from costmodel.layercost import (
+        CostContext,
+        layer_cost,
+        owned_params,
+        seq_relayout_time,
+        tp_comm_bytes,
+        tp_comm_calls,
+    )
 
     lg = profile_model("llama:layers=2,hidden=256,heads=8,kv_heads=4,ffn=704,vocab=1024,seq=128")
     cl = _cluster()
@@ -637,10 +646,147 @@ def test_tensor_parallel_calls_are_counted_per_collective():
         assert tp_comm_calls(block, ctx) == (2, 2)
         bf, _ = tp_comm_bytes(block, ctx)
         got = layer_cost(block, AC.NONE, ctx, owned_params(lg)[block.name]).tp_comm_fwd_s
-        want = (reduce_scatter_time(bf, span, slow, 2) + all_gather_time(bf, span, slow, 2) if sp
-                else all_reduce_time(bf, span, slow, 2))
+        want = (reduce_scatter_time(bf, span, slow, 2) + all_gather_time(bf, span, slow, 2)
+                + seq_relayout_time(bf, bf, ctx) if sp else all_reduce_time(bf, span, slow, 2))
         assert got == pytest.approx(want, rel=1e-12)
         assert got >= (4 if sp else 2) * lat
+
+
+def _relayout_copies(tp: int, batch: int, seq: int = 16, width: int = 4) -> dict[str, int]:
+    """Bytes torch 2.13 copies (``aten.cat`` outputs) around DTensor's sequence-parallel redistributions on a
+    ``tp``-rank fake process group: an all-gather of a [batch, seq, width] fp32 activation along the sequence
+    (``Shard(1)`` → ``Replicate``), and a reduce-scatter of its partial sums back (``Partial`` → ``Shard(1)``)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.nbytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.cat.default:
+                self.nbytes += out.numel() * out.element_size()
+            return out
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        mesh = init_device_mesh("cpu", (tp,))
+        out = {}
+        for kind, source, target, shape in (("gather", Shard(1), Replicate(), (batch, seq // tp, width)),
+                                            ("scatter", Partial(), Shard(1), (batch, seq, width))):
+            with Copies() as copies:
+                DTensor.from_local(torch.randn(shape), mesh, [source], run_check=False).redistribute(mesh, [target])
+            out[kind] = copies.nbytes
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_sequence_parallel_collectives_copy_what_torch_copies(batch):
+    """torch 2.13's DTensor gathers and scatters a batch-first activation along its sequence (dim 1) through NCCL's
+    dim 0, with a copy of the whole tensor around the collective (`costmodel.layercost.seq_relayout_bytes`): before
+    every reduce-scatter, and after an all-gather unless the micro-batch is one sequence (a view). Traced on a fake
+    process group, the copies are what the cost model charges, for a micro-batch of 1 and of 3; Megatron-LM's
+    sequence-first activations (``seq_relayout=False``) copy nothing."""
+    from costmodel.layercost import CostContext, seq_relayout_bytes, seq_relayout_time
+
+    tp, seq, width = 4, 16, 4
+    traced = _relayout_copies(tp, batch, seq, width)
+    whole = batch * seq * width * 4
+    ctx = CostContext(cluster=_cluster(), tp=tp, sp=True, mbs=batch, captured_batch=1, precision="bf16")
+    assert traced["gather"] == seq_relayout_bytes(whole, 0.0, ctx)
+    assert traced["scatter"] == seq_relayout_bytes(0.0, whole, ctx) == whole
+    assert traced["gather"] == (whole if batch > 1 else 0)
+    dev = ctx.cluster.device
+    assert seq_relayout_time(whole, whole, ctx) == pytest.approx(
+        2 * (traced["gather"] + traced["scatter"]) / (dev.hbm_bw * dev.memory_eff))
+    assert seq_relayout_bytes(whole, whole, dataclasses.replace(ctx, seq_relayout=False)) == 0.0
+
+
+def test_pipeline_boundary_gathers_copy_as_torch_does():
+    """Under tensor parallelism a pipeline boundary's transfer is scattered over the TP ranks and gathered back along
+    the sequence (`planner.emit.runtime.apply_pp_scatter`, ``Shard(1)`` → ``Replicate``), so with more than one
+    sequence per micro-batch each of `Evaluator.pp_gathers` also pays torch's copy (`seq_relayout_time`); with one,
+    a view does."""
+    from costmodel.collectives import all_gather_time, send_recv_time
+    from costmodel.layercost import seq_relayout_time
+
+    lg = profile_model("llama:layers=4,hidden=256,heads=8,kv_heads=4,ffn=704,vocab=1024,seq=128")
+    cl = dataclasses.replace(_cluster(nodes=2), gpus_per_node=4)
+    for mbs in (1, 2):
+        ev = Evaluator(lg, cl, ParallelConfig(dp=1, tp=4, pp=2, mbs=mbs, sp=True), 8)
+        i = lg.layers.index(lg.blocks[2])
+        gathers = ev.pp_gathers(i)
+        assert len(gathers) == 4
+        copy = seq_relayout_time(sum(gathers), 0.0, ev.ctx)
+        assert (copy > 0) == (mbs > 1)
+        want = (2 * send_recv_time(ev.p2p_bytes(i), ev.pp_cross_node, cl)
+                + sum(all_gather_time(g, ev.tp_span, cl) for g in gathers) + copy)
+        assert ev.p2p_time(i) == pytest.approx(want, rel=1e-12)
+
+
+def test_float8_gathers_sequence_parallel_activations_in_float8():
+    """Under float8 training the tensor-parallel linears cast before they gather (torchao's tensorwise
+    ``PrepareFloat8ModuleInput``, ``Float8ColwiseParallel``, ``Float8RowwiseParallel``, as torchtitan runs them):
+    with sequence parallelism each all-gather (and the copy after it, `tp_relayout_bytes`) moves half the bytes of
+    the 16-bit one, the reduce-scatters (and the copies before them) the same; without sequence parallelism the
+    all-reduces are unchanged."""
+    from costmodel.cluster import group_span
+    from costmodel.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
+    from costmodel.layercost import CostContext, tp_comm_bytes, tp_comm_time, tp_relayout_bytes
+
+    cl = _cluster()
+    span = group_span(cl, 4, 1)
+    nbytes = 64 * 2**20
+    for sp in (True, False):
+        ctx = {p: CostContext(cluster=cl, tp=4, sp=sp, mbs=2, captured_batch=1, precision=p, tp_span=span)
+               for p in ("bf16", "fp8")}
+        if not sp:
+            assert tp_comm_time(nbytes, 2, ctx["fp8"]) == tp_comm_time(nbytes, 2, ctx["bf16"]) == all_reduce_time(
+                nbytes, span, cl, 2)
+            continue
+        assert ctx["fp8"].gather_scale == 0.5 and ctx["bf16"].gather_scale == 1.0
+        want = reduce_scatter_time(nbytes, span, cl, 2) + all_gather_time(nbytes / 2, span, cl, 2)
+        assert tp_comm_time(nbytes, 2, ctx["fp8"]) == pytest.approx(want, rel=1e-12)
+        assert tp_comm_time(nbytes, 2, ctx["fp8"]) < tp_comm_time(nbytes, 2, ctx["bf16"])
+    # a Llama block's copies: the all-gathers' halve, the reduce-scatters' stay
+    lg = profile_model("llama:layers=2,hidden=256,heads=8,kv_heads=4,ffn=704,vocab=1024,seq=128")
+    block = lg.blocks[0]
+    ctx = {p: CostContext(cluster=cl, tp=4, sp=True, mbs=2, captured_batch=1, precision=p, tp_span=span)
+           for p in ("bf16", "fp8")}
+    (bf16_f, bf16_b), (fp8_f, fp8_b) = (tp_relayout_bytes(block, ctx[p]) for p in ("bf16", "fp8"))
+    bf, bb = tp_comm_bytes(block, ctx["bf16"])
+    assert (bf16_f, bf16_b) == (2 * bf, 2 * bb) and (fp8_f, fp8_b) == (1.5 * bf, 1.5 * bb)
+
+
+def test_split_linears_move_their_whole_activation():
+    """A tensor-parallel rank's share of a split linear reads the whole input (column-parallel: gathered or
+    replicated) or writes whole partial sums (row-parallel), so its bytes do not shrink by tp as its FLOPs do: each
+    split matmul of a Llama block at tp = 4 is charged at least the whole activation it reads or writes forward,
+    and twice what does not shrink backward (its input read again for the weight's gradient and the input's
+    gradient written whole, or the output's gradient read twice)."""
+    from costmodel.layercost import _shard, _whole_bytes
+
+    lg = profile_model("llama:layers=2,hidden=256,heads=8,kv_heads=4,ffn=704,vocab=1024,seq=128")
+    block = lg.blocks[0]
+    split = [n for n in block.nodes if n.kind == "matmul" and n.tp_role in ("column", "row")]
+    by_name = {n.name: n for n in block.nodes}
+    assert {n.tp_role for n in split} == {"column", "row"}
+    for n in split:
+        f = _shard(n, 4, True, True)
+        assert f == 0.25
+        w_f, w_b = _whole_bytes(n, f, block, by_name)
+        whole = n.output_bytes if n.tp_role == "row" else math.prod(n.input_shapes[0]) * 2  # (x: bf16)
+        assert n.fwd_bytes * f + w_f >= whole  # the rank's forward bytes
+        assert w_b == 2 * w_f > 0
+        assert _whole_bytes(n, 1.0, block, by_name) == (0.0, 0.0)  # without tensor parallelism: the captured bytes
 
 
 def test_cpu_device_measured_by_an_older_version_is_measured_again(tmp_path, monkeypatch):

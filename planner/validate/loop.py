@@ -9,7 +9,9 @@ Parts compared (predicted ← the estimate's ``breakdown_s``; measured ← the d
 
 - compute: predicted compute + recompute + compression; measured forward + backward minus the communication
   inside them, on the rank that computes most;
-- comm: predicted tp_comm + cp_comm + dp_comm_exposed; measured main-thread time in collectives (profiled step);
+- comm: predicted tp_comm + cp_comm + dp_comm_exposed; measured main-thread time in collectives (profiled step;
+  the copies DTensor makes around sequence-parallel collectives, which tp_comm includes, `costmodel.layercost.
+  seq_relayout_bytes`, are ops of their own and measure as compute);
 - optimizer: predicted optimizer (the step and the gradient clipping before it); measured the optimizer step and the
   script's clipping;
 - idle: predicted bubble + pp_comm; measured step − compute − comm − optimizer (pipeline waits);
