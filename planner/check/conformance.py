@@ -20,6 +20,9 @@ plan's 16-bit precision under CPU autocast where the runtime trains under autoca
   experts' data-parallel terms on the edp group (the ranks holding the same experts);
 - pipeline sends and receives: `costmodel.estimate.Evaluator.p2p_bytes` at each of the rank's stage boundaries,
   forward and back, every micro-batch, and under TP the all-gathers around each (`pp_gathers`), half on each side;
+- the copies torch's functional collectives make around the tensor-parallel collectives along the sequence
+  (``relayout@tp``, `costmodel.layercost.LayerCost.relayout_bytes` and the pipeline's gathers'
+  `seq_relayout_bytes`), traced where torch makes them (`planner.check.trace._inner_collectives`);
 - FLOPs: the micro-batches × (forward + backward + recomputation) FLOPs of the rank's layers as captured (the
   profiler's per-node counts; attention's backward is 2.5 × its forward, not the 2 × of the model-FLOP
   convention), ÷ tp on tensor-parallel layers.
@@ -37,7 +40,7 @@ from dataclasses import replace
 from costmodel.cluster import load_cluster
 from costmodel.config import parse_grad_compress
 from costmodel.estimate import Evaluator
-from costmodel.layercost import is_tp_layer, recompute_comm_bytes, tp_comm_bytes
+from costmodel.layercost import is_tp_layer, recompute_comm_bytes, seq_relayout_bytes, tp_comm_bytes
 from costmodel.memory import AUTOCAST_COPY_BYTES, FRAGMENTATION, autocast_dtype, runtime_reserved_bytes
 from costmodel.moe import COUNT_BYTES
 from costmodel.overlap import dp_step_bytes, tp_partial_bytes
@@ -142,6 +145,9 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
                     tp_bytes += bf + bb + (recompute_comm_bytes(lg.layers[i], ev.ctx, acs[i]) if block else 0.0)
             # and once per step, the sum of the gradients TP ranks compute from their share only
             collectives["all_reduce_equivalent@tp"] = ev.m * tp_bytes + tp_partial_bytes(costs, cfg)
+            relayout = ev.m * sum(c.relayout_bytes for c in costs)
+            if relayout:  # the copies torch makes around collectives along the sequence
+                collectives["relayout@tp"] = relayout
         if cfg.pp > 1:  # each boundary: the activation forward, its gradient back, every micro-batch
             n_stages = cfg.pp * cfg.vpp
             starts = {s: stage_of.index(s) for s in range(n_stages)}
@@ -159,6 +165,9 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
             if gathered:  # an all-gather counts as half the all-reduce of its gathered size, as traced
                 collectives["all_reduce_equivalent@tp"] = collectives.get("all_reduce_equivalent@tp", 0.0) + (
                     ev.m * gathered / 2)
+                copied = ev.m * seq_relayout_bytes(gathered, 0.0, ev.ctx)  # (along the sequence, as a block's)
+                if copied:
+                    collectives["relayout@tp"] = collectives.get("relayout@tp", 0.0) + copied
             if ev.tied_sync_time(r):  # the embedding group: the first and the last pipeline rank
                 collectives["all_reduce@" + ("pp" if cfg.pp == 2 else "2 ranks")] = ev.tied_bytes()
         roles.append({"pp_rank": r, "rank": r * cfg.dp * cfg.tp, "memory": memory, "collectives": collectives,

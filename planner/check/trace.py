@@ -104,6 +104,16 @@ class _Collectives(TorchDispatchMode):
         nbytes = tensor.numel() * tensor.element_size() * scale
         self.log.append((kind, self.groups.get(ranks, f"{len(ranks)} ranks"), nbytes, tensor.numel() * scale))
 
+    def record_relayout(self, group, tensor: torch.Tensor) -> None:
+        """A copy torch's functional collectives make of ``tensor``'s bytes between a dim-1 layout and NCCL's dim 0
+        around a collective on ``group`` (`_inner_collectives`), logged as ``relayout`` on that group."""
+        from torch.distributed._functional_collectives import _resolve_group_name
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(_resolve_group_name(group))))
+        self.log.append(("relayout", self.groups.get(ranks, f"{len(ranks)} ranks"),
+                         tensor.numel() * tensor.element_size(), 0))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ns, name = func.namespace, func._opname
@@ -366,7 +376,9 @@ _FUNCOL = {"all_reduce": ("all_reduce", 2), "all_gather_tensor": ("all_gather", 
 
 @contextlib.contextmanager
 def _inner_collectives(counter: _Collectives):
-    """Route the functional collectives DTensor calls inside its own dispatch to ``counter.record_inner``."""
+    """Route the functional collectives DTensor calls inside its own dispatch to ``counter.record_inner``, and the
+    copies the functional collectives make around a collective along another dim than 0 to
+    ``counter.record_relayout`` (inside DTensor's dispatch or not: this mode records no ``aten.cat``)."""
     import torch.distributed._functional_collectives as funcol
 
     saved = {name: getattr(funcol, name) for name in _FUNCOL}
@@ -381,8 +393,41 @@ def _inner_collectives(counter: _Collectives):
 
         return call
 
+    # the copies around collectives along a dim other than 0 (`costmodel.layercost.seq_relayout_bytes`): the group
+    # of the all_gather_single or reduce_scatter_single running, and each copy its helpers make
+    relayouts = {"all_gather_single": 2, "reduce_scatter_single": 3}  # (argument index of the group)
+    helpers = ("_maybe_view_chunk_cat", "_chunk_or_narrow_cat")
+    saved |= {name: getattr(funcol, name) for name in (*relayouts, *helpers)}
+    running: list = []
+
+    def around(name, original):
+        def call(tensor, *args, **kwargs):
+            at = relayouts[name]
+            running.append(kwargs.get("group", args[at - 1] if len(args) >= at else None))
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                running.pop()
+
+        return call
+
+    def copying(original):
+        def call(tensor, *args, **kwargs):
+            out = original(tensor, *args, **kwargs)
+            if running and running[-1] is not None and out is not tensor and not out._is_view():  # (a view or
+                # the tensor itself moves nothing)
+                counter.record_relayout(running[-1], out)
+            return out
+
+        return call
+
     for name, original in saved.items():
-        setattr(funcol, name, wrap(name, original))
+        if name in _FUNCOL:
+            setattr(funcol, name, wrap(name, original))
+        elif name in relayouts:
+            setattr(funcol, name, around(name, original))
+        else:
+            setattr(funcol, name, copying(original))
     try:
         yield
     finally:
