@@ -32,11 +32,12 @@ from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.layercost import (
     CostContext,
     LayerCost,
+    copy_time,
     dtype_bytes,
     is_tp_layer,
     layer_cost,
     owned_params,
-    seq_relayout_time,
+    seq_relayout_bytes,
     vocab_output_bytes,
 )
 from costmodel.memory import (
@@ -406,10 +407,16 @@ class Evaluator:
         the tensor-parallel all-gathers around them (`pp_gathers`)."""
         nbytes = self.p2p_bytes(i)
         cast = 2 * pp_cast_time(nbytes, self.cluster) if self._pp_cast() else 0.0
-        gathers = self.pp_gathers(i)  # (along the sequence: each with the copy torch makes, `seq_relayout_time`)
-        gather = sum(all_gather_time(g, self.tp_span, self.cluster) for g in gathers)
-        gather += seq_relayout_time(sum(gathers), 0.0, self.ctx)
+        gather = sum(all_gather_time(g, self.tp_span, self.cluster) for g in self.pp_gathers(i))
+        gather += copy_time(self.pp_gather_copies(i), self.ctx)
         return 2 * send_recv_time(nbytes, self.pp_cross_node, self.cluster) + cast + gather
+
+    def pp_gather_copies(self, i: int) -> float:
+        """Bytes torch copies around `pp_gathers` (`costmodel.layercost.seq_relayout_bytes`): the scattered
+        transfer is gathered along the hidden dimension (`planner.emit.runtime._hidden_gather`), with the sequence
+        before it, so always; sequence parallelism's two along the sequence beyond one sequence per micro-batch."""
+        gathers = self.pp_gathers(i)
+        return seq_relayout_bytes(sum(gathers[2:]), 0.0, self.ctx, hidden=sum(gathers[:2]))
 
     def tp_partial_sync_time(self, rank_costs: list) -> float:
         """The once-per-step sum over tp of the gradients TP ranks compute from their share only

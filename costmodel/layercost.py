@@ -383,25 +383,26 @@ def recompute_stop(layer: Layer) -> int:
     return savers[-1] if savers else len(layer.nodes)
 
 
-def tp_comm_time(nbytes: float, calls: int, ctx: CostContext) -> float:
+def tp_comm_time(nbytes: float, calls: int, ctx: CostContext, *, float8: bool = True) -> float:
     """Seconds of ``calls`` tensor-parallel reductions moving ``nbytes`` in all: all-reduces, or with sequence
     parallelism a reduce-scatter and an all-gather each (the same ring bytes, each a call of its own; the
-    all-gather in float8 under float8 training, `CostContext.gather_scale`). The copies around them are
-    `tp_relayout_bytes`'."""
+    all-gather in float8 under float8 training, `CostContext.gather_scale`, where ``float8``: a block's, not the
+    embedding's or the head's, which stay 16-bit). The copies around them are `tp_relayout_bytes`'."""
     if not nbytes or ctx.tp_span is None:
         return 0.0
     if ctx.sp:
-        return sp_comm_time(nbytes, calls, nbytes, calls, ctx)
+        return sp_comm_time(nbytes, calls, nbytes, calls, ctx, float8=float8)
     return all_reduce_time(nbytes, ctx.tp_span, ctx.cluster, calls)
 
 
-def sp_comm_time(gathered: float, gathers: int, scattered: float, scatters: int, ctx: CostContext) -> float:
+def sp_comm_time(gathered: float, gathers: int, scattered: float, scatters: int, ctx: CostContext, *,
+                 float8: bool = True) -> float:
     """Seconds of ``gathers`` sequence-parallel all-gathers of ``gathered`` 16-bit bytes in all (their outputs;
-    in float8 under float8 training, `CostContext.gather_scale`) and ``scatters`` reduce-scatters of
-    ``scattered`` bytes (their inputs)."""
+    in float8 under float8 training where ``float8``, `CostContext.gather_scale`) and ``scatters`` reduce-scatters
+    of ``scattered`` bytes (their inputs)."""
     t = 0.0
     if gathered:
-        t += all_gather_time(gathered * ctx.gather_scale, ctx.tp_span, ctx.cluster, gathers)
+        t += all_gather_time(gathered * (ctx.gather_scale if float8 else 1.0), ctx.tp_span, ctx.cluster, gathers)
     if scattered:
         t += reduce_scatter_time(scattered, ctx.tp_span, ctx.cluster, scatters)
     return t
@@ -422,15 +423,20 @@ def tp_relayout_bytes(layer: Layer, ctx: CostContext) -> tuple[float, float]:
         return seq_relayout_bytes(layer.input_bytes * k, 0.0, ctx), 0.0
     if layer.kind == "embed":
         return 0.0, seq_relayout_bytes(vocab_output_bytes(layer) * k, 0.0, ctx)
-    bf, bb = tp_comm_bytes(layer, ctx)
+    # forward: the column-parallel inputs gathered (`_tp_comm`'s backward bytes: the same tensors), the row-parallel
+    # outputs scattered; backward the other way round: the rows' output gradients gathered, the columns' input
+    # gradients scattered (their sizes differ under autocast: a norm's fp32 output, a 16-bit row output)
+    rows, columns = tp_comm_bytes(layer, ctx)
     g = ctx.gather_scale
-    return seq_relayout_bytes(bf * g, bf, ctx), seq_relayout_bytes(bb * g, bb, ctx)
+    return seq_relayout_bytes(columns * g, rows, ctx), seq_relayout_bytes(rows * g, columns, ctx)
 
 
-def seq_relayout_bytes(gathered: float, scattered: float, ctx: CostContext) -> float:
+def seq_relayout_bytes(gathered: float, scattered: float, ctx: CostContext, *, hidden: float = 0.0) -> float:
     """Bytes copied (each read once and written once) around collectives that all-gather ``gathered`` bytes (their
     outputs) and reduce-scatter ``scattered`` bytes (their inputs) along the sequence: sequence parallelism's, and
-    the gathers around a pipeline boundary under tensor parallelism (`costmodel.estimate.Evaluator.pp_gathers`).
+    those around a pipeline boundary under tensor parallelism (`costmodel.estimate.Evaluator.pp_gather_copies`);
+    and ``hidden`` bytes all-gathered along the hidden dimension (the boundary's scattered transfer), which the
+    sequence precedes: always a copy.
 
     NCCL gathers and scatters along dim 0, and the runtime's activations are batch-first with the sequence on
     dim 1 (``Shard(1)``). torch 2.13's functional collectives, which DTensor's redistributions call, bridge the two
@@ -442,7 +448,7 @@ def seq_relayout_bytes(gathered: float, scattered: float, ctx: CostContext) -> f
     sequence-first (`CostContext.seq_relayout`)."""
     if not ctx.seq_relayout:
         return 0.0
-    return scattered + (gathered if ctx.mbs > 1 else 0.0)
+    return scattered + (gathered if ctx.mbs > 1 else 0.0) + hidden
 
 
 def seq_relayout_time(gathered: float, scattered: float, ctx: CostContext) -> float:
@@ -729,8 +735,9 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     if tp > 1 and ctx.tp_span is not None:
         bf, bb, calls_f, calls_b = tp_traffic(layer, ctx)
         copy_f, copy_b = tp_relayout_bytes(layer, ctx)
-        comm_f = tp_comm_time(bf, calls_f, ctx) + copy_time(copy_f, ctx)
-        comm_b = tp_comm_time(bb, calls_b, ctx) + copy_time(copy_b, ctx)
+        f8 = layer.kind not in ("embed", "head")  # (float8 training leaves those two 16-bit)
+        comm_f = tp_comm_time(bf, calls_f, ctx, float8=f8) + copy_time(copy_f, ctx)
+        comm_b = tp_comm_time(bb, calls_b, ctx, float8=f8) + copy_time(copy_b, ctx)
         relayout = copy_f + copy_b
 
     rank_rec = {AC.NONE: 0.0, AC.FULL: rank_rec_full}.get(ac, rank_op_rec if op_policy else rank_core)

@@ -67,14 +67,15 @@ def test_tensor_parallel_terms_match_the_trace(model, config):
 
 
 @pytest.mark.parametrize("config", ["dp=4,tp=2,sp=on,mbs=2,ac=selective", "dp=4,tp=2,sp=on,mbs=1,ac=full",
-                                    "dp=4,tp=2,sp=on,mbs=2,ac=full", "dp=2,pp=2,tp=2,sp=off,mbs=2"])
+                                    "dp=4,tp=2,sp=on,mbs=2,ac=full", "dp=2,pp=2,tp=2,sp=off,mbs=1",
+                                    "dp=2,pp=2,tp=2,sp=on,mbs=1"])
 def test_sequence_relayout_copies_match_the_trace(config):
     """torch's functional collectives copy the whole activation around each collective along the sequence
     (`costmodel.layercost.seq_relayout_bytes`): the copies the trace sees where torch makes them equal, to the byte,
     what the cost model charges (``relayout@tp``): sequence parallelism's pairs at one sequence per micro-batch and
     at two, a full recomputation's repeats, the per-op selective policy's (which serves reduce-scatters from its
-    cache but runs the copy before each again: first missed, 5.6 % under), and a pipeline boundary's gathers under
-    plain TP."""
+    cache but runs the copy before each again: first missed, 5.6 % under), and a pipeline boundary's gathers, along
+    the hidden dimension, which copy even at one sequence per micro-batch (first priced as along the sequence)."""
     plan = plan_from_config("llama:layers=4,hidden=256,heads=8,kv_heads=4,ffn=704,vocab=1024,seq=128",
                             "dgx-h100:nodes=1", 16, config)
     result = check_plan(plan)

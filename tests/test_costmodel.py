@@ -711,25 +711,28 @@ def test_sequence_parallel_collectives_copy_what_torch_copies(batch):
 
 
 def test_pipeline_boundary_gathers_copy_as_torch_does():
-    """Under tensor parallelism a pipeline boundary's transfer is scattered over the TP ranks and gathered back along
-    the sequence (`planner.emit.runtime.apply_pp_scatter`, ``Shard(1)`` → ``Replicate``), so with more than one
-    sequence per micro-batch each of `Evaluator.pp_gathers` also pays torch's copy (`seq_relayout_time`); with one,
-    a view does."""
+    """Under tensor parallelism a pipeline boundary's transfer is scattered over the TP ranks and gathered back
+    (`planner.emit.runtime.apply_pp_scatter`) along the hidden dimension (`planner.emit.runtime._hidden_gather`:
+    the sequence precedes it), so each such gather pays torch's copy whatever the micro-batch; sequence
+    parallelism's two more gathers, along the sequence, only beyond one sequence per micro-batch
+    (`Evaluator.pp_gather_copies`)."""
     from costmodel.collectives import all_gather_time, send_recv_time
-    from costmodel.layercost import seq_relayout_time
+    from costmodel.layercost import copy_time
 
     lg = profile_model("llama:layers=4,hidden=256,heads=8,kv_heads=4,ffn=704,vocab=1024,seq=128")
     cl = dataclasses.replace(_cluster(nodes=2), gpus_per_node=4)
     for mbs in (1, 2):
-        ev = Evaluator(lg, cl, ParallelConfig(dp=1, tp=4, pp=2, mbs=mbs, sp=True), 8)
-        i = lg.layers.index(lg.blocks[2])
-        gathers = ev.pp_gathers(i)
-        assert len(gathers) == 4
-        copy = seq_relayout_time(sum(gathers), 0.0, ev.ctx)
-        assert (copy > 0) == (mbs > 1)
-        want = (2 * send_recv_time(ev.p2p_bytes(i), ev.pp_cross_node, cl)
-                + sum(all_gather_time(g, ev.tp_span, cl) for g in gathers) + copy)
-        assert ev.p2p_time(i) == pytest.approx(want, rel=1e-12)
+        for sp in (False, True):
+            ev = Evaluator(lg, cl, ParallelConfig(dp=1, tp=4, pp=2, mbs=mbs, sp=sp), 8)
+            i = lg.layers.index(lg.blocks[2])
+            gathers = ev.pp_gathers(i)
+            assert len(gathers) == (4 if sp else 2)
+            hidden = sum(gathers[:2])
+            assert ev.pp_gather_copies(i) == hidden + (sum(gathers[2:]) if mbs > 1 else 0.0)
+            want = (2 * send_recv_time(ev.p2p_bytes(i), ev.pp_cross_node, cl)
+                    + sum(all_gather_time(g, ev.tp_span, cl) for g in gathers) + copy_time(ev.pp_gather_copies(i),
+                                                                                            ev.ctx))
+            assert ev.p2p_time(i) == pytest.approx(want, rel=1e-12)
 
 
 def test_float8_gathers_sequence_parallel_activations_in_float8():

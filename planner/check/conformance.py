@@ -21,8 +21,8 @@ plan's 16-bit precision under CPU autocast where the runtime trains under autoca
 - pipeline sends and receives: `costmodel.estimate.Evaluator.p2p_bytes` at each of the rank's stage boundaries,
   forward and back, every micro-batch, and under TP the all-gathers around each (`pp_gathers`), half on each side;
 - the copies torch's functional collectives make around the tensor-parallel collectives along the sequence
-  (``relayout@tp``, `costmodel.layercost.LayerCost.relayout_bytes` and the pipeline's gathers'
-  `seq_relayout_bytes`), traced where torch makes them (`planner.check.trace._inner_collectives`);
+  (``relayout@tp``, `costmodel.layercost.LayerCost.relayout_bytes`) and around the pipeline's gathers
+  (`Evaluator.pp_gather_copies`), traced where torch makes them (`planner.check.trace._inner_collectives`);
 - FLOPs: the micro-batches × (forward + backward + recomputation) FLOPs of the rank's layers as captured (the
   profiler's per-node counts; attention's backward is 2.5 × its forward, not the 2 × of the model-FLOP
   convention), ÷ tp on tensor-parallel layers.
@@ -40,7 +40,7 @@ from dataclasses import replace
 from costmodel.cluster import load_cluster
 from costmodel.config import parse_grad_compress
 from costmodel.estimate import Evaluator
-from costmodel.layercost import is_tp_layer, recompute_comm_bytes, seq_relayout_bytes, tp_comm_bytes
+from costmodel.layercost import is_tp_layer, recompute_comm_bytes, tp_comm_bytes
 from costmodel.memory import AUTOCAST_COPY_BYTES, FRAGMENTATION, autocast_dtype, runtime_reserved_bytes
 from costmodel.moe import COUNT_BYTES
 from costmodel.overlap import dp_step_bytes, tp_partial_bytes
@@ -151,23 +151,24 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
         if cfg.pp > 1:  # each boundary: the activation forward, its gradient back, every micro-batch
             n_stages = cfg.pp * cfg.vpp
             starts = {s: stage_of.index(s) for s in range(n_stages)}
-            sent = received = gathered = 0.0
+            sent = received = gathered = copied = 0.0
             for c in range(r, n_stages, cfg.pp):
                 if c < n_stages - 1:  # sends its output, receives its gradient; under TP gathers its side's half
                     sent += ev.p2p_bytes(starts[c + 1])
                     received += ev.p2p_bytes(starts[c + 1])
                     gathered += sum(ev.pp_gathers(starts[c + 1])) / 2
+                    copied += ev.pp_gather_copies(starts[c + 1]) / 2
                 if c > 0:  # receives its input, sends the input's gradient
                     received += ev.p2p_bytes(starts[c])
                     sent += ev.p2p_bytes(starts[c])
                     gathered += sum(ev.pp_gathers(starts[c])) / 2
+                    copied += ev.pp_gather_copies(starts[c]) / 2
             collectives["send@pp"], collectives["recv@pp"] = ev.m * sent, ev.m * received
             if gathered:  # an all-gather counts as half the all-reduce of its gathered size, as traced
                 collectives["all_reduce_equivalent@tp"] = collectives.get("all_reduce_equivalent@tp", 0.0) + (
                     ev.m * gathered / 2)
-                copied = ev.m * seq_relayout_bytes(gathered, 0.0, ev.ctx)  # (along the sequence, as a block's)
-                if copied:
-                    collectives["relayout@tp"] = collectives.get("relayout@tp", 0.0) + copied
+                if copied:  # and the copies torch makes around them
+                    collectives["relayout@tp"] = collectives.get("relayout@tp", 0.0) + ev.m * copied
             if ev.tied_sync_time(r):  # the embedding group: the first and the last pipeline rank
                 collectives["all_reduce@" + ("pp" if cfg.pp == 2 else "2 ranks")] = ev.tied_bytes()
         roles.append({"pp_rank": r, "rank": r * cfg.dp * cfg.tp, "memory": memory, "collectives": collectives,
