@@ -145,9 +145,9 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
                     tp_bytes += bf + bb + (recompute_comm_bytes(lg.layers[i], ev.ctx, acs[i]) if block else 0.0)
             # and once per step, the sum of the gradients TP ranks compute from their share only
             collectives["all_reduce_equivalent@tp"] = ev.m * tp_bytes + tp_partial_bytes(costs, cfg)
-            relayout = ev.m * sum(c.relayout_bytes for c in costs)
-            if relayout:  # the copies torch makes around collectives along the sequence
-                collectives["relayout@tp"] = relayout
+            # the copies torch makes around collectives along the sequence (compared even where none is predicted:
+            # a traced copy the cost model does not know of is an error)
+            collectives["relayout@tp"] = ev.m * sum(c.relayout_bytes for c in costs)
         if cfg.pp > 1:  # each boundary: the activation forward, its gradient back, every micro-batch
             n_stages = cfg.pp * cfg.vpp
             starts = {s: stage_of.index(s) for s in range(n_stages)}
