@@ -491,13 +491,11 @@ def recompute_comm_time(layer: Layer, ctx: CostContext, ac: AC) -> float:
     all-reduces, or under sequence parallelism each all-gather and reduce-scatter as itself."""
     if ctx.tp_span is None:
         return 0.0
-    nbytes, calls = recompute_traffic(layer, ctx, ac)
-    if not nbytes:
-        return 0.0
     if not ctx.sp:
-        return all_reduce_time(nbytes, ctx.tp_span, ctx.cluster, calls)
+        nbytes, calls = recompute_traffic(layer, ctx, ac)
+        return all_reduce_time(nbytes, ctx.tp_span, ctx.cluster, calls) if nbytes else 0.0
     k = ctx.scale * ctx.act_scale
-    parts = _recomputed_collectives(layer, ctx, ac)
+    parts = _recomputed_collectives(layer, ctx, ac)  # (once: `recompute_traffic` is their sum)
     gathered, scattered = [g for g, _ in parts], [s for _, s in parts]
     return sp_comm_time(sum(gathered) * k, sum(1 for g in gathered if g), sum(scattered) * k,
                         sum(1 for s in scattered if s), ctx)
