@@ -4,10 +4,12 @@
   cast costs a read of 4 and a write of 2 bytes per element, and the same back: 12 bytes of memory traffic per
   element on the critical path of the hook.
 - PowerSGD of rank r (Vogels et al. 2019, Algorithm 1; torch ``powerSGD_hook``): each m×n gradient matrix is sent
-  as P (m×r) and Q (n×r), two all-reduce rounds of r(m + n) fp32 elements instead of mn; vectors (biases, norms)
-  are all-reduced uncompressed. Encoding multiplies M·Q and Mᵀ·P (2·2mnr FLOPs), orthogonalises P (≈ 2mr²) and
-  updates the error-feedback buffer (read M and error, write error: 12mn bytes). Memory: one fp32 error buffer per
-  gradient (costmodel.estimate adds it).
+  as P (m×r) and Q (n×r), two all-reduce rounds of r(m + n) fp32 elements instead of mn; vectors (biases, norms),
+  and matrices too small to gain 2× (torch's ``_should_compress``), are all-reduced uncompressed. Encoding and
+  decoding multiply M·Q, Mᵀ·P and P·Qᵀ (3·2mnr FLOPs: the three ``torch.matmul`` of torch's hook, as `autopar
+  check` traces them), orthogonalise P (≈ 2mr², elementwise, r/3n of that) and update the error-feedback buffer
+  (read M and error, write error: 12mn bytes). Memory: one fp32 error buffer per gradient (costmodel.estimate adds
+  it) and the hook's copies of a bucket (`costmodel.memory.dp_reduction_temp_bytes`).
 - Pipeline-boundary casts to bf16: a read of 4 and a write of 2 bytes per element on each side.
 
 Compression shrinks the communication, not the time when the communication was already hidden: `overlap`
@@ -82,20 +84,45 @@ def pp_cast_time(nbytes_bf16: float, cluster) -> float:
     return _memory_time(3 * nbytes_bf16, cluster)
 
 
+#: torch's ``PowerSGDState`` default ``min_compression_rate``, which the runtime keeps
+POWERSGD_MIN_RATE = 2
+
+
+def powersgd_rank(m: int, n: int, rank: int) -> int:
+    """The rank PowerSGD of ``rank`` compresses an m×n gradient matrix to, 0 where it sends the matrix whole
+    (torch 2.13 ``powerSGD_hook``: the rank clipped to the matrix, then ``_should_compress``)."""
+    r = min(rank, m, n)
+    return r if r * (m + n) * POWERSGD_MIN_RATE < m * n else 0
+
+
 def powersgd_volume(rank_costs, rank: int) -> tuple[float, float, float, float]:
-    """PowerSGD of ``rank`` over the layers' gradients: (compressed elements r(m + n) summed over the m×n matrices,
-    uncompressed vector elements, encode FLOPs 4mnr + 2mr², matrix elements)."""
+    """PowerSGD of ``rank`` over the layers' gradients: (compressed elements r(m + n) summed over the m×n matrices it
+    compresses, uncompressed elements, encode and decode FLOPs 6mnr + 2mr², compressed matrices' elements). A matrix
+    is compressed only where that saves `POWERSGD_MIN_RATE` × or more (`powersgd_rank`); the rest is all-reduced
+    whole, with the vectors."""
     compressed = vector = flops = matrix = 0.0
     for c in rank_costs:
         in_matrices = 0.0
         for m, n in c.grad_matrices:
-            r = min(rank, m, n)
+            r = powersgd_rank(m, n, rank)
+            if not r:
+                continue  # (counted with the vectors)
             compressed += r * (m + n)
-            flops += 4 * m * n * r + 2 * m * r * r
+            flops += 6 * m * n * r + 2 * m * r * r
             in_matrices += m * n
         matrix += in_matrices
         vector += max(0.0, c.param_numel - in_matrices)
     return compressed, vector, flops, matrix
+
+
+def powersgd_memory(rank_costs, rank: int) -> tuple[float, float]:
+    """What PowerSGD of ``rank`` holds, over the layers' gradients (`powersgd_volume`): (bytes per gradient element
+    kept from step to step: the fp32 error feedback, and the P and Q factors of every compressed matrix, r(m + n)
+    fp32 each, torch's ``p_memory_dict`` and ``q_memory_dict``; the share of the elements sent whole, which its
+    hook concatenates into one buffer per bucket, `costmodel.memory.dp_reduction_temp_bytes`)."""
+    compressed, vector, _, matrix = powersgd_volume(rank_costs, rank)
+    total = vector + matrix
+    return (FP32 * (1 + compressed / total), vector / total) if total else (FP32, 1.0)
 
 
 def compressed_grad_comm(rank_costs: list[LayerCost], params: float, first_layer_params: float,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from costmodel.cluster import Cluster, group_span
 from costmodel.collectives import all_gather_time, all_reduce_time, send_recv_time
-from costmodel.compression import pp_cast_time
+from costmodel.compression import powersgd_memory, pp_cast_time
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.layercost import (
     CostContext,
@@ -335,6 +335,14 @@ class Evaluator:
             {})
         self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
 
+    def powersgd_memory(self, rank: int) -> tuple[float, float]:
+        """PowerSGD of ``rank`` over the model's layers (`costmodel.compression.powersgd_memory`): bytes per
+        parameter it keeps from step to step, and the share of the gradients it sends whole; here and in the ILP."""
+        held = self.__dict__.setdefault("_powersgd_memory", {})
+        if rank not in held:
+            held[rank] = powersgd_memory([self.cost(i, AC.NONE) for i in range(len(self.lg.layers))], rank)
+        return held[rank]
+
     # -- per-layer and per-boundary pieces (the ILP's coefficients) ------------------------------------------
     def cost(self, i: int, ac: AC) -> LayerCost:
         """Layer ``i``'s costs at AC mode ``ac``. Blocks of one signature cost the same: the first of them in the
@@ -613,10 +621,14 @@ class Evaluator:
             temp = max(block_peak + building_peak, edge_peak)
         else:
             temp = max(block_peak - head_act if block_peak else 0.0, edge_peak)
+        whole = 1.0
         if self.grad_kind == "powersgd" and cfg.data_ranks > 1:
-            temp += 4 * params  # error feedback: one fp32 copy of the local gradients
-        # a peak after the backward: every gradient, and the reduction's copy of the last bucket
-        after_backward += dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params)
+            # error feedback (one fp32 copy of the local gradients) and the low-rank factors, held step to step
+            per, whole = self.powersgd_memory(self.grad_rank)
+            temp += per * params
+            after_backward += per * params
+        # a peak after the backward: every gradient, and the reduction's copies of the last bucket
+        after_backward += dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params, whole)
         temp += max(0.0, after_backward - (p_b + g_b + o_b + act + temp))
         allocated = p_b + g_b + o_b + act + temp
         return MemoryBreakdown(params=p_b, grads=g_b, optimizer=o_b, activations=act,

@@ -64,7 +64,7 @@ FRAGMENTATION = 0.05  #: caching-allocator fragmentation allowance, a fraction o
 DDP_BUCKET_BYTES = 25 * 2**20  #: torch DDP default bucket_cap_mb = 25
 
 
-def dp_reduction_temp_bytes(cfg, grad_kind: str, grad_bytes: float = math.inf) -> float:
+def dp_reduction_temp_bytes(cfg, grad_kind: str, grad_bytes: float = math.inf, whole: float = 1.0) -> float:
     """Memory the data-parallel gradient reduction adds beyond the gradients (ZeRO 0/1), at the end of the backward
     (`costmodel.estimate.Evaluator`: the moment every gradient exists and no activation does): DDP's buckets are the
     gradients themselves (the runtime's ``gradient_as_bucket_view=True``), so nothing, except a cast hook's 16-bit
@@ -75,13 +75,18 @@ def dp_reduction_temp_bytes(cfg, grad_kind: str, grad_bytes: float = math.inf) -
     the copy is made when the backward ends; from then on a bucket holds 25 MiB and its copy (12.5 MiB) can be in
     flight during the backward, within the allocator's allowance at the sizes where it could. Traced (gpt-tiny,
     dp = 2, ZeRO-1, bf16 reduction): the copy after the backward, not at the peak (charged there: 6.4 % over).
-    FSDP (ZeRO 2/3) is costed apart."""
+    PowerSGD (torch 2.13 ``powerSGD_hook``, error feedback on) clones a bucket's error-corrected gradients
+    (``input_tensor_cp``), concatenates the tensors it sends whole into one buffer (``whole``: their share of the
+    bucket, `costmodel.compression.powersgd_memory`), and keeps both until the bucket is decompressed, when it
+    makes the new error buffer from the clone (``input_tensor_cp - input_tensor``) before the old one is let go:
+    (2 + ``whole``) bucket-sized fp32 copies beside what it holds from step to step (the error feedback and the
+    low-rank factors, `costmodel.estimate.Evaluator`). FSDP (ZeRO 2/3) is costed apart."""
     if cfg.data_ranks == 1 or cfg.zero >= 2:
         return 0.0
     bucket = min(float(DDP_BUCKET_BYTES), grad_bytes)
     if cfg.reduces_after_step:
         return bucket
-    return bucket / 2 if grad_kind in ("bf16", "fp16") else 0.0
+    return {"bf16": bucket / 2, "fp16": bucket / 2, "powersgd": (2 + whole) * bucket}.get(grad_kind, 0.0)
 
 
 #: bytes per parameter of autocast's cached 16-bit copy (`state_bytes_per_param`)

@@ -150,7 +150,8 @@ def clip_time(params: float, tensors: float, ev: SyncView, extra: float = 0.0) -
     cfg = ev.cfg
     local = (params + extra) / cfg.data_ranks if cfg.zero >= 2 else params
     dev = ev.cluster.device
-    norm = all_reduce_time(SCALAR_BYTES, group_span(ev.cluster, cfg.world, 1), ev.cluster) if cfg.world > 1 else 0.0
+    norm = (all_reduce_time(SCALAR_BYTES, group_span(ev.cluster, cfg.world, 1), ev.cluster)
+            if "world" in step_scalars(cfg) else 0.0)
     return local * CLIP_BYTES / (dev.hbm_bw * dev.memory_eff) + tensors * CLIP_OPS * dev.op_overhead_s[0] + norm
 
 
@@ -165,17 +166,30 @@ def loss_sync_time(ev: SyncView) -> tuple[float, float]:
     mean loss is one fp32 scalar all-reduced over the pipeline group (only the last stage holds it) and then over
     the data- and context-parallel group, after the optimizer step: exposed, latency only."""
     cfg, cluster = ev.cfg, ev.cluster
-    dp = all_reduce_time(SCALAR_BYTES, ev.dp_span, cluster) if cfg.data_ranks > 1 else 0.0
+    groups = step_scalars(cfg)
+    dp = all_reduce_time(SCALAR_BYTES, ev.dp_span, cluster) if "dp" in groups else 0.0
     pp = (all_reduce_time(SCALAR_BYTES, group_span(cluster, cfg.pp, cfg.dp * cfg.cp * cfg.tp), cluster)
-          if cfg.pp > 1 else 0.0)
+          if "pp" in groups else 0.0)
     return dp, pp
+
+
+def step_scalars(cfg) -> dict[str, float]:
+    """The scalars the runtime all-reduces once per step, bytes by group (`planner.emit.train`): the squared
+    gradient norm over every rank (``world``, `clip_time`), and the loss over the pipeline group (``pp``, only the
+    last stage holds it) and then over the gradient-reduction group (``dp``: dp × cp, `loss_sync_time`). A group of
+    one rank is left out: nothing is sent. What `clip_time` and `loss_sync_time` price, and what `autopar check`
+    compares with the trace."""
+    out = {"world": SCALAR_BYTES, "pp": SCALAR_BYTES, "dp": SCALAR_BYTES}
+    sizes = {"world": cfg.world, "pp": cfg.pp, "dp": cfg.data_ranks}
+    return {g: b for g, b in out.items() if sizes[g] > 1}
 
 
 def dp_step_bytes(cfg, params: float, m: int, autocast: bool = True) -> dict[str, float]:
     """The data-parallel collectives the terms above charge one rank per step, as payload bytes by kind (an
     all-gather's gathered size, a reduce-scatter's full input): what `autopar check` compares with the traced
     runtime. ``params``: the rank's parameters before ZeRO sharding; ``m``: micro-batches per step. PowerSGD's
-    compressed rounds are not listed (their volume depends on the matrices: `costmodel.compression.powersgd_volume`).
+    compressed rounds are not listed (their volume depends on the matrices: the check adds
+    `costmodel.compression.powersgd_volume`'s).
     """
     pbytes = cfg.param_bytes
     kind = cfg.grad_compress.split("-")[0]

@@ -18,7 +18,7 @@ import torch
 from costmodel.config import AC
 from planner.check.conformance import check_plan
 from planner.cli.main import main
-from planner.emit import runtime
+from planner.emit import runtime, train
 from planner.validate.loop import plan_from_config
 
 MODEL = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32"
@@ -31,8 +31,9 @@ def _plan(config: str):
 @pytest.mark.parametrize("config, kinds", [
     ("dp=2,zero=0", ["all_reduce@dp"]),
     ("dp=2,zero=1", ["all_reduce@dp", "broadcast@dp"]),
-    ("dp=2,zero=3", ["all_gather@dp", "reduce_scatter@dp"]),
-    ("dp=2,zero=2", ["all_gather@dp", "reduce_scatter@dp"]),  # 4 micro-batches: gathered once (was 4×)
+    # (and under ZeRO 2/3 the step's scalars alone all-reduced: the gradient norm's and the loss's, 8 bytes)
+    ("dp=2,zero=3", ["all_gather@dp", "all_reduce@dp", "reduce_scatter@dp"]),
+    ("dp=2,zero=2", ["all_gather@dp", "all_reduce@dp", "reduce_scatter@dp"]),  # 4 micro-batches: gathered once
 ])
 def test_data_parallel_terms_match_the_trace(config, kinds):
     result = check_plan(_plan(config))
@@ -155,6 +156,44 @@ def test_a_replica_that_never_syncs_is_caught():
     result = check_plan(_plan("dp=2,zero=0"), prepare=_no_ddp)
     assert not result["ok"] and result["unreduced_params"]
     assert "never reduced over the data-parallel group" in result["unreduced_params"][0]
+
+
+def _extra_collective() -> None:  # runs in the tracing process: a runtime that broadcasts more than priced
+    from torch import distributed as dist
+
+    def clip(par, max_norm, _orig=train.clip_grad_norm):
+        dist.broadcast(torch.zeros(256), src=0)
+        return _orig(par, max_norm)
+
+    train.clip_grad_norm = clip
+
+
+def test_a_collective_the_cost_model_does_not_know_of_is_an_error():
+    """Every traced kind is compared, not only those predicted: a broadcast no cost model term prices fails the
+    check (before, only predicted kinds were compared, and it passed)."""
+    plan = _plan("dp=2,zero=0")
+    assert check_plan(plan)["ok"]
+    result = check_plan(plan, prepare=_extra_collective)
+    (role,) = result["roles"]
+    assert not result["ok"] and role["errors"]["collectives"]["broadcast@dp"] == 1.0
+
+
+@pytest.mark.parametrize("config, rate", [("dp=2,zero=0,grad_compress=powersgd-4", 0.0),
+                                          ("dp=2,zero=1,grad_compress=powersgd-16", 0.0)])
+def test_powersgd_steady_state_matches_the_trace(config, rate):
+    """PowerSGD is traced in its steady state (the hook past ``start_powerSGD_iter``): its two rounds of low-rank
+    factors plus the tensors sent whole, to the byte, as `costmodel.compression.powersgd_volume` prices them with
+    torch's own compression test (at rank 16 this model's 64 × 64 matrices are sent whole, ``_should_compress``);
+    the peak within the check's tolerance with the hook's copies of a bucket
+    (`costmodel.memory.dp_reduction_temp_bytes`). Before, the trace failed inside torch's hook: the fake process
+    group's futures carry no value."""
+    spec = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32"
+    result = check_plan(plan_from_config(spec, "cpu-local", 16, config))
+    (role,) = result["roles"]
+    assert result["ok"], role["errors"]
+    assert role["errors"]["collectives"]["all_reduce@dp"] == rate and role["errors"]["flops"] == 0.0
+    if "powersgd-16" in config:  # fewer bytes than the whole gradients, more than every matrix compressed
+        assert role["traced"]["dp_reduced_elements"] < role["traced"]["grad_elements"]
 
 
 def test_cli_check_json_contract(tmp_path, capsys):

@@ -23,14 +23,20 @@ plan's 16-bit precision under CPU autocast where the runtime trains under autoca
 - the copies torch's functional collectives make around the tensor-parallel collectives along the sequence
   (``relayout@tp``, `costmodel.layercost.LayerCost.relayout_bytes`) and around the pipeline's gathers
   (`Evaluator.pp_gather_copies`), traced where torch makes them (`planner.check.trace._inner_collectives`);
+- the step's scalar all-reduces (`costmodel.overlap.step_scalars`: the gradient norm over every rank, the loss over
+  the pipeline and the gradient-reduction groups), under the name the trace gives each group (`trace_group`);
 - FLOPs: the micro-batches × (forward + backward + recomputation) FLOPs of the rank's layers as captured (the
   profiler's per-node counts; attention's backward is 2.5 × its forward, not the 2 × of the model-FLOP
-  convention), ÷ tp on tensor-parallel layers.
+  convention), ÷ tp on tensor-parallel layers; under PowerSGD its three matmuls per compressed matrix
+  (`costmodel.compression.powersgd_rank`);
+- PowerSGD (traced in its steady state, `planner.check.trace._powersgd_steady`): its low-rank factors and the
+  tensors it sends whole, all-reduced over dp (`costmodel.compression.powersgd_volume`);
 
 A relative error is |traced − predicted| / max(traced, predicted). The plan conforms when each role's peak memory is
 within `MEMORY_TOL` (the parts are reported too: the cost model adds each part's maximum, the trace peaks once),
-every predicted collective kind within `COMM_TOL`, FLOPs within `FLOPS_TOL`, and every rank reduces at least as
-many gradient elements over its data-parallel group as it holds.
+every collective kind predicted or traced within `COMM_TOL` (a kind traced but not predicted is off by 100 %),
+FLOPs within `FLOPS_TOL`, and every rank reduces at least as many gradient elements over its data-parallel group as
+it holds (under PowerSGD, as many as it sends: its low-rank factors stand for the matrices).
 """
 
 from __future__ import annotations
@@ -38,12 +44,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from costmodel.cluster import load_cluster
+from costmodel.compression import FP32, powersgd_rank, powersgd_volume
 from costmodel.config import parse_grad_compress
 from costmodel.estimate import Evaluator
 from costmodel.layercost import is_tp_layer, recompute_comm_bytes, tp_comm_bytes
 from costmodel.memory import AUTOCAST_COPY_BYTES, FRAGMENTATION, autocast_dtype, runtime_reserved_bytes
 from costmodel.moe import COUNT_BYTES
-from costmodel.overlap import dp_step_bytes, tp_partial_bytes
+from costmodel.overlap import dp_step_bytes, step_scalars, tp_partial_bytes
 from planner.check.fold import extrapolate, fold_plan, makespan, trace_cost, traces_for
 from planner.check.tracers import Tracers, check_capture, trace_job, tracer_cores
 from planner.plan import Plan
@@ -51,6 +58,8 @@ from planner.plan import Plan
 MEMORY_TOL = 0.05  #: on each role's peak memory (issue 12's acceptance)
 COMM_TOL = 0.02  #: per collective kind
 FLOPS_TOL = 0.02
+#: traced kinds compared through the all-reduce they add up to (`_traced_collectives`)
+FOLDED = frozenset({"all_reduce@tp", "all_gather@tp", "reduce_scatter@tp"})
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "temporaries", "peak")
 
 
@@ -63,8 +72,9 @@ def traced_summary(result: dict) -> dict:
         roles.append({"stage": role["stage"], "rank": role["rank"],
                       "peak_bytes": {"predicted": pred["memory"]["peak"],
                                      "traced": got["memory"]["peak"]},
-                      "collective_bytes": {k: {"predicted": v, "traced": role["traced_equivalent"].get(k, 0.0)}
-                                           for k, v in pred["collectives"].items()},
+                      "collective_bytes": {k: {"predicted": pred["collectives"].get(k, 0.0),
+                                               "traced": role["traced_equivalent"].get(k, 0.0)}
+                                           for k in role["errors"]["collectives"]},
                       "flops": {"predicted": pred["flops"], "traced": got["flops"]}})
     return {k: result[k] for k in ("ok", "memory_error_max", "comm_error_max", "flops_error_max",
                                    "unreduced_params", "precision_traced")} | {"roles": roles}
@@ -100,7 +110,7 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
     stage_of = [by_name[n].stage for n in names]
     ev = Evaluator(lg, cluster, cfg, plan.global_batch)
     est = ev.evaluate(acs, stage_of)
-    kind, _ = parse_grad_compress(cfg.grad_compress)
+    kind, rank = parse_grad_compress(cfg.grad_compress)
     roles = []
     for r in range(cfg.pp):
         parts = next(s.memory_parts for s in est.stages if s.rank == r)
@@ -116,14 +126,22 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
         costs = [ev.cost(i, acs[i]) for i in mine]
         flops = ev.m * sum(c.rank_flops for c in costs)
         collectives = {}
+        reduced = None  # gradient elements the rank must reduce over dp: all it holds (None), or PowerSGD's
         if cfg.data_ranks > 1:  # with ep the experts reduce over the ranks holding the same ones (edp)
             experts = sum(c.expert_numel for c in costs) if cfg.ep > 1 else 0.0
             params = sum(c.param_numel for c in costs) - experts
             # the gradient-reduction group is dp × cp: named after cp where it is the cp group (dp = 1), as the
             # trace names a group by its ranks (`planner.check.trace._mesh_groups`)
-            group = "cp" if cfg.dp == 1 else "dp"
+            group = trace_group(cfg, "dp")
             for k, nbytes in dp_step_bytes(cfg, params, ev.m).items():
                 collectives[f"{k}@{group}"] = collectives.get(f"{k}@{group}", 0.0) + nbytes
+            if kind == "powersgd":  # its two rounds, once per step (DDP, ZeRO 0)
+                compressed, vector, _, _ = powersgd_volume(costs, rank)
+                collectives[f"all_reduce@{group}"] = (compressed + vector) * FP32
+                reduced = compressed + vector  # (elements: the low-rank factors stand for the matrices)
+                # and its three matmuls per compressed matrix, as traced (6mnr: not the elementwise
+                # orthogonalisation's 2mr²)
+                flops += sum(6 * m * n * powersgd_rank(m, n, rank) for c in costs for m, n in c.grad_matrices)
             if experts and cfg.dp > cfg.ep:
                 for k, nbytes in dp_step_bytes(replace(cfg, dp=cfg.dp // cfg.ep, ep=1), experts, ev.m).items():
                     collectives[f"{k}@edp"] = nbytes
@@ -171,9 +189,31 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
                     collectives["relayout@tp"] = collectives.get("relayout@tp", 0.0) + ev.m * copied
             if ev.tied_sync_time(r):  # the embedding group: the first and the last pipeline rank
                 collectives["all_reduce@" + ("pp" if cfg.pp == 2 else "2 ranks")] = ev.tied_bytes()
+        for group, nbytes in step_scalars(cfg).items():  # the gradient norm's and the loss's all-reduces
+            label = trace_group(cfg, group)
+            key = "all_reduce_equivalent@tp" if label == "tp" else f"all_reduce@{label}"
+            collectives[key] = collectives.get(key, 0.0) + nbytes
         roles.append({"pp_rank": r, "rank": r * cfg.dp * cfg.tp, "memory": memory, "collectives": collectives,
-                      "flops": flops})
+                      "flops": flops, "reduced_elements": reduced})
     return roles
+
+
+def trace_group(cfg, group: str) -> str:
+    """The name the trace gives a rank's ``group`` (``world``, ``pp``, or ``dp``: the gradient-reduction group, dp ×
+    cp) under ``cfg``: the first of the mesh's groups with the same ranks, in `planner.check.trace._mesh_groups`'
+    order. Two groups of different mesh dimensions share only the rank itself, so one of them equals the world
+    exactly when its size is the world's, and the dp × cp group is the cp group when dp is 1."""
+    if cfg.ep > 1:
+        sizes = [("tp", cfg.tp), ("dp", cfg.dp), ("pp", cfg.pp), ("edp", cfg.dp // cfg.ep), ("ep", cfg.ep)]
+    elif cfg.cp > 1:
+        sizes = [("tp", cfg.tp), ("cp", cfg.cp), ("dp", cfg.dp * cfg.cp), ("dp rows", cfg.dp), ("pp", cfg.pp)]
+    else:
+        sizes = [("tp", cfg.tp), ("dp", cfg.dp), ("pp", cfg.pp)]
+    if group == "world":
+        return next((name for name, n in sizes if n == cfg.world), "world")
+    if group == "dp":
+        return "cp" if cfg.cp > 1 and cfg.dp == 1 else "dp"
+    return group
 
 
 def check_work(plan: Plan, fold: bool = True, cores: int | None = None) -> float:
@@ -254,14 +294,18 @@ def check_plan(plan: Plan, *, prepare=None, fold: bool = True, tracers: Tracers 
         tr = traces[pred["pp_rank"]]
         mem_err = {k: rel_error(tr.memory[k], pred["memory"][k]) for k in MEMORY_PARTS}
         traced_comm = _traced_collectives(tr)
-        comm_err = {k: rel_error(traced_comm.get(k, 0.0), v) for k, v in pred["collectives"].items()}
+        # every kind predicted, and every kind traced (a collective the cost model does not know of is an error)
+        kinds = set(pred["collectives"]) | (set(traced_comm) - FOLDED)
+        comm_err = {k: rel_error(traced_comm.get(k, 0.0), pred["collectives"].get(k, 0.0)) for k in sorted(kinds)}
         flops_err = rel_error(tr.flops, pred["flops"])
         worst["memory"] = max(worst["memory"], mem_err.get("peak", 0.0))  # the figure that decides if a plan fits
         worst["comm"] = max([worst["comm"], *comm_err.values()])
         worst["flops"] = max(worst["flops"], flops_err)
-        if tr.dp_reduced_elements < tr.grad_elements * (1 - 1e-9):
-            unreduced.append(f"pipeline rank {pred['pp_rank']}: {tr.grad_elements - tr.dp_reduced_elements:.0f} of "
-                             f"{tr.grad_elements:.0f} gradient elements never reduced over the data-parallel group")
+        need = tr.grad_elements if pred["reduced_elements"] is None else min(tr.grad_elements,
+                                                                             pred["reduced_elements"])
+        if tr.dp_reduced_elements < need * (1 - 1e-9):
+            unreduced.append(f"pipeline rank {pred['pp_rank']}: {need - tr.dp_reduced_elements:.0f} of "
+                             f"{need:.0f} gradient elements never reduced over the data-parallel group")
         roles.append({
             "ranks": f"pp={pred['pp_rank']} (each of its dp×tp = {plan.config.dp * plan.config.tp} ranks)",
             "rank": pred["rank"], "stage": pred["pp_rank"],

@@ -492,6 +492,7 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
             par = rt.parallelize(build, config, mesh)
         if config["grad_compress"] == "none":
             _python_allreduce_hooks(par)
+        powersgd = _powersgd_steady(par)
         if config["pp"] > 1:
             with masks_as_trained(), grouped_mm_on_fake_fp32():  # (a stage's fake forward: an fp32 plan's experts)
                 _static_stages(par, config, build)
@@ -515,7 +516,7 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         tracker.mirrors = {id(st) for t in mirrors for st in get_untyped_storages(t)}
         tracker.track_external(*par.modules, getattr(optimizer, "optim", optimizer))  # ZeRO-1: its local optim
         with (_no_cycle_collection(), _propagation_off_the_books(), _module_hooks_any(), fake, tracker, counter,
-              _inner_collectives(counter),
+              _inner_collectives(counter), _valued_futures() if powersgd else contextlib.nullcontext(),
               grouped_mm_on_fake_fp32(), masks_as_trained(), _step_actions(par, tracker, counter, tr) as marks):
             tracker.hold_buckets(_ddp_bucket_sizes(par))
             # (what keeps the propagator's tensors out: the tracker counts ops under the mode it was entered under)
@@ -808,6 +809,52 @@ def _python_allreduce_hooks(par) -> None:
     for module in par.modules:
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
             module.register_comm_hook(module.process_group, hook)  # the hook's state: DDP's own group
+
+
+def _powersgd_steady(par) -> bool:
+    """Put every DDP module's PowerSGD state at the step compression starts (``start_powerSGD_iter``): the traced
+    step is a steady-state one, as the cost model prices it (`costmodel.compression.powersgd_volume`), not one of
+    the uncompressed warm-up steps. Whether there is one."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    found = False
+    for module in par.modules:
+        for _, state in getattr(module, "_comm_hooks", ()):
+            if isinstance(state, PowerSGDState):
+                state.iter = state.start_powerSGD_iter
+                found = True
+    return found
+
+
+@contextlib.contextmanager
+def _valued_futures():
+    """torch's PowerSGD hook reads each all-reduce's result from its work's future (``fut.value()[0]``), which the
+    fake process group leaves empty. An asynchronous ``dist.all_reduce`` here returns the work with a future that
+    holds the tensor it reduced in place (the fake group moves no data: the tensor is the result)."""
+    original = dist.all_reduce
+
+    class Work:
+        def __init__(self, work, tensor):
+            self.work, self.tensor = work, tensor
+
+        def wait(self, *args):
+            return self.work.wait(*args)
+
+        def get_future(self):
+            fut = torch.futures.Future()
+            fut.set_result([self.tensor])
+            return fut
+
+    def all_reduce(tensor, *args, **kwargs):
+        work = original(tensor, *args, **kwargs)
+        asynchronous = kwargs.get("async_op", args[2] if len(args) > 2 else False)
+        return Work(work, tensor) if asynchronous else work
+
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = original
 
 
 def _ddp_bucket_sizes(par) -> list[int]:

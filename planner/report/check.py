@@ -15,12 +15,13 @@ def _rows(role: dict) -> list[tuple[str, str, str, str, str]]:
     rows = [("memory", k, human_bytes(v), human_bytes(got["memory"][k]), f"{err['memory'][k]:.1%}")
             for k, v in pred["memory"].items()]
     traced_comm = {k: v["bytes"] for k, v in got["collectives"].items()}
-    for k, v in pred["collectives"].items():
-        rows.append(("collective", k, human_bytes(v), human_bytes(role["traced_equivalent"].get(k, 0.0)),
-                     f"{err['collectives'][k]:.1%}"))
+    for k, e in err["collectives"].items():  # every kind predicted or traced (a kind not costed is off by 100 %)
+        rows.append(("collective", k, human_bytes(pred["collectives"][k]) if k in pred["collectives"] else
+                     "(not costed)", human_bytes(role["traced_equivalent"].get(k, 0.0)), f"{e:.1%}"))
     for k, v in sorted(traced_comm.items()):
-        if k not in pred["collectives"]:
-            rows.append(("collective", k, "(not costed)", human_bytes(v), ""))
+        if k not in err["collectives"]:  # TP's all-gathers and reduce-scatters, compared as the all-reduce they make
+            rows.append(("collective", k, "(as all_reduce_equivalent@tp)" if k.endswith("@tp") else "(not costed)",
+                         human_bytes(v), ""))
     rows.append(("compute", "FLOPs", human_count(pred["flops"]), human_count(got["flops"]), f"{err['flops']:.1%}"))
     return rows
 

@@ -638,16 +638,18 @@ class Model:
                 x_at_after = self.tab(r, lambda v, r=r, x=x_after: self._b(x) * self._extra(r, v))[0]
             allocated += x_at_peak
             for k in d.grad_opts:
-                kind = parse_grad_compress(k)[0]
-                extra = self._b(4.0) * params if kind == "powersgd" and cfg.data_ranks > 1 else 0.0  # error feedback
+                kind, rank = parse_grad_compress(k)
+                per, whole = ev.powersgd_memory(rank) if kind == "powersgd" else (0.0, 1.0)
+                # PowerSGD's error feedback and low-rank factors, held step to step
+                extra = self._b(per) * params if kind == "powersgd" and cfg.data_ranks > 1 else 0.0
                 # the step's other peak, after the backward: every gradient and the reduction's copy of a bucket
-                copy, _, copy_hi = self.tab(r, lambda v, r=r, kind=kind: self._b(dp_reduction_temp_bytes(
-                    cfg, kind, 4.0 * self._params(r, v))))
+                copy, _, copy_hi = self.tab(r, lambda v, r=r, kind=kind, whole=whole: self._b(
+                    dp_reduction_temp_bytes(cfg, kind, 4.0 * self._params(r, v), whole)))
                 moments = [(1 + FRAGMENTATION) * (allocated + extra) + reserve]
                 if after_backward > per_param or copy_hi > 0 or x_after > x_peak or d.pp > 1:
                     kept = sum(self._b(d.buffers[o, r][2]) * self.compress["pp", o] for o in d.pp_opts)  # (torch's)
-                    moments.append((1 + FRAGMENTATION) * (self._b(after_backward) * params + x_at_after + copy + kept)
-                                   + reserve)
+                    moments.append((1 + FRAGMENTATION) * (self._b(after_backward) * params + x_at_after + copy + kept
+                                                          + extra) + reserve)
                 for lhs in moments:
                     if len(d.grad_opts) == 1:
                         s.Add(lhs <= cap)
