@@ -178,6 +178,32 @@ def test_a_collective_the_cost_model_does_not_know_of_is_an_error():
     assert not result["ok"] and role["errors"]["collectives"]["broadcast@dp"] == 1.0
 
 
+def test_a_redistribution_inside_dtensors_dispatch_is_recorded():
+    """A collective DTensor issues inside its own dispatch (a sharding rule's redistribution) is out of the trace's
+    dispatch mode and is seen through the functional collective it calls: in torch 2.13 ``all_gather_single``
+    (the ``*_tensor`` names are deprecated aliases of it). Before, only the deprecated names were watched, and this
+    gather went unrecorded (its copy alone was)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from planner.check.trace import _Collectives, _inner_collectives
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        rows = DTensor.from_local(torch.randn(4, 4), mesh, [Shard(0)], run_check=False)
+        cols = DTensor.from_local(torch.randn(8, 2), mesh, [Shard(1)], run_check=False)
+        counter = _Collectives({tuple(dist.get_process_group_ranks(mesh.get_group())): "tp"})
+        with counter, _inner_collectives(counter):
+            rows + cols  # (DTensor brings cols to Shard(0): gathered, then chunked on a CPU group)
+    finally:
+        dist.destroy_process_group()
+    kinds = [kind for kind, *_ in counter.log]
+    assert kinds.count("all_gather") == 1 and ("all_gather", "tp", 8 * 4 * 4, 8 * 4) in counter.log
+
+
 @pytest.mark.parametrize("config, rate", [("dp=2,zero=0,grad_compress=powersgd-4", 0.0),
                                           ("dp=2,zero=1,grad_compress=powersgd-16", 0.0)])
 def test_powersgd_steady_state_matches_the_trace(config, rate):

@@ -367,11 +367,12 @@ def _shapes_only(fake: FakeTensorMode, rt=runtime):
 
 
 #: torch.distributed._functional_collectives functions DTensor calls from inside its dispatch → (kind, argument
-#: index of the group)
-_FUNCOL = {"all_reduce": ("all_reduce", 2), "all_gather_tensor": ("all_gather", 2),
-           "all_gather_tensor_autograd": ("all_gather", 2), "reduce_scatter_tensor": ("reduce_scatter", 3),
-           "reduce_scatter_tensor_autograd": ("reduce_scatter", 3), "all_to_all_single": ("all_to_all", 3),
-           "all_to_all_single_autograd": ("all_to_all", 3), "broadcast": ("broadcast", 2)}
+#: index of the group). torch 2.13's base functions: DTensor's redistributions call ``all_gather_single`` and
+#: ``reduce_scatter_single`` (``placement_types``, ``_collective_utils``), and the ``*_autograd`` variants and the
+#: deprecated ``*_tensor`` names call these through the module, so each collective is recorded once
+_FUNCOL = {"all_reduce": ("all_reduce", 2), "all_gather_single": ("all_gather", 2),
+           "reduce_scatter_single": ("reduce_scatter", 3), "all_to_all_single": ("all_to_all", 3),
+           "broadcast": ("broadcast", 2)}
 
 
 @contextlib.contextmanager
@@ -422,10 +423,9 @@ def _inner_collectives(counter: _Collectives):
         return call
 
     for name, original in saved.items():
-        if name in _FUNCOL:
-            setattr(funcol, name, wrap(name, original))
-        elif name in relayouts:
-            setattr(funcol, name, around(name, original))
+        if name in relayouts or name in _FUNCOL:  # (the gather and the scatter are both)
+            call = around(name, original) if name in relayouts else original
+            setattr(funcol, name, wrap(name, call) if name in _FUNCOL else call)
         else:
             setattr(funcol, name, copying(original))
     try:
