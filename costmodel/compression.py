@@ -4,11 +4,13 @@
   cast costs a read of 4 and a write of 2 bytes per element, and the same back: 12 bytes of memory traffic per
   element on the critical path of the hook.
 - PowerSGD of rank r (Vogels et al. 2019, Algorithm 1; torch ``powerSGD_hook``): each m×n gradient matrix is sent
-  as P (m×r) and Q (n×r), two all-reduce rounds of r(m + n) fp32 elements instead of mn; vectors (biases, norms),
-  and matrices too small to gain 2× (torch's ``_should_compress``), are all-reduced uncompressed. Encoding and
-  decoding multiply M·Q, Mᵀ·P and P·Qᵀ (3·2mnr FLOPs: the three ``torch.matmul`` of torch's hook, as `autopar
-  check` traces them), orthogonalise P (≈ 2mr², elementwise, r/3n of that) and update the error-feedback buffer
-  (read M and error, write error: 12mn bytes). Memory: one fp32 error buffer per gradient (costmodel.estimate adds
+  as P (m×r) and Q (n×r), r(m + n) fp32 elements instead of mn; vectors (biases, norms), and matrices too small to
+  gain 2× (torch's ``_should_compress``), are sent uncompressed. Per bucket torch all-reduces those, then the Ps,
+  then the Qs (priced as two all-reduces per step, the uncompressed ones with the Ps). Encoding and decoding
+  multiply M·Q, Mᵀ·P and P·Qᵀ (3·2mnr FLOPs: the three ``torch.matmul`` of torch's hook, as `autopar check`
+  traces them), orthogonalise P and, warm-started, Q (≈ 2(m + n)r²: ``torch.linalg.qr`` beyond rank 2 in fp32,
+  Gram-Schmidt otherwise; not counted by torch's FLOP counter) and update the error-feedback buffer (read M and
+  error, write error: 12mn bytes). Memory: one fp32 error buffer per gradient (costmodel.estimate adds
   it) and the hook's copies of a bucket (`costmodel.memory.dp_reduction_temp_bytes`).
 - Pipeline-boundary casts to bf16: a read of 4 and a write of 2 bytes per element on each side.
 
@@ -97,9 +99,9 @@ def powersgd_rank(m: int, n: int, rank: int) -> int:
 
 def powersgd_volume(rank_costs, rank: int) -> tuple[float, float, float, float]:
     """PowerSGD of ``rank`` over the layers' gradients: (compressed elements r(m + n) summed over the m×n matrices it
-    compresses, uncompressed elements, encode and decode FLOPs 6mnr + 2mr², compressed matrices' elements). A matrix
-    is compressed only where that saves `POWERSGD_MIN_RATE` × or more (`powersgd_rank`); the rest is all-reduced
-    whole, with the vectors."""
+    compresses, uncompressed elements, encode and decode FLOPs 6mnr + 2(m + n)r², compressed matrices' elements).
+    A matrix is compressed only where that saves `POWERSGD_MIN_RATE` × or more (`powersgd_rank`); the rest is
+    all-reduced whole, with the vectors."""
     compressed = vector = flops = matrix = 0.0
     for c in rank_costs:
         in_matrices = 0.0
@@ -108,7 +110,7 @@ def powersgd_volume(rank_costs, rank: int) -> tuple[float, float, float, float]:
             if not r:
                 continue  # (counted with the vectors)
             compressed += r * (m + n)
-            flops += 6 * m * n * r + 2 * m * r * r
+            flops += 6 * m * n * r + 2 * (m + n) * r * r
             in_matrices += m * n
         matrix += in_matrices
         vector += max(0.0, c.param_numel - in_matrices)

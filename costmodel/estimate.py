@@ -44,6 +44,7 @@ from costmodel.memory import (
     MemoryBreakdown,
     allowance,
     autocast_dtype,
+    ddp_largest_bucket,
     dp_reduction_temp_bytes,
     fsdp_gathered_bytes,
     fsdp_reduce_bytes,
@@ -334,6 +335,18 @@ class Evaluator:
              gathered_column_inputs, seq_relayout, compiled, selective, pipelined, cfg.ep, cfg.cp, autocast_capture),
             {})
         self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
+
+    def largest_bucket(self) -> float:
+        """The largest of DDP's gradient buckets over the model's layers (`costmodel.memory.ddp_largest_bucket`; fp32:
+        each layer's matrices, then the rest of its parameters as one), here and in the ILP."""
+        if "_largest_bucket" not in self.__dict__:
+            tensors = []
+            for i in range(len(self.lg.layers)):
+                c = self.cost(i, AC.NONE)
+                tensors += [4.0 * m * n for m, n in c.grad_matrices]
+                tensors.append(4.0 * max(0.0, c.param_numel - sum(m * n for m, n in c.grad_matrices)))
+            self._largest_bucket = ddp_largest_bucket(tensors)
+        return self._largest_bucket
 
     def powersgd_memory(self, rank: int) -> tuple[float, float]:
         """PowerSGD of ``rank`` over the model's layers (`costmodel.compression.powersgd_memory`): bytes per
@@ -628,7 +641,7 @@ class Evaluator:
             temp += per * params
             after_backward += per * params
         # a peak after the backward: every gradient, and the reduction's copies of the last bucket
-        after_backward += dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params, whole)
+        after_backward += dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params, whole, self.largest_bucket())
         temp += max(0.0, after_backward - (p_b + g_b + o_b + act + temp))
         allocated = p_b + g_b + o_b + act + temp
         return MemoryBreakdown(params=p_b, grads=g_b, optimizer=o_b, activations=act,

@@ -62,19 +62,37 @@ NCCL_COMM_BYTES = 688e6
 NCCL_P2P_PEER_BYTES = 32 * 12 * MiB
 FRAGMENTATION = 0.05  #: caching-allocator fragmentation allowance, a fraction of the allocated peak
 DDP_BUCKET_BYTES = 25 * 2**20  #: torch DDP default bucket_cap_mb = 25
+DDP_FIRST_BUCKET_BYTES = 2**20  #: and its first bucket's (``dist._DEFAULT_FIRST_BUCKET_BYTES``)
 
 
-def dp_reduction_temp_bytes(cfg, grad_kind: str, grad_bytes: float = math.inf, whole: float = 1.0) -> float:
+def ddp_largest_bucket(tensors) -> float:
+    """The largest of DDP's buckets over gradient tensors of ``tensors`` bytes each, in the parameters' order: torch
+    2.13's ``_compute_bucket_assignment_by_size`` (DDP's bucket rebuild, and the runtime's
+    `planner.emit.runtime.allreduce_in_buckets` alike) adds tensors to a bucket until it holds its limit,
+    `DDP_FIRST_BUCKET_BYTES` for the first and `DDP_BUCKET_BYTES` after, so a large tensor (an embedding) can make
+    a bucket far beyond the limit."""
+    largest = size = 0.0
+    limit = DDP_FIRST_BUCKET_BYTES
+    for nbytes in tensors:
+        size += nbytes
+        if size >= limit:
+            largest, size, limit = max(largest, size), 0.0, DDP_BUCKET_BYTES
+    return max(largest, size)
+
+
+def dp_reduction_temp_bytes(cfg, grad_kind: str, grad_bytes: float, whole: float = 1.0,
+                            bucket: float = DDP_BUCKET_BYTES) -> float:
     """Memory the data-parallel gradient reduction adds beyond the gradients (ZeRO 0/1), at the end of the backward
-    (`costmodel.estimate.Evaluator`: the moment every gradient exists and no activation does): DDP's buckets are the
-    gradients themselves (the runtime's ``gradient_as_bucket_view=True``), so nothing, except a cast hook's 16-bit
-    copy of the bucket in flight (bf16/fp16 compression); the explicit post-step all-reduce
-    (`costmodel.runnable.post_step_allreduce`) flattens one bucket at a time, after the backward. A bucket holds at
-    most the rank's ``grad_bytes`` (fp32 gradients). Not at the activation peak: torch 2.13's DDP puts every
-    gradient in one bucket until its first step is over (``compute_bucket_size_limits``: no unused parameters), so
-    the copy is made when the backward ends; from then on a bucket holds 25 MiB and its copy (12.5 MiB) can be in
-    flight during the backward, within the allocator's allowance at the sizes where it could. Traced (gpt-tiny,
-    dp = 2, ZeRO-1, bf16 reduction): the copy after the backward, not at the peak (charged there: 6.4 % over).
+    (`costmodel.estimate.Evaluator`: the moment every gradient exists and no activation does), for a rank holding
+    ``grad_bytes`` of fp32 gradients in buckets of at most ``bucket`` (`ddp_largest_bucket`): DDP's buckets are the
+    gradients themselves
+    (the runtime's ``gradient_as_bucket_view=True``), so nothing, except a cast hook's 16-bit copy of a bucket
+    (bf16/fp16 compression); the explicit post-step all-reduce (`costmodel.runnable.post_step_allreduce`) flattens
+    one bucket at a time, after the backward. torch 2.13's DDP
+    puts every gradient in one bucket until its first step is over (``compute_bucket_size_limits``: no unused
+    parameters), so the cast hook copies every gradient when the first backward ends, not at the activation peak.
+    Traced (gpt-tiny, dp = 2, ZeRO-1, bf16 reduction): the copy after the backward, not at the peak (charged there:
+    6.4 % over).
     PowerSGD (torch 2.13 ``powerSGD_hook``, error feedback on) clones a bucket's error-corrected gradients
     (``input_tensor_cp``), concatenates the tensors it sends whole into one buffer (``whole``: their share of the
     bucket, `costmodel.compression.powersgd_memory`), and keeps both until the bucket is decompressed, when it
@@ -83,10 +101,11 @@ def dp_reduction_temp_bytes(cfg, grad_kind: str, grad_bytes: float = math.inf, w
     low-rank factors, `costmodel.estimate.Evaluator`). FSDP (ZeRO 2/3) is costed apart."""
     if cfg.data_ranks == 1 or cfg.zero >= 2:
         return 0.0
-    bucket = min(float(DDP_BUCKET_BYTES), grad_bytes)
+    bucket = min(bucket, grad_bytes)
     if cfg.reduces_after_step:
         return bucket
-    return {"bf16": bucket / 2, "fp16": bucket / 2, "powersgd": (2 + whole) * bucket}.get(grad_kind, 0.0)
+    # PowerSGD compresses from its start step on, when DDP has rebuilt its buckets; a cast hook copies the first one
+    return {"bf16": grad_bytes / 2, "fp16": grad_bytes / 2, "powersgd": (2 + whole) * bucket}.get(grad_kind, 0.0)
 
 
 #: bytes per parameter of autocast's cached 16-bit copy (`state_bytes_per_param`)

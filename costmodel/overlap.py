@@ -27,9 +27,11 @@ from costmodel.cluster import group_span
 from costmodel.collectives import all_gather_time, all_reduce_time, broadcast_time, reduce_scatter_time
 from costmodel.compression import SyncView, compressed_grad_comm
 from costmodel.layercost import LayerCost
-from costmodel.memory import module_param_bytes
+from costmodel.memory import fsdp_reduce_dtype_bytes, module_param_bytes
 
-GRAD_REDUCE_BYTES = 4  #: gradients are reduced in fp32 (DDP's fp32 grads; FSDP2 reduce_dtype=float32)
+#: gradients are reduced in fp32 (DDP's fp32 grads; FSDP2 reduce_dtype=float32 unless the plan compresses them:
+#: `costmodel.memory.fsdp_reduce_dtype_bytes`)
+GRAD_REDUCE_BYTES = 4
 #: bytes the runtime's gradient clipping moves per local gradient element (`planner.emit.train.clip_grad_norm`, fp32
 #: gradients): the norm reads it (4), the scaling in place reads and writes it (8); torch's own
 #: ``clip_grad_norm_`` (foreach norm, foreach mul) moves the same
@@ -78,12 +80,13 @@ def dp_exposed(rank_costs: list[LayerCost], ev: SyncView) -> tuple[float, float]
     first = rank_costs[0].param_numel
     pipelined = cfg.fsdp_in_pipeline
     if cfg.zero == 3:  # reduce-scatters happen per micro-batch (fsdp_exposed), or once after the pipeline
-        return (reduce_scatter_time(params * GRAD_REDUCE_BYTES, span, cluster) if pipelined else 0.0), 0.0
+        rs = reduce_scatter_time(params * fsdp_reduce_dtype_bytes(cfg), span, cluster)
+        return (rs if pipelined else 0.0), 0.0
     if cfg.zero == 2:
         # every micro-batch reduce-scatters its gradients under its own backward (gradients stay sharded), or,
         # pipelined, once after the last backward, hidden by nothing; the once-per-step all-gather hides under the
         # first forward
-        rs = reduce_scatter_time(params * GRAD_REDUCE_BYTES, span, cluster)
+        rs = reduce_scatter_time(params * fsdp_reduce_dtype_bytes(cfg), span, cluster)
         ag = zero2_gather_time(params, ev)
         fwd = sum(c.fwd_s for c in rank_costs)
         e1, s1 = (rs, 0.0) if pipelined else _hidden(rs, window, slow)
@@ -115,7 +118,7 @@ def fsdp_exposed(stage_costs: list[LayerCost], ev: SyncView) -> float:
     share = fsdp_gather_share(ev.cfg, ev.m)
     ag = [share * all_gather_time(c.param_numel * pbytes, span, cluster) for c in stage_costs]
     # pipelined, the reduce-scatter runs once per step after the last backward (dp_exposed), not per micro-batch
-    rs_bytes = 0.0 if ev.cfg.fsdp_in_pipeline else GRAD_REDUCE_BYTES
+    rs_bytes = 0.0 if ev.cfg.fsdp_in_pipeline else fsdp_reduce_dtype_bytes(ev.cfg)
     rs = [reduce_scatter_time(c.param_numel * rs_bytes, span, cluster) for c in stage_costs]
     fwd = sum(c.fwd_s for c in stage_costs)
     bwd = sum(c.bwd_s + c.recompute_s for c in stage_costs)
@@ -198,9 +201,9 @@ def dp_step_bytes(cfg, params: float, m: int, autocast: bool = True) -> dict[str
     rs = 1 if cfg.fsdp_in_pipeline else m  # reduce-scatters per step
     if cfg.zero == 3:  # fsdp_exposed: per micro-batch, gathered for forward and again for backward
         gathers = 2 * m * fsdp_gather_share(cfg, m)
-        return {"all_gather": gathers * params * pbytes, "reduce_scatter": rs * params * GRAD_REDUCE_BYTES}
+        return {"all_gather": gathers * params * pbytes, "reduce_scatter": rs * params * fsdp_reduce_dtype_bytes(cfg)}
     if cfg.zero == 2:  # dp_exposed: a reduce-scatter per micro-batch (pipelined: per step), one all-gather
-        return {"all_gather": params * pbytes, "reduce_scatter": rs * params * GRAD_REDUCE_BYTES}
+        return {"all_gather": params * pbytes, "reduce_scatter": rs * params * fsdp_reduce_dtype_bytes(cfg)}
     out = {} if kind == "powersgd" else {"all_reduce": params * (2 if kind in ("bf16", "fp16") else GRAD_REDUCE_BYTES)}
     if cfg.zero == 1:  # zero1_sync_time: the owners' broadcasts, each tensor once
         out["broadcast"] = params * module_param_bytes(cfg, autocast)

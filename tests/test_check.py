@@ -34,6 +34,8 @@ def _plan(config: str):
     # (and under ZeRO 2/3 the step's scalars alone all-reduced: the gradient norm's and the loss's, 8 bytes)
     ("dp=2,zero=3", ["all_gather@dp", "all_reduce@dp", "reduce_scatter@dp"]),
     ("dp=2,zero=2", ["all_gather@dp", "all_reduce@dp", "reduce_scatter@dp"]),  # 4 micro-batches: gathered once
+    # FSDP reduces in bf16 when the plan compresses (its reduce_dtype): priced at 4 bytes an element before
+    ("dp=2,zero=3,grad_compress=bf16", ["all_gather@dp", "all_reduce@dp", "reduce_scatter@dp"]),
 ])
 def test_data_parallel_terms_match_the_trace(config, kinds):
     result = check_plan(_plan(config))
@@ -204,16 +206,23 @@ def test_a_redistribution_inside_dtensors_dispatch_is_recorded():
     assert kinds.count("all_gather") == 1 and ("all_gather", "tp", 8 * 4 * 4, 8 * 4) in counter.log
 
 
-@pytest.mark.parametrize("config, rate", [("dp=2,zero=0,grad_compress=powersgd-4", 0.0),
-                                          ("dp=2,zero=1,grad_compress=powersgd-16", 0.0)])
-def test_powersgd_steady_state_matches_the_trace(config, rate):
+@pytest.mark.parametrize("spec, config, rate", [
+    (MODEL, "dp=2,zero=0,grad_compress=powersgd-4", 0.0),
+    (MODEL, "dp=2,zero=1,grad_compress=powersgd-16", 0.0),
+    # 67 MiB of gradients in DDP's rebuilt buckets, the 31 MiB embedding a bucket of its own
+    ("llama:layers=2,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=32000,seq=32", "dp=2,zero=0,grad_compress=powersgd-4",
+     0.0),
+])
+def test_powersgd_steady_state_matches_the_trace(spec, config, rate):
     """PowerSGD is traced in its steady state (the hook past ``start_powerSGD_iter``): its two rounds of low-rank
     factors plus the tensors sent whole, to the byte, as `costmodel.compression.powersgd_volume` prices them with
     torch's own compression test (at rank 16 this model's 64 × 64 matrices are sent whole, ``_should_compress``);
-    the peak within the check's tolerance with the hook's copies of a bucket
-    (`costmodel.memory.dp_reduction_temp_bytes`). Before, the trace failed inside torch's hook: the fake process
-    group's futures carry no value."""
-    spec = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32"
+    the peak within the check's tolerance with the hook's copies of its largest bucket
+    (`costmodel.memory.dp_reduction_temp_bytes`, `ddp_largest_bucket`; traced in DDP's rebuilt buckets,
+    `planner.check.trace._rebuilt_buckets`). Before, the trace failed inside torch's hook: the fake process group's
+    futures carry no value. On the large-vocabulary row the trace of DDP's first-step bucket (every gradient) peaked
+    23 % above the charge with 25 MiB buckets; buckets of 25 MiB plus the largest tensor charged 12 % too much; now
+    3 %."""
     result = check_plan(plan_from_config(spec, "cpu-local", 16, config))
     (role,) = result["roles"]
     assert result["ok"], role["errors"]

@@ -812,3 +812,24 @@ def test_cpu_device_measured_by_an_older_version_is_measured_again(tmp_path, mon
     assert hardware.measure_cpu_device.__wrapped__() == fresh and calls == [1]
     assert json.loads(path.read_text())["version"] == hardware._CPU_MEASURE_VERSION
     assert hardware.measure_cpu_device.__wrapped__() == fresh and calls == [1]  # read back, not measured
+
+
+def test_ddp_largest_bucket_is_torchs_own_assignment():
+    """`costmodel.memory.ddp_largest_bucket` against torch 2.13's ``_compute_bucket_assignment_by_size`` (which DDP
+    rebuilds its buckets with: 1 MiB first, 25 MiB after) on random gradient lists, with embedding-sized tensors
+    far beyond a bucket among them: the largest bucket, to the byte."""
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    from costmodel.memory import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, ddp_largest_bucket
+
+    rng = random.Random(0)
+    for _ in range(50):
+        numel = [rng.choice([rng.randint(1, 4096), rng.randint(2**16, 2**22), rng.randint(2**22, 2**24)])
+                 for _ in range(rng.randint(1, 40))]
+        tensors = [torch.empty(n, device="meta") for n in numel]
+        buckets, _ = dist._compute_bucket_assignment_by_size(tensors, [DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES],
+                                                             [False] * len(tensors))
+        assert ddp_largest_bucket([4.0 * n for n in numel]) == max(sum(4 * numel[i] for i in b) for b in buckets)

@@ -29,8 +29,9 @@ plan's 16-bit precision under CPU autocast where the runtime trains under autoca
   profiler's per-node counts; attention's backward is 2.5 × its forward, not the 2 × of the model-FLOP
   convention), ÷ tp on tensor-parallel layers; under PowerSGD its three matmuls per compressed matrix
   (`costmodel.compression.powersgd_rank`);
-- PowerSGD (traced in its steady state, `planner.check.trace._powersgd_steady`): its low-rank factors and the
-  tensors it sends whole, all-reduced over dp (`costmodel.compression.powersgd_volume`);
+- PowerSGD (traced compressing, in DDP's rebuilt buckets: `planner.check.trace._powersgd_steady`,
+  `_rebuilt_buckets`): its low-rank factors and the tensors it sends whole, all-reduced over dp
+  (`costmodel.compression.powersgd_volume`);
 
 A relative error is |traced − predicted| / max(traced, predicted). The plan conforms when each role's peak memory is
 within `MEMORY_TOL` (the parts are reported too: the cost model adds each part's maximum, the trace peaks once),
@@ -135,12 +136,12 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
             group = trace_group(cfg, "dp")
             for k, nbytes in dp_step_bytes(cfg, params, ev.m).items():
                 collectives[f"{k}@{group}"] = collectives.get(f"{k}@{group}", 0.0) + nbytes
-            if kind == "powersgd":  # its two rounds, once per step (DDP, ZeRO 0)
+            if kind == "powersgd":  # its all-reduces (sent whole, Ps, Qs), once per step (DDP: ZeRO 0 and 1)
                 compressed, vector, _, _ = powersgd_volume(costs, rank)
                 collectives[f"all_reduce@{group}"] = (compressed + vector) * FP32
                 reduced = compressed + vector  # (elements: the low-rank factors stand for the matrices)
-                # and its three matmuls per compressed matrix, as traced (6mnr: not the elementwise
-                # orthogonalisation's 2mr²)
+                # and its three matmuls per compressed matrix, as traced (6mnr: the orthogonalisation's QR or
+                # Gram-Schmidt is not counted by torch's FLOP counter)
                 flops += sum(6 * m * n * powersgd_rank(m, n, rank) for c in costs for m, n in c.grad_matrices)
             if experts and cfg.dp > cfg.ep:
                 for k, nbytes in dp_step_bytes(replace(cfg, dp=cfg.dp // cfg.ep, ep=1), experts, ev.m).items():

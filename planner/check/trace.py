@@ -488,7 +488,8 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         coords = {name: (rt.batch_mesh(config, mesh) if name == "dp" and hasattr(rt, "batch_mesh") else
                          mesh[name]).get_local_rank() for name in ("pp", "dp", "tp")}
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        with _shapes_only(fake, rt), contextlib.redirect_stdout(sys.stderr):  # (the runtime's notes)
+        with (_shapes_only(fake, rt), contextlib.redirect_stdout(sys.stderr),  # (the runtime's notes)
+              _rebuilt_buckets() if config["grad_compress"].startswith("powersgd") else contextlib.nullcontext()):
             par = rt.parallelize(build, config, mesh)
         if config["grad_compress"] == "none":
             _python_allreduce_hooks(par)
@@ -811,10 +812,35 @@ def _python_allreduce_hooks(par) -> None:
             module.register_comm_hook(module.process_group, hook)  # the hook's state: DDP's own group
 
 
+@contextlib.contextmanager
+def _rebuilt_buckets():
+    """DDP modules made here bucket their gradients as DDP does from its second step on, when PowerSGD compresses
+    (`_powersgd_steady`): torch 2.13 puts every gradient in one bucket for the first step (no unused parameters:
+    ``_BucketCapacityConfig.compute_bucket_size_limits``) and then rebuilds buckets of the first and the usual caps,
+    in the order the gradients came; here those caps from the start, in the reverse order of the parameters (DDP's
+    own guess of that order)."""
+    from torch.nn.parallel.distributed import _BucketCapacityConfig
+
+    original = _BucketCapacityConfig.compute_bucket_size_limits
+
+    def rebuilt(self, *args, **kwargs):
+        if self.has_custom_per_bucket_caps:
+            return original(self, *args, **kwargs)
+        return [self.first_bucket_bytes_cap, self.bucket_bytes_cap], []
+
+    _BucketCapacityConfig.compute_bucket_size_limits = rebuilt
+    try:
+        yield
+    finally:
+        _BucketCapacityConfig.compute_bucket_size_limits = original
+
+
 def _powersgd_steady(par) -> bool:
     """Put every DDP module's PowerSGD state at the step compression starts (``start_powerSGD_iter``): the traced
-    step is a steady-state one, as the cost model prices it (`costmodel.compression.powersgd_volume`), not one of
-    the uncompressed warm-up steps. Whether there is one."""
+    step compresses its buckets (DDP's rebuilt ones, `_rebuilt_buckets`), as the cost model prices it
+    (`costmodel.compression.powersgd_volume`), and is not one of the uncompressed warm-up steps. Its error-feedback
+    buffers and low-rank factors are made in the traced backward, where they exist from the previous step in a
+    real run: at the step's peak, after the backward, both are there. Whether there is one."""
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
     found = False

@@ -67,6 +67,7 @@ from costmodel.memory import (
     autocast_dtype,
     dp_reduction_temp_bytes,
     edge_inflight,
+    fsdp_reduce_dtype_bytes,
     grads_held_at_peak,
     held_states,
     inflight,
@@ -74,7 +75,7 @@ from costmodel.memory import (
     runtime_reserved_bytes,
     state_bytes_at_peak,
 )
-from costmodel.overlap import GRAD_REDUCE_BYTES, fsdp_gather_share, loss_sync_time, optimizer_part_time
+from costmodel.overlap import fsdp_gather_share, loss_sync_time, optimizer_part_time
 from planner.search.ilp import GRAD_OPTIONS, PP_OPTIONS
 from profiler.graph import LayerGraph
 
@@ -276,7 +277,7 @@ class Bounds:
         sl = self.cluster.device.overlap_slowdown
         S = cfg.pp * cfg.vpp
         share = fsdp_gather_share(cfg, ev.m)
-        ag, rs = [share * a for a in g.ag[ev.dp_span]], g.rs[ev.dp_span]
+        ag, rs = [share * a for a in g.ag[ev.dp_span]], g.rs[ev.dp_span, fsdp_reduce_dtype_bytes(cfg)]
         if cfg.fsdp_in_pipeline:
             rs = [0.0] * len(rs)  # once per step after the pipeline: in _finish
         xf, xl, xr = S * min(ag), S * min(ag), S * min(rs)
@@ -293,14 +294,14 @@ class Bounds:
                   + sum(loss_sync_time(ev)))
         pipelined = cfg.fsdp_in_pipeline
         if cfg.zero == 3 and pipelined:  # one exposed reduce-scatter of the average rank's gradients (affine: ≤ max)
-            return finish + reduce_scatter_time(P * GRAD_REDUCE_BYTES, ev.dp_span, self.affine_cluster)
+            return finish + reduce_scatter_time(P * fsdp_reduce_dtype_bytes(cfg), ev.dp_span, self.affine_cluster)
         if cfg.data_ranks == 1 or cfg.zero == 3:
             return finish
         span, cl, sl = ev.dp_span, self.affine_cluster, self.cluster.device.overlap_slowdown
         pbytes = cfg.param_bytes
         fw, wb = g.fwd / p, (g.bwd + g.fwd) / p
         if cfg.zero == 2:
-            rs = reduce_scatter_time(P * GRAD_REDUCE_BYTES, span, cl)
+            rs = reduce_scatter_time(P * fsdp_reduce_dtype_bytes(cfg), span, cl)
             ag = all_gather_time(P * pbytes, span, cl)
             if pipelined:  # one reduce-scatter after the pipeline, hidden by nothing
                 return finish + rs + (1 - sl) * max(0.0, ag - fw) + sl * ag
@@ -460,7 +461,7 @@ class _Group:
     bwd: float
     min_first_params: float
     ag: _PerSpan
-    rs: _PerSpan
+    rs: _PerSpan  #: (span, bytes per element) → each layer's reduce-scatter
     costs: list
 
     @staticmethod
@@ -507,8 +508,7 @@ class _Group:
             fwd=sum(c.fwd_s for c in none), bwd=sum(c.bwd_s for c in none),
             min_first_params=min(firsts) if firsts else 0.0,
             ag=_PerSpan(lambda span: [all_gather_time(c.param_numel * pb, span, b.cluster) for c in none]),
-            rs=_PerSpan(lambda span: [reduce_scatter_time(c.param_numel * GRAD_REDUCE_BYTES, span, b.cluster)
-                                      for c in none]),
+            rs=_PerSpan(lambda key: [reduce_scatter_time(c.param_numel * key[1], key[0], b.cluster) for c in none]),
             costs=none)
 
     def powersgd(self, rank: int) -> tuple[float, float, float, float]:
