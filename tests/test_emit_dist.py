@@ -123,6 +123,8 @@ CASES = {
     "gpt_tied_pp2_fsdp2": (4, lambda: make_plan(GPT, 2, pp=2, dp=2, zero=3, schedule="gpipe"), EXACT),
     "gpt_tied_pp2_tp2": (4, lambda: make_plan(GPT, 2, pp=2, tp=2, mbs=2, schedule="1f1b"), EXACT),
     "pp2_tp2": (4, lambda: make_plan(LLAMA4, 4, pp=2, tp=2, mbs=2, schedule="1f1b"), EXACT),
+    # the vocabulary-parallel loss under zero-bubble: torch detaches the last stage's loss in place (a view failed)
+    "pp2_tp2_zero_bubble": (4, lambda: make_plan(LLAMA4, 4, pp=2, tp=2, mbs=2, schedule="zb"), EXACT),
 }
 
 #: init=meta (built on the meta device, each rank initialises its shards): name → (world, plan). Run in the same

@@ -115,7 +115,9 @@ def random_problem(seed: int, spec: str | None = None, floor: float = 0.02):
     span = max(hi - lo, floor * lo)
     memory = (lo + (rng.random() * 1.4 - 0.15) * span) / 2**30
     cl = cluster(random.Random(seed), memory, gpn, nodes)
-    grad_opts = ("none",) if dp == 1 or zero >= 2 else ("none", "bf16", "powersgd-4")
+    # under ZeRO 2/3 the ILP offers no compression; a user may pin FSDP's bf16 reduction (`--fix grad_compress=`)
+    grad_opts = (("none",) if dp == 1 else rng.choice([("none",), ("bf16",)]) if zero >= 2
+                 else ("none", "bf16", "powersgd-4"))
     pp_opts = ("none", "bf16") if pp > 1 else ("none",)
     return lg, cl, cfg, gb, grad_opts, pp_opts
 

@@ -55,7 +55,7 @@ candidate fits. `tests/test_ilp.py` checks it against the peak of every plan of 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from costmodel.cluster import Cluster
 from costmodel.collectives import all_gather_time, all_reduce_time, broadcast_time, reduce_scatter_time
@@ -123,6 +123,7 @@ class Bounds:
         """A lower bound on the candidate's step time; +∞ when no plan of it fits in memory. ``refine`` adds the
         per-rank memory bound on the bottleneck (`_memory_bottleneck`, a few ms: for candidates that survive the
         cheap bound)."""
+        cfg = self._pinned(cfg)
         g, ev = self._group(cfg), self._ev(cfg)
         p, S, nb = cfg.pp, cfg.pp * cfg.vpp, len(self.blocks)
         m = self.gb // (cfg.dp * cfg.mbs)
@@ -271,13 +272,24 @@ class Bounds:
                 break
         return lo
 
+    def _pinned(self, cfg: ParallelConfig) -> ParallelConfig:
+        """``cfg`` under ZeRO 2/3 with the gradient compression the ILP gives it (`planner.search.ilp_data.
+        build_data`): the one pinned, else none (its reduce dtype sets FSDP's reduction time and buffers)."""
+        if cfg.zero < 2:
+            return cfg
+        return replace(cfg, grad_compress=self.grad_opts[0] if len(self.grad_opts) == 1 else "none")
+
+    def _fsdp_reduce_bytes(self, cfg: ParallelConfig) -> int:
+        """Bytes per element of FSDP's gradient reduction (``cfg`` as `_pinned` gives it)."""
+        return fsdp_reduce_dtype_bytes(cfg)
+
     def _fsdp(self, cfg: ParallelConfig, g: _Group, ev: Evaluator) -> float:
         if not (cfg.zero == 3 and cfg.data_ranks > 1):
             return 0.0
         sl = self.cluster.device.overlap_slowdown
         S = cfg.pp * cfg.vpp
         share = fsdp_gather_share(cfg, ev.m)
-        ag, rs = [share * a for a in g.ag[ev.dp_span]], g.rs[ev.dp_span, fsdp_reduce_dtype_bytes(cfg)]
+        ag, rs = [share * a for a in g.ag[ev.dp_span]], g.rs[ev.dp_span, self._fsdp_reduce_bytes(cfg)]
         if cfg.fsdp_in_pipeline:
             rs = [0.0] * len(rs)  # once per step after the pipeline: in _finish
         xf, xl, xr = S * min(ag), S * min(ag), S * min(rs)
@@ -294,14 +306,14 @@ class Bounds:
                   + sum(loss_sync_time(ev)))
         pipelined = cfg.fsdp_in_pipeline
         if cfg.zero == 3 and pipelined:  # one exposed reduce-scatter of the average rank's gradients (affine: ≤ max)
-            return finish + reduce_scatter_time(P * fsdp_reduce_dtype_bytes(cfg), ev.dp_span, self.affine_cluster)
+            return finish + reduce_scatter_time(P * self._fsdp_reduce_bytes(cfg), ev.dp_span, self.affine_cluster)
         if cfg.data_ranks == 1 or cfg.zero == 3:
             return finish
         span, cl, sl = ev.dp_span, self.affine_cluster, self.cluster.device.overlap_slowdown
         pbytes = cfg.param_bytes
         fw, wb = g.fwd / p, (g.bwd + g.fwd) / p
         if cfg.zero == 2:
-            rs = reduce_scatter_time(P * fsdp_reduce_dtype_bytes(cfg), span, cl)
+            rs = reduce_scatter_time(P * self._fsdp_reduce_bytes(cfg), span, cl)
             ag = all_gather_time(P * pbytes, span, cl)
             if pipelined:  # one reduce-scatter after the pipeline, hidden by nothing
                 return finish + rs + (1 - sl) * max(0.0, ag - fw) + sl * ag
@@ -338,6 +350,7 @@ class Bounds:
         layers it can hold (`_held_peak` on every pipeline rank). With ``capacity``, a looser bound first (no
         gradient charged at the peak, the first and the last rank only), returned when it already exceeds it: the
         full one reads every rank's passes as torch orders them, ~10 ms a candidate with hundreds of micro-batches."""
+        cfg = self._pinned(cfg)
         g = self._group(cfg)
         m = self.gb // (cfg.dp * cfg.mbs)
         if capacity is not None:

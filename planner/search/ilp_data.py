@@ -33,7 +33,7 @@ class Data:
     """Coefficients of one candidate, read from the cost model (see the module docstring)."""
 
     ev: Evaluator
-    cfg: ParallelConfig
+    cfg: ParallelConfig  #: the candidate, with the gradient compression it gets under ZeRO 2/3 (build_data)
     S: int
     pp: int
     m: int
@@ -138,7 +138,13 @@ def _evaluator(lg, cluster, cfg, global_batch, cache):
 
 def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
                acs=AC_ORDER, grad_opts=None, pp_opts=None, cost_cache=None, policy: str = "none") -> Data:
-    base = replace(cfg, grad_compress="none", pp_compress="none")
+    if grad_opts is None:  # among those the runtime can apply to this sharding (costmodel.runnable) and the
+        # compression policy allows (costmodel.compression.COMPRESSION_POLICIES); none under ZeRO 2/3
+        runnable = grad_compress_options(cfg.data_ranks, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp, cfg.ep)
+        grad_opts = ("none",) if cfg.zero >= 2 else tuple(k for k in allowed_options(policy, GRAD_OPTIONS)
+                                                          if parse_grad_compress(k)[0] in runnable)
+    # under ZeRO 2/3 the one option (none, or the one pinned) sets FSDP's reduce dtype: its time and its buffers
+    base = replace(cfg, grad_compress=grad_opts[0] if cfg.zero >= 2 else "none", pp_compress="none")
     ev = _evaluator(lg, cluster, base, global_batch, cost_cache)
     S = cfg.pp * cfg.vpp
     pre, blocks, post = split_layers(lg)
@@ -152,15 +158,9 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
     # none): equal-cost choices would otherwise be broken arbitrarily by the solver
     block_acs = tuple(_most_activations_first(ev, i, _distinct_acs(ev, [i], acs)) for i in reps)
     fixed_acs = {i: _distinct_acs(ev, [i], acs) for i in pre + post}
-    # offer a compression option only when it can change some coefficient
-    if grad_opts is None:  # among those the runtime can apply to this sharding (costmodel.runnable) and the
-        # compression policy allows (costmodel.compression.COMPRESSION_POLICIES)
-        runnable = grad_compress_options(cfg.data_ranks, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp, cfg.ep)
-        grad_opts = ("none",) if cfg.zero >= 2 else tuple(k for k in allowed_options(policy, GRAD_OPTIONS)
-                                                          if parse_grad_compress(k)[0] in runnable)
     if pp_opts is None:
         pp_opts = ("none",) if S == 1 else allowed_options(policy, PP_OPTIONS)
-    evs = {k: (ev if k == "none" else _evaluator(lg, cluster, replace(base, grad_compress=k), global_batch,
+    evs = {k: (ev if k == base.grad_compress else _evaluator(lg, cluster, replace(base, grad_compress=k), global_batch,
                                                    cost_cache)) for k in grad_opts}
     p2p, buffers = {}, {}
     for k in pp_opts:
@@ -194,7 +194,7 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
         units = [tuple(range(r, S, cfg.pp)) for r in range(cfg.pp)]
     # units: the even, no-recompute step for time, capacity/1000 for memory (solver tolerances become relative)
     t_ref = sum(ev.cost(i, AC.NONE).fwd_s + ev.cost(i, AC.NONE).bwd_s for i in range(len(lg.layers))) * ev.m
-    return Data(ev=ev, cfg=cfg, S=S, pp=cfg.pp, m=ev.m, phi=pipeline_factor(cfg.schedule, cfg.vpp),
+    return Data(ev=ev, cfg=replace(cfg, grad_compress=base.grad_compress), S=S, pp=cfg.pp, m=ev.m, phi=pipeline_factor(cfg.schedule, cfg.vpp),
                 slow=cluster.device.overlap_slowdown, pre=pre, post=post, blocks=blocks, reps=reps, kind_of=kind_of,
                 counts=[len(c) for c in classes], acs=block_acs, modes=tuple(a for a in AC_ORDER if a in acs),
                 fixed_acs=fixed_acs,
