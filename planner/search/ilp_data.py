@@ -160,8 +160,8 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
     fixed_acs = {i: _distinct_acs(ev, [i], acs) for i in pre + post}
     if pp_opts is None:
         pp_opts = ("none",) if S == 1 else allowed_options(policy, PP_OPTIONS)
-    evs = {k: (ev if k == base.grad_compress else _evaluator(lg, cluster, replace(base, grad_compress=k), global_batch,
-                                                   cost_cache)) for k in grad_opts}
+    evs = {k: (ev if k == base.grad_compress else _evaluator(lg, cluster, replace(base, grad_compress=k),
+                                                             global_batch, cost_cache)) for k in grad_opts}
     p2p, buffers = {}, {}
     for k in pp_opts:
         e = ev if k == "none" else _evaluator(lg, cluster, replace(base, pp_compress=k), global_batch, cost_cache)
@@ -194,7 +194,8 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
         units = [tuple(range(r, S, cfg.pp)) for r in range(cfg.pp)]
     # units: the even, no-recompute step for time, capacity/1000 for memory (solver tolerances become relative)
     t_ref = sum(ev.cost(i, AC.NONE).fwd_s + ev.cost(i, AC.NONE).bwd_s for i in range(len(lg.layers))) * ev.m
-    return Data(ev=ev, cfg=replace(cfg, grad_compress=base.grad_compress), S=S, pp=cfg.pp, m=ev.m, phi=pipeline_factor(cfg.schedule, cfg.vpp),
+    return Data(ev=ev, cfg=replace(cfg, grad_compress=base.grad_compress), S=S, pp=cfg.pp, m=ev.m,
+                phi=pipeline_factor(cfg.schedule, cfg.vpp),
                 slow=cluster.device.overlap_slowdown, pre=pre, post=post, blocks=blocks, reps=reps, kind_of=kind_of,
                 counts=[len(c) for c in classes], acs=block_acs, modes=tuple(a for a in AC_ORDER if a in acs),
                 fixed_acs=fixed_acs,
