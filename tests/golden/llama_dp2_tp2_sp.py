@@ -1047,11 +1047,13 @@ def _local_parameter(part: nn.Module, name: str):
 def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, tp_mesh: DeviceMesh, vocab: int) -> torch.Tensor:
     """`lm_loss` when ``logits`` is this rank's slice of a ``vocab``-wide vocabulary (`apply_vocab_parallel`): torch's
     ``loss_parallel`` cross-entropy over the slices, whose backward must run inside that context too (`loss_context`,
-    which `planner.emit.train.train_step_loss` holds for the whole step)."""
+    which `planner.emit.train.train_step_loss` holds for the whole step). The loss is returned as a tensor of its
+    own, not the view ``to_local`` gives: torch 2.13's zero-bubble schedule detaches the last stage's loss in place
+    after its input pass (``stage_backward_input``), which a view refuses."""
     shape = (*logits.shape[:-1], vocab)
     stride = tuple(math.prod(shape[k + 1 :]) for k in range(len(shape)))
     logits = DTensor.from_local(logits, tp_mesh, [Shard(logits.dim() - 1)], run_check=False, shape=shape, stride=stride)
-    return F.cross_entropy(logits.float().view(-1, vocab), labels.reshape(-1)).to_local()
+    return F.cross_entropy(logits.float().view(-1, vocab), labels.reshape(-1)).to_local().clone()
 
 
 def loss_function(plan: dict, mesh: DeviceMesh):
