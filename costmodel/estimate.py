@@ -336,25 +336,25 @@ class Evaluator:
             {})
         self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
 
+    @functools.cached_property
+    def _gradient_layers(self) -> list[LayerCost]:
+        """Every layer's costs (their parameters and gradient shapes do not depend on the AC mode)."""
+        return [self.cost(i, AC.NONE) for i in range(len(self.lg.layers))]
+
+    @functools.cached_property
     def largest_bucket(self) -> float:
         """The largest of DDP's gradient buckets over the model's layers (`costmodel.memory.ddp_largest_bucket`; fp32:
         each layer's matrices, then the rest of its parameters as one), here and in the ILP."""
-        if "_largest_bucket" not in self.__dict__:
-            tensors = []
-            for i in range(len(self.lg.layers)):
-                c = self.cost(i, AC.NONE)
-                tensors += [4.0 * m * n for m, n in c.grad_matrices]
-                tensors.append(4.0 * max(0.0, c.param_numel - sum(m * n for m, n in c.grad_matrices)))
-            self._largest_bucket = ddp_largest_bucket(tensors)
-        return self._largest_bucket
+        tensors = []
+        for c in self._gradient_layers:
+            in_matrices = [4.0 * m * n for m, n in c.grad_matrices]
+            tensors += [*in_matrices, max(0.0, 4.0 * c.param_numel - sum(in_matrices))]
+        return ddp_largest_bucket(tensors)
 
     def powersgd_memory(self, rank: int) -> tuple[float, float]:
         """PowerSGD of ``rank`` over the model's layers (`costmodel.compression.powersgd_memory`): bytes per
         parameter it keeps from step to step, and the share of the gradients it sends whole; here and in the ILP."""
-        held = self.__dict__.setdefault("_powersgd_memory", {})
-        if rank not in held:
-            held[rank] = powersgd_memory([self.cost(i, AC.NONE) for i in range(len(self.lg.layers))], rank)
-        return held[rank]
+        return powersgd_memory(self._gradient_layers, rank)
 
     # -- per-layer and per-boundary pieces (the ILP's coefficients) ------------------------------------------
     def cost(self, i: int, ac: AC) -> LayerCost:
@@ -641,7 +641,7 @@ class Evaluator:
             temp += per * params
             after_backward += per * params
         # a peak after the backward: every gradient, and the reduction's copies of the last bucket
-        after_backward += dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params, whole, self.largest_bucket())
+        after_backward += dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params, whole, self.largest_bucket)
         temp += max(0.0, after_backward - (p_b + g_b + o_b + act + temp))
         allocated = p_b + g_b + o_b + act + temp
         return MemoryBreakdown(params=p_b, grads=g_b, optimizer=o_b, activations=act,

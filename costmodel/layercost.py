@@ -451,11 +451,6 @@ def seq_relayout_bytes(gathered: float, scattered: float, ctx: CostContext, *, h
     return scattered + (gathered if ctx.mbs > 1 else 0.0) + hidden
 
 
-def seq_relayout_time(gathered: float, scattered: float, ctx: CostContext) -> float:
-    """Seconds of `seq_relayout_bytes`' copies (`copy_time`)."""
-    return copy_time(seq_relayout_bytes(gathered, scattered, ctx), ctx)
-
-
 def copy_time(nbytes: float, ctx: CostContext) -> float:
     """Seconds to copy ``nbytes`` (read and write each once) at the achieved memory bandwidth. A copy around a
     collective runs on the compute stream between the collective and the op waiting for it, so it adds to the step

@@ -85,15 +85,13 @@ def dp_reduction_temp_bytes(cfg, grad_kind: str, grad_bytes: float, whole: float
     """Memory the data-parallel gradient reduction adds beyond the gradients (ZeRO 0/1), at the end of the backward
     (`costmodel.estimate.Evaluator`: the moment every gradient exists and no activation does), for a rank holding
     ``grad_bytes`` of fp32 gradients in buckets of at most ``bucket`` (`ddp_largest_bucket`): DDP's buckets are the
-    gradients themselves
-    (the runtime's ``gradient_as_bucket_view=True``), so nothing, except a cast hook's 16-bit copy of a bucket
-    (bf16/fp16 compression); the explicit post-step all-reduce (`costmodel.runnable.post_step_allreduce`) flattens
-    one bucket at a time, after the backward. torch 2.13's DDP
+    gradients themselves (the runtime's ``gradient_as_bucket_view=True``), so nothing, except a cast hook's 16-bit
+    copy of a bucket (bf16/fp16 compression); the explicit post-step all-reduce
+    (`costmodel.runnable.post_step_allreduce`) flattens one bucket at a time, after the backward. torch 2.13's DDP
     puts every gradient in one bucket until its first step is over (``compute_bucket_size_limits``: no unused
     parameters), so the cast hook copies every gradient when the first backward ends, not at the activation peak.
     Traced (gpt-tiny, dp = 2, ZeRO-1, bf16 reduction): the copy after the backward, not at the peak (charged there:
-    6.4 % over).
-    PowerSGD (torch 2.13 ``powerSGD_hook``, error feedback on) clones a bucket's error-corrected gradients
+    6.4 % over). PowerSGD (torch 2.13 ``powerSGD_hook``, error feedback on) clones a bucket's error-corrected gradients
     (``input_tensor_cp``), concatenates the tensors it sends whole into one buffer (``whole``: their share of the
     bucket, `costmodel.compression.powersgd_memory`), and keeps both until the bucket is decompressed, when it
     makes the new error buffer from the clone (``input_tensor_cp - input_tensor``) before the old one is let go:

@@ -80,8 +80,9 @@ def dp_exposed(rank_costs: list[LayerCost], ev: SyncView) -> tuple[float, float]
     first = rank_costs[0].param_numel
     pipelined = cfg.fsdp_in_pipeline
     if cfg.zero == 3:  # reduce-scatters happen per micro-batch (fsdp_exposed), or once after the pipeline
-        rs = reduce_scatter_time(params * fsdp_reduce_dtype_bytes(cfg), span, cluster)
-        return (rs if pipelined else 0.0), 0.0
+        if not pipelined:
+            return 0.0, 0.0
+        return reduce_scatter_time(params * fsdp_reduce_dtype_bytes(cfg), span, cluster), 0.0
     if cfg.zero == 2:
         # every micro-batch reduce-scatters its gradients under its own backward (gradients stay sharded), or,
         # pipelined, once after the last backward, hidden by nothing; the once-per-step all-gather hides under the
@@ -182,9 +183,8 @@ def step_scalars(cfg) -> dict[str, float]:
     last stage holds it) and then over the gradient-reduction group (``dp``: dp × cp, `loss_sync_time`). A group of
     one rank is left out: nothing is sent. What `clip_time` and `loss_sync_time` price, and what `autopar check`
     compares with the trace."""
-    out = {"world": SCALAR_BYTES, "pp": SCALAR_BYTES, "dp": SCALAR_BYTES}
     sizes = {"world": cfg.world, "pp": cfg.pp, "dp": cfg.data_ranks}
-    return {g: b for g, b in out.items() if sizes[g] > 1}
+    return {group: SCALAR_BYTES for group, ranks in sizes.items() if ranks > 1}
 
 
 def dp_step_bytes(cfg, params: float, m: int, autocast: bool = True) -> dict[str, float]:

@@ -622,15 +622,16 @@ def test_tensor_parallel_calls_are_counted_per_collective():
     """A Llama block all-reduces twice in each pass under TP (after the attention's and the MLP's row-parallel
     projections; before the shared inputs of q/k/v and of gate/up), so on a link with a per-call latency L the
     block's forward communication is 2 calls; with sequence parallelism each becomes a reduce-scatter and an
-    all-gather, two calls each, and the copy torch makes before the reduce-scatter (`seq_relayout_time`; at one
+    all-gather, two calls each, and the copy torch makes before the reduce-scatter (`seq_relayout_bytes`; at one
     sequence per micro-batch the all-gather's is a view)."""
     from costmodel.cluster import group_span
     from costmodel.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
     from costmodel.layercost import (
         CostContext,
+        copy_time,
         layer_cost,
         owned_params,
-        seq_relayout_time,
+        seq_relayout_bytes,
         tp_comm_bytes,
         tp_comm_calls,
     )
@@ -647,7 +648,7 @@ def test_tensor_parallel_calls_are_counted_per_collective():
         bf, _ = tp_comm_bytes(block, ctx)
         got = layer_cost(block, AC.NONE, ctx, owned_params(lg)[block.name]).tp_comm_fwd_s
         want = (reduce_scatter_time(bf, span, slow, 2) + all_gather_time(bf, span, slow, 2)
-                + seq_relayout_time(bf, bf, ctx) if sp else all_reduce_time(bf, span, slow, 2))
+                + copy_time(seq_relayout_bytes(bf, bf, ctx), ctx) if sp else all_reduce_time(bf, span, slow, 2))
         assert got == pytest.approx(want, rel=1e-12)
         assert got >= (4 if sp else 2) * lat
 
@@ -695,7 +696,7 @@ def test_sequence_parallel_collectives_copy_what_torch_copies(batch):
     every reduce-scatter, and after an all-gather unless the micro-batch is one sequence (a view). Traced on a fake
     process group, the copies are what the cost model charges, for a micro-batch of 1 and of 3; Megatron-LM's
     sequence-first activations (``seq_relayout=False``) copy nothing."""
-    from costmodel.layercost import CostContext, seq_relayout_bytes, seq_relayout_time
+    from costmodel.layercost import CostContext, copy_time, seq_relayout_bytes
 
     tp, seq, width = 4, 16, 4
     traced = _relayout_copies(tp, batch, seq, width)
@@ -705,7 +706,7 @@ def test_sequence_parallel_collectives_copy_what_torch_copies(batch):
     assert traced["scatter"] == seq_relayout_bytes(0.0, whole, ctx) == whole
     assert traced["gather"] == (whole if batch > 1 else 0)
     dev = ctx.cluster.device
-    assert seq_relayout_time(whole, whole, ctx) == pytest.approx(
+    assert copy_time(seq_relayout_bytes(whole, whole, ctx), ctx) == pytest.approx(
         2 * (traced["gather"] + traced["scatter"]) / (dev.hbm_bw * dev.memory_eff))
     assert seq_relayout_bytes(whole, whole, dataclasses.replace(ctx, seq_relayout=False)) == 0.0
 

@@ -77,6 +77,7 @@ from costmodel.memory import (
 )
 from costmodel.overlap import fsdp_gather_share, loss_sync_time, optimizer_part_time
 from planner.search.ilp import GRAD_OPTIONS, PP_OPTIONS
+from planner.search.ilp_data import zero23_grad_option
 from profiler.graph import LayerGraph
 
 INF = float("inf")
@@ -273,15 +274,9 @@ class Bounds:
         return lo
 
     def _pinned(self, cfg: ParallelConfig) -> ParallelConfig:
-        """``cfg`` under ZeRO 2/3 with the gradient compression the ILP gives it (`planner.search.ilp_data.
-        build_data`): the one pinned, else none (its reduce dtype sets FSDP's reduction time and buffers)."""
-        if cfg.zero < 2:
-            return cfg
-        return replace(cfg, grad_compress=self.grad_opts[0] if len(self.grad_opts) == 1 else "none")
-
-    def _fsdp_reduce_bytes(self, cfg: ParallelConfig) -> int:
-        """Bytes per element of FSDP's gradient reduction (``cfg`` as `_pinned` gives it)."""
-        return fsdp_reduce_dtype_bytes(cfg)
+        """``cfg`` under ZeRO 2/3 with the gradient compression the ILP gives it
+        (`planner.search.ilp_data.zero23_grad_option`)."""
+        return cfg if cfg.zero < 2 else replace(cfg, grad_compress=zero23_grad_option(self.grad_opts))
 
     def _fsdp(self, cfg: ParallelConfig, g: _Group, ev: Evaluator) -> float:
         if not (cfg.zero == 3 and cfg.data_ranks > 1):
@@ -289,7 +284,7 @@ class Bounds:
         sl = self.cluster.device.overlap_slowdown
         S = cfg.pp * cfg.vpp
         share = fsdp_gather_share(cfg, ev.m)
-        ag, rs = [share * a for a in g.ag[ev.dp_span]], g.rs[ev.dp_span, self._fsdp_reduce_bytes(cfg)]
+        ag, rs = [share * a for a in g.ag[ev.dp_span]], g.rs[ev.dp_span, fsdp_reduce_dtype_bytes(cfg)]
         if cfg.fsdp_in_pipeline:
             rs = [0.0] * len(rs)  # once per step after the pipeline: in _finish
         xf, xl, xr = S * min(ag), S * min(ag), S * min(rs)
@@ -306,14 +301,14 @@ class Bounds:
                   + sum(loss_sync_time(ev)))
         pipelined = cfg.fsdp_in_pipeline
         if cfg.zero == 3 and pipelined:  # one exposed reduce-scatter of the average rank's gradients (affine: ≤ max)
-            return finish + reduce_scatter_time(P * self._fsdp_reduce_bytes(cfg), ev.dp_span, self.affine_cluster)
+            return finish + reduce_scatter_time(P * fsdp_reduce_dtype_bytes(cfg), ev.dp_span, self.affine_cluster)
         if cfg.data_ranks == 1 or cfg.zero == 3:
             return finish
         span, cl, sl = ev.dp_span, self.affine_cluster, self.cluster.device.overlap_slowdown
         pbytes = cfg.param_bytes
         fw, wb = g.fwd / p, (g.bwd + g.fwd) / p
         if cfg.zero == 2:
-            rs = reduce_scatter_time(P * self._fsdp_reduce_bytes(cfg), span, cl)
+            rs = reduce_scatter_time(P * fsdp_reduce_dtype_bytes(cfg), span, cl)
             ag = all_gather_time(P * pbytes, span, cl)
             if pipelined:  # one reduce-scatter after the pipeline, hidden by nothing
                 return finish + rs + (1 - sl) * max(0.0, ag - fw) + sl * ag

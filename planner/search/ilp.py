@@ -349,7 +349,7 @@ class Model:
         def ag(i):
             return share * all_gather_time(ev.cost(i, AC.NONE).param_numel * pbytes, span, cl)
 
-        rs_bytes = 0.0 if d.cfg.fsdp_in_pipeline else self._fsdp_reduce_bytes()  # once per step
+        rs_bytes = 0.0 if d.cfg.fsdp_in_pipeline else fsdp_reduce_dtype_bytes(d.cfg)  # once per step
 
         def rs(i):
             return reduce_scatter_time(ev.cost(i, AC.NONE).param_numel * rs_bytes, span, cl)
@@ -399,7 +399,7 @@ class Model:
                 s.Add(self.finish >= opt)
             elif d.cfg.zero == 3:  # pipelined: one reduce-scatter after the last backward, nothing hides it
                 rs, _, _ = self.tab(r, lambda v, r=r: self._t(reduce_scatter_time(
-                    self._params(r, v) * self._fsdp_reduce_bytes(), d.ev.dp_span, d.ev.cluster)))
+                    self._params(r, v) * fsdp_reduce_dtype_bytes(d.cfg), d.ev.dp_span, d.ev.cluster)))
                 s.Add(self.finish >= opt + rs)
             elif d.cfg.zero == 2:
                 s.Add(self.finish >= opt + self._zero2(r))
@@ -410,12 +410,6 @@ class Model:
                         s.Add(self.finish >= opt + expr)
                     else:  # only the chosen compression counts
                         s.Add(self.finish >= opt + expr - (opt_hi + hi) * (1 - self.compress["dp", k]))
-
-    def _fsdp_reduce_bytes(self) -> int:
-        """Bytes per element of FSDP's gradient reduction (`costmodel.memory.fsdp_reduce_dtype_bytes`) under the
-        compression the plan gets: under ZeRO 2/3 the one option offered, in ``d.cfg``
-        (`planner.search.ilp_data.build_data`)."""
-        return fsdp_reduce_dtype_bytes(self.d.cfg)
 
     def _params(self, r: int, v: tuple) -> float:
         memo = self.__dict__.setdefault("_params_memo", {})
@@ -443,7 +437,7 @@ class Model:
         d, s, ev = self.d, self.solver, self.d.ev
         span, cl, sl = ev.dp_span, ev.cluster, d.slow
         rs, _, _ = self.tab(r, lambda v: self._t(reduce_scatter_time(
-            self._params(r, v) * self._fsdp_reduce_bytes(), span, cl)))
+            self._params(r, v) * fsdp_reduce_dtype_bytes(d.cfg), span, cl)))
         ag, _, _ = self.tab(r, lambda v: self._t(zero2_gather_time(self._params(r, v), ev)))
         e1 = self.dp_excess[r, "rs"] = s.NumVar(0, self.inf, f"zero2_excess[{r},rs]")
         e2 = self.dp_excess[r, "ag"] = s.NumVar(0, self.inf, f"zero2_excess[{r},ag]")
@@ -650,7 +644,7 @@ class Model:
                 extra = self._b(per) * params if kind == "powersgd" and cfg.data_ranks > 1 else 0.0
                 # the step's other peak, after the backward: every gradient and the reduction's copy of a bucket
                 copy, _, copy_hi = self.tab(r, lambda v, r=r, kind=kind, whole=whole: self._b(
-                    dp_reduction_temp_bytes(cfg, kind, 4.0 * self._params(r, v), whole, ev.largest_bucket())))
+                    dp_reduction_temp_bytes(cfg, kind, 4.0 * self._params(r, v), whole, ev.largest_bucket)))
                 moments = [(1 + FRAGMENTATION) * (allocated + extra) + reserve]
                 if after_backward > per_param or copy_hi > 0 or x_after > x_peak or d.pp > 1:
                     kept = sum(self._b(d.buffers[o, r][2]) * self.compress["pp", o] for o in d.pp_opts)  # (torch's)

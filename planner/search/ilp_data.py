@@ -136,6 +136,13 @@ def _evaluator(lg, cluster, cfg, global_batch, cache):
     return Evaluator(lg, cluster, cfg, global_batch, cache=cache)
 
 
+def zero23_grad_option(grad_opts) -> str:
+    """The gradient compression a ZeRO 2/3 candidate gets (it sets FSDP's reduce dtype: its time and its buffers):
+    the one pinned (a single option), else none, the only one `build_data` offers there. The bounds read the same
+    (`planner.search.bounds.Bounds`)."""
+    return grad_opts[0] if len(grad_opts) == 1 else "none"
+
+
 def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
                acs=AC_ORDER, grad_opts=None, pp_opts=None, cost_cache=None, policy: str = "none") -> Data:
     if grad_opts is None:  # among those the runtime can apply to this sharding (costmodel.runnable) and the
@@ -143,8 +150,7 @@ def build_data(lg: LayerGraph, cluster: Cluster, cfg: ParallelConfig, global_bat
         runnable = grad_compress_options(cfg.data_ranks, cfg.tp, cfg.zero, cfg.schedule.value, cfg.pp, cfg.ep)
         grad_opts = ("none",) if cfg.zero >= 2 else tuple(k for k in allowed_options(policy, GRAD_OPTIONS)
                                                           if parse_grad_compress(k)[0] in runnable)
-    # under ZeRO 2/3 the one option (none, or the one pinned) sets FSDP's reduce dtype: its time and its buffers
-    base = replace(cfg, grad_compress=grad_opts[0] if cfg.zero >= 2 else "none", pp_compress="none")
+    base = replace(cfg, grad_compress=zero23_grad_option(grad_opts) if cfg.zero >= 2 else "none", pp_compress="none")
     ev = _evaluator(lg, cluster, base, global_batch, cost_cache)
     S = cfg.pp * cfg.vpp
     pre, blocks, post = split_layers(lg)
