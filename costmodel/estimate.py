@@ -46,16 +46,21 @@ from costmodel.memory import (
     autocast_dtype,
     ddp_largest_bucket,
     dp_reduction_temp_bytes,
+    fsdp_edge_bytes,
     fsdp_gathered_bytes,
     fsdp_reduce_bytes,
+    fsdp_root_bytes,
+    grads_accumulate,
     grads_always_held,
     head_grad_bytes,
     held_states,
     inflight_chunks,
+    module_param_bytes,
     pipeline_buffers,
     plan_state_bytes,
     runtime_reserved_bytes,
     state_bytes_at_peak,
+    zero1_partition_numel,
 )
 from costmodel.overlap import dp_exposed, fsdp_exposed, loss_sync_time, optimizer_part_time, tp_partial_bytes
 from costmodel.runnable import selective_policy
@@ -324,7 +329,10 @@ class Evaluator:
                                top_k=int(lg.model.arch.get("top_k") or 0), tokens=lg.model.seq,
                                hidden=int(lg.model.arch.get("hidden") or 0), ep=cfg.ep, ep_span=self.ep_span,
                                imbalance=cluster.moe_imbalance, cp=cfg.cp, cp_span=self.cp_span,
-                               kv_width=kv_width, q_width=q_width, native_kernels=arch.get("kernels") == "native")
+                               kv_width=kv_width, q_width=q_width, native_kernels=arch.get("kernels") == "native",
+                               grad_exists=grads_accumulate(cfg, self.m),
+                               grad_bytes=module_param_bytes(cfg, autocast) if cfg.zero <= 1 or cfg.data_ranks == 1
+                               else cfg.param_bytes, weight_cast_bytes=2 if under else 0)
         pipelined = cfg.pp > 1  # tied embedding/head weights have a copy on each end of the pipeline
         if ("owned", pipelined) not in shared:
             shared["owned", pipelined] = owned_params(lg, pipelined=pipelined)
@@ -332,7 +340,8 @@ class Evaluator:
         self._tied_numel: float | None = None  # elements of the embedding/head tied weight per rank (pp > 1)
         self._cache: dict[tuple[str, str, AC], LayerCost] = shared.setdefault(
             ("layer_costs", cfg.tp, cfg.sp, cfg.mbs, cfg.precision, bool(measured), in_place_loss,
-             gathered_column_inputs, seq_relayout, compiled, selective, pipelined, cfg.ep, cfg.cp, autocast_capture),
+             gathered_column_inputs, seq_relayout, compiled, selective, pipelined, cfg.ep, cfg.cp, autocast_capture,
+             self.ctx.grad_exists, self.ctx.grad_bytes, self.ctx.weight_cast_bytes),
             {})
         self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
 
@@ -445,6 +454,25 @@ class Evaluator:
         nbytes = tp_partial_bytes(rank_costs, self.cfg)
         return all_reduce_time(nbytes, self.tp_span, self.cluster) if nbytes else 0.0
 
+    @functools.cached_property
+    def tied_in_flight_bytes(self) -> float:
+        """Bytes of the head's gradient of a weight it shares with the token embedding on one rank (pp = 1), held in
+        flight from the head's backward to the embedding's: autograd sums a tensor's gradients in the input buffer
+        of its ``AccumulateGrad`` until every use has sent one (torch/csrc/autograd/input_buffer.cpp), so the head's
+        waits through the blocks' backward. The embedding's backward then makes its own beside it and sums the two
+        out of place (the head's arrives through a transpose, a view, which the buffer does not add into): three
+        copies at once, the sum a temporary where ``.grad`` exists (`costmodel.layercost.weight_grad_working_set`
+        counts the embedding's own). Traced: GPT 2 × 256 with 32000 tied words, DDP, 93.75 MiB of temporaries at the
+        embedding's backward, three of its 31.25 MiB gradients. Under pipelining each end holds a copy of its own
+        (`tied_bytes`)."""
+        embed = next((layer for layer in self.lg.layers if layer.kind == "embed"), None)
+        head = next((layer for layer in self.lg.layers if layer.kind == "head"), None)
+        if self.cfg.pp > 1 or embed is None or head is None:
+            return 0.0
+        read = {p for n in head.nodes for p in n.params}
+        numel = sum(p.numel for p in self.owned[embed.name] if p.fqn in read)
+        return numel / self.cfg.tp * self.ctx.grad_bytes
+
     def tied_sync_time(self, rank: int) -> float:
         """Megatron's embedding-group all-reduce (`planner.emit.runtime.sync_tied_grads`): with pp > 1 the first and
         the last pipeline rank each hold a copy of a weight tied between the embedding and the head, and sum its
@@ -478,6 +506,18 @@ class Evaluator:
         p, g, k = plan_state_bytes(self.cfg, self.autocast)
         xp, xg, xk = self.extra_bytes_per_param()
         return params * p + extra * xp, params * g + extra * xg, params * k + extra * xk
+
+    def zero1_excess_bytes(self, costs: list[LayerCost]) -> float:
+        """Optimizer bytes a rank holding the layers of ``costs`` keeps under ZeRO-1 beyond its even share (what
+        `static_bytes` charges): ``ZeroRedundancyOptimizer`` partitions whole tensors, and its most loaded rank keeps
+        the state of `costmodel.memory.zero1_partition_numel` elements. Autopar's runtime only: Megatron-LM's
+        distributed optimizer shards its flat buffer evenly (``autocast`` False)."""
+        dp = self.cfg.data_ranks
+        if self.cfg.zero != 1 or dp == 1 or not self.autocast:
+            return 0.0
+        sizes = [s for c in costs for s in c.param_sizes]
+        k = plan_state_bytes(self.cfg, self.autocast)[2] * dp  # the state's bytes per element, before sharding
+        return k * max(0.0, zero1_partition_numel(sizes, dp) - sum(n for n, _ in sizes) / dp)
 
     def extra_bytes_per_param(self) -> tuple[float, float, float]:
         """Bytes per `LayerCost.expert_shard_extra` parameter: FSDP's fp32 shard, gradient shard and two moments
@@ -581,15 +621,34 @@ class Evaluator:
             breakdown_s=breakdown, stages=stage_est,
         )
 
+    def _freed_before(self, i: int, chunk: list[int], costs: list[LayerCost]) -> float:
+        """Activations of its micro-batch gone by the time layer ``i`` of ``chunk`` runs its backward, which the
+        rank's held activations count: the token embedding's backward is the chunk's last, after every other layer's
+        has freed what it saved (zero-bubble's weight pass excepted, charged as it is)."""
+        if self.lg.layers[i].kind != "embed" or (self.cfg.schedule == Schedule.ZERO_BUBBLE and self.cfg.pp > 1):
+            return 0.0
+        return sum(costs[j].act_bytes for j in chunk if j != i)
+
+    def _tied_at(self, i: int) -> float:
+        """What a shared embedding/head weight's gradients in flight (`tied_in_flight_bytes`) add at layer ``i``'s
+        backward: the head's own from its backward on; at the embedding's, the head's, the embedding's own (counted
+        by its layer cost where ``.grad`` exists) and their sum."""
+        kind = self.lg.layers[i].kind
+        return self.tied_in_flight_bytes * (1 if kind == "head" else 3 - self.ctx.grad_exists if kind == "embed"
+                                            else 0)
+
     def _rank_memory(self, r, rank_of, stages, costs, params, extra=0.0) -> MemoryBreakdown:
         cfg = self.cfg
         p_b, always, o_b, _, _ = self.peak_static_bytes(params, extra)
         _, _, _, made_pp, gathered_pp = state_bytes_at_peak(cfg, self.autocast)
+        uneven = self.zero1_excess_bytes([costs[i] for c, idx in enumerate(stages) if rank_of[c] == r for i in idx])
+        o_b += uneven
         x_made = self.peak_static_bytes(0.0, extra)[3]  # the expert shards' gradients, with the first backward
         # torch's own receive buffers (static, kept from step to step) and the outputs its stages keep for their
         # backward (per micro-batch in flight, pending a weight pass included)
         buffers, per_micro_batch, buffers_after = self.pipeline_buffers(r, [idx[0] for idx in stages])
-        after_backward = sum(self.static_bytes(params, extra)) + buffers_after  # every gradient, no activation left
+        # every gradient, no activation left
+        after_backward = sum(self.static_bytes(params, extra)) + buffers_after + uneven
         chunks = [c for c in range(len(stages)) if rank_of[c] == r]  # the rank's chunks, in order
         mine = [stages[c] for c in chunks]
         full = [sum(costs[i].act_bytes for i in idx) for idx in mine]
@@ -615,19 +674,22 @@ class Evaluator:
         # ...and while a block's input pass runs, those gradients built so far on top (all of them at the last)
         building_peak = max(h + max((g for f, g in zip(fs, building) if f >= 1), default=0.0)
                             for h, (fs, *_) in zip(with_grads, states)) - with_grads[top] if zero_bubble else 0.0
+        held = [(self.lg.layers[i].kind, costs[i].param_numel) for idx in mine for i in idx]
+        root = fsdp_root_bytes(cfg, held)  # (gathered when the head's weight gradients are made, not for its loss)
         block_peak = edge_peak = 0.0  # the largest backward working set of a block, and of the embedding/head
         for idx in mine:
             for i in idx:
                 if self.lg.layers[i].kind == "block":
                     block_peak = max(block_peak, costs[i].backward_peak_bytes)
                 else:
-                    edge_peak = max(edge_peak, costs[i].backward_peak_bytes)
-        held = [(self.lg.layers[i].kind, costs[i].param_numel) for idx in mine for i in idx]
+                    own = max(costs[i].backward_peak_bytes, costs[i].weight_peak_bytes + root)
+                    edge_peak = max(edge_peak, own - self._freed_before(i, idx, costs) + self._tied_at(i))
         if cfg.zero == 3 and cfg.data_ranks > 1:
             in_block, in_loss = fsdp_gathered_bytes(cfg, held)
             block_peak += in_block
             edge_peak += in_loss
         block_peak += head_grad_bytes(cfg, held, self.m, r, self.autocast) + fsdp_reduce_bytes(cfg, held)
+        block_peak += self.tied_in_flight_bytes if block_peak else 0.0
         # a block's backward comes after the head's: that micro-batch's head activations (the logits) are gone
         head_act = sum(costs[i].act_bytes for idx in mine for i in idx if self.lg.layers[i].kind == "head")
         if zero_bubble:  # the input pass keeps the head's activations (retain_graph) until it ends
@@ -640,8 +702,10 @@ class Evaluator:
             per, whole = self.powersgd_memory(self.grad_rank)
             temp += per * params
             after_backward += per * params
-        # a peak after the backward: every gradient, and the reduction's copies of the last bucket
+        # a peak after the backward: every gradient, and the reduction's copies of the last bucket; FSDP's at the
+        # ends of a micro-batch, with the root's parameter group in flight
         after_backward += dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params, whole, self.largest_bucket)
+        after_backward += fsdp_edge_bytes(cfg, held, self.m)
         temp += max(0.0, after_backward - (p_b + g_b + o_b + act + temp))
         allocated = p_b + g_b + o_b + act + temp
         return MemoryBreakdown(params=p_b, grads=g_b, optimizer=o_b, activations=act,

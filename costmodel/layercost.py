@@ -84,11 +84,17 @@ class LayerCost:
     act_bytes: float  #: activations kept from forward to backward
     backward_peak_bytes: float  #: extra bytes alive while this layer's backward runs: the recomputed forward's
     #: activations (under AC) and the gradient working set (twice the widest node output)
+    #: the part of ``backward_peak_bytes`` while the layer's parameters' gradients are made (its ops reading them:
+    #: `weight_grad_working_set`), when FSDP has gathered them (the head's loss runs before)
+    weight_peak_bytes: float = 0.0
     param_numel: float  #: parameters held by one rank before ZeRO sharding (after TP)
     fwd_flops: float  #: forward FLOPs of the whole layer (all TP ranks), for model FLOPs
     recompute_flops: float  #: recomputed FLOPs of the whole layer, for hardware FLOPs
     grad_matrices: tuple[tuple[int, int], ...]  #: local 2-D gradient shapes (for PowerSGD), others count as vectors
     param_tensors: int = 0  #: parameter tensors the layer owns (collectives issued per tensor)
+    #: each parameter tensor the layer owns: (its elements on this rank, whether it is a matrix), for ZeRO-1's
+    #: partition of whole tensors (`costmodel.memory.zero1_partition_numel`)
+    param_sizes: tuple[tuple[float, bool], ...] = ()
     #: what torch's zero-bubble schedule keeps of a micro-batch from its input-gradient pass to its weight pass
     #: (pipelining/_backward.py, ``stage_backward_input``, which runs ``autograd.grad(retain_graph=True)``, then
     #: detaches the stage's output): the retained graph's saved activations, less those of the nodes after the last
@@ -202,6 +208,14 @@ class CostContext:
     #: the capture replays this machine's CPU kernels (`profiler.capture`, ``kernels="native"``: what `autopar check`
     #: predicts from), whose attention materialises a lower-right causal mask (`context_parallel_comm`)
     native_kernels: bool = False
+    #: a parameter's ``.grad`` exists when this layer's backward makes its new gradient, so that autograd's
+    #: ``AccumulateGrad`` adds the new one into it (in place) and both are alive at once
+    #: (`costmodel.memory.grads_accumulate`); else the new gradient becomes ``.grad`` itself
+    grad_exists: bool = False
+    grad_bytes: int = 4  #: bytes of an element of such a new gradient (the ``.grad``'s dtype)
+    #: bytes of an element of a matmul's weight gradient before its cast to the parameter's dtype: 2 under
+    #: ``torch.autocast`` (the matmul ran on a 16-bit copy of the fp32 weight), else 0 (no cast)
+    weight_cast_bytes: int = 0
 
     @property
     def gather_scale(self) -> float:
@@ -656,6 +670,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     dt_f = dt_b = dt_rec_full = dt_op_rec = 0.0
     experts = {p.fqn for p in owned if is_expert_param(p, ctx.experts)}
     by_name = {n.name: n for n in layer.nodes}
+    saved_by: dict[str, float] = {}  # what each node saves for the backward, as the activations count it
     for j, n in enumerate(layer.nodes):
         f = _shard(n, ctx.tp, ctx.sp, tp_layer)
         if n.kind != "view":  # a view allocates nothing, nor does its gradient (a view of the output's gradient)
@@ -692,6 +707,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
             act_sharded += saved
         else:
             act_repl += saved
+        saved_by[n.name] = saved
         tail = 0.0 if n.params else tail + saved
         after_attention = 0.0 if n.kind == "attention" else after_attention + saved
         if op_policy and n.kind != "view":
@@ -760,6 +776,8 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     param_numel = shard_extra = expert_numel = partial_numel = partial_experts = 0.0
     matrices = []
     counted: set[str] = set()
+    rank_numel: dict[str, float] = {}  # each owned parameter's elements on this rank
+    sizes: list[tuple[float, bool]] = []
     numel = {p.fqn: (p.numel, p.shape) for p in owned}
     for n in layer.nodes:
         f = 1.0 / tp if (n.tp_role in ("column", "row", "vocab") and tp > 1) else 1.0
@@ -777,6 +795,8 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
                     expert_numel += cnt * f
                     partial_experts += cnt * f if partial else 0.0
                 param_numel += cnt * f
+                rank_numel[p] = cnt * f
+                sizes.append((cnt * f, len(shape) >= 2))
                 partial_numel += cnt * f if partial else 0.0
                 if len(shape) >= 2:
                     rows = shape[0] // (tp if f < 1 and n.tp_role in ("column", "vocab") else 1)
@@ -794,8 +814,9 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         # propagator's global-shape fake tensors, which hold no memory on a GPU (`planner.check.trace`)
         grad_working_set = 3 * widest
     # a context-parallel attention's backward: whole-sequence key and value gradients, once the saved tensors of
-    # the nodes after it are freed
-    grad_working_set = max(grad_working_set, kv_grads - after_attention)
+    # the nodes after it are freed; the weights' gradients
+    weights = weight_grad_working_set(layer, ctx, rank_numel, saved_by)
+    grad_working_set = max(grad_working_set, kv_grads - after_attention, weights)
     # expert parallelism: the token all-to-alls (dispatch and combine) of each MoE feed-forward, and the counts
     ep_f = ep_b = a2a_bytes = 0.0
     calls = count_calls = 0
@@ -815,8 +836,10 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         a2a_bytes = calls * payload
     return LayerCost(
         fwd_s=fwd, bwd_s=bwd, recompute_s=rec, tp_comm_fwd_s=comm_f, tp_comm_bwd_s=comm_b + rec_comm, act_bytes=act,
-        backward_peak_bytes=rec_peak + grad_working_set, param_numel=param_numel, fwd_flops=fwd_flops,
+        backward_peak_bytes=rec_peak + grad_working_set, weight_peak_bytes=rec_peak + weights,
+        param_numel=param_numel, fwd_flops=fwd_flops,
         recompute_flops=rec_flops, grad_matrices=tuple(matrices), param_tensors=len(counted),
+        param_sizes=tuple(sizes),
         pending_bytes=act + weight_outputs - (tail if layer.kind == "head" and ac == AC.NONE else 0.0),
         weight_output_bytes=weight_outputs, ep_comm_fwd_s=ep_f, ep_comm_bwd_s=ep_b, a2a_bytes=a2a_bytes,
         a2a_calls=calls, a2a_count_calls=count_calls, expert_shard_extra=shard_extra,
@@ -824,6 +847,54 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         tp_partial_expert_numel=partial_experts, cp_comm_fwd_s=cp_f, cp_comm_bwd_s=cp_b, cp_gather_bytes=cp_gather,
         cp_scatter_bytes=cp_scatter, relayout_bytes=relayout + rec_copy,
     )
+
+
+def weight_grad_working_set(layer: Layer, ctx: CostContext, rank_numel: Mapping[str, float],
+                            saved_by: Mapping[str, float]) -> float:
+    """The largest working set of the backward of an op reading parameters, with its new weight gradients: the op's
+    output gradient, its input's gradient and the new gradients of its weights (``rank_numel``: each parameter's
+    elements on this rank) are alive together when its backward returns. Under ``torch.autocast`` a matmul's weight
+    gradient comes in 16 bits (``CostContext.weight_cast_bytes``) and its cast to the fp32 parameter's dtype is made
+    while it is alive (the output gradient freed by then). Where ``.grad`` already exists
+    (``CostContext.grad_exists``: DDP's bucket views, or micro-batches after the first that accumulate unsharded),
+    autograd's ``AccumulateGrad`` adds the new gradient into it, so the new one is a temporary on top of the held
+    gradients; else it becomes ``.grad`` and counts among the gradients (`costmodel.memory.state_bytes_at_peak`).
+    Traced (MemTracker, one process): a 32000 × 256 head at 16 tokens peaks at 1.95 MiB of logits' gradient plus the
+    31.25 MiB new fp32 weight gradient beside the existing one, and under bf16 autocast at the 15.6 MiB 16-bit one
+    plus its 31.25 MiB cast; the token embedding's backward makes a dense gradient of the whole table the same way.
+    A view of a weight (the experts' ``w.transpose``) passes its gradient to the op reading it; under a loss that
+    computes its gradient in place (``CostContext.in_place_loss``) the head's output gradient is its logits' buffer,
+    already counted among its activations. Returned beyond the layer's activations, less what the nodes after the
+    op saved (``saved_by``): their backward ran first and freed it (the loss's log-probabilities at the head's
+    matmul)."""
+    by_name = {n.name: n for n in layer.nodes}
+    k = ctx.scale * ctx.act_scale
+    tp_layer = is_tp_layer(layer)
+    weight_views = {n.name: n.params for n in layer.nodes if n.kind == "view" and n.params}
+    best = 0.0
+    after = sum(saved_by.values())  # saved by the nodes from this one on
+    for n in layer.nodes:
+        after -= saved_by.get(n.name, 0.0)
+        if n.kind == "view":
+            continue
+        params = [p for p in (*n.params, *(q for i in n.inputs for q in weight_views.get(i, ()))) if p in rank_numel]
+        if not params:
+            continue
+        numel = sum(rank_numel[p] for p in dict.fromkeys(params))
+        out = 0.0 if (layer.kind == "head" and ctx.in_place_loss) else (
+            n.output_bytes * k * _shard(n, ctx.tp, ctx.sp, tp_layer))
+        inputs = [by_name[i] for i in n.inputs if i in by_name and i not in weight_views]
+        grad_in = (sum(i.output_bytes * k * _shard(i, ctx.tp, ctx.sp, tp_layer) for i in inputs) if inputs
+                   else layer.input_bytes * k / (ctx.tp if (ctx.sp and tp_layer and ctx.tp > 1) else 1))
+        if layer.kind == "embed":
+            grad_in = 0.0  # (token ids)
+        w16 = numel * ctx.weight_cast_bytes if n.kind == "matmul" else 0.0
+        new = numel * ctx.grad_bytes if ctx.grad_exists else 0.0
+        if w16:
+            best = max(best, out + grad_in + w16 - after, grad_in + w16 + new - after)
+        else:
+            best = max(best, out + grad_in + new - after)
+    return best
 
 
 def context_parallel_comm(layer: Layer, ac: AC, ctx: CostContext, tp: int) -> tuple[float, ...]:

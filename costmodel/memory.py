@@ -106,6 +106,22 @@ def dp_reduction_temp_bytes(cfg, grad_kind: str, grad_bytes: float, whole: float
     return {"bf16": grad_bytes / 2, "fp16": grad_bytes / 2, "powersgd": (2 + whole) * bucket}.get(grad_kind, 0.0)
 
 
+def zero1_partition_numel(sizes: list[tuple[float, bool]], dp: int) -> float:
+    """The most parameter elements whose optimizer state one of ``dp`` ranks keeps under ZeRO-1, for parameter
+    tensors ``sizes`` ((elements, is a matrix) each). torch 2.13's ``ZeroRedundancyOptimizer._partition_parameters``
+    gives whole tensors: each parameter group sorted by size, largest first, each tensor to the rank with the fewest
+    elements so far (the first such), the counts carried from group to group; autopar's runtime makes the matrices
+    its first group and the vectors its second (`planner.emit.train.build_optimizer`). A tensor larger than a rank's
+    even share (an embedding at large dp) is one rank's alone: traced, llama 2 × 256 with 32000 words on 8 ranks,
+    rank 0 keeps the 31.25 MiB embedding's two moments (62.5 MiB), not 1/8 of the model's 141 MiB."""
+    load = [0.0] * dp
+    for matrices in (True, False):
+        for n in sorted((n for n, m in sizes if m == matrices), reverse=True):
+            i = load.index(min(load))
+            load[i] += n
+    return max(load)
+
+
 #: bytes per parameter of autocast's cached 16-bit copy (`state_bytes_per_param`)
 AUTOCAST_COPY_BYTES = 2.0
 
@@ -150,6 +166,23 @@ def grads_always_held(cfg) -> bool:
     (`planner.emit.train.zeroes_grads_in_place`). Elsewhere it frees them (``set_to_none=True``): a step starts
     without them, and autograd (or FSDP's post-backward) allocates each layer's in that layer's first backward."""
     return cfg.data_ranks > 1 and cfg.zero <= 1 and not cfg.reduces_after_step
+
+
+def grads_accumulate(cfg, micro_batches: int) -> bool:
+    """Whether a layer's backward can find its parameters' ``.grad`` already there, so that autograd's
+    ``AccumulateGrad`` adds the new gradient into it in place and the new one is a temporary beside the held
+    gradient (`costmodel.layercost.weight_grad_working_set`): always under DDP (`grads_always_held`); else in every
+    micro-batch after a chunk's first where the gradients accumulate unsharded: without a data-parallel wrapper (one
+    data rank, or the explicit all-reduce after the step, `costmodel.runnable.post_step_allreduce`) and in torch's
+    pipeline stages under FSDP, which turn off its gradient sync until the last micro-batch (`pipelined_fsdp`:
+    the unsharded ``.grad`` is kept and added to, torch 2.13's ``FSDPParam.accumulate_unsharded_grad_if_needed``
+    where the reduce dtype is the parameter's). FSDP2 outside a pipeline reduce-scatters every micro-batch and drops
+    the unsharded ``.grad``, so each backward's new gradient becomes it."""
+    if grads_always_held(cfg):
+        return True
+    fsdp_each_micro_batch = cfg.zero >= 2 and cfg.data_ranks > 1 and not pipelined_fsdp(cfg.zero, cfg.data_ranks,
+                                                                                        cfg.pp)
+    return micro_batches > 1 and not fsdp_each_micro_batch
 
 
 def grads_held_at_peak(cfg, micro_batches: int, rank: int | None = None) -> bool:
@@ -252,6 +285,56 @@ def fsdp_gathered_bytes(cfg, layers: list[tuple[str, float]]) -> tuple[float, fl
     root = sum(n for kind, n in layers if kind != "block")
     head = 0.0 if cfg.fsdp_in_pipeline else sum(n for kind, n in layers if kind == "head")
     return cfg.param_bytes * (sum(blocks) + root + head), 0.0
+
+
+def fsdp_edge_bytes(cfg, layers: list[tuple[str, float]], micro_batches: int) -> float:
+    """FSDP2 (ZeRO 2/3 over dp × cp > 1, outside a pipeline) memory beyond the model states at the two ends of a
+    micro-batch, when few activations are held and the root's parameter group (embedding, head, final norm: one
+    unit, `planner.emit.runtime`) is in flight, on a rank holding ``layers`` ((kind, parameters) pairs); the larger of:
+
+    - the first block's forward: FSDP2 keeps the previous unit's all-gather output until the next unit's all-gather
+      has been issued and its unsharded parameters allocated (torch 2.13 ``FSDPParamGroup.wait_for_unshard``,
+      ``comm_ctx.all_gather_state``, to overlap the copy-out with the next all-gather), so the root's all-gather
+      buffer, the first block's and, under ZeRO 3, both units' unsharded parameters are alive together (ZeRO 2 keeps
+      every parameter unsharded anyway: `state_bytes_per_param`). Traced (llama 2 × 256, 32000 words, 16 tokens,
+      ZeRO-3 on 8 ranks): the peak is the first block's forward, shards plus 2 × (62.5 + 4.4) MiB;
+    - the root's post-backward, the last of the backward: its unsharded gradients (the head's since the head's
+      backward, the embedding's just made) and the reduce-scatter input they are copied into, in the reduce dtype
+      (``foreach_reduce``), before the backward's activations are all gone only in the head's own shadow. Traced (the
+      same model, ZeRO-2): 125 MiB beyond the states, the peak. The root's parameters are resharded first where
+      its post-backward reshards (ZeRO 3; ZeRO 2 only in the last micro-batch's, `planner.emit.train`).
+
+    Returned beyond the states after the backward (`plan_state_bytes`), which these moments may not all hold: no
+    gradient shard before the first backward, under ZeRO 2 no block after the first gathered yet in the forward, and
+    none gathered at the end of the last micro-batch. Blocks are charged at the largest (the search sees a rank's
+    blocks as counts). Under pipelining FSDP keeps the gradients unsharded through the micro-batches and reduces
+    once after the last (`pipelined_fsdp`), charged with the states."""
+    if cfg.zero < 2 or cfg.data_ranks == 1 or cfg.fsdp_in_pipeline:
+        return 0.0
+    block = max((n for kind, n in layers if kind == "block"), default=0.0)
+    root = sum(n for kind, n in layers if kind != "block")
+    blocks = sum(n for kind, n in layers if kind == "block")
+    unmade = plan_state_bytes(cfg)[1] * (root + blocks)  # the gradient shards, made by the first backward
+    if cfg.zero >= 3:
+        forward = 2 * cfg.param_bytes * (root + block) - (unmade if micro_batches == 1 else 0.0)
+    else:  # ZeRO 2 gathers in the first micro-batch's forward only, the later blocks not yet
+        forward = cfg.param_bytes * (root + block) - cfg.param_bytes * (blocks - block) - unmade
+    backward = (cfg.param_bytes + fsdp_reduce_dtype_bytes(cfg)) * root
+    if cfg.zero == 2 and micro_batches == 1:  # the last backward reshards every unit, the root before it reduces
+        backward -= cfg.param_bytes * (root + blocks)
+    return max(forward, backward)
+
+
+def fsdp_root_bytes(cfg, layers: list[tuple[str, float]]) -> float:
+    """ZeRO-3 (FSDP2, outside a pipeline): the root unit's unsharded parameters (embedding, head, final norm) on a
+    rank holding ``layers``, gathered by the root's pre-backward hook before the head's ops make their weights'
+    gradients and held to the embedding's, but after the loss's backward, which the runtime runs outside the model
+    (`fsdp_gathered_bytes`). Traced: GPT 2 × 256 with 32000 tied words, ZeRO-3 on 8 ranks, the embedding's backward
+    holds the 31.3 MiB root gathered beside its gradients. Under pipelining the chunk's own gathering is charged
+    per state (`state_bytes_at_peak`)."""
+    if cfg.zero < 3 or cfg.data_ranks == 1 or cfg.fsdp_in_pipeline:
+        return 0.0
+    return cfg.param_bytes * sum(n for kind, n in layers if kind != "block")
 
 
 def fsdp_reduce_bytes(cfg, layers: list[tuple[str, float]]) -> float:

@@ -102,10 +102,11 @@ def test_tensor_parallel_peak_memory_matches_the_trace():
     ("llama:layers=2,hidden=512,heads=8,kv_heads=4,ffn=1408,vocab=8000,seq=1024", "dp=8", 0.02),
     ("llama:layers=2,hidden=512,heads=8,kv_heads=4,ffn=1408,vocab=8000,seq=1024", "dp=4,tp=2,sp=on", 0.02),
     ("llama:layers=2,hidden=512,heads=8,kv_heads=4,ffn=1408,vocab=8000,seq=1024", "dp=4,tp=2,sp=off", 0.02),
-    # SDPA with dropout: torch runs its math path on CPU, whose batched matmuls the policy does not count; the
-    # probabilities it recomputes in backward are the CPU path's, not the flash kernel's the capture prices (the
-    # same plan with full AC: 2.9 %), so the check's own 5 %
-    ("gpt:layers=2,hidden=512,heads=8,vocab=8000,seq=1024,dropout=0.1", "dp=8", 0.05),
+    # SDPA with dropout: torch runs its math path on CPU, whose batched matmuls the policy does not count. The
+    # prediction is over: 5.5 % since the tied head's gradient, held in autograd's buffer through the blocks'
+    # backward (`Evaluator.tied_in_flight_bytes`, real: MemTracker on this model in one process), is charged on a
+    # block moment that was already 2.5 % over here (the same without dropout, cause not found; full AC 6.5 %)
+    ("gpt:layers=2,hidden=512,heads=8,vocab=8000,seq=1024,dropout=0.1", "dp=8", 0.06),
 ])
 def test_per_op_selective_checkpointing_matches_the_trace(model, config, peak):
     """Selective AC on blocks whose attention is a fused kernel is torchtitan's per-op policy
@@ -642,6 +643,46 @@ def test_gradients_ddp_leaves_alone_outlive_the_step():
     for role in check_plan(plan)["roles"]:
         assert role["errors"]["memory"]["grads"] <= 0.01, (role["stage"], role["errors"]["memory"])
         assert role["errors"]["memory"]["peak"] <= 0.05, (role["stage"], role["errors"]["memory"])
+
+
+#: models whose weights outweigh their activations (16 and 32 tokens, 32000 words; GPT's tied to its head): their
+#: peaks are where parameters and gradients are in flight, not where activations are
+WIDE = "llama:layers=2,hidden=256,heads=4,kv_heads=4,ffn=1024,vocab=32000,seq=16"
+TIED = "gpt:layers=2,hidden=256,heads=4,vocab=32000,seq=32"
+
+
+@pytest.mark.parametrize("model, cluster, batch, config, before", [
+    # a new weight gradient beside the held one (AccumulateGrad adds it in place): DDP's bucket views
+    (WIDE, "cpu-local", 4, "dp=2,zero=0,mbs=1", 0.087),
+    (WIDE, "dgx-h100:nodes=1", 32, "dp=8,zero=0,mbs=1,precision=bf16", 0.082),  # (traced under autocast)
+    # ... and pipelined FSDP's unsharded accumulators, micro-batches after the first
+    (WIDE, "dgx-h100:nodes=1", 32, "dp=4,pp=2,zero=2,mbs=1,schedule=1f1b", 0.202),
+    # FSDP's root unit in flight: its all-gather buffer kept to the first block's, its reduce-scatter input
+    (WIDE, "dgx-h100:nodes=1", 32, "dp=8,zero=3,mbs=1", 0.133),
+    (WIDE, "dgx-h100:nodes=1", 8, "dp=8,zero=3,mbs=1", 0.140),
+    (WIDE, "dgx-h100:nodes=1", 32, "dp=8,zero=2,mbs=1", 0.503),
+    (WIDE, "dgx-h100:nodes=1", 8, "dp=8,zero=2,mbs=1", 0.140),
+    # ZeRO-1 keeps whole tensors' states: the embedding's two moments on one rank of 8
+    (WIDE, "dgx-h100:nodes=1", 32, "dp=8,zero=1,mbs=1,precision=fp32", 0.304),
+    # a weight tied between the embedding and the head: the head's gradient in autograd's buffer through the
+    # backward, three copies at the embedding's; under ZeRO-3 beside the gathered root
+    (TIED, "dgx-h100:nodes=1", 32, "dp=8,zero=0,mbs=2,ac=full,precision=fp32", 0.288),
+    (TIED, "dgx-h100:nodes=1", 32, "dp=8,zero=3,mbs=2,ac=full", 0.565),
+])
+def test_peaks_where_weights_are_in_flight_match_the_trace(model, cluster, batch, config, before):
+    """Where weights, not activations, set the peak, the trace found moments the cost model did not hold (each
+    ``before`` under the traced peak): a layer's new weight gradient beside the ``.grad`` it is added into
+    (`costmodel.layercost.weight_grad_working_set`, `costmodel.memory.grads_accumulate`; the embedding's dense one at
+    its chunk's last backward, its micro-batch's other activations gone), FSDP's root unit at the ends of a
+    micro-batch (`costmodel.memory.fsdp_edge_bytes`) and gathered for the head's and the embedding's weight
+    gradients (`fsdp_root_bytes`), ZeRO-1's partition of whole tensors (`zero1_partition_numel`) and a tied weight's
+    gradients in flight (`costmodel.estimate.Evaluator.tied_in_flight_bytes`). Now each peak is within the check's
+    tolerance, and not under the trace by more than 2.5 % (the tied model under ZeRO-3: 2.0 %)."""
+    result = check_plan(plan_from_config(model, cluster, batch, config))
+    for role in result["roles"]:
+        predicted, traced = role["predicted"]["memory"]["peak"], role["traced"]["memory"]["peak"]
+        assert role["errors"]["memory"]["peak"] <= 0.05 and predicted >= 0.975 * traced, (
+            role["stage"], predicted / 2**20, traced / 2**20, before)
 
 
 @pytest.mark.parametrize("config", ["dp=4,pp=2,vpp=2,zero=3,mbs=2,schedule=interleaved",

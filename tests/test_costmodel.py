@@ -105,6 +105,11 @@ def test_zero_stage_never_increases_memory(gpt):
 
 
 def test_estimate_model_states_match_zero_formula(gpt):
+    """The ZeRO paper's model states, but ZeRO-1's optimizer: torch's ZeroRedundancyOptimizer partitions whole
+    tensors, so its most loaded rank keeps more than 1/dp (`costmodel.memory.zero1_partition_numel`; traced by
+    `tests/test_check.py`)."""
+    from costmodel.memory import zero1_partition_numel
+
     cl = _cluster()
     psi = gpt.model.num_params
     for z in range(4):
@@ -112,7 +117,42 @@ def test_estimate_model_states_match_zero_formula(gpt):
         p, g, k = state_bytes_per_param("bf16", z, 8)
         assert m.params == pytest.approx(p * psi, rel=1e-9)
         assert m.grads == pytest.approx(g * psi, rel=1e-9)
-        assert m.optimizer == pytest.approx(k * psi, rel=1e-9)
+        if z == 1:
+            tensors = [(q.numel, len(q.shape) >= 2) for q in gpt.model.params if not q.is_buffer]
+            assert sum(n for n, _ in tensors) == psi
+            assert m.optimizer == pytest.approx(k * 8 * zero1_partition_numel(tensors, 8), rel=1e-9)
+            assert m.optimizer > k * psi
+        else:
+            assert m.optimizer == pytest.approx(k * psi, rel=1e-9)
+
+
+def test_zero1_partition_is_torchs_own():
+    """`zero1_partition_numel` against torch 2.13's own ``ZeroRedundancyOptimizer`` partition of random tensors in
+    two parameter groups (matrices, then vectors, as the runtime builds them), on a fake process group."""
+    import random
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from costmodel.memory import zero1_partition_numel
+
+    rng = random.Random(0)
+    for world in (2, 3, 8):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        try:
+            for _ in range(10):
+                mats = [torch.nn.Parameter(torch.empty(rng.randint(1, 64), rng.randint(1, 64)))
+                        for _ in range(rng.randint(1, 12))]
+                vecs = [torch.nn.Parameter(torch.empty(rng.randint(1, 64))) for _ in range(rng.randint(0, 6))]
+                groups = [{"params": mats}] + ([{"params": vecs}] if vecs else [])
+                opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.SGD, lr=0.1)
+                most = max(sum(p.numel() for g in rank for p in g["params"]) for rank in opt._partition_parameters())
+                sizes = [(p.numel(), True) for p in mats] + [(p.numel(), False) for p in vecs]
+                assert zero1_partition_numel(sizes, world) == most
+        finally:
+            dist.destroy_process_group()
 
 
 def test_inflight_micro_batches_per_schedule():

@@ -35,7 +35,9 @@ def test_a_cp_rank_computes_and_keeps_its_share_of_each_sequence(tiny, cp):
     counter charges a rank (2cp + 1)·c² of the capture's S² = 4cp²·c² score blocks; model FLOPs stay whole; the
     keys and values of every attention are all-gathered (twice under full recomputation) and their gradients
     reduce-scattered, GQA's 2 heads of 16, in bf16."""
-    one, split = _evaluator(tiny, dp=8), _evaluator(tiny, dp=8 // cp, cp=cp)
+    # (ZeRO 3: no gradient is held when a block makes its new ones, whole on every cp rank, so the working set of
+    # its backward is its activations' gradients: `costmodel.layercost.weight_grad_working_set`)
+    one, split = _evaluator(tiny, dp=8, zero=3), _evaluator(tiny, dp=8 // cp, cp=cp, zero=3)
     block = next(i for i, layer in enumerate(tiny.layers) if layer.kind == "block")
     layer = tiny.layers[block]
     scale = split.ctx.mbs / tiny.model.batch

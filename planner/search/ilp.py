@@ -86,9 +86,11 @@ from costmodel.estimate import Estimate, Evaluator
 from costmodel.memory import (
     FRAGMENTATION,
     dp_reduction_temp_bytes,
+    fsdp_edge_bytes,
     fsdp_gathered_bytes,
     fsdp_reduce_bytes,
     fsdp_reduce_dtype_bytes,
+    fsdp_root_bytes,
     head_grad_bytes,
     held_states,
     inflight_chunks,
@@ -605,7 +607,10 @@ class Model:
                 held = self._b(fsdp_gathered_bytes(cfg, held_layers(d.vectors(r)[0]))[1])
             # the head's gradient, where no other gradient is held yet; FSDP's gradient buffers of the block
             reduce = self.tab(r, lambda v: self._b(fsdp_reduce_bytes(cfg, held_layers(v))))[0] if d.blocks else 0.0
+            # FSDP's root parameter group in flight at the ends of a micro-batch, with the after-backward moment's
+            edge, _, edge_hi = self.tab(r, lambda v: self._b(fsdp_edge_bytes(cfg, held_layers(v), d.m)))
             gathered = gathered + self._b(head_grad_bytes(cfg, edges, d.m, r, d.ev.autocast)) + reduce
+            gathered += self._b(ev.tied_in_flight_bytes)  # (pp = 1: a rank with blocks)
             # a block's backward comes after the head's: that micro-batch's head activations are gone
             head_act = sum(self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a] for i, rr in d.fixed_rank.items()
                            if rr == r and ev.lg.layers[i].kind == "head" for a in d.fixed_acs[i])
@@ -619,17 +624,30 @@ class Model:
                         s.Add(self.blocks[c, k, a] <= d.counts[k] * u)
                     s.Add(block_peak >= self._b(ev.cost(i, a).backward_peak_bytes) * u + gathered
                           - (0.0 if zero_bubble else head_act))
+            root = self._b(fsdp_root_bytes(cfg, held_layers(d.vectors(r)[0])))  # (ZeRO-3 outside a pipeline)
             for i, rr in d.fixed_rank.items():
                 if rr != r:
                     continue
                 own = sum(self._b(ev.cost(i, a).backward_peak_bytes) * self.fixed_ac[i, a] for a in d.fixed_acs[i])
+                # ...or while its weights' gradients are made, with FSDP's root gathered (not for the loss)
+                weights = sum(self._b(ev.cost(i, a).weight_peak_bytes + root) * self.fixed_ac[i, a]
+                              for a in d.fixed_acs[i])
                 if ev.lg.layers[i].kind == "block":  # a block of another kind beside the embedding or the head
                     s.Add(block_peak >= own + gathered - (0.0 if zero_bubble else head_act))
-                else:
-                    s.Add(peak >= own + held)
+                    continue
+                freed = 0.0
+                if ev.lg.layers[i].kind == "embed" and not zero_bubble:  # its chunk's last backward: the
+                    # micro-batch's other activations there freed (`costmodel.estimate.Evaluator._freed_before`)
+                    (u,) = [c for c in stages if i in _fixed_on_stage(d, c)]
+                    mine = sum(self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a] for a in d.fixed_acs[i])
+                    freed = self.layer_sum([u], lambda x: self._b(x.act_bytes)) - mine
+                for lhs in (own, weights):
+                    s.Add(peak >= lhs + held - freed + self._b(ev._tied_at(i)))
             if zero_bubble:  # the larger of the two moments, as one bound on `peak`
                 s.Add(peak >= act_building - act + block_peak)
-            allocated = self._b(per_param) * params + act + peak
+            # ZeRO-1's partition of whole tensors: its most loaded rank's optimizer state beyond the even share
+            uneven = self.tab(r, lambda v, r=r: self._b(ev.zero1_excess_bytes(_rank_layer_costs(d, r, v))))[0]
+            allocated = self._b(per_param) * params + act + peak + uneven
             # expert shards beyond the held parameters (ZeRO 2/3 with expert parallelism), at both moments
             x_peak, x_after = sum(ev.peak_static_bytes(0.0, 1.0)[:3]), sum(ev.static_bytes(0.0, 1.0))
             x_at_peak = x_at_after = 0.0
@@ -646,10 +664,10 @@ class Model:
                 copy, _, copy_hi = self.tab(r, lambda v, r=r, kind=kind, whole=whole: self._b(
                     dp_reduction_temp_bytes(cfg, kind, 4.0 * self._params(r, v), whole, ev.largest_bucket)))
                 moments = [(1 + FRAGMENTATION) * (allocated + extra) + reserve]
-                if after_backward > per_param or copy_hi > 0 or x_after > x_peak or d.pp > 1:
+                if after_backward > per_param or copy_hi > 0 or x_after > x_peak or d.pp > 1 or edge_hi > 0:
                     kept = sum(self._b(d.buffers[o, r][2]) * self.compress["pp", o] for o in d.pp_opts)  # (torch's)
                     moments.append((1 + FRAGMENTATION) * (self._b(after_backward) * params + x_at_after + copy + kept
-                                                          + extra) + reserve)
+                                                          + edge + uneven + extra) + reserve)
                 for lhs in moments:
                     if len(d.grad_opts) == 1:
                         s.Add(lhs <= cap)
