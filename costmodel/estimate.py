@@ -41,6 +41,7 @@ from costmodel.layercost import (
     vocab_output_bytes,
 )
 from costmodel.memory import (
+    AUTOCAST_COPY_BYTES,
     MemoryBreakdown,
     allowance,
     autocast_dtype,
@@ -50,12 +51,12 @@ from costmodel.memory import (
     fsdp_gathered_bytes,
     fsdp_reduce_bytes,
     fsdp_root_bytes,
+    fsdp_transient_grads,
     grads_accumulate,
     grads_always_held,
     head_grad_bytes,
     held_states,
     inflight_chunks,
-    module_param_bytes,
     pipeline_buffers,
     plan_state_bytes,
     runtime_reserved_bytes,
@@ -330,9 +331,8 @@ class Evaluator:
                                hidden=int(lg.model.arch.get("hidden") or 0), ep=cfg.ep, ep_span=self.ep_span,
                                imbalance=cluster.moe_imbalance, cp=cfg.cp, cp_span=self.cp_span,
                                kv_width=kv_width, q_width=q_width, native_kernels=arch.get("kernels") == "native",
-                               grad_exists=grads_accumulate(cfg, self.m),
-                               grad_bytes=module_param_bytes(cfg, autocast) if cfg.zero <= 1 or cfg.data_ranks == 1
-                               else cfg.param_bytes, weight_cast_bytes=2 if under else 0)
+                               grad_exists=grads_accumulate(cfg, self.m), transient_grads=fsdp_transient_grads(cfg),
+                               grad_bytes=4 if under else cfg.param_bytes, weight_cast_bytes=2 if under else 0)
         pipelined = cfg.pp > 1  # tied embedding/head weights have a copy on each end of the pipeline
         if ("owned", pipelined) not in shared:
             shared["owned", pipelined] = owned_params(lg, pipelined=pipelined)
@@ -341,7 +341,7 @@ class Evaluator:
         self._cache: dict[tuple[str, str, AC], LayerCost] = shared.setdefault(
             ("layer_costs", cfg.tp, cfg.sp, cfg.mbs, cfg.precision, bool(measured), in_place_loss,
              gathered_column_inputs, seq_relayout, compiled, selective, pipelined, cfg.ep, cfg.cp, autocast_capture,
-             self.ctx.grad_exists, self.ctx.grad_bytes, self.ctx.weight_cast_bytes),
+             self.ctx.grad_exists, self.ctx.transient_grads, self.ctx.grad_bytes, self.ctx.weight_cast_bytes),
             {})
         self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
 
@@ -465,13 +465,26 @@ class Evaluator:
         counts the embedding's own). Traced: GPT 2 × 256 with 32000 tied words, DDP, 93.75 MiB of temporaries at the
         embedding's backward, three of its 31.25 MiB gradients. Under pipelining each end holds a copy of its own
         (`tied_bytes`)."""
+        return self._tied_numel_here * self.ctx.grad_bytes
+
+    @functools.cached_property
+    def _tied_numel_here(self) -> float:
+        """Elements on a rank of the weight the head reads and the token embedding owns (pp = 1; else 0)."""
         embed = next((layer for layer in self.lg.layers if layer.kind == "embed"), None)
         head = next((layer for layer in self.lg.layers if layer.kind == "head"), None)
         if self.cfg.pp > 1 or embed is None or head is None:
             return 0.0
-        read = {p for n in head.nodes for p in n.params}
-        numel = sum(p.numel for p in self.owned[embed.name] if p.fqn in read)
-        return numel / self.cfg.tp * self.ctx.grad_bytes
+        read = {p for n in head.nodes if n.kind == "matmul" for p in n.params}
+        return sum(p.numel for p in self.owned[embed.name] if p.fqn in read) / self.cfg.tp
+
+    def cast_cache_bytes(self, costs: list[LayerCost]) -> float:
+        """Autocast's cached 16-bit copies of the weights it casts (`costmodel.memory.AUTOCAST_COPY_BYTES`), on a
+        rank holding the layers of ``costs``, where the plan trains under ``torch.autocast``: the matmuls' own
+        weights and a tied head's (`LayerCost.cast_numel`). Held through the step, charged with the parameters."""
+        if not autocast_dtype(self.cfg, self.autocast):
+            return 0.0
+        # (a tied head's weight is the embedding's only where one rank holds both: pp = 1)
+        return AUTOCAST_COPY_BYTES * (sum(c.cast_numel for c in costs) + self._tied_numel_here)
 
     def tied_sync_time(self, rank: int) -> float:
         """Megatron's embedding-group all-reduce (`planner.emit.runtime.sync_tied_grads`): with pp > 1 the first and
@@ -580,7 +593,7 @@ class Evaluator:
             comp_cost.append(encode)
             opt.append(optimizer_part_time(params, sum(x.param_tensors for x in rc), self, extra))
             partial.append(self.tp_partial_sync_time(rc))
-            mems.append(self._rank_memory(r, rank_of, stages, costs, params, extra))
+            mems.append(self._rank_memory(r, rank_of, stages, costs, acs, params, extra))
         tied = [self.tied_sync_time(r) for r in range(cfg.pp)]
         loss_dp, loss_pp = loss_sync_time(self)  # the step's loss, averaged over the ranks: every rank waits for it
         finish = [dp_exp[r] + comp_cost[r] + opt[r] + tied[r] + partial[r] + loss_dp + loss_pp for r in range(cfg.pp)]
@@ -629,26 +642,42 @@ class Evaluator:
             return 0.0
         return sum(costs[j].act_bytes for j in chunk if j != i)
 
-    def _tied_at(self, i: int) -> float:
-        """What a shared embedding/head weight's gradients in flight (`tied_in_flight_bytes`) add at layer ``i``'s
-        backward: the head's own from its backward on; at the embedding's, the head's, the embedding's own (counted
-        by its layer cost where ``.grad`` exists) and their sum."""
-        kind = self.lg.layers[i].kind
-        return self.tied_in_flight_bytes * (1 if kind == "head" else 3 - self.ctx.grad_exists if kind == "embed"
-                                            else 0)
+    def edge_peak_bytes(self, i: int, ac: AC, root: float) -> float:
+        """The backward working set of the embedding or the head (layer ``i`` at checkpointing ``ac``), the
+        largest of its moments: its own (`LayerCost.backward_peak_bytes`: the loss's, before FSDP gathers the root);
+        while its ops make their weights' gradients (`LayerCost.weight_peak_bytes`), with ZeRO-3's gathered root
+        unit ``root`` (`costmodel.memory.fsdp_root_bytes`) and a tied weight's gradients in flight
+        (`tied_in_flight_bytes`: the head's own from its matmul on; at the embedding, the head's, the embedding's
+        own, counted by its layer cost where it is a temporary, and their sum); and, for the head under ZeRO-3, the
+        root's pre-backward unshard, whose flat all-gather output lives through the copy-out into the unsharded
+        parameters (torch 2.13 ``FSDPParamGroup.wait_for_unshard``, freed at its end in backward) beside the
+        logits' gradient, before the head's weight gradient exists. Traced (llama 2 × 256, 32000 words, seq 256,
+        ZeRO-3 on 8 ranks): the head's backward at 2 × 62.5 MiB of root beside the 31.25 MiB logits' gradient."""
+        c, kind = self.cost(i, ac), self.lg.layers[i].kind
+        tied = self.tied_in_flight_bytes
+        own = self.ctx.grad_exists or self.ctx.transient_grads  # (the layer cost counts its own new gradient)
+        tied = tied * (1 if kind == "head" else 3 - own if kind == "embed" else 0)
+        moments = [c.backward_peak_bytes, c.weight_peak_bytes + root + tied]
+        if kind == "head" and root:
+            made = c.param_numel * self.ctx.grad_bytes if own else 0.0
+            moments.append(c.weight_peak_bytes - made + 2 * root)
+        return max(moments)
 
-    def _rank_memory(self, r, rank_of, stages, costs, params, extra=0.0) -> MemoryBreakdown:
+    def _rank_memory(self, r, rank_of, stages, costs, acs, params, extra=0.0) -> MemoryBreakdown:
         cfg = self.cfg
         p_b, always, o_b, _, _ = self.peak_static_bytes(params, extra)
         _, _, _, made_pp, gathered_pp = state_bytes_at_peak(cfg, self.autocast)
-        uneven = self.zero1_excess_bytes([costs[i] for c, idx in enumerate(stages) if rank_of[c] == r for i in idx])
+        rank_costs = [costs[i] for c, idx in enumerate(stages) if rank_of[c] == r for i in idx]
+        uneven = self.zero1_excess_bytes(rank_costs)
         o_b += uneven
+        cast = self.cast_cache_bytes(rank_costs)
+        p_b += cast
         x_made = self.peak_static_bytes(0.0, extra)[3]  # the expert shards' gradients, with the first backward
         # torch's own receive buffers (static, kept from step to step) and the outputs its stages keep for their
         # backward (per micro-batch in flight, pending a weight pass included)
         buffers, per_micro_batch, buffers_after = self.pipeline_buffers(r, [idx[0] for idx in stages])
         # every gradient, no activation left
-        after_backward = sum(self.static_bytes(params, extra)) + buffers_after + uneven
+        after_backward = sum(self.static_bytes(params, extra)) + buffers_after + uneven + cast
         chunks = [c for c in range(len(stages)) if rank_of[c] == r]  # the rank's chunks, in order
         mine = [stages[c] for c in chunks]
         full = [sum(costs[i].act_bytes for i in idx) for idx in mine]
@@ -682,8 +711,8 @@ class Evaluator:
                 if self.lg.layers[i].kind == "block":
                     block_peak = max(block_peak, costs[i].backward_peak_bytes)
                 else:
-                    own = max(costs[i].backward_peak_bytes, costs[i].weight_peak_bytes + root)
-                    edge_peak = max(edge_peak, own - self._freed_before(i, idx, costs) + self._tied_at(i))
+                    edge_peak = max(edge_peak, self.edge_peak_bytes(i, acs[i], root)
+                                    - self._freed_before(i, idx, costs))
         if cfg.zero == 3 and cfg.data_ranks > 1:
             in_block, in_loss = fsdp_gathered_bytes(cfg, held)
             block_peak += in_block

@@ -95,6 +95,10 @@ class LayerCost:
     #: each parameter tensor the layer owns: (its elements on this rank, whether it is a matrix), for ZeRO-1's
     #: partition of whole tensors (`costmodel.memory.zero1_partition_numel`)
     param_sizes: tuple[tuple[float, bool], ...] = ()
+    #: elements on this rank of the parameters its matmuls read directly, which ``torch.autocast`` casts to 16 bits
+    #: and caches for the step (`costmodel.memory.AUTOCAST_COPY_BYTES`; of those it owns: a weight another layer
+    #: owns and it reads, a tied head's, is `costmodel.estimate.Evaluator.cast_cache_bytes`'s)
+    cast_numel: float = 0.0
     #: what torch's zero-bubble schedule keeps of a micro-batch from its input-gradient pass to its weight pass
     #: (pipelining/_backward.py, ``stage_backward_input``, which runs ``autograd.grad(retain_graph=True)``, then
     #: detaches the stage's output): the retained graph's saved activations, less those of the nodes after the last
@@ -212,6 +216,9 @@ class CostContext:
     #: ``AccumulateGrad`` adds the new one into it (in place) and both are alive at once
     #: (`costmodel.memory.grads_accumulate`); else the new gradient becomes ``.grad`` itself
     grad_exists: bool = False
+    #: the embedding's and the head's new gradients are temporaries wherever they are made: FSDP outside a pipeline
+    #: (`costmodel.memory.fsdp_transient_grads`)
+    transient_grads: bool = False
     grad_bytes: int = 4  #: bytes of an element of such a new gradient (the ``.grad``'s dtype)
     #: bytes of an element of a matmul's weight gradient before its cast to the parameter's dtype: 2 under
     #: ``torch.autocast`` (the matmul ran on a 16-bit copy of the fp32 weight), else 0 (no cast)
@@ -839,7 +846,8 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         backward_peak_bytes=rec_peak + grad_working_set, weight_peak_bytes=rec_peak + weights,
         param_numel=param_numel, fwd_flops=fwd_flops,
         recompute_flops=rec_flops, grad_matrices=tuple(matrices), param_tensors=len(counted),
-        param_sizes=tuple(sizes),
+        param_sizes=tuple(sizes), cast_numel=sum(rank_numel.get(p, 0.0) for p in {
+            p for n in layer.nodes if n.kind == "matmul" for p in n.params}),
         pending_bytes=act + weight_outputs - (tail if layer.kind == "head" and ac == AC.NONE else 0.0),
         weight_output_bytes=weight_outputs, ep_comm_fwd_s=ep_f, ep_comm_bwd_s=ep_b, a2a_bytes=a2a_bytes,
         a2a_calls=calls, a2a_count_calls=count_calls, expert_shard_extra=shard_extra,
@@ -858,7 +866,8 @@ def weight_grad_working_set(layer: Layer, ctx: CostContext, rank_numel: Mapping[
     while it is alive (the output gradient freed by then). Where ``.grad`` already exists
     (``CostContext.grad_exists``: DDP's bucket views, or micro-batches after the first that accumulate unsharded),
     autograd's ``AccumulateGrad`` adds the new gradient into it, so the new one is a temporary on top of the held
-    gradients; else it becomes ``.grad`` and counts among the gradients (`costmodel.memory.state_bytes_at_peak`).
+    gradients, as are the embedding's and the head's under FSDP (``CostContext.transient_grads``); else it becomes
+    ``.grad`` and counts among the gradients (`costmodel.memory.state_bytes_at_peak`).
     Traced (MemTracker, one process): a 32000 × 256 head at 16 tokens peaks at 1.95 MiB of logits' gradient plus the
     31.25 MiB new fp32 weight gradient beside the existing one, and under bf16 autocast at the 15.6 MiB 16-bit one
     plus its 31.25 MiB cast; the token embedding's backward makes a dense gradient of the whole table the same way.
@@ -889,7 +898,7 @@ def weight_grad_working_set(layer: Layer, ctx: CostContext, rank_numel: Mapping[
         if layer.kind == "embed":
             grad_in = 0.0  # (token ids)
         w16 = numel * ctx.weight_cast_bytes if n.kind == "matmul" else 0.0
-        new = numel * ctx.grad_bytes if ctx.grad_exists else 0.0
+        new = numel * ctx.grad_bytes if ctx.grad_exists or (ctx.transient_grads and layer.kind != "block") else 0.0
         if w16:
             best = max(best, out + grad_in + w16 - after, grad_in + w16 + new - after)
         else:

@@ -122,7 +122,12 @@ def zero1_partition_numel(sizes: list[tuple[float, bool]], dp: int) -> float:
     return max(load)
 
 
-#: bytes per parameter of autocast's cached 16-bit copy (`state_bytes_per_param`)
+#: bytes per element of autocast's cached 16-bit copy of a parameter it casts: the weights of the ops it runs in 16
+#: bits (matmuls; not an embedding's or a norm's, nor a grouped expert weight cast through a transpose, which is
+#: not a leaf: `costmodel.layercost.LayerCost.cast_numel`), kept until the outermost autocast region exits
+#: (torch/amp/autocast_mode.py, ``clear_autocast_cache``); the runtime's region is the whole training step
+#: (measured here with CPU autocast: an 8192² linear's forward and backward held 128 MiB more inside the region
+#: than after it)
 AUTOCAST_COPY_BYTES = 2.0
 
 
@@ -136,17 +141,12 @@ def state_bytes_per_param(precision: str, zero: int, dp: int, pp: int = 1,
     ``autocast`` (`module_param_bytes`): outside FSDP (ZeRO 0/1) the module's parameters stay fp32 and 16-bit
     training is ``torch.autocast`` (autopar's runtime, `planner.emit.train.autocast`), so the parameters and their
     gradients take 4 bytes and Adam keeps no master copy (K = 8), the fp32 training figures; ZeRO-1
-    (``ZeroRedundancyOptimizer``) shards the two moments only. Autocast also keeps the 16-bit copy of every
-    parameter it casts (its cast cache: fp32 leaves that require grad) until the outermost autocast region exits
-    (torch/amp/autocast_mode.py, ``clear_autocast_cache``), and the runtime's region is the whole training step:
-    2 more bytes per parameter, charged with the parameters (measured here with CPU autocast: an 8192² linear's
-    forward and backward held 128 MiB more inside the region than after it). False: the paper's mixed precision,
-    16-bit parameters and gradients beside a master copy in the optimizer (Megatron-LM and its distributed
-    optimizer, published rows)."""
+    (``ZeroRedundancyOptimizer``) shards the two moments only. Autocast also keeps the 16-bit copy of the
+    parameters it casts, charged per layer with the parameters (`costmodel.layercost.LayerCost.cast_numel`,
+    `AUTOCAST_COPY_BYTES`). False: the paper's mixed precision, 16-bit parameters and gradients beside a master
+    copy in the optimizer (Megatron-LM and its distributed optimizer, published rows)."""
     fp32 = precision == "fp32" or (autocast and zero <= 1)
     p, g, k = (4.0, 4.0, 8.0) if fp32 else (2.0, 2.0, 12.0)
-    if fp32 and precision != "fp32":
-        p += AUTOCAST_COPY_BYTES
     unsharded_param = p
     if zero >= 1:
         k /= dp
@@ -177,12 +177,20 @@ def grads_accumulate(cfg, micro_batches: int) -> bool:
     pipeline stages under FSDP, which turn off its gradient sync until the last micro-batch (`pipelined_fsdp`:
     the unsharded ``.grad`` is kept and added to, torch 2.13's ``FSDPParam.accumulate_unsharded_grad_if_needed``
     where the reduce dtype is the parameter's). FSDP2 outside a pipeline reduce-scatters every micro-batch and drops
-    the unsharded ``.grad``, so each backward's new gradient becomes it."""
+    the unsharded ``.grad``, so each backward's new gradient becomes it (`fsdp_transient_grads`)."""
     if grads_always_held(cfg):
         return True
-    fsdp_each_micro_batch = cfg.zero >= 2 and cfg.data_ranks > 1 and not pipelined_fsdp(cfg.zero, cfg.data_ranks,
-                                                                                        cfg.pp)
-    return micro_batches > 1 and not fsdp_each_micro_batch
+    if pipelined_fsdp(cfg.zero, cfg.data_ranks, cfg.pp):  # (at different dtypes `.grad` is moved to the accumulator
+        # after each backward, `_pipelined_grad_beside`, and the next new gradient becomes it)
+        return micro_batches > 1 and not _pipelined_grad_beside(cfg)
+    return micro_batches > 1 and not (cfg.zero >= 2 and cfg.data_ranks > 1)
+
+
+def fsdp_transient_grads(cfg) -> bool:
+    """Whether the embedding's and the head's new unsharded gradients are neither a held state nor added into one:
+    FSDP2 outside a pipeline, where they live from their layer's backward to the root unit's reduce-scatter (the
+    model states hold only the shards; a block's are `fsdp_reduce_bytes`')."""
+    return cfg.zero >= 2 and cfg.data_ranks > 1 and not pipelined_fsdp(cfg.zero, cfg.data_ranks, cfg.pp)
 
 
 def grads_held_at_peak(cfg, micro_batches: int, rank: int | None = None) -> bool:

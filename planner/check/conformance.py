@@ -49,7 +49,7 @@ from costmodel.compression import FP32, powersgd_rank, powersgd_volume
 from costmodel.config import parse_grad_compress
 from costmodel.estimate import Evaluator
 from costmodel.layercost import is_tp_layer, recompute_comm_bytes, tp_comm_bytes
-from costmodel.memory import AUTOCAST_COPY_BYTES, FRAGMENTATION, autocast_dtype, runtime_reserved_bytes
+from costmodel.memory import FRAGMENTATION, autocast_dtype, runtime_reserved_bytes
 from costmodel.moe import COUNT_BYTES
 from costmodel.overlap import dp_step_bytes, step_scalars, tp_partial_bytes
 from planner.check.fold import extrapolate, fold_plan, makespan, trace_cost, traces_for
@@ -118,7 +118,7 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
         allocated = (parts["peak"] - runtime_reserved_bytes(cfg, cluster.device)) / (1 + FRAGMENTATION)
         # autocast's cast cache (16-bit copies of the parameters, held through the step) is a parameter state to
         # the cost model (`costmodel.memory.state_bytes_per_param`) and tensors made in the step to torch's tracker
-        cache = parts["params"] * AUTOCAST_COPY_BYTES / (4 + AUTOCAST_COPY_BYTES) if autocast and cfg.zero <= 1 else 0
+        cache = ev.cast_cache_bytes([ev.cost(i, acs[i]) for i, s in enumerate(stage_of) if s % cfg.pp == r])
         memory = {"params": parts["params"] - cache, "grads": parts["grads"], "optimizer": parts["optimizer"],
                   "activations": parts["activations"] + cache}
         memory["temporaries"] = allocated - sum(memory.values())

@@ -624,14 +624,11 @@ class Model:
                         s.Add(self.blocks[c, k, a] <= d.counts[k] * u)
                     s.Add(block_peak >= self._b(ev.cost(i, a).backward_peak_bytes) * u + gathered
                           - (0.0 if zero_bubble else head_act))
-            root = self._b(fsdp_root_bytes(cfg, held_layers(d.vectors(r)[0])))  # (ZeRO-3 outside a pipeline)
+            root = fsdp_root_bytes(cfg, held_layers(d.vectors(r)[0]))  # (ZeRO-3 outside a pipeline)
             for i, rr in d.fixed_rank.items():
                 if rr != r:
                     continue
                 own = sum(self._b(ev.cost(i, a).backward_peak_bytes) * self.fixed_ac[i, a] for a in d.fixed_acs[i])
-                # ...or while its weights' gradients are made, with FSDP's root gathered (not for the loss)
-                weights = sum(self._b(ev.cost(i, a).weight_peak_bytes + root) * self.fixed_ac[i, a]
-                              for a in d.fixed_acs[i])
                 if ev.lg.layers[i].kind == "block":  # a block of another kind beside the embedding or the head
                     s.Add(block_peak >= own + gathered - (0.0 if zero_bubble else head_act))
                     continue
@@ -641,12 +638,14 @@ class Model:
                     (u,) = [c for c in stages if i in _fixed_on_stage(d, c)]
                     mine = sum(self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a] for a in d.fixed_acs[i])
                     freed = self.layer_sum([u], lambda x: self._b(x.act_bytes)) - mine
-                for lhs in (own, weights):
-                    s.Add(peak >= lhs + held - freed + self._b(ev._tied_at(i)))
+                edge = sum(self._b(ev.edge_peak_bytes(i, a, root)) * self.fixed_ac[i, a] for a in d.fixed_acs[i])
+                s.Add(peak >= edge + held - freed)
             if zero_bubble:  # the larger of the two moments, as one bound on `peak`
                 s.Add(peak >= act_building - act + block_peak)
             # ZeRO-1's partition of whole tensors: its most loaded rank's optimizer state beyond the even share
-            uneven = self.tab(r, lambda v, r=r: self._b(ev.zero1_excess_bytes(_rank_layer_costs(d, r, v))))[0]
+            # (and autocast's cached 16-bit weights, charged with the parameters)
+            uneven = self.tab(r, lambda v, r=r: self._b(ev.zero1_excess_bytes(_rank_layer_costs(d, r, v))
+                                                        + ev.cast_cache_bytes(_rank_layer_costs(d, r, v))))[0]
             allocated = self._b(per_param) * params + act + peak + uneven
             # expert shards beyond the held parameters (ZeRO 2/3 with expert parallelism), at both moments
             x_peak, x_after = sum(ev.peak_static_bytes(0.0, 1.0)[:3]), sum(ev.static_bytes(0.0, 1.0))
