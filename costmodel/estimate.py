@@ -49,6 +49,7 @@ from costmodel.memory import (
     dp_reduction_temp_bytes,
     fsdp_edge_bytes,
     fsdp_gathered_bytes,
+    fsdp_padding_numel,
     fsdp_reduce_bytes,
     fsdp_root_bytes,
     fsdp_transient_grads,
@@ -530,7 +531,18 @@ class Evaluator:
             return 0.0
         sizes = [s for c in costs for s in c.param_sizes]
         k = plan_state_bytes(self.cfg, self.autocast)[2] * dp  # the state's bytes per element, before sharding
-        return k * max(0.0, zero1_partition_numel(sizes, dp) - sum(n for n, _ in sizes) / dp)
+        return k * max(0.0, zero1_partition_numel(sizes, dp) - sum(n for n, _, _ in sizes) / dp)
+
+    def fsdp_padding_bytes(self, costs: list[LayerCost]) -> tuple[float, float, float]:
+        """(parameter, gradient, optimizer) bytes of the padding of a rank's FSDP2 shards (ZeRO 2/3) holding the
+        layers of ``costs``, beyond the even share `static_bytes` charges (`costmodel.memory.fsdp_padding_numel`):
+        the fp32 shard, the gradient shard and Adam's two moments of each padded element. Without expert
+        parallelism only (under it the experts' shards are `LayerCost.expert_shard_extra`'s, not padded here)."""
+        dp = self.cfg.data_ranks
+        if self.cfg.zero < 2 or dp == 1 or self.cfg.ep > 1:
+            return 0.0, 0.0, 0.0
+        x = fsdp_padding_numel([s for c in costs for s in c.param_sizes], dp)
+        return 4.0 * x, 4.0 * x, 8.0 * x
 
     def extra_bytes_per_param(self) -> tuple[float, float, float]:
         """Bytes per `LayerCost.expert_shard_extra` parameter: FSDP's fp32 shard, gradient shard and two moments
@@ -668,8 +680,11 @@ class Evaluator:
         p_b, always, o_b, _, _ = self.peak_static_bytes(params, extra)
         _, _, _, made_pp, gathered_pp = state_bytes_at_peak(cfg, self.autocast)
         rank_costs = [costs[i] for c, idx in enumerate(stages) if rank_of[c] == r for i in idx]
-        uneven = self.zero1_excess_bytes(rank_costs)
-        o_b += uneven
+        pad_p, pad_g, pad_o = self.fsdp_padding_bytes(rank_costs)  # (gradient shards charged from the start)
+        uneven = self.zero1_excess_bytes(rank_costs) + pad_p + pad_g + pad_o
+        o_b += uneven - pad_p - pad_g
+        p_b += pad_p
+        always += pad_g
         cast = self.cast_cache_bytes(rank_costs)
         p_b += cast
         x_made = self.peak_static_bytes(0.0, extra)[3]  # the expert shards' gradients, with the first backward

@@ -92,9 +92,10 @@ class LayerCost:
     recompute_flops: float  #: recomputed FLOPs of the whole layer, for hardware FLOPs
     grad_matrices: tuple[tuple[int, int], ...]  #: local 2-D gradient shapes (for PowerSGD), others count as vectors
     param_tensors: int = 0  #: parameter tensors the layer owns (collectives issued per tensor)
-    #: each parameter tensor the layer owns: (its elements on this rank, whether it is a matrix), for ZeRO-1's
-    #: partition of whole tensors (`costmodel.memory.zero1_partition_numel`)
-    param_sizes: tuple[tuple[float, bool], ...] = ()
+    #: each parameter tensor the layer owns: (its elements on this rank, whether it is a matrix, its rows on this
+    #: rank), for ZeRO-1's partition of whole tensors (`costmodel.memory.zero1_partition_numel`) and FSDP's padded
+    #: shards (`costmodel.memory.fsdp_padding_numel`)
+    param_sizes: tuple[tuple[float, bool, int], ...] = ()
     #: elements on this rank of the parameters its matmuls read directly, which ``torch.autocast`` casts to 16 bits
     #: and caches for the step (`costmodel.memory.AUTOCAST_COPY_BYTES`; of those it owns: a weight another layer
     #: owns and it reads, a tied head's, is `costmodel.estimate.Evaluator.cast_cache_bytes`'s)
@@ -803,7 +804,8 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
                     partial_experts += cnt * f if partial else 0.0
                 param_numel += cnt * f
                 rank_numel[p] = cnt * f
-                sizes.append((cnt * f, len(shape) >= 2))
+                rows = shape[0] // (ctx.tp if f < 1 and n.tp_role in ("column", "vocab") else 1) if shape else 1
+                sizes.append((cnt * f, len(shape) >= 2, max(1, int(rows))))
                 partial_numel += cnt * f if partial else 0.0
                 if len(shape) >= 2:
                     rows = shape[0] // (tp if f < 1 and n.tp_role in ("column", "vocab") else 1)

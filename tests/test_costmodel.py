@@ -138,8 +138,8 @@ def test_estimate_model_states_match_zero_formula(gpt):
         assert m.params == pytest.approx(p * psi + cached, rel=1e-9)
         assert m.grads == pytest.approx(g * psi, rel=1e-9)
         if z == 1:
-            tensors = [(q.numel, len(q.shape) >= 2) for q in gpt.model.params if not q.is_buffer]
-            assert sum(n for n, _ in tensors) == psi
+            tensors = [(q.numel, len(q.shape) >= 2, q.shape[0]) for q in gpt.model.params if not q.is_buffer]
+            assert sum(n for n, _, _ in tensors) == psi
             assert m.optimizer == pytest.approx(k * 8 * zero1_partition_numel(tensors, 8), rel=1e-9)
             assert m.optimizer > k * psi
         else:
@@ -169,7 +169,7 @@ def test_zero1_partition_is_torchs_own():
                 groups = [{"params": mats}] + ([{"params": vecs}] if vecs else [])
                 opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.SGD, lr=0.1)
                 most = max(sum(p.numel() for g in rank for p in g["params"]) for rank in opt._partition_parameters())
-                sizes = [(p.numel(), True) for p in mats] + [(p.numel(), False) for p in vecs]
+                sizes = [(p.numel(), True, p.shape[0]) for p in mats] + [(p.numel(), False, p.shape[0]) for p in vecs]
                 assert zero1_partition_numel(sizes, world) == most
         finally:
             dist.destroy_process_group()
