@@ -117,12 +117,13 @@ def fsdp_padding_numel(sizes: list[tuple[float, bool, int]], dp: int) -> float:
 
 def zero1_partition_numel(sizes: list[tuple[float, bool, int]], dp: int) -> float:
     """The most parameter elements whose optimizer state one of ``dp`` ranks keeps under ZeRO-1, for parameter
-    tensors ``sizes`` ((elements, is a matrix) each). torch 2.13's ``ZeroRedundancyOptimizer._partition_parameters``
-    gives whole tensors: each parameter group sorted by size, largest first, each tensor to the rank with the fewest
-    elements so far (the first such), the counts carried from group to group; autopar's runtime makes the matrices
-    its first group and the vectors its second (`planner.emit.train.build_optimizer`). A tensor larger than a rank's
-    even share (an embedding at large dp) is one rank's alone: traced, llama 2 × 256 with 32000 words on 8 ranks,
-    rank 0 keeps the 31.25 MiB embedding's two moments (62.5 MiB), not 1/8 of the model's 141 MiB."""
+    tensors ``sizes`` ((elements, is a matrix, rows) each; the rows do not matter here). torch 2.13's
+    ``ZeroRedundancyOptimizer._partition_parameters`` gives whole tensors: each parameter group sorted by size,
+    largest first, each tensor to the rank with the fewest elements so far (the first such), the counts carried
+    from group to group; autopar's runtime makes the matrices its first group and the vectors its second
+    (`planner.emit.train.build_optimizer`). A tensor larger than a rank's even share (an embedding at large dp) is
+    one rank's alone: traced, llama 2 × 256 with 32000 words on 8 ranks, rank 0 keeps the 31.25 MiB embedding's two
+    moments (62.5 MiB), not 1/8 of the model's 141 MiB."""
     load = [0.0] * dp
     for matrices in (True, False):
         for n in sorted((n for n, m, _ in sizes if m == matrices), reverse=True):
