@@ -544,6 +544,14 @@ class Evaluator:
         x = fsdp_padding_numel([s for c in costs for s in c.param_sizes], dp)
         return 4.0 * x, 4.0 * x, 8.0 * x
 
+    def rank_state_extras(self, costs: list[LayerCost]) -> tuple[float, float, float]:
+        """(parameter, gradient, optimizer) bytes a rank holding the layers of ``costs`` keeps beyond the per-parameter
+        states of `static_bytes`, at every moment of the step: autocast's cached 16-bit weights
+        (`cast_cache_bytes`), FSDP's padded shards (`fsdp_padding_bytes`, the gradient shards charged from the
+        start) and ZeRO-1's uneven partition (`zero1_excess_bytes`). The estimate and the ILP read them here."""
+        pad_p, pad_g, pad_o = self.fsdp_padding_bytes(costs)
+        return self.cast_cache_bytes(costs) + pad_p, pad_g, pad_o + self.zero1_excess_bytes(costs)
+
     def extra_bytes_per_param(self) -> tuple[float, float, float]:
         """Bytes per `LayerCost.expert_shard_extra` parameter: FSDP's fp32 shard, gradient shard and two moments
         over dp (ZeRO 2/3); nothing otherwise (a rank then holds its own experts only)."""
@@ -666,9 +674,8 @@ class Evaluator:
         logits' gradient, before the head's weight gradient exists. Traced (llama 2 × 256, 32000 words, seq 256,
         ZeRO-3 on 8 ranks): the head's backward at 2 × 62.5 MiB of root beside the 31.25 MiB logits' gradient."""
         c, kind = self.cost(i, ac), self.lg.layers[i].kind
-        tied = self.tied_in_flight_bytes
         own = self.ctx.grad_exists or self.ctx.transient_grads  # (the layer cost counts its own new gradient)
-        tied = tied * (1 if kind == "head" else 3 - own if kind == "embed" else 0)
+        tied = self.tied_in_flight_bytes * {"head": 1, "embed": 2 if own else 3}.get(kind, 0)
         moments = [c.backward_peak_bytes, c.weight_peak_bytes + root + tied]
         if kind == "head" and root:
             made = c.param_numel * self.ctx.grad_bytes if own else 0.0
@@ -680,19 +687,14 @@ class Evaluator:
         p_b, always, o_b, _, _ = self.peak_static_bytes(params, extra)
         _, _, _, made_pp, gathered_pp = state_bytes_at_peak(cfg, self.autocast)
         rank_costs = [costs[i] for c, idx in enumerate(stages) if rank_of[c] == r for i in idx]
-        pad_p, pad_g, pad_o = self.fsdp_padding_bytes(rank_costs)  # (gradient shards charged from the start)
-        uneven = self.zero1_excess_bytes(rank_costs) + pad_p + pad_g + pad_o
-        o_b += uneven - pad_p - pad_g
-        p_b += pad_p
-        always += pad_g
-        cast = self.cast_cache_bytes(rank_costs)
-        p_b += cast
+        more_p, more_g, more_o = self.rank_state_extras(rank_costs)
+        p_b, always, o_b = p_b + more_p, always + more_g, o_b + more_o
         x_made = self.peak_static_bytes(0.0, extra)[3]  # the expert shards' gradients, with the first backward
         # torch's own receive buffers (static, kept from step to step) and the outputs its stages keep for their
         # backward (per micro-batch in flight, pending a weight pass included)
         buffers, per_micro_batch, buffers_after = self.pipeline_buffers(r, [idx[0] for idx in stages])
         # every gradient, no activation left
-        after_backward = sum(self.static_bytes(params, extra)) + buffers_after + uneven + cast
+        after_backward = sum(self.static_bytes(params, extra)) + buffers_after + more_p + more_g + more_o
         chunks = [c for c in range(len(stages)) if rank_of[c] == r]  # the rank's chunks, in order
         mine = [stages[c] for c in chunks]
         full = [sum(costs[i].act_bytes for i in idx) for idx in mine]

@@ -804,11 +804,10 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
                     partial_experts += cnt * f if partial else 0.0
                 param_numel += cnt * f
                 rank_numel[p] = cnt * f
-                rows = shape[0] // (ctx.tp if f < 1 and n.tp_role in ("column", "vocab") else 1) if shape else 1
+                rows = shape[0] // (tp if f < 1 and n.tp_role in ("column", "vocab") else 1) if shape else 1
                 sizes.append((cnt * f, len(shape) >= 2, max(1, int(rows))))
                 partial_numel += cnt * f if partial else 0.0
                 if len(shape) >= 2:
-                    rows = shape[0] // (tp if f < 1 and n.tp_role in ("column", "vocab") else 1)
                     cols = _prod(shape[1:]) // (tp if f < 1 and n.tp_role == "row" else 1)
                     matrices.append((int(rows), int(cols)))
     # backward's working set: while a node's backward runs, the gradient of its output and the gradient it makes for

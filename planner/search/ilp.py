@@ -642,12 +642,8 @@ class Model:
                 s.Add(peak >= edge + held - freed)
             if zero_bubble:  # the larger of the two moments, as one bound on `peak`
                 s.Add(peak >= act_building - act + block_peak)
-            # ZeRO-1's partition of whole tensors: its most loaded rank's optimizer state beyond the even share
-            # (and autocast's cached 16-bit weights, charged with the parameters)
-            # (and FSDP's padded shards)
-            uneven = self.tab(r, lambda v, r=r: self._b(ev.zero1_excess_bytes(_rank_layer_costs(d, r, v))
-                                                        + ev.cast_cache_bytes(_rank_layer_costs(d, r, v))
-                                                        + sum(ev.fsdp_padding_bytes(_rank_layer_costs(d, r, v)))))[0]
+            # the rank's states beyond the per-parameter ones (autocast's cache, FSDP's padding, ZeRO-1's partition)
+            uneven = self.tab(r, lambda v, r=r: self._b(sum(ev.rank_state_extras(_rank_layer_costs(d, r, v)))))[0]
             allocated = self._b(per_param) * params + act + peak + uneven
             # expert shards beyond the held parameters (ZeRO 2/3 with expert parallelism), at both moments
             x_peak, x_after = sum(ev.peak_static_bytes(0.0, 1.0)[:3]), sum(ev.static_bytes(0.0, 1.0))
