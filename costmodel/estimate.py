@@ -47,6 +47,7 @@ from costmodel.memory import (
     autocast_dtype,
     ddp_largest_bucket,
     dp_reduction_temp_bytes,
+    fsdp_chunk_gathered,
     fsdp_edge_bytes,
     fsdp_gathered_bytes,
     fsdp_padding_numel,
@@ -662,7 +663,7 @@ class Evaluator:
             return 0.0
         return sum(costs[j].act_bytes for j in chunk if j != i)
 
-    def edge_peak_bytes(self, i: int, ac: AC, root: float) -> float:
+    def edge_peak_bytes(self, i: int, ac: AC, root: float, prefetch: float = 0.0) -> float:
         """The backward working set of the embedding or the head (layer ``i`` at checkpointing ``ac``), the
         largest of its moments: its own (`LayerCost.backward_peak_bytes`: the loss's, before FSDP gathers the root);
         while its ops make their weights' gradients (`LayerCost.weight_peak_bytes`), with ZeRO-3's gathered root
@@ -671,16 +672,24 @@ class Evaluator:
         own, counted by its layer cost where it is a temporary, and their sum); and, for the head under ZeRO-3, the
         root's pre-backward unshard, whose flat all-gather output lives through the copy-out into the unsharded
         parameters (torch 2.13 ``FSDPParamGroup.wait_for_unshard``, freed at its end in backward) beside the
-        logits' gradient, before the head's weight gradient exists. Traced (llama 2 × 256, 32000 words, seq 256,
-        ZeRO-3 on 8 ranks): the head's backward at 2 × 62.5 MiB of root beside the 31.25 MiB logits' gradient."""
+        logits' gradient, before the head's weight gradient exists; the next unit's all-gather output ``prefetch``
+        is in flight from then on (pipelined ZeRO 3, `costmodel.memory.fsdp_chunk_gathered`). Traced (llama 2 × 256,
+        32000 words, seq 256, ZeRO-3 on 8 ranks): the head's backward at 2 × 62.5 MiB of root beside the 31.25 MiB
+        logits' gradient."""
+        return max(self.edge_moments(i, ac, root, prefetch))
+
+    def edge_moments(self, i: int, ac: AC, root: float, prefetch: float = 0.0) -> list[float]:
+        """`edge_peak_bytes`' moments, in order: the layer's own, its weights' gradients (the only one ``root``'s
+        gathering adds to beyond the head's, and ``prefetch`` to), and for the head under ZeRO-3 the root's
+        copy-out (the ILP adds its expressions to the second)."""
         c, kind = self.cost(i, ac), self.lg.layers[i].kind
         own = self.ctx.grad_exists or self.ctx.transient_grads  # (the layer cost counts its own new gradient)
         tied = self.tied_in_flight_bytes * {"head": 1, "embed": 2 if own else 3}.get(kind, 0)
-        moments = [c.backward_peak_bytes, c.weight_peak_bytes + root + tied]
+        moments = [c.backward_peak_bytes, c.weight_peak_bytes + root + prefetch + tied]
         if kind == "head" and root:
             made = c.param_numel * self.ctx.grad_bytes if own else 0.0
             moments.append(c.weight_peak_bytes - made + 2 * root)
-        return max(moments)
+        return moments
 
     def _rank_memory(self, r, rank_of, stages, costs, acs, params, extra=0.0) -> MemoryBreakdown:
         cfg = self.cfg
@@ -704,7 +713,6 @@ class Evaluator:
         pending = [full[k] if c == 0 else sum(costs[i].pending_bytes for i in idx)
                    for k, (c, idx) in enumerate(zip(chunks, mine))]
         building = [0.0 if c == 0 else sum(costs[i].weight_output_bytes for i in idx) for c, idx in zip(chunks, mine)]
-        zero_bubble = cfg.schedule == Schedule.ZERO_BUBBLE and cfg.pp > 1
         states = held_states(cfg.schedule, cfg.pp, cfg.vpp, r, self.m)
         held_by = [buffers + sum(f * a + p * b + (f + p) * x
                                  for f, p, a, b, x in zip(fs, ps, full, pending, per_micro_batch))
@@ -715,33 +723,75 @@ class Evaluator:
                     for _, _, made, _ in states]
         gathered_at = [sum(d * n for d, n in zip(gath, chunk_params)) * gathered_pp for *_, gath in states]
         with_grads = [h + g + q for h, g, q in zip(held_by, grads_at, gathered_at)]
-        top = max(range(len(states)), key=with_grads.__getitem__)
-        act, g_b, p_b = held_by[top], always + grads_at[top], p_b + gathered_at[top]
-        # ...and while a block's input pass runs, those gradients built so far on top (all of them at the last)
-        building_peak = max(h + max((g for f, g in zip(fs, building) if f >= 1), default=0.0)
-                            for h, (fs, *_) in zip(with_grads, states)) - with_grads[top] if zero_bubble else 0.0
         held = [(self.lg.layers[i].kind, costs[i].param_numel) for idx in mine for i in idx]
         root = fsdp_root_bytes(cfg, held)  # (gathered when the head's weight gradients are made, not for its loss)
-        block_peak = edge_peak = 0.0  # the largest backward working set of a block, and of the embedding/head
-        for idx in mine:
-            for i in idx:
-                if self.lg.layers[i].kind == "block":
-                    block_peak = max(block_peak, costs[i].backward_peak_bytes)
-                else:
-                    edge_peak = max(edge_peak, self.edge_peak_bytes(i, acs[i], root)
-                                    - self._freed_before(i, idx, costs))
-        if cfg.zero == 3 and cfg.data_ranks > 1:
-            in_block, in_loss = fsdp_gathered_bytes(cfg, held)
-            block_peak += in_block
-            edge_peak += in_loss
-        block_peak += head_grad_bytes(cfg, held, self.m, r, self.autocast) + fsdp_reduce_bytes(cfg, held)
-        block_peak += self.tied_in_flight_bytes if block_peak else 0.0
+        kinds = [[self.lg.layers[i].kind for i in idx] for idx in mine]
+        blocks = [(costs[i].backward_peak_bytes, costs[i].act_bytes) for idx, ks in zip(mine, kinds)
+                  for i, kind in zip(idx, ks) if kind == "block"]
+        block_peak = max((b for b, _ in blocks), default=0.0)  # the largest backward working set of a block
+        # pipelined ZeRO 3 (`costmodel.memory.fsdp_chunk_gathered`): what a backward gathers of its chunk where the
+        # state does not hold it gathered already; elsewhere nothing beyond ZeRO-3's own `root` and `in_block`
+        chunk_whole = [gathered_pp * n for n in chunk_params]
+        chunk_root = [gathered_pp * sum(costs[i].param_numel for i, kind in zip(idx, ks) if kind != "block")
+                      for idx, ks in zip(mine, kinds)]
+        largest = gathered_pp * max((costs[i].param_numel for idx, ks in zip(mine, kinds) for i, kind in zip(idx, ks)
+                                     if kind == "block"), default=0.0)
+        edges = []  # the embedding's and head's: (chunk, bytes with the chunk gathered at the state, without)
+        for k, (idx, ks) in enumerate(zip(mine, kinds)):
+            for i, kind in zip(idx, ks):
+                if kind != "block":
+                    freed = self._freed_before(i, idx, costs)
+                    gathered = self.edge_peak_bytes(i, acs[i], root) - freed
+                    if gathered_pp:
+                        held_here, prefetch = fsdp_chunk_gathered(kind, chunk_whole[k], chunk_root[k], largest)
+                        edges.append((k, gathered, self.edge_peak_bytes(i, acs[i], held_here, prefetch) - freed))
+                    else:
+                        edges.append((k, gathered, gathered))
+        in_block = fsdp_gathered_bytes(cfg, held) if cfg.zero == 3 and cfg.data_ranks > 1 else 0.0
+        extra = head_grad_bytes(cfg, held, self.m, r, self.autocast) + fsdp_reduce_bytes(cfg, held)
+        extra += self.tied_in_flight_bytes
+        zero_bubble = cfg.schedule == Schedule.ZERO_BUBBLE and cfg.pp > 1
+        # pipelined ZeRO 3: a chunk's lowest block's backward, with its chunk gathered whole and the micro-batch's
+        # other blocks' activations freed (an input pass frees none); and, in a chunk whose output is its top block's
+        # (no head), the root's pre-backward copy-out beside the top block and the next one's buffer: the root's
+        # flat all-gather output and its unsharded parameters (traced, llama 4 × 256 at 256 tokens, stage 0: the
+        # 7.8 MiB embedding twice, a 3.0 MiB block and the next one's buffer)
+        lowest, copy_out = [], []
+        if gathered_pp and blocks:
+            own = max(b + (0.0 if zero_bubble else a) for b, a in blocks)
+            lowest = [(k, own - (0.0 if zero_bubble else sum(costs[i].act_bytes for i, kind in zip(idx, ks)
+                                                             if kind == "block")), chunk_whole[k])
+                      for k, (idx, ks) in enumerate(zip(mine, kinds))]
+            copy_out = [(k, chunk_root[k]) for k, ks in enumerate(kinds) if "head" not in ks and chunk_root[k]]
         # a block's backward comes after the head's: that micro-batch's head activations (the logits) are gone
         head_act = sum(costs[i].act_bytes for idx in mine for i in idx if self.lg.layers[i].kind == "head")
-        if zero_bubble:  # the input pass keeps the head's activations (retain_graph) until it ends
-            temp = max(block_peak + building_peak, edge_peak)
-        else:
-            temp = max(block_peak - head_act if block_peak else 0.0, edge_peak)
+
+        def moment(gath):  # the backward working sets beyond the state, its chunks gathered as ``gath`` says
+            edge = max((e_in if gathered_pp and gath[k] else e_out for k, e_in, e_out in edges), default=0.0)
+            if not blocks:
+                return 0.0, edge
+            if not gathered_pp:
+                return block_peak + in_block + extra - (0.0 if zero_bubble else head_act), edge
+            top = in_block * (1 - min(gath))  # (the rank's roots and largest blocks: the search sees counts)
+            block = max([block_peak + top] + [b + w * (1 - gath[k]) for k, b, w in lowest]
+                        + [top + w * (1 - gath[k]) for k, w in copy_out]) + extra
+            return block - (0.0 if zero_bubble else head_act), edge
+
+        # the heaviest state of each gathering of the rank's chunks, with the moments that gathering leaves
+        peaks = []
+        for gath in sorted({g for *_, g in states}):
+            at = [s for s, (*_, g) in enumerate(states) if g == gath]
+            top = max(at, key=with_grads.__getitem__)
+            block, edge = moment(gath)
+            if zero_bubble:  # ...and while a block's input pass runs, those gradients built so far on top
+                built = max(with_grads[s] + max((g for f, g in zip(states[s][0], building) if f >= 1), default=0.0)
+                            for s in at) - with_grads[top]
+                temp = max(block + built, edge)
+            else:
+                temp = max(block, edge)
+            peaks.append((with_grads[top] + temp, top, temp))
+        _, top, temp = max(peaks)
+        act, g_b, p_b = held_by[top], always + grads_at[top], p_b + gathered_at[top]
         whole = 1.0
         if self.grad_kind == "powersgd" and cfg.data_ranks > 1:
             # error feedback (one fp32 copy of the local gradients) and the low-rank factors, held step to step

@@ -284,25 +284,42 @@ def _pipelined_grad_beside(cfg) -> bool:
     return cfg.fsdp_in_pipeline and cfg.param_bytes != fsdp_reduce_dtype_bytes(cfg)
 
 
-def fsdp_gathered_bytes(cfg, layers: list[tuple[str, float]]) -> tuple[float, float]:
-    """ZeRO-3 (FSDP2) memory beyond the shards on a rank holding ``layers`` ((kind, parameters) pairs), as (during a
-    block's backward, during the loss's backward). The root module's parameters (embedding, head, final norm),
-    gathered again by the root's pre-backward hook, stay unsharded until the end of the backward, and so does the
-    head's gradient from the head's backward on (the root reduce-scatters last; the embedding's gradient comes
-    after the blocks'); a block's backward adds that block and the prefetched next one, gathered in the training
-    precision (traced: llama3-8b on 8 ranks peaks in a block's backward with the root's 3.9 GiB of fp32
-    parameters and the head's 2.0 GiB gradient unsharded). The loss's own backward adds nothing: the runtime
-    computes the loss outside the model, so it runs before the root's hook gathers (traced: a 4-block MoE on 8
-    ranks holds only the shards then, and gathers the root's 250 MiB at the head's backward, after the loss's
-    working set). Under pipelining the same root and blocks are gathered (a forward reshards them, a backward leaves
-    them gathered: the chunk's own are charged at the states after one, `state_bytes_at_peak`; traced: llama
-    8×1024, dp4 pp2 1F1B m = 8, a steady backward's first block with the root's 125 MiB and one block gathered);
-    the head's gradient is an accumulator there (`fsdp_reduce_bytes` and `head_grad_bytes` say when it is not
-    all)."""
+def fsdp_gathered_bytes(cfg, layers: list[tuple[str, float]]) -> float:
+    """ZeRO-3 (FSDP2) memory beyond the shards during a block's backward on a rank holding ``layers`` ((kind,
+    parameters) pairs). The root module's parameters (embedding, head, final norm), gathered again by the root's
+    pre-backward hook, stay unsharded until the end of the backward, and so does the head's gradient from the head's
+    backward on (the root reduce-scatters last; the embedding's gradient comes after the blocks'); a block's
+    backward adds that block and the prefetched next one, gathered in the training precision (traced: llama3-8b on 8
+    ranks peaks in a block's backward with the root's 3.9 GiB of fp32 parameters and the head's 2.0 GiB gradient
+    unsharded). The loss's own backward adds nothing: the runtime computes the loss outside the model, so it runs
+    before the root's hook gathers (traced: a 4-block MoE on 8 ranks holds only the shards then, and gathers the
+    root's 250 MiB at the head's backward, after the loss's working set). Under pipelining the same root and blocks
+    are gathered at a chunk's top block (a forward reshards them, a backward leaves them gathered:
+    `fsdp_chunk_gathered` has the chunk's other moments; traced: llama 8×1024, dp4 pp2 1F1B m = 8, a steady
+    backward's first block with the root's 125 MiB and one block gathered); the head's gradient is an accumulator
+    there (`fsdp_reduce_bytes` and `head_grad_bytes` say when it is not all)."""
     blocks = sorted(n for kind, n in layers if kind == "block")[-2:]
     root = sum(n for kind, n in layers if kind != "block")
     head = 0.0 if cfg.fsdp_in_pipeline else sum(n for kind, n in layers if kind == "head")
-    return cfg.param_bytes * (sum(blocks) + root + head), 0.0
+    return cfg.param_bytes * (sum(blocks) + root + head)
+
+
+def fsdp_chunk_gathered(kind: str, chunk: float, root: float, block: float) -> tuple[float, float]:
+    """Pipelined ZeRO 3: what the backward of a layer of ``kind`` (the embedding or the head) finds of its chunk,
+    as (gathered, all-gather output in flight), given the chunk's unsharded parameters ``chunk``, its root unit's
+    ``root`` (its layers other than blocks) and its largest block's ``block``. Under pipelining each forward
+    reshards its units and each backward leaves them gathered (torch 2.13's ``PipelineStage`` sets
+    ``reshard_after_backward`` off), so a chunk's backward gathers it unit by unit and holds what it gathered. The
+    head's backward comes first: the root gathered and the top block's all-gather prefetched (``_backward_prefetch``
+    after the root's copy-out; its output buffer is allocated when issued, the block's parameters only at its own
+    pre-backward). The embedding's comes last, with the whole chunk gathered. A block's moments are the top block's
+    (`fsdp_gathered_bytes`: the root, the block and the next one's buffer) and the lowest's (the whole chunk, nothing
+    left to prefetch). A state whose chunk's last pass was a backward holds it whole already
+    (`state_bytes_at_peak`), and the moment gathers nothing. Traced, dp 4 pp 2 ZeRO-3 1F1B: the last stage's peak
+    is the head's backward with the head gathered and a block's buffer (31.25 + 4.0 MiB, llama 2 × 256 with 32000
+    words; 15.6 + 7.0 MiB, a 4-expert MoE); llama 8 × 512 with full checkpointing peaks in each stage's lowest
+    block's backward, the chunk's 79.6 MiB gathered whole."""
+    return (root, block) if kind == "head" else (chunk, 0.0)
 
 
 def fsdp_edge_bytes(cfg, layers: list[tuple[str, float]], micro_batches: int) -> float:

@@ -237,7 +237,7 @@ def test_pipelined_fsdp_keeps_a_new_bf16_gradient_beside_its_accumulator():
     layers = [("embedding", 100.0), ("block", 10.0), ("block", 12.0), ("head", 100.0)]
     bf16 = ParallelConfig(dp=4, pp=2, zero=3, precision="bf16")
     assert fsdp_reduce_bytes(bf16, layers) == 2 * (12.0 + 100.0)
-    assert fsdp_gathered_bytes(bf16, layers)[0] == 2 * (100.0 + 12.0 + 10.0 + 100.0)  # root and two blocks
+    assert fsdp_gathered_bytes(bf16, layers) == 2 * (100.0 + 12.0 + 10.0 + 100.0)  # root and two blocks
     assert head_grad_bytes(bf16, layers, 2, 1) == 0.0  # (counted by fsdp_reduce_bytes)
     assert fsdp_reduce_bytes(dataclasses.replace(bf16, grad_compress="bf16"), layers) == 0.0  # .grad accumulates
     # the accumulators are in the reduce dtype: fp32, or the 16 bits a compressing plan reduces in

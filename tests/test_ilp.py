@@ -136,6 +136,20 @@ def test_ilp_equals_brute_force(seed):
     assert sol.gap <= 1e-6
 
 
+@pytest.mark.parametrize("seed", [0, 60, 80, 161, 192, 214, 288, 298])
+def test_pipelined_zero3_equals_brute_force(seed):
+    """Pipelined ZeRO 3 gathers a chunk on its backward (`costmodel.memory.fsdp_chunk_gathered`): each moment's
+    gathering beyond the states that hold the chunk gathered already, so the ILP bounds the rank per group of states
+    (one per gathering). Seeds of `random_problem` that draw such a plan (1F1B, GPipe, interleaved, zero-bubble;
+    3 of the 60 of `test_ilp_equals_brute_force` do)."""
+    lg, cl, cfg, gb, grad_opts, pp_opts = random_problem(seed)
+    assert cfg.pp > 1 and cfg.zero == 3 and cfg.data_ranks > 1
+    expected = brute_force(lg, cl, cfg, gb, grad_opts, pp_opts)
+    assert expected is not None
+    sol = ilp.solve(lg, cl, cfg, gb, grad_opts=grad_opts, pp_opts=pp_opts)
+    assert sol.objective == pytest.approx(expected, rel=1e-6), (cfg, sol.config, sol.acs, sol.stage_of)
+
+
 @pytest.mark.parametrize("schedule", [Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE])
 def test_zero3_chunks_of_uneven_size_are_costed_as_evaluated(schedule):
     """ZeRO-3 counts each stage's blocks on its own (its overlap is per stage), so a rank's chunks may hold different

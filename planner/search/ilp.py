@@ -27,7 +27,7 @@ Variables (dicts keyed by meaning):
 - ``compress["dp", k]``, ``compress["pp", k]`` ∈ {0,1}: gradient / boundary compression (one each).
 - continuous: ``stage_time[c]``, ``bottleneck``, ``finish``, the epigraph variables of the max(0, ·) terms
   (``fsdp_excess[c, "fwd"|"bwd"]``, ``dp_excess[r, k]``, ``dp_tail[r, k]``, ``zero2_excess[r, …]``), the
-  recomputation peak ``rec_peak[r]``.
+  recomputation peak ``rec_peak[r, g]`` (g: a group of the rank's states, below).
 
 Objective (`add_objective`): step = (m − φ)·bottleneck + φ·Σ_r T_r + finish, which equals evaluate's
 m·max_r T_r + φ·(Σ_r T_r − max_r T_r) + max_r finish_r because m ≥ φ (m ≥ 1, φ ≤ 1).
@@ -54,10 +54,13 @@ Constraint families, one function each:
    (tabulated).
 6. `add_memory`: per rank, 1.05·(params + grads + optimizer + in-flight activations + backward peak +
    temporaries) + reserve ≤ capacity (`costmodel.memory`); blocks weigh the rank's average in-flight count, the
-   embedding and head their own chunk's; the backward peak is the max over the rank's layers, rec_peak[r] ≥
+   embedding and head their own chunk's; the backward peak is the max over the rank's layers, rec_peak ≥
    peak_k,a·uses_ac[r, k, a] + gathered_r (ZeRO-3's gathered layers, during a block's backward) with
-   blocks[c, k, a] ≤ n_k·uses_ac[r, k, a], and rec_peak[r] ≥ the embedding's and head's own; PowerSGD's error buffer
-   is gated by its compress binary.
+   blocks[c, k, a] ≤ n_k·uses_ac[r, k, a], and rec_peak ≥ the embedding's and head's own; PowerSGD's error buffer
+   is gated by its compress binary. Pipelined ZeRO 3 holds a chunk gathered at the states after its backward and
+   gathers it on a backward otherwise (`costmodel.memory.fsdp_chunk_gathered`): the states are grouped by which
+   chunks they hold gathered, each group with its own in-flight activations and rec_peak[r, g] (the moments'
+   gathering beyond the group's), and each group's sum is bounded; elsewhere there is one group.
 
 Warm start (`Model.warm_start`, several kinds that repeat a pattern): the problem with stages cut only where the
 pattern starts again is solved first (half the time limit) and its whole solution starts the full problem.
@@ -86,6 +89,7 @@ from costmodel.estimate import Estimate, Evaluator
 from costmodel.memory import (
     FRAGMENTATION,
     dp_reduction_temp_bytes,
+    fsdp_chunk_gathered,
     fsdp_edge_bytes,
     fsdp_gathered_bytes,
     fsdp_reduce_bytes,
@@ -526,17 +530,18 @@ class Model:
             each = [(self.layer_sum([u], lambda c: self._b(made_pp * c.param_numel)),
                      self.layer_sum([u], lambda c: self._b(gathered_pp * c.param_numel))) for u in stages]
             assert len(each) == cfg.vpp, "a rank's chunks are one unit each (ilp_data)"
-            states = [(full, pend, sum(x * g + y * h for x, y, (g, h) in zip(made, gathered, each))
-                       + (x_made if max(made) else 0.0))
-                      for full, pend, made, gathered in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, d.m)]
+            every = [(full, pend, sum(x * g + y * h for x, y, (g, h) in zip(made, gathered, each))
+                      + (x_made if max(made) else 0.0), gathered)
+                     for full, pend, made, gathered in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, d.m)]
+            # pipelined ZeRO 3: the states grouped by which chunks they hold gathered, each group with the moments
+            # that gathering leaves (`costmodel.estimate.Evaluator._rank_memory`); otherwise one group
+            groups = sorted({g for *_, g in every}) if gathered_pp else [None]
             # per state of the rank's chunks (costmodel.memory.held_states: micro-batches holding all their
             # activations, and zero-bubble's pending a weight pass), blocks at the rank's average count (decoding
             # spreads them evenly over its chunks), the embedding and head at their own chunk's; the largest state
             # zero-bubble (`costmodel.estimate.Evaluator._rank_memory`): rank 0's first chunk is the first stage,
             # whose pending micro-batches hold their full activations; the input pass of a micro-batch in another
             # chunk builds its weight ops' output gradients on top of its full activations
-            act = s.NumVar(0, self.inf, f"act[{r}]")
-            act_building = s.NumVar(0, self.inf, f"act_building[{r}]")  # zero-bubble: with the building gradients
             full_sum = self.layer_sum(stages, lambda x: self._b(x.act_bytes))
             pending_sum = building_sum = None  # zero-bubble only
             zero_bubble = cfg.schedule == Schedule.ZERO_BUBBLE and d.pp > 1
@@ -549,7 +554,12 @@ class Model:
                 return sum(self._b(d.buffers[k, r][0] + sum((f + p) * x for f, p, x in zip(full, pend,
                                                                                              d.buffers[k, r][1])))
                            * self.compress["pp", k] for k in d.pp_opts)
-            for full, pend, extra in states if per_chunk else ():
+            act, act_building = {}, {}  # per group; zero-bubble: with the building gradients
+            for gath in groups:
+                act[gath] = s.NumVar(0, self.inf, f"act[{r},{gath}]")
+                act_building[gath] = s.NumVar(0, self.inf, f"act_building[{r},{gath}]")
+            for full, pend, extra, gath in every if per_chunk else ():
+                gath = gath if gathered_pp else None
                 eligible = [f >= 1 and not (r == 0 and j == 0) for j, f in enumerate(full)]
                 expr = buffers(full, pend) + extra + 0.0 * self.bottleneck
                 for j, u in enumerate(stages):
@@ -557,12 +567,14 @@ class Model:
                     expr += (full[j] + (pend[j] if own else 0.0)) * self.layer_sum([u], lambda x: self._b(x.act_bytes))
                     if pend[j] and not own:
                         expr += pend[j] * self.layer_sum([u], lambda x: self._b(x.pending_bytes))
-                s.Add(act >= expr)
-                s.Add(act_building >= expr)
+                s.Add(act[gath] >= expr)
+                s.Add(act_building[gath] >= expr)
                 for j, u in enumerate(stages):
                     if zero_bubble and eligible[j]:
-                        s.Add(act_building >= expr + self.layer_sum([u], lambda x: self._b(x.weight_output_bytes)))
-            for full, pend, extra in states if not per_chunk else ():
+                        s.Add(act_building[gath] >= expr
+                              + self.layer_sum([u], lambda x: self._b(x.weight_output_bytes)))
+            for full, pend, extra, gath in every if not per_chunk else ():
+                gath = gath if gathered_pp else None
                 k, w = sum(full) / len(full), sum(pend) / len(pend)
                 first = pend[0] / v if r == 0 else 0.0  # the first stage's share, held as full activations
                 expr = (k + first) * full_sum + buffers(full, pend) + extra
@@ -589,10 +601,9 @@ class Model:
                         if builds:
                             building += sum((float(eligible[c]) - 1 / v) * self._b(ev.cost(i, a).weight_output_bytes)
                                             * self.fixed_ac[i, a] for a in d.fixed_acs[i])
-                s.Add(act >= expr)
-                s.Add(act_building >= expr + building)
-            # the recomputation peak is the largest over the rank's layers
-            peak = self.rec_peak[r] = s.NumVar(0, self.inf, f"rec_peak[{r}]")
+                s.Add(act[gath] >= expr)
+                s.Add(act_building[gath] >= expr + building)
+            # the recomputation peak is the largest over the rank's layers (one per group of states)
             edges = [(ev.lg.layers[i].kind, ev.cost(i, AC.NONE).param_numel) for i in d.fixed_rank
                      if d.fixed_rank[i] == r]
             numel = [ev.cost(i, AC.NONE).param_numel for i in d.reps]
@@ -600,58 +611,114 @@ class Model:
             def held_layers(v, edges=edges, numel=numel):  # (kind, parameters) of the rank's layers
                 return [("block", x) for x, n in zip(numel, v) for _ in range(n)] + edges
 
-            gathered = held = 0.0  # ZeRO-3 (costmodel.memory.fsdp_gathered_bytes): what a block's backward adds
-            # (gathered blocks, the root's unsharded parameters and gradients) and what the loss's backward does
+            in_block = 0.0  # ZeRO-3 (costmodel.memory.fsdp_gathered_bytes): what a block's backward gathers
             if cfg.zero == 3 and cfg.data_ranks > 1:
-                gathered = self.tab(r, lambda v: self._b(fsdp_gathered_bytes(cfg, held_layers(v))[0]))[0]
-                held = self._b(fsdp_gathered_bytes(cfg, held_layers(d.vectors(r)[0]))[1])
+                in_block = self.tab(r, lambda v: self._b(fsdp_gathered_bytes(cfg, held_layers(v))))[0]
             # the head's gradient, where no other gradient is held yet; FSDP's gradient buffers of the block
             reduce = self.tab(r, lambda v: self._b(fsdp_reduce_bytes(cfg, held_layers(v))))[0] if d.blocks else 0.0
             # FSDP's root parameter group in flight at the ends of a micro-batch, with the after-backward moment's
-            edge, _, edge_hi = self.tab(r, lambda v: self._b(fsdp_edge_bytes(cfg, held_layers(v), d.m)))
-            gathered = gathered + self._b(head_grad_bytes(cfg, edges, d.m, r, d.ev.autocast)) + reduce
-            gathered += self._b(ev.tied_in_flight_bytes)  # (pp = 1: a rank with blocks)
-            # a block's backward comes after the head's: that micro-batch's head activations are gone
-            head_act = sum(self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a] for i, rr in d.fixed_rank.items()
-                           if rr == r and ev.lg.layers[i].kind == "head" for a in d.fixed_acs[i])
-            # zero-bubble: a block's input pass runs with the head's activations still held and the weight ops'
-            # gradients built on top (`act_building`); the head's own backward before them (`act`)
-            block_peak = s.NumVar(0, self.inf, f"block_peak[{r}]") if zero_bubble else peak
+            fsdp_edge, _, edge_hi = self.tab(r, lambda v: self._b(fsdp_edge_bytes(cfg, held_layers(v), d.m)))
+            extra_b = self._b(head_grad_bytes(cfg, edges, d.m, r, d.ev.autocast)) + reduce
+            extra_b += self._b(ev.tied_in_flight_bytes)  # (pp = 1: a rank with blocks)
+            # a block's backward comes after the head's: that micro-batch's head activations are gone; zero-bubble:
+            # a block's input pass runs with the head's activations still held and the weight ops' gradients built
+            # on top (`act_building`); the head's own backward before them (`act`)
+            head_act = 0.0 if zero_bubble else sum(
+                self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a] for i, rr in d.fixed_rank.items()
+                if rr == r and ev.lg.layers[i].kind == "head" for a in d.fixed_acs[i])
+            # each block choice's working set and, for a chunk's lowest block (pipelined ZeRO 3), with its own
+            # activations (the chunk's others freed; an input pass frees none), as expressions in its indicator
+            work = []
             for k, i in enumerate(d.reps):
                 for a in d.acs[k]:
                     u = self.uses_ac[r, k, a] = s.BoolVar(f"uses_ac[{r},{k},{a.value}]")
                     for c in stages:
                         s.Add(self.blocks[c, k, a] <= d.counts[k] * u)
-                    s.Add(block_peak >= self._b(ev.cost(i, a).backward_peak_bytes) * u + gathered
-                          - (0.0 if zero_bubble else head_act))
+                    w = self._b(ev.cost(i, a).backward_peak_bytes)
+                    work.append((w * u, (w + (0.0 if zero_bubble else self._b(ev.cost(i, a).act_bytes))) * u))
             root = fsdp_root_bytes(cfg, held_layers(d.vectors(r)[0]))  # (ZeRO-3 outside a pipeline)
+            # pipelined ZeRO 3 (costmodel.memory.fsdp_chunk_gathered): the rank's largest block, prefetched at the
+            # head's backward, as a one-hot over its count vectors (`tab`)
+            largest = self.tab(r, lambda v: self._b(gathered_pp * max(
+                (n for kind, n in held_layers(v) if kind == "block"), default=0.0)))[0] if gathered_pp else 0.0
+            edge_moments = []  # the embedding's and head's: (chunk, with it gathered at the state, without)
+            roots = []  # each chunk's root unit (its layers other than blocks), gathered
+            for u in stages:
+                roots.append(self._b(gathered_pp * sum(ev.cost(j, AC.NONE).param_numel for j in _fixed_on_stage(d, u)
+                                                       if ev.lg.layers[j].kind != "block")))
             for i, rr in d.fixed_rank.items():
                 if rr != r:
                     continue
-                own = sum(self._b(ev.cost(i, a).backward_peak_bytes) * self.fixed_ac[i, a] for a in d.fixed_acs[i])
+                (u,) = [c for c in stages if i in _fixed_on_stage(d, c)]
                 if ev.lg.layers[i].kind == "block":  # a block of another kind beside the embedding or the head
-                    s.Add(block_peak >= own + gathered - (0.0 if zero_bubble else head_act))
+                    work.append(tuple(sum(self._b(ev.cost(i, a).backward_peak_bytes + (
+                        0.0 if zero_bubble or lowest_only else ev.cost(i, a).act_bytes)) * self.fixed_ac[i, a]
+                        for a in d.fixed_acs[i]) for lowest_only in (True, False)))
                     continue
                 freed = 0.0
                 if ev.lg.layers[i].kind == "embed" and not zero_bubble:  # its chunk's last backward: the
                     # micro-batch's other activations there freed (`costmodel.estimate.Evaluator._freed_before`)
-                    (u,) = [c for c in stages if i in _fixed_on_stage(d, c)]
                     mine = sum(self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a] for a in d.fixed_acs[i])
                     freed = self.layer_sum([u], lambda x: self._b(x.act_bytes)) - mine
-                edge = sum(self._b(ev.edge_peak_bytes(i, a, root)) * self.fixed_ac[i, a] for a in d.fixed_acs[i])
-                s.Add(peak >= edge + held - freed)
-            if zero_bubble:  # the larger of the two moments, as one bound on `peak`
-                s.Add(peak >= act_building - act + block_peak)
+                j = stages.index(u)
+
+                def moments(root_bytes, i=i, freed=freed):  # edge_moments as expressions in its checkpointing
+                    per = [ev.edge_moments(i, a, root_bytes) for a in d.fixed_acs[i]]
+                    return [sum(self._b(m[n]) * self.fixed_ac[i, a] for m, a in zip(per, d.fixed_acs[i]))
+                            - freed for n in range(len(per[0]))]
+                gathered = bare = moments(root)
+                if gathered_pp:  # the chunk's gathering is on the backward (`fsdp_chunk_gathered`): a constant
+                    # (the head's root) inside its moments, an expression (the whole chunk, the largest block's
+                    # buffer) added to its weights' (the only moment either enters)
+                    held_here, prefetch = fsdp_chunk_gathered(ev.lg.layers[i].kind, each[j][1], roots[j], largest)
+                    constant = isinstance(held_here, float)
+                    bare = moments(held_here * d.mem_unit if constant else 0.0)
+                    bare[1] = bare[1] + prefetch + (0.0 if constant else held_here)
+                edge_moments.append((j, gathered, bare))
+            lowest, copy_out = [], []  # pipelined ZeRO 3: each chunk's lowest block's backward, the chunk gathered
+            # whole; the root's copy-out where a chunk has no head (`costmodel.estimate.Evaluator._rank_memory`)
+            if gathered_pp and work:
+                for j, u in enumerate(stages):
+                    acts = 0.0 if zero_bubble else sum(
+                        (self._b(ev.cost(i, a).act_bytes) * self.blocks[u, k, a] for k, i in enumerate(d.reps)
+                         for a in d.acs[k]), self.zero) + sum(
+                        self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a] for i in _fixed_on_stage(d, u)
+                        if ev.lg.layers[i].kind == "block" for a in d.fixed_acs[i])
+                    lowest.append((j, acts, each[j][1]))
+                    heads = any(ev.lg.layers[i].kind == "head" for i in _fixed_on_stage(d, u))
+                    if not heads and roots[j]:
+                        copy_out.append((j, roots[j]))
+            tops = []  # per group of states: its heaviest state with the moments it leaves
+            for gath in groups:
+                peak = s.NumVar(0, self.inf, f"rec_peak[{r},{gath}]")
+                self.rec_peak[r, gath] = peak
+                block_peak = s.NumVar(0, self.inf, f"block_peak[{r},{gath}]") if zero_bubble else peak
+
+                def beyond(j, need, gath=gath):  # a chunk gathered whole at the state holds what a moment needs
+                    return need * (1 - gath[j]) if gath is not None else 0.0
+                need = in_block * (1 - min(gath)) if gath is not None else in_block
+                for w, w_low in work:
+                    s.Add(block_peak >= w + need + extra_b - head_act)
+                    for j, acts, whole in lowest:
+                        s.Add(block_peak >= w_low - acts + beyond(j, whole) + extra_b - head_act)
+                for j, root_j in copy_out:
+                    s.Add(block_peak >= need + beyond(j, root_j) + extra_b - head_act)
+                for j, e_in, e_out in edge_moments:
+                    for e in e_in if gath is not None and gath[j] else e_out:
+                        s.Add(peak >= e)
+                if zero_bubble:  # the larger of the two moments, as one bound on `peak`
+                    s.Add(peak >= act_building[gath] - act[gath] + block_peak)
+                tops.append(act[gath] + peak)
             # the rank's states beyond the per-parameter ones (autocast's cache, FSDP's padding, ZeRO-1's partition)
             uneven = self.tab(r, lambda v, r=r: self._b(sum(ev.rank_state_extras(_rank_layer_costs(d, r, v)))))[0]
-            allocated = self._b(per_param) * params + act + peak + uneven
+            static_b = self._b(per_param) * params + uneven
             # expert shards beyond the held parameters (ZeRO 2/3 with expert parallelism), at both moments
             x_peak, x_after = sum(ev.peak_static_bytes(0.0, 1.0)[:3]), sum(ev.static_bytes(0.0, 1.0))
             x_at_peak = x_at_after = 0.0
             if x_after:
                 x_at_peak = self.tab(r, lambda v, r=r, x=x_peak: self._b(x) * self._extra(r, v))[0]
                 x_at_after = self.tab(r, lambda v, r=r, x=x_after: self._b(x) * self._extra(r, v))[0]
-            allocated += x_at_peak
+            static_b += x_at_peak
             for k in d.grad_opts:
                 kind, rank = parse_grad_compress(k)
                 per, whole = ev.powersgd_memory(rank) if kind == "powersgd" else (0.0, 1.0)
@@ -660,11 +727,11 @@ class Model:
                 # the step's other peak, after the backward: every gradient and the reduction's copy of a bucket
                 copy, _, copy_hi = self.tab(r, lambda v, r=r, kind=kind, whole=whole: self._b(
                     dp_reduction_temp_bytes(cfg, kind, 4.0 * self._params(r, v), whole, ev.largest_bucket)))
-                moments = [(1 + FRAGMENTATION) * (allocated + extra) + reserve]
+                moments = [(1 + FRAGMENTATION) * (static_b + top + extra) + reserve for top in tops]
                 if after_backward > per_param or copy_hi > 0 or x_after > x_peak or d.pp > 1 or edge_hi > 0:
                     kept = sum(self._b(d.buffers[o, r][2]) * self.compress["pp", o] for o in d.pp_opts)  # (torch's)
                     moments.append((1 + FRAGMENTATION) * (self._b(after_backward) * params + x_at_after + copy + kept
-                                                          + edge + uneven + extra) + reserve)
+                                                          + fsdp_edge + uneven + extra) + reserve)
                 for lhs in moments:
                     if len(d.grad_opts) == 1:
                         s.Add(lhs <= cap)
