@@ -717,6 +717,18 @@ def test_pipelined_zero3_gathers_as_its_backward_runs(model, config, before):
             role["stage"], predicted / 2**20, traced / 2**20, before)
 
 
+def test_a_stage_holding_no_block_is_traced():
+    """Two blocks over four interleaved stages leave the last stage the final norm and the head alone; the trace
+    gave each stage its first block's input as what it receives, and failed there (a KeyError). It receives the
+    last block's output, and the plan conforms."""
+    result = check_plan(plan_from_config(WIDE, "dgx-h100:nodes=1", 32,
+                                         "dp=4,pp=2,vpp=2,zero=3,mbs=1,schedule=interleaved"))
+    assert len(result["roles"]) == 2
+    for role in result["roles"]:
+        assert role["errors"]["memory"]["peak"] <= 0.05, (role["stage"], role["predicted"]["memory"],
+                                                          role["traced"]["memory"])
+
+
 @pytest.mark.parametrize("config", ["dp=8,zero=3,mbs=2,ac=full", "dp=8,zero=2,mbs=4"])
 def test_fsdp_pads_its_shards_as_torch_does(config):
     """FSDP2 shards dim 0 in ``torch.chunk``'s padded chunks (`costmodel.memory.fsdp_padding_numel`): a grouped

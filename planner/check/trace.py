@@ -730,16 +730,22 @@ def _static_stages(par, config: dict, build) -> None:
     container = config["block_container"]
     blocks = model.get_submodule(container)
     first = {}  # stage -> index of its first block
-    for i in range(len(blocks)):
-        first.setdefault(config["stage_of"][f"{container}.{i}"], i)
-    seen: dict[int, torch.Tensor] = {}
+    stage_of = [config["stage_of"][f"{container}.{i}"] for i in range(len(blocks))]
+    for i, s in enumerate(stage_of):
+        first.setdefault(s, i)
+    seen: dict[int, torch.Tensor] = {}  # a stage's first block's input; the last block's output (a stage holding
+    # no block, only the final norm and head, receives that)
 
     def keep(i):
         def hook(module, args):
             seen.setdefault(i, args[0])  # (returns None: the block's arguments stay as they are)
         return hook
 
+    def last(module, args, out):
+        seen.setdefault(len(blocks), out[0] if isinstance(out, tuple) else out)
+
     hooks = [blocks[i].register_forward_pre_hook(keep(i)) for i in first.values()]
+    hooks.append(blocks[len(blocks) - 1].register_forward_hook(last))
     tokens = torch.zeros(config["mbs"], config["seq"], dtype=torch.long, device="meta")
     if callable(getattr(model, "pipeline_stage", None)):  # a Hugging Face model: its mask utilities call .item(),
         # which meta tensors cannot answer; fake ones (fresh parameters, gradients required as the model's) can
@@ -760,7 +766,7 @@ def _static_stages(par, config: dict, build) -> None:
     def boundary(s: int) -> torch.Tensor:  # what stage s receives (its tensor-parallel slice: apply_pp_scatter)
         if s == 0:
             return tokens
-        t = seen[first[s]]
+        t = seen[first.get(s, len(blocks))]  # (a stage after every block's: the last one's output)
         # contiguous, as the runtime's `_hidden_slice` sends it (a copy): torch builds each receive buffer with
         # ``empty_strided`` on the metadata's strides (pipelining/_utils.py, _make_tensor_from_meta), so a view's
         # strides would allocate tp times the slice for every buffer of the step
