@@ -74,6 +74,9 @@ class SyncView(Protocol):
     grad_rank: int  #: PowerSGD's rank (0 otherwise)
     autocast: bool  #: outside FSDP the module's parameters stay fp32 (`costmodel.memory.module_param_bytes`)
 
+    def gathered_numel(self, c: LayerCost) -> float:
+        """A layer's parameters as FSDP2 gathers and reduce-scatters them: padded on every rank's shard."""
+
 
 def _memory_time(nbytes: float, cluster) -> float:
     dev = cluster.device

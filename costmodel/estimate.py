@@ -537,13 +537,28 @@ class Evaluator:
     def fsdp_padding_bytes(self, costs: list[LayerCost]) -> tuple[float, float, float]:
         """(parameter, gradient, optimizer) bytes of the padding of a rank's FSDP2 shards (ZeRO 2/3) holding the
         layers of ``costs``, beyond the even share `static_bytes` charges (`costmodel.memory.fsdp_padding_numel`):
-        the fp32 shard, the gradient shard and Adam's two moments of each padded element. Without expert
+        the fp32 shard, the gradient shard and Adam's two moments of each padded element, and under ZeRO 2 its
+        gathered parameters, padded on every rank's shard (`gathered_numel`). Without expert
         parallelism only (under it the experts' shards are `LayerCost.expert_shard_extra`'s, not padded here)."""
         dp = self.cfg.data_ranks
         if self.cfg.zero < 2 or dp == 1 or self.cfg.ep > 1:
             return 0.0, 0.0, 0.0
         x = fsdp_padding_numel([s for c in costs for s in c.param_sizes], dp)
-        return 4.0 * x, 4.0 * x, 8.0 * x
+        # ZeRO 2 keeps the gathered parameters (`state_bytes_per_param`), padded as gathered (`gathered_numel`)
+        gathered = self.cfg.param_bytes * dp * x if self.cfg.zero == 2 else 0.0
+        return 4.0 * x + gathered, 4.0 * x, 8.0 * x
+
+    def gathered_numel(self, c: LayerCost) -> float:
+        """Elements of a layer's parameters as FSDP2 gathers them (ZeRO 2/3, no expert parallelism): its padded
+        shards from every rank (`costmodel.memory.fsdp_padding_numel`). The all-gather output and the unsharded
+        parameters, views into it, are that size (torch 2.13 ``FSDPParam.init_all_gather_outputs``,
+        ``init_unsharded_param``): a grouped expert weight of 4 experts on 8 ranks gathers 8. Traced (moe 2 × 256,
+        4 experts, ZeRO-3 on 8 ranks): the first block's forward holds a 13.0 MiB gathered block where its
+        parameters are 7.0."""
+        dp = self.cfg.data_ranks
+        if self.cfg.zero < 2 or dp == 1 or self.cfg.ep > 1:
+            return c.param_numel
+        return c.param_numel + dp * fsdp_padding_numel(list(c.param_sizes), dp)
 
     def rank_state_extras(self, costs: list[LayerCost]) -> tuple[float, float, float]:
         """(parameter, gradient, optimizer) bytes a rank holding the layers of ``costs`` keeps beyond the per-parameter
@@ -721,21 +736,23 @@ class Evaluator:
         chunk_params = [sum(costs[i].param_numel for i in idx) for idx in mine]
         grads_at = [sum(d * n for d, n in zip(made, chunk_params)) * made_pp + (x_made if max(made) else 0.0)
                     for _, _, made, _ in states]
-        gathered_at = [sum(d * n for d, n in zip(gath, chunk_params)) * gathered_pp for *_, gath in states]
+        chunk_gathered = [sum(self.gathered_numel(costs[i]) for i in idx) for idx in mine]  # (FSDP2's padding)
+        gathered_at = [sum(d * n for d, n in zip(gath, chunk_gathered)) * gathered_pp for *_, gath in states]
         with_grads = [h + g + q for h, g, q in zip(held_by, grads_at, gathered_at)]
         held = [(self.lg.layers[i].kind, costs[i].param_numel) for idx in mine for i in idx]
-        root = fsdp_root_bytes(cfg, held)  # (gathered when the head's weight gradients are made, not for its loss)
+        gathering = [(kind, self.gathered_numel(costs[i])) for idx in mine for i in idx
+                     for kind in (self.lg.layers[i].kind,)]  # (what FSDP2 gathers of them: `gathered_numel`)
+        root = fsdp_root_bytes(cfg, gathering)  # (gathered when the head's weight gradients are made, not for its loss)
         kinds = [[self.lg.layers[i].kind for i in idx] for idx in mine]
         blocks = [(costs[i].backward_peak_bytes, costs[i].act_bytes) for idx, ks in zip(mine, kinds)
                   for i, kind in zip(idx, ks) if kind == "block"]
         block_peak = max((b for b, _ in blocks), default=0.0)  # the largest backward working set of a block
         # pipelined ZeRO 3 (`costmodel.memory.fsdp_chunk_gathered`): what a backward gathers of its chunk where the
         # state does not hold it gathered already; elsewhere nothing beyond ZeRO-3's own `root` and `in_block`
-        chunk_whole = [gathered_pp * n for n in chunk_params]
-        chunk_root = [gathered_pp * sum(costs[i].param_numel for i, kind in zip(idx, ks) if kind != "block")
+        chunk_whole = [gathered_pp * n for n in chunk_gathered]
+        chunk_root = [gathered_pp * sum(self.gathered_numel(costs[i]) for i, kind in zip(idx, ks) if kind != "block")
                       for idx, ks in zip(mine, kinds)]
-        largest = gathered_pp * max((costs[i].param_numel for idx, ks in zip(mine, kinds) for i, kind in zip(idx, ks)
-                                     if kind == "block"), default=0.0)
+        largest = gathered_pp * max((n for kind, n in gathering if kind == "block"), default=0.0)
         edges = []  # the embedding's and head's: (chunk, bytes with the chunk gathered at the state, without)
         for k, (idx, ks) in enumerate(zip(mine, kinds)):
             for i, kind in zip(idx, ks):
@@ -747,7 +764,7 @@ class Evaluator:
                         edges.append((k, gathered, self.edge_peak_bytes(i, acs[i], held_here, prefetch) - freed))
                     else:
                         edges.append((k, gathered, gathered))
-        in_block = fsdp_gathered_bytes(cfg, held) if cfg.zero == 3 and cfg.data_ranks > 1 else 0.0
+        in_block = fsdp_gathered_bytes(cfg, gathering) if cfg.zero == 3 and cfg.data_ranks > 1 else 0.0
         extra = head_grad_bytes(cfg, held, self.m, r, self.autocast) + fsdp_reduce_bytes(cfg, held)
         extra += self.tied_in_flight_bytes
         zero_bubble = cfg.schedule == Schedule.ZERO_BUBBLE and cfg.pp > 1
@@ -772,7 +789,10 @@ class Evaluator:
                 return 0.0, edge
             if not gathered_pp:
                 return block_peak + in_block + extra - (0.0 if zero_bubble else head_act), edge
-            top = in_block * (1 - min(gath))  # (the rank's roots and largest blocks: the search sees counts)
+            # the rank's roots and two largest blocks, all chunks' (the search sees a rank's blocks as counts), unless
+            # the state holds every chunk gathered: with several chunks a state holding one gathered is charged its
+            # root again, an over-charge the ILP shares
+            top = in_block * (1 - min(gath))
             block = max([block_peak + top] + [b + w * (1 - gath[k]) for k, b, w in lowest]
                         + [top + w * (1 - gath[k]) for k, w in copy_out]) + extra
             return block - (0.0 if zero_bubble else head_act), edge
@@ -801,7 +821,7 @@ class Evaluator:
         # a peak after the backward: every gradient, and the reduction's copies of the last bucket; FSDP's at the
         # ends of a micro-batch, with the root's parameter group in flight
         after_backward += dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params, whole, self.largest_bucket)
-        after_backward += fsdp_edge_bytes(cfg, held, self.m)
+        after_backward += fsdp_edge_bytes(cfg, gathering, self.m)
         temp += max(0.0, after_backward - (p_b + g_b + o_b + act + temp))
         allocated = p_b + g_b + o_b + act + temp
         return MemoryBreakdown(params=p_b, grads=g_b, optimizer=o_b, activations=act,

@@ -79,16 +79,17 @@ def dp_exposed(rank_costs: list[LayerCost], ev: SyncView) -> tuple[float, float]
     params = sum(c.param_numel for c in rank_costs)
     first = rank_costs[0].param_numel
     pipelined = cfg.fsdp_in_pipeline
+    gathered = sum(ev.gathered_numel(c) for c in rank_costs)  # (FSDP's collectives carry its shards' padding)
     if cfg.zero == 3:  # reduce-scatters happen per micro-batch (fsdp_exposed), or once after the pipeline
         if not pipelined:
             return 0.0, 0.0
-        return reduce_scatter_time(params * fsdp_reduce_dtype_bytes(cfg), span, cluster), 0.0
+        return reduce_scatter_time(gathered * fsdp_reduce_dtype_bytes(cfg), span, cluster), 0.0
     if cfg.zero == 2:
         # every micro-batch reduce-scatters its gradients under its own backward (gradients stay sharded), or,
         # pipelined, once after the last backward, hidden by nothing; the once-per-step all-gather hides under the
         # first forward
-        rs = reduce_scatter_time(params * fsdp_reduce_dtype_bytes(cfg), span, cluster)
-        ag = zero2_gather_time(params, ev)
+        rs = reduce_scatter_time(gathered * fsdp_reduce_dtype_bytes(cfg), span, cluster)
+        ag = zero2_gather_time(gathered, ev)
         fwd = sum(c.fwd_s for c in rank_costs)
         e1, s1 = (rs, 0.0) if pipelined else _hidden(rs, window, slow)
         e2, s2 = _hidden(ag, fwd, slow)
@@ -117,10 +118,11 @@ def fsdp_exposed(stage_costs: list[LayerCost], ev: SyncView) -> float:
     slow = cluster.device.overlap_slowdown
     pbytes = 4 if ev.cfg.precision == "fp32" else 2
     share = fsdp_gather_share(ev.cfg, ev.m)
-    ag = [share * all_gather_time(c.param_numel * pbytes, span, cluster) for c in stage_costs]
+    # (each layer as FSDP2 gathers and reduces it: padded on every rank's shard, `SyncView.gathered_numel`)
+    ag = [share * all_gather_time(ev.gathered_numel(c) * pbytes, span, cluster) for c in stage_costs]
     # pipelined, the reduce-scatter runs once per step after the last backward (dp_exposed), not per micro-batch
     rs_bytes = 0.0 if ev.cfg.fsdp_in_pipeline else fsdp_reduce_dtype_bytes(ev.cfg)
-    rs = [reduce_scatter_time(c.param_numel * rs_bytes, span, cluster) for c in stage_costs]
+    rs = [reduce_scatter_time(ev.gathered_numel(c) * rs_bytes, span, cluster) for c in stage_costs]
     fwd = sum(c.fwd_s for c in stage_costs)
     bwd = sum(c.bwd_s + c.recompute_s for c in stage_costs)
     e_f, s_f = _hidden(sum(ag[1:]), fwd, slow)
@@ -190,7 +192,8 @@ def step_scalars(cfg) -> dict[str, float]:
 def dp_step_bytes(cfg, params: float, m: int, autocast: bool = True) -> dict[str, float]:
     """The data-parallel collectives the terms above charge one rank per step, as payload bytes by kind (an
     all-gather's gathered size, a reduce-scatter's full input): what `autopar check` compares with the traced
-    runtime. ``params``: the rank's parameters before ZeRO sharding; ``m``: micro-batches per step. PowerSGD's
+    runtime. ``params``: the rank's parameters before ZeRO sharding (under ZeRO 2/3 as FSDP2 gathers them, padded:
+    `SyncView.gathered_numel`); ``m``: micro-batches per step. PowerSGD's
     compressed rounds are not listed (their volume depends on the matrices: the check adds
     `costmodel.compression.powersgd_volume`'s).
     """

@@ -130,7 +130,8 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
         reduced = None  # gradient elements the rank must reduce over dp: all it holds (None), or PowerSGD's
         if cfg.data_ranks > 1:  # with ep the experts reduce over the ranks holding the same ones (edp)
             experts = sum(c.expert_numel for c in costs) if cfg.ep > 1 else 0.0
-            params = sum(c.param_numel for c in costs) - experts
+            # (under ZeRO 2/3 as FSDP2 gathers them, padded: `costmodel.estimate.Evaluator.gathered_numel`)
+            params = sum(ev.gathered_numel(c) for c in costs) - experts
             # the gradient-reduction group is dp × cp: named after cp where it is the cp group (dp = 1), as the
             # trace names a group by its ranks (`planner.check.trace._mesh_groups`)
             group = trace_group(cfg, "dp")

@@ -55,7 +55,8 @@ Constraint families, one function each:
 6. `add_memory`: per rank, 1.05·(params + grads + optimizer + in-flight activations + backward peak +
    temporaries) + reserve ≤ capacity (`costmodel.memory`); blocks weigh the rank's average in-flight count, the
    embedding and head their own chunk's; the backward peak is the max over the rank's layers, rec_peak ≥
-   peak_k,a·uses_ac[r, k, a] + gathered_r (ZeRO-3's gathered layers, during a block's backward) with
+   peak_k,a·uses_ac[r, k, a] + need_r + extra_r (ZeRO-3's gathered layers during a block's backward; the head's
+   gradient, FSDP's gradient buffers and a tied weight's gradient in flight) with
    blocks[c, k, a] ≤ n_k·uses_ac[r, k, a], and rec_peak ≥ the embedding's and head's own; PowerSGD's error buffer
    is gated by its compress binary. Pipelined ZeRO 3 holds a chunk gathered at the states after its backward and
    gathers it on a backward otherwise (`costmodel.memory.fsdp_chunk_gathered`): the states are grouped by which
@@ -353,12 +354,12 @@ class Model:
         share = fsdp_gather_share(d.cfg, ev.m)
 
         def ag(i):
-            return share * all_gather_time(ev.cost(i, AC.NONE).param_numel * pbytes, span, cl)
+            return share * all_gather_time(ev.gathered_numel(ev.cost(i, AC.NONE)) * pbytes, span, cl)
 
         rs_bytes = 0.0 if d.cfg.fsdp_in_pipeline else fsdp_reduce_dtype_bytes(d.cfg)  # once per step
 
         def rs(i):
-            return reduce_scatter_time(ev.cost(i, AC.NONE).param_numel * rs_bytes, span, cl)
+            return reduce_scatter_time(ev.gathered_numel(ev.cost(i, AC.NONE)) * rs_bytes, span, cl)
 
         fixed = _fixed_on_stage(d, u)
         # the stage's first and last layers: the embedding's or the head's where it holds them, a block of the kind
@@ -405,7 +406,7 @@ class Model:
                 s.Add(self.finish >= opt)
             elif d.cfg.zero == 3:  # pipelined: one reduce-scatter after the last backward, nothing hides it
                 rs, _, _ = self.tab(r, lambda v, r=r: self._t(reduce_scatter_time(
-                    self._params(r, v) * fsdp_reduce_dtype_bytes(d.cfg), d.ev.dp_span, d.ev.cluster)))
+                    self._gathered(r, v) * fsdp_reduce_dtype_bytes(d.cfg), d.ev.dp_span, d.ev.cluster)))
                 s.Add(self.finish >= opt + rs)
             elif d.cfg.zero == 2:
                 s.Add(self.finish >= opt + self._zero2(r))
@@ -421,6 +422,13 @@ class Model:
         memo = self.__dict__.setdefault("_params_memo", {})
         if (r, v) not in memo:
             memo[r, v] = sum(x.param_numel for x in _rank_layer_costs(self.d, r, v))
+        return memo[r, v]
+
+    def _gathered(self, r: int, v: tuple) -> float:
+        """`_params` as FSDP2 gathers and reduce-scatters them (`costmodel.estimate.Evaluator.gathered_numel`)."""
+        memo = self.__dict__.setdefault("_gathered_memo", {})
+        if (r, v) not in memo:
+            memo[r, v] = sum(self.d.ev.gathered_numel(x) for x in _rank_layer_costs(self.d, r, v))
         return memo[r, v]
 
     def _tensors(self, r: int, v: tuple) -> float:
@@ -443,8 +451,8 @@ class Model:
         d, s, ev = self.d, self.solver, self.d.ev
         span, cl, sl = ev.dp_span, ev.cluster, d.slow
         rs, _, _ = self.tab(r, lambda v: self._t(reduce_scatter_time(
-            self._params(r, v) * fsdp_reduce_dtype_bytes(d.cfg), span, cl)))
-        ag, _, _ = self.tab(r, lambda v: self._t(zero2_gather_time(self._params(r, v), ev)))
+            self._gathered(r, v) * fsdp_reduce_dtype_bytes(d.cfg), span, cl)))
+        ag, _, _ = self.tab(r, lambda v: self._t(zero2_gather_time(self._gathered(r, v), ev)))
         e1 = self.dp_excess[r, "rs"] = s.NumVar(0, self.inf, f"zero2_excess[{r},rs]")
         e2 = self.dp_excess[r, "ag"] = s.NumVar(0, self.inf, f"zero2_excess[{r},ag]")
         s.Add(e2 >= ag - self._window(r, lambda x: self._t(x.fwd_s)))
@@ -528,7 +536,7 @@ class Model:
                 x_made = self.tab(r, lambda v, r=r: self._b(x_made_pp) * self._extra(r, v))[0]
             # held_states with, per state, the chunks' gradients and gathered parameters it holds
             each = [(self.layer_sum([u], lambda c: self._b(made_pp * c.param_numel)),
-                     self.layer_sum([u], lambda c: self._b(gathered_pp * c.param_numel))) for u in stages]
+                     self.layer_sum([u], lambda c: self._b(gathered_pp * ev.gathered_numel(c)))) for u in stages]
             assert len(each) == cfg.vpp, "a rank's chunks are one unit each (ilp_data)"
             every = [(full, pend, sum(x * g + y * h for x, y, (g, h) in zip(made, gathered, each))
                       + (x_made if max(made) else 0.0), gathered)
@@ -607,17 +615,24 @@ class Model:
             edges = [(ev.lg.layers[i].kind, ev.cost(i, AC.NONE).param_numel) for i in d.fixed_rank
                      if d.fixed_rank[i] == r]
             numel = [ev.cost(i, AC.NONE).param_numel for i in d.reps]
+            # ...and as FSDP2 gathers them, padded (costmodel.estimate.Evaluator.gathered_numel)
+            g_edges = [(ev.lg.layers[i].kind, ev.gathered_numel(ev.cost(i, AC.NONE))) for i in d.fixed_rank
+                       if d.fixed_rank[i] == r]
+            g_numel = [ev.gathered_numel(ev.cost(i, AC.NONE)) for i in d.reps]
 
             def held_layers(v, edges=edges, numel=numel):  # (kind, parameters) of the rank's layers
                 return [("block", x) for x, n in zip(numel, v) for _ in range(n)] + edges
 
+            def gathering(v, edges=g_edges, numel=g_numel):
+                return held_layers(v, edges, numel)
+
             in_block = 0.0  # ZeRO-3 (costmodel.memory.fsdp_gathered_bytes): what a block's backward gathers
             if cfg.zero == 3 and cfg.data_ranks > 1:
-                in_block = self.tab(r, lambda v: self._b(fsdp_gathered_bytes(cfg, held_layers(v))))[0]
+                in_block = self.tab(r, lambda v: self._b(fsdp_gathered_bytes(cfg, gathering(v))))[0]
             # the head's gradient, where no other gradient is held yet; FSDP's gradient buffers of the block
             reduce = self.tab(r, lambda v: self._b(fsdp_reduce_bytes(cfg, held_layers(v))))[0] if d.blocks else 0.0
             # FSDP's root parameter group in flight at the ends of a micro-batch, with the after-backward moment's
-            fsdp_edge, _, edge_hi = self.tab(r, lambda v: self._b(fsdp_edge_bytes(cfg, held_layers(v), d.m)))
+            fsdp_edge, _, edge_hi = self.tab(r, lambda v: self._b(fsdp_edge_bytes(cfg, gathering(v), d.m)))
             extra_b = self._b(head_grad_bytes(cfg, edges, d.m, r, d.ev.autocast)) + reduce
             extra_b += self._b(ev.tied_in_flight_bytes)  # (pp = 1: a rank with blocks)
             # a block's backward comes after the head's: that micro-batch's head activations are gone; zero-bubble:
@@ -636,16 +651,16 @@ class Model:
                         s.Add(self.blocks[c, k, a] <= d.counts[k] * u)
                     w = self._b(ev.cost(i, a).backward_peak_bytes)
                     work.append((w * u, (w + (0.0 if zero_bubble else self._b(ev.cost(i, a).act_bytes))) * u))
-            root = fsdp_root_bytes(cfg, held_layers(d.vectors(r)[0]))  # (ZeRO-3 outside a pipeline)
+            root = fsdp_root_bytes(cfg, gathering(d.vectors(r)[0]))  # (ZeRO-3 outside a pipeline)
             # pipelined ZeRO 3 (costmodel.memory.fsdp_chunk_gathered): the rank's largest block, prefetched at the
             # head's backward, as a one-hot over its count vectors (`tab`)
             largest = self.tab(r, lambda v: self._b(gathered_pp * max(
-                (n for kind, n in held_layers(v) if kind == "block"), default=0.0)))[0] if gathered_pp else 0.0
+                (n for kind, n in gathering(v) if kind == "block"), default=0.0)))[0] if gathered_pp else 0.0
             edge_moments = []  # the embedding's and head's: (chunk, with it gathered at the state, without)
             roots = []  # each chunk's root unit (its layers other than blocks), gathered
             for u in stages:
-                roots.append(self._b(gathered_pp * sum(ev.cost(j, AC.NONE).param_numel for j in _fixed_on_stage(d, u)
-                                                       if ev.lg.layers[j].kind != "block")))
+                fixed = [ev.cost(j, AC.NONE) for j in _fixed_on_stage(d, u) if ev.lg.layers[j].kind != "block"]
+                roots.append(self._b(gathered_pp * sum(ev.gathered_numel(c) for c in fixed)))
             for i, rr in d.fixed_rank.items():
                 if rr != r:
                     continue
@@ -667,13 +682,13 @@ class Model:
                     return [sum(self._b(m[n]) * self.fixed_ac[i, a] for m, a in zip(per, d.fixed_acs[i]))
                             - freed for n in range(len(per[0]))]
                 gathered = bare = moments(root)
-                if gathered_pp:  # the chunk's gathering is on the backward (`fsdp_chunk_gathered`): a constant
-                    # (the head's root) inside its moments, an expression (the whole chunk, the largest block's
-                    # buffer) added to its weights' (the only moment either enters)
-                    held_here, prefetch = fsdp_chunk_gathered(ev.lg.layers[i].kind, each[j][1], roots[j], largest)
-                    constant = isinstance(held_here, float)
-                    bare = moments(held_here * d.mem_unit if constant else 0.0)
-                    bare[1] = bare[1] + prefetch + (0.0 if constant else held_here)
+                if gathered_pp:  # the chunk's gathering is on the backward (`fsdp_chunk_gathered`): the head's
+                    # root, a constant, inside its moments (its copy-out's is 2 × root); an expression (the whole
+                    # chunk, the largest block's buffer) added to its weights' moment, the only one it enters
+                    kind = ev.lg.layers[i].kind
+                    held_here, prefetch = fsdp_chunk_gathered(kind, each[j][1], roots[j], largest)
+                    bare = moments(held_here * d.mem_unit if kind == "head" else 0.0)
+                    bare[1] = bare[1] + prefetch + (0.0 if kind == "head" else held_here)
                 edge_moments.append((j, gathered, bare))
             lowest, copy_out = [], []  # pipelined ZeRO 3: each chunk's lowest block's backward, the chunk gathered
             # whole; the root's copy-out where a chunk has no head (`costmodel.estimate.Evaluator._rank_memory`)
@@ -695,7 +710,10 @@ class Model:
                 block_peak = s.NumVar(0, self.inf, f"block_peak[{r},{gath}]") if zero_bubble else peak
 
                 def beyond(j, need, gath=gath):  # a chunk gathered whole at the state holds what a moment needs
-                    return need * (1 - gath[j]) if gath is not None else 0.0
+                    return need * (1 - gath[j])  # (pipelined ZeRO 3 only: `lowest` and `copy_out` are empty else)
+                # the top block's gathering: the rank's roots and two largest blocks, all chunks' (the search sees
+                # a rank's blocks as counts), unless the state holds every chunk gathered; with several chunks a
+                # state holding one of them gathered is charged its root again (an over-charge the estimate shares)
                 need = in_block * (1 - min(gath)) if gath is not None else in_block
                 for w, w_low in work:
                     s.Add(block_peak >= w + need + extra_b - head_act)
@@ -755,6 +773,17 @@ class Model:
     def hint(self, acs: list[AC], stage_of: list[int], grad: str, ppc: str) -> None:
         """A warm start from a plan; each layer's mode is read as the offered one that costs the same (a mode
         dropped as costing what another does, `ilp_data._distinct_acs`, is that other one)."""
+        pairs = self._plan_values(acs, stage_of, grad, ppc)
+        self.solver.SetHint([v for v, _ in pairs], [float(x) for _, x in pairs])
+
+    def pin(self, acs: list[AC], stage_of: list[int], grad: str, ppc: str) -> None:
+        """Fix the problem's decisions to a plan (as `hint` reads it): the solve then says whether that plan fits
+        and costs what the ILP charges it, which tests hold equal to `costmodel.estimate.Evaluator`'s."""
+        for v, x in self._plan_values(acs, stage_of, grad, ppc):
+            v.SetBounds(float(x), float(x))
+
+    def _plan_values(self, acs: list[AC], stage_of: list[int], grad: str, ppc: str) -> list[tuple]:
+        """(variable, value) of every decision for a plan."""
         d, ev = self.d, self.d.ev
 
         def offered(i, modes):
@@ -773,7 +802,7 @@ class Model:
             pairs += [(self.fixed_ac[i, a], 1.0 if mode == a else 0.0) for a in d.fixed_acs[i]]
         pairs += [(self.compress["dp", k], 1.0 if k == grad else 0.0) for k in d.grad_opts]
         pairs += [(self.compress["pp", k], 1.0 if k == ppc else 0.0) for k in d.pp_opts]
-        self.solver.SetHint([v for v, _ in pairs], [float(x) for _, x in pairs])
+        return pairs
 
     def warm_start(self, time_limit: float):
         """Blocks of several kinds that repeat a pattern (`ilp_data.pattern_cuts`): first solve with stages cut only
