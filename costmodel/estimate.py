@@ -773,13 +773,18 @@ class Evaluator:
         # (no head), the root's pre-backward copy-out beside the top block and the next one's buffer: the root's
         # flat all-gather output and its unsharded parameters (traced, llama 4 × 256 at 256 tokens, stage 0: the
         # 7.8 MiB embedding twice, a 3.0 MiB block and the next one's buffer)
-        lowest, copy_out = [], []
+        highest, lowest, copy_out = [], [], []  # (chunk, working set, its gathering)
         if gathered_pp and blocks:
+            # the top block's: its chunk's root, the rank's two largest blocks (the search sees a rank's blocks as
+            # counts: `fsdp_gathered_bytes`)
+            two = fsdp_gathered_bytes(cfg, [(kind, n) for kind, n in gathering if kind == "block"])
+            highest = [(k, block_peak, two + chunk_root[k]) for k in range(len(mine))]
             own = max(b + (0.0 if zero_bubble else a) for b, a in blocks)
             lowest = [(k, own - (0.0 if zero_bubble else sum(costs[i].act_bytes for i, kind in zip(idx, ks)
                                                              if kind == "block")), chunk_whole[k])
                       for k, (idx, ks) in enumerate(zip(mine, kinds))]
-            copy_out = [(k, chunk_root[k]) for k, ks in enumerate(kinds) if "head" not in ks and chunk_root[k]]
+            copy_out = [(k, 0.0, two + 2 * chunk_root[k]) for k, ks in enumerate(kinds)
+                        if "head" not in ks and chunk_root[k]]
         # a block's backward comes after the head's: that micro-batch's head activations (the logits) are gone
         head_act = sum(costs[i].act_bytes for idx in mine for i in idx if self.lg.layers[i].kind == "head")
 
@@ -789,12 +794,7 @@ class Evaluator:
                 return 0.0, edge
             if not gathered_pp:
                 return block_peak + in_block + extra - (0.0 if zero_bubble else head_act), edge
-            # the rank's roots and two largest blocks, all chunks' (the search sees a rank's blocks as counts), unless
-            # the state holds every chunk gathered: with several chunks a state holding one gathered is charged its
-            # root again, an over-charge the ILP shares
-            top = in_block * (1 - min(gath))
-            block = max([block_peak + top] + [b + w * (1 - gath[k]) for k, b, w in lowest]
-                        + [top + w * (1 - gath[k]) for k, w in copy_out]) + extra
+            block = max(b + w * (1 - gath[k]) for k, b, w in highest + lowest + copy_out) + extra
             return block - (0.0 if zero_bubble else head_act), edge
 
         # the heaviest state of each gathering of the rank's chunks, with the moments that gathering leaves

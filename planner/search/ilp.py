@@ -691,8 +691,12 @@ class Model:
                     bare[1] = bare[1] + prefetch + (0.0 if kind == "head" else held_here)
                 edge_moments.append((j, gathered, bare))
             lowest, copy_out = [], []  # pipelined ZeRO 3: each chunk's lowest block's backward, the chunk gathered
-            # whole; the root's copy-out where a chunk has no head (`costmodel.estimate.Evaluator._rank_memory`)
+            # whole; the root's copy-out where a chunk has no head (`costmodel.estimate.Evaluator._rank_memory`);
+            # each chunk's top block's, with its root and the rank's two largest blocks
+            two = 0.0
             if gathered_pp and work:
+                two = self.tab(r, lambda v: self._b(fsdp_gathered_bytes(
+                    cfg, [(kind, n) for kind, n in gathering(v) if kind == "block"])))[0]
                 for j, u in enumerate(stages):
                     acts = 0.0 if zero_bubble else sum(
                         (self._b(ev.cost(i, a).act_bytes) * self.blocks[u, k, a] for k, i in enumerate(d.reps)
@@ -702,7 +706,7 @@ class Model:
                     lowest.append((j, acts, each[j][1]))
                     heads = any(ev.lg.layers[i].kind == "head" for i in _fixed_on_stage(d, u))
                     if not heads and roots[j]:
-                        copy_out.append((j, roots[j]))
+                        copy_out.append((j, two + 2 * roots[j]))
             tops = []  # per group of states: its heaviest state with the moments it leaves
             for gath in groups:
                 peak = s.NumVar(0, self.inf, f"rec_peak[{r},{gath}]")
@@ -711,16 +715,15 @@ class Model:
 
                 def beyond(j, need, gath=gath):  # a chunk gathered whole at the state holds what a moment needs
                     return need * (1 - gath[j])  # (pipelined ZeRO 3 only: `lowest` and `copy_out` are empty else)
-                # the top block's gathering: the rank's roots and two largest blocks, all chunks' (the search sees
-                # a rank's blocks as counts), unless the state holds every chunk gathered; with several chunks a
-                # state holding one of them gathered is charged its root again (an over-charge the estimate shares)
-                need = in_block * (1 - min(gath)) if gath is not None else in_block
                 for w, w_low in work:
-                    s.Add(block_peak >= w + need + extra_b - head_act)
+                    if gath is None:
+                        s.Add(block_peak >= w + in_block + extra_b - head_act)
+                        continue
                     for j, acts, whole in lowest:
+                        s.Add(block_peak >= w + beyond(j, two + roots[j]) + extra_b - head_act)
                         s.Add(block_peak >= w_low - acts + beyond(j, whole) + extra_b - head_act)
-                for j, root_j in copy_out:
-                    s.Add(block_peak >= need + beyond(j, root_j) + extra_b - head_act)
+                for j, gathering_j in copy_out:
+                    s.Add(block_peak >= beyond(j, gathering_j) + extra_b - head_act)
                 for j, e_in, e_out in edge_moments:
                     for e in e_in if gath is not None and gath[j] else e_out:
                         s.Add(peak >= e)
