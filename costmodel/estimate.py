@@ -560,6 +560,13 @@ class Evaluator:
             return c.param_numel
         return c.param_numel + dp * fsdp_padding_numel(list(c.param_sizes), dp)
 
+    def gathered_padding_bytes(self, costs: list[LayerCost]) -> float:
+        """Pipelined ZeRO 3: the padding of the chunks' gathered parameters at the end of the backward, where they
+        all stay gathered (`static_bytes` holds them unpadded; the peak states, padded through `gathered_numel`)."""
+        if not (self.cfg.zero >= 3 and self.cfg.fsdp_in_pipeline and self.cfg.data_ranks > 1):
+            return 0.0
+        return self.cfg.param_bytes * sum(self.gathered_numel(c) - c.param_numel for c in costs)
+
     def rank_state_extras(self, costs: list[LayerCost]) -> tuple[float, float, float]:
         """(parameter, gradient, optimizer) bytes a rank holding the layers of ``costs`` keeps beyond the per-parameter
         states of `static_bytes`, at every moment of the step: autocast's cached 16-bit weights
@@ -719,6 +726,7 @@ class Evaluator:
         buffers, per_micro_batch, buffers_after = self.pipeline_buffers(r, [idx[0] for idx in stages])
         # every gradient, no activation left
         after_backward = sum(self.static_bytes(params, extra)) + buffers_after + more_p + more_g + more_o
+        after_backward += self.gathered_padding_bytes(rank_costs)
         chunks = [c for c in range(len(stages)) if rank_of[c] == r]  # the rank's chunks, in order
         mine = [stages[c] for c in chunks]
         full = [sum(costs[i].act_bytes for i in idx) for idx in mine]
@@ -765,7 +773,7 @@ class Evaluator:
                     else:
                         edges.append((k, gathered, gathered))
         in_block = fsdp_gathered_bytes(cfg, gathering) if cfg.zero == 3 and cfg.data_ranks > 1 else 0.0
-        extra = head_grad_bytes(cfg, held, self.m, r, self.autocast) + fsdp_reduce_bytes(cfg, held)
+        extra = head_grad_bytes(cfg, held, self.m, r, self.autocast) + fsdp_reduce_bytes(cfg, held, gathering)
         extra += self.tied_in_flight_bytes
         zero_bubble = cfg.schedule == Schedule.ZERO_BUBBLE and cfg.pp > 1
         # pipelined ZeRO 3: a chunk's lowest block's backward, with its chunk gathered whole and the micro-batch's

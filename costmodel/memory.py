@@ -372,21 +372,25 @@ def fsdp_root_bytes(cfg, layers: list[tuple[str, float]]) -> float:
     return cfg.param_bytes * sum(n for kind, n in layers if kind != "block")
 
 
-def fsdp_reduce_bytes(cfg, layers: list[tuple[str, float]]) -> float:
+def fsdp_reduce_bytes(cfg, layers: list[tuple[str, float]], gathered: list[tuple[str, float]] | None = None) -> float:
     """FSDP2's gradient buffers during a block's backward (ZeRO 2/3, not under pipelining, where it reduces once
     after the last micro-batch): the block's unsharded gradients (training precision) and one reduce-scatter input
     still in flight (reduce dtype: fp32 unless the plan compresses), which torch 2.13 frees only when the next
     block reduces (``reduce_scatter_max_input_buffers`` = 1, ``FSDPParamGroup.post_backward``). Traced: llama with
     0.81 GiB blocks and small activations, ZeRO-3 on 8 ranks, holds both at its peak. Pipelined, where a new
     gradient stays beside the accumulators until its unit's post-backward (`_pipelined_grad_beside`): the block's,
-    and the head's through the whole backward of its chunk (the root's post-backward comes at its end)."""
+    and the head's through the whole backward of its chunk (the root's post-backward comes at its end). The
+    reduce-scatter input is padded as the shards are (``gathered``: the same layers as FSDP2 gathers them,
+    `costmodel.estimate.Evaluator.gathered_numel`; torch 2.13 ``foreach_reduce`` pads each gradient's dim 0),
+    the gradients are not."""
     if cfg.zero < 2 or cfg.data_ranks == 1:
         return 0.0
     blocks = [n for kind, n in layers if kind == "block"]
     if cfg.fsdp_in_pipeline:
         head = sum(n for kind, n in layers if kind == "head")
         return cfg.param_bytes * (max(blocks, default=0.0) + head) if _pipelined_grad_beside(cfg) else 0.0
-    return (cfg.param_bytes + fsdp_reduce_dtype_bytes(cfg)) * max(blocks, default=0.0)
+    padded = [n for kind, n in (gathered or layers) if kind == "block"]
+    return cfg.param_bytes * max(blocks, default=0.0) + fsdp_reduce_dtype_bytes(cfg) * max(padded, default=0.0)
 
 
 def inflight_chunks(schedule: Schedule, pp: int, vpp: int, rank: int, micro_batches: int) -> list[float]:

@@ -732,12 +732,14 @@ def test_a_stage_holding_no_block_is_traced():
 @pytest.mark.parametrize("config", ["dp=8,zero=3,mbs=2,ac=full", "dp=8,zero=2,mbs=4"])
 def test_fsdp_pads_its_shards_as_torch_does(config):
     """FSDP2 shards dim 0 in ``torch.chunk``'s padded chunks (`costmodel.memory.fsdp_padding_numel`): a grouped
-    expert weight of 4 experts on 8 ranks is a whole expert on each, twice the even share, and it gathers 8
-    (`costmodel.estimate.Evaluator.gathered_numel`). The model states match the trace (they were 1.5 MiB of
-    gradients and 3 MiB of moments under), and so do the all-gathers and reduce-scatters (21 % under) and ZeRO-3's
-    peak, the first block's forward beside the root (9.4 % under). ZeRO-2's peak is over (7.5 %: the head's
-    backward, which the trace reaches with the logits freed), its gathered parameters exact (20 % under)."""
-    model = "moe:layers=2,hidden=256,heads=4,kv_heads=4,ffn=512,vocab=16000,seq=32,experts=4,top_k=2"
+    expert weight of 4 experts on 8 ranks is a whole expert on each, twice the even share, and it gathers and
+    reduce-scatters 8 (`costmodel.estimate.Evaluator.gathered_numel`). The model states match the trace (they were
+    1.5 MiB of gradients and 3 MiB of moments under), and so do the all-gathers and reduce-scatters (21 % under)
+    and ZeRO-3's peak, a middle block's backward with the block gathered, the next one's padded buffer and the
+    previous one's padded reduce-scatter input (with 2 blocks, whose peak was the first block's forward, 9.4 %
+    under). ZeRO-2's peak is over (the head's backward, which the trace reaches with the logits freed), its gathered
+    parameters exact (20 % under). (Befores measured on the 2-block model.)"""
+    model = "moe:layers=3,hidden=256,heads=4,kv_heads=4,ffn=512,vocab=16000,seq=32,experts=4,top_k=2"
     (role,) = check_plan(plan_from_config(model, "dgx-h100:nodes=1", 32, config))["roles"]
     # (each term is its own maximum: ZeRO-2's predicted peak comes before any gradient shard, so the gradients do not
     # compare there)

@@ -225,6 +225,18 @@ def test_states_hold_what_came_before_them():
     assert grads_held_at_peak(dataclasses.replace(cfg, zero=0), 2, 0)  # DDP's buckets: from the step's start
 
 
+def test_fsdp_reduce_scatter_input_is_padded_as_the_shards_are():
+    """Outside a pipeline a block's backward holds its unsharded gradient (as the parameters are) beside the
+    reduce-scatter input, which torch 2.13's ``foreach_reduce`` pads on dim 0 as the shards are padded."""
+    from costmodel.memory import fsdp_reduce_bytes
+
+    layers = [("embedding", 100.0), ("block", 10.0), ("block", 12.0), ("head", 100.0)]
+    padded = [(kind, n * 1.5 if kind == "block" else n) for kind, n in layers]
+    cfg = ParallelConfig(dp=4, zero=3, precision="bf16")
+    assert fsdp_reduce_bytes(cfg, layers, padded) == 2 * 12.0 + 4 * 18.0
+    assert fsdp_reduce_bytes(cfg, layers) == (2 + 4) * 12.0
+
+
 def test_pipelined_fsdp_keeps_a_new_bf16_gradient_beside_its_accumulator():
     """Pipelined FSDP folds a unit's new gradient into its accumulator at the unit's post-backward, and only when
     the reduce dtype differs from the parameters' (torch 2.13 ``FSDPParam.to_accumulated_grad_if_needed``; else

@@ -406,6 +406,11 @@ def _pinned_fits(lg, cl, cfg, gb, acs, stage_of, memory_bytes) -> bool:
     # FSDP2's padded shards, gathered and held (2 experts over 4 ranks: `Evaluator.gathered_numel`)
     (TWO_EXPERTS, "dp=4,zero=3,mbs=1,precision=bf16", 16),
     (TWO_EXPERTS, "dp=4,zero=2,mbs=1,precision=bf16", 16),
+    # ... pipelined: the chunks' gathered padding, at the states and after the backward; 130 words pad too
+    (TWO_EXPERTS.replace("layers=3", "layers=4").replace("vocab=128", "vocab=130"),
+     "dp=4,pp=2,vpp=2,zero=3,mbs=1,schedule=interleaved,precision=bf16", 8),
+    (TWO_EXPERTS.replace("layers=3", "layers=4").replace("vocab=128", "vocab=130"),
+     "dp=4,pp=2,zero=3,mbs=1,schedule=1f1b,precision=bf16", 8),
 ])
 def test_the_ilp_charges_a_pinned_plan_the_estimates_peak(spec, config, batch):
     """The ILP's memory of a plan is the estimate's, to a millionth: pinned to the plan, it fits the estimate's peak
@@ -413,7 +418,7 @@ def test_the_ilp_charges_a_pinned_plan_the_estimates_peak(spec, config, batch):
     and stage sizes drawn)."""
     lg = graph(spec)
     cfg = ParallelConfig(**parse_kv(config))
-    cl = cluster(random.Random(7), 1000.0, 4, 1)
+    cl = cluster(random.Random(7), 1000.0, 4, max(1, cfg.world // 4))
     cl = replace(cl, device=replace(cl.device, runtime_reserved=0.0))
     rng = random.Random(spec + config)
     blocks = split_layers(lg)[1]

@@ -630,7 +630,8 @@ class Model:
             if cfg.zero == 3 and cfg.data_ranks > 1:
                 in_block = self.tab(r, lambda v: self._b(fsdp_gathered_bytes(cfg, gathering(v))))[0]
             # the head's gradient, where no other gradient is held yet; FSDP's gradient buffers of the block
-            reduce = self.tab(r, lambda v: self._b(fsdp_reduce_bytes(cfg, held_layers(v))))[0] if d.blocks else 0.0
+            reduce = self.tab(r, lambda v: self._b(fsdp_reduce_bytes(cfg, held_layers(v), gathering(v))))[0] \
+                if d.blocks else 0.0
             # FSDP's root parameter group in flight at the ends of a micro-batch, with the after-backward moment's
             fsdp_edge, _, edge_hi = self.tab(r, lambda v: self._b(fsdp_edge_bytes(cfg, gathering(v), d.m)))
             extra_b = self._b(head_grad_bytes(cfg, edges, d.m, r, d.ev.autocast)) + reduce
@@ -732,6 +733,8 @@ class Model:
                 tops.append(act[gath] + peak)
             # the rank's states beyond the per-parameter ones (autocast's cache, FSDP's padding, ZeRO-1's partition)
             uneven = self.tab(r, lambda v, r=r: self._b(sum(ev.rank_state_extras(_rank_layer_costs(d, r, v)))))[0]
+            # pipelined ZeRO 3: the gathered parameters' padding, all held after the backward
+            padding = self.tab(r, lambda v, r=r: self._b(ev.gathered_padding_bytes(_rank_layer_costs(d, r, v))))[0]
             static_b = self._b(per_param) * params + uneven
             # expert shards beyond the held parameters (ZeRO 2/3 with expert parallelism), at both moments
             x_peak, x_after = sum(ev.peak_static_bytes(0.0, 1.0)[:3]), sum(ev.static_bytes(0.0, 1.0))
@@ -752,7 +755,7 @@ class Model:
                 if after_backward > per_param or copy_hi > 0 or x_after > x_peak or d.pp > 1 or edge_hi > 0:
                     kept = sum(self._b(d.buffers[o, r][2]) * self.compress["pp", o] for o in d.pp_opts)  # (torch's)
                     moments.append((1 + FRAGMENTATION) * (self._b(after_backward) * params + x_at_after + copy + kept
-                                                          + fsdp_edge + uneven + extra) + reserve)
+                                                          + fsdp_edge + uneven + padding + extra) + reserve)
                 for lhs in moments:
                     if len(d.grad_opts) == 1:
                         s.Add(lhs <= cap)
