@@ -459,6 +459,13 @@ def problems(facts: dict) -> list:
             "goes through it a second time: 'Trying to backward an extra time', torch/utils/checkpoint.py); "
             "re-plan with --fix ac=full or schedule=1f1b"
         )
+    if pp > 1 and schedule == "zb" and zero >= 3 and ranks > 1:
+        out.append(
+            "zero=3 with the zero-bubble schedule is not supported yet (torch 2.13 with FSDP2 resharding after "
+            "each forward: the last stage's weight gradients are never computed nor reduced, so it trains "
+            "wrong; `autopar check` and a 4-rank gloo run against one process both show it); re-plan with "
+            "--fix zero=2 or schedule=1f1b"
+        )
     if f.get("compile") and tp > 1 and f.get("checkpointed"):
         out.append(
             "torch.compile with tensor parallelism and activation checkpointing is not supported yet (torch "
