@@ -534,38 +534,39 @@ class Evaluator:
         k = plan_state_bytes(self.cfg, self.autocast)[2] * dp  # the state's bytes per element, before sharding
         return k * max(0.0, zero1_partition_numel(sizes, dp) - sum(n for n, _, _ in sizes) / dp)
 
-    def fsdp_padding_bytes(self, costs: list[LayerCost]) -> tuple[float, float, float]:
-        """(parameter, gradient, optimizer) bytes of the padding of a rank's FSDP2 shards (ZeRO 2/3) holding the
-        layers of ``costs``, beyond the even share `static_bytes` charges (`costmodel.memory.fsdp_padding_numel`):
-        the fp32 shard, the gradient shard and Adam's two moments of each padded element, and under ZeRO 2 its
-        gathered parameters, padded on every rank's shard (`gathered_numel`). Without expert
-        parallelism only (under it the experts' shards are `LayerCost.expert_shard_extra`'s, not padded here)."""
+    def fsdp_padding(self, c: LayerCost) -> float:
+        """Elements of layer ``c``'s FSDP2 shards on a rank beyond its even share (`costmodel.memory.
+        fsdp_padding_numel`), where FSDP2 shards it over the data ranks: ZeRO 2/3 without expert parallelism (under
+        it the experts' shards are `LayerCost.expert_shard_extra`'s, not padded here); else 0."""
         dp = self.cfg.data_ranks
         if self.cfg.zero < 2 or dp == 1 or self.cfg.ep > 1:
-            return 0.0, 0.0, 0.0
-        x = fsdp_padding_numel([s for c in costs for s in c.param_sizes], dp)
+            return 0.0
+        return fsdp_padding_numel(c.param_sizes, dp)
+
+    def fsdp_padding_bytes(self, costs: list[LayerCost]) -> tuple[float, float, float]:
+        """(parameter, gradient, optimizer) bytes of the padding of a rank's FSDP2 shards holding the layers of
+        ``costs`` (`fsdp_padding`), beyond the even share `static_bytes` charges: the fp32 shard, the gradient shard
+        and Adam's two moments of each padded element, and under ZeRO 2 its gathered parameters, padded on every
+        rank's shard (`gathered_numel`)."""
+        x = sum(self.fsdp_padding(c) for c in costs)
         # ZeRO 2 keeps the gathered parameters (`state_bytes_per_param`), padded as gathered (`gathered_numel`)
-        gathered = self.cfg.param_bytes * dp * x if self.cfg.zero == 2 else 0.0
+        gathered = self.cfg.param_bytes * self.cfg.data_ranks * x if self.cfg.zero == 2 else 0.0
         return 4.0 * x + gathered, 4.0 * x, 8.0 * x
 
     def gathered_numel(self, c: LayerCost) -> float:
-        """Elements of a layer's parameters as FSDP2 gathers them (ZeRO 2/3, no expert parallelism): its padded
-        shards from every rank (`costmodel.memory.fsdp_padding_numel`). The all-gather output and the unsharded
-        parameters, views into it, are that size (torch 2.13 ``FSDPParam.init_all_gather_outputs``,
-        ``init_unsharded_param``): a grouped expert weight of 4 experts on 8 ranks gathers 8. Traced (moe 2 × 256,
-        4 experts, ZeRO-3 on 8 ranks): the first block's forward holds a 13.0 MiB gathered block where its
-        parameters are 7.0."""
-        dp = self.cfg.data_ranks
-        if self.cfg.zero < 2 or dp == 1 or self.cfg.ep > 1:
-            return c.param_numel
-        return c.param_numel + dp * fsdp_padding_numel(list(c.param_sizes), dp)
+        """Elements of a layer's parameters as FSDP2 gathers them: its padded shards from every rank
+        (`fsdp_padding`). The all-gather output and the unsharded parameters, views into it, are that size (torch
+        2.13 ``FSDPParam.init_all_gather_outputs``, ``init_unsharded_param``): a grouped expert weight of 4 experts
+        on 8 ranks gathers 8. Traced (moe 2 × 256, 4 experts, ZeRO-3 on 8 ranks): the first block's forward holds a
+        13.0 MiB gathered block where its parameters are 7.0."""
+        return c.param_numel + self.cfg.data_ranks * self.fsdp_padding(c)
 
     def gathered_padding_bytes(self, costs: list[LayerCost]) -> float:
         """Pipelined ZeRO 3: the padding of the chunks' gathered parameters at the end of the backward, where they
         all stay gathered (`static_bytes` holds them unpadded; the peak states, padded through `gathered_numel`)."""
-        if not (self.cfg.zero >= 3 and self.cfg.fsdp_in_pipeline and self.cfg.data_ranks > 1):
+        if not (self.cfg.zero >= 3 and self.cfg.fsdp_in_pipeline):
             return 0.0
-        return self.cfg.param_bytes * sum(self.gathered_numel(c) - c.param_numel for c in costs)
+        return self.cfg.param_bytes * self.cfg.data_ranks * sum(self.fsdp_padding(c) for c in costs)
 
     def rank_state_extras(self, costs: list[LayerCost]) -> tuple[float, float, float]:
         """(parameter, gradient, optimizer) bytes a rank holding the layers of ``costs`` keeps beyond the per-parameter
@@ -744,22 +745,22 @@ class Evaluator:
         chunk_params = [sum(costs[i].param_numel for i in idx) for idx in mine]
         grads_at = [sum(d * n for d, n in zip(made, chunk_params)) * made_pp + (x_made if max(made) else 0.0)
                     for _, _, made, _ in states]
-        chunk_gathered = [sum(self.gathered_numel(costs[i]) for i in idx) for idx in mine]  # (FSDP2's padding)
+        kinds = [[self.lg.layers[i].kind for i in idx] for idx in mine]
+        numel = [[self.gathered_numel(costs[i]) for i in idx] for idx in mine]  # as FSDP2 gathers them, padded
+        chunk_gathered = [sum(n) for n in numel]
         gathered_at = [sum(d * n for d, n in zip(gath, chunk_gathered)) * gathered_pp for *_, gath in states]
         with_grads = [h + g + q for h, g, q in zip(held_by, grads_at, gathered_at)]
-        held = [(self.lg.layers[i].kind, costs[i].param_numel) for idx in mine for i in idx]
-        gathering = [(kind, self.gathered_numel(costs[i])) for idx in mine for i in idx
-                     for kind in (self.lg.layers[i].kind,)]  # (what FSDP2 gathers of them: `gathered_numel`)
+        held = [(kind, costs[i].param_numel) for idx, ks in zip(mine, kinds) for i, kind in zip(idx, ks)]
+        gathering = [(kind, n) for ks, ns in zip(kinds, numel) for kind, n in zip(ks, ns)]
         root = fsdp_root_bytes(cfg, gathering)  # (gathered when the head's weight gradients are made, not for its loss)
-        kinds = [[self.lg.layers[i].kind for i in idx] for idx in mine]
         blocks = [(costs[i].backward_peak_bytes, costs[i].act_bytes) for idx, ks in zip(mine, kinds)
                   for i, kind in zip(idx, ks) if kind == "block"]
         block_peak = max((b for b, _ in blocks), default=0.0)  # the largest backward working set of a block
         # pipelined ZeRO 3 (`costmodel.memory.fsdp_chunk_gathered`): what a backward gathers of its chunk where the
         # state does not hold it gathered already; elsewhere nothing beyond ZeRO-3's own `root` and `in_block`
         chunk_whole = [gathered_pp * n for n in chunk_gathered]
-        chunk_root = [gathered_pp * sum(self.gathered_numel(costs[i]) for i, kind in zip(idx, ks) if kind != "block")
-                      for idx, ks in zip(mine, kinds)]
+        chunk_root = [gathered_pp * sum(n for kind, n in zip(ks, ns) if kind != "block")
+                      for ks, ns in zip(kinds, numel)]
         largest = gathered_pp * max((n for kind, n in gathering if kind == "block"), default=0.0)
         edges = []  # the embedding's and head's: (chunk, bytes with the chunk gathered at the state, without)
         for k, (idx, ks) in enumerate(zip(mine, kinds)):
@@ -772,7 +773,9 @@ class Evaluator:
                         edges.append((k, gathered, self.edge_peak_bytes(i, acs[i], held_here, prefetch) - freed))
                     else:
                         edges.append((k, gathered, gathered))
-        in_block = fsdp_gathered_bytes(cfg, gathering) if cfg.zero == 3 and cfg.data_ranks > 1 else 0.0
+        # ZeRO-3 outside a pipeline: a block's backward with the root and two blocks gathered
+        in_block = fsdp_gathered_bytes(cfg, gathering) if cfg.zero == 3 and cfg.data_ranks > 1 and not gathered_pp \
+            else 0.0
         extra = head_grad_bytes(cfg, held, self.m, r, self.autocast) + fsdp_reduce_bytes(cfg, held, gathering)
         extra += self.tied_in_flight_bytes
         zero_bubble = cfg.schedule == Schedule.ZERO_BUBBLE and cfg.pp > 1

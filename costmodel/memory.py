@@ -106,12 +106,14 @@ def dp_reduction_temp_bytes(cfg, grad_kind: str, grad_bytes: float, whole: float
     return {"bf16": grad_bytes / 2, "fp16": grad_bytes / 2, "powersgd": (2 + whole) * bucket}.get(grad_kind, 0.0)
 
 
-def fsdp_padding_numel(sizes: list[tuple[float, bool, int]], dp: int) -> float:
+@functools.lru_cache(maxsize=4096)
+def fsdp_padding_numel(sizes: tuple[tuple[float, bool, int], ...], dp: int) -> float:
     """Elements a rank's FSDP2 shards hold beyond numel/dp for parameter tensors ``sizes`` ((elements, is a matrix,
-    rows) each): FSDP2 shards dim 0 with ``torch.chunk`` over the dp ranks and pads every shard to the first
-    chunk's rows, ceil(rows/dp) (torch 2.13 ``FSDPParam._init_sharded_param``). A grouped expert weight with fewer
-    experts than ranks is a whole expert on each: traced, a MoE with 4 experts on 8 ranks under ZeRO-3 kept 7.16
-    MiB of gradient shards where 5.66 were priced."""
+    rows) each: a layer's `LayerCost.param_sizes`): FSDP2 shards dim 0 with ``torch.chunk`` over the dp ranks and
+    pads every shard to the first chunk's rows, ceil(rows/dp) (torch 2.13 ``FSDPParam._init_sharded_param``). A
+    grouped expert weight with fewer experts than ranks is a whole expert on each: traced, a MoE with 4 experts on
+    8 ranks under ZeRO-3 kept 7.16 MiB of gradient shards where 5.66 were priced. (Cached: the search asks for the
+    same layers' padding at every candidate.)"""
     return sum(-(-rows // dp) * (n / rows) - n / dp for n, _, rows in sizes)
 
 
@@ -193,7 +195,7 @@ def grads_accumulate(cfg, micro_batches: int) -> bool:
     if pipelined_fsdp(cfg.zero, cfg.data_ranks, cfg.pp):  # (at different dtypes `.grad` is moved to the accumulator
         # after each backward, `_pipelined_grad_beside`, and the next new gradient becomes it)
         return micro_batches > 1 and not _pipelined_grad_beside(cfg)
-    return micro_batches > 1 and not (cfg.zero >= 2 and cfg.data_ranks > 1)
+    return micro_batches > 1 and not fsdp_transient_grads(cfg)
 
 
 def fsdp_transient_grads(cfg) -> bool:

@@ -730,9 +730,8 @@ def _static_stages(par, config: dict, build) -> None:
     container = config["block_container"]
     blocks = model.get_submodule(container)
     first = {}  # stage -> index of its first block
-    stage_of = [config["stage_of"][f"{container}.{i}"] for i in range(len(blocks))]
-    for i, s in enumerate(stage_of):
-        first.setdefault(s, i)
+    for i in range(len(blocks)):
+        first.setdefault(config["stage_of"][f"{container}.{i}"], i)
     seen: dict[int, torch.Tensor] = {}  # a stage's first block's input; the last block's output (a stage holding
     # no block, only the final norm and head, receives that)
 

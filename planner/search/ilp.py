@@ -626,8 +626,9 @@ class Model:
             def gathering(v, edges=g_edges, numel=g_numel):
                 return held_layers(v, edges, numel)
 
-            in_block = 0.0  # ZeRO-3 (costmodel.memory.fsdp_gathered_bytes): what a block's backward gathers
-            if cfg.zero == 3 and cfg.data_ranks > 1:
+            in_block = 0.0  # ZeRO-3 outside a pipeline (costmodel.memory.fsdp_gathered_bytes): what a block's
+            # backward gathers (pipelined: per chunk, `two` and `roots` below)
+            if cfg.zero == 3 and cfg.data_ranks > 1 and not gathered_pp:
                 in_block = self.tab(r, lambda v: self._b(fsdp_gathered_bytes(cfg, gathering(v))))[0]
             # the head's gradient, where no other gradient is held yet; FSDP's gradient buffers of the block
             reduce = self.tab(r, lambda v: self._b(fsdp_reduce_bytes(cfg, held_layers(v), gathering(v))))[0] \
