@@ -125,6 +125,9 @@ CASES = {
     "pp2_tp2": (4, lambda: make_plan(LLAMA4, 4, pp=2, tp=2, mbs=2, schedule="1f1b"), EXACT),
     # the vocabulary-parallel loss under zero-bubble: torch detaches the last stage's loss in place (a view failed)
     "pp2_tp2_zero_bubble": (4, lambda: make_plan(LLAMA4, 4, pp=2, tp=2, mbs=2, schedule="zb"), EXACT),
+    # ...and every middle stage's output, the scattered slice of its activation (`runtime.apply_pp_scatter`): a
+    # view, which failed the same way (four stages on two ranks: stages 1 and 2 are middle ones)
+    "pp2_vpp2_tp2_zero_bubble": (4, lambda: make_plan(LLAMA4, 4, pp=2, vpp=2, tp=2, mbs=2, schedule="zb"), EXACT),
 }
 
 #: init=meta (built on the meta device, each rank initialises its shards): name → (world, plan). Run in the same

@@ -1029,10 +1029,12 @@ def apply_ac(part: nn.Module, plan: dict) -> None:
             blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=True, context_fn=context_fn)
 
 
-def _hidden_slice(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Replicated tensor → this rank's slice of the last dimension (no communication; backward all-gathers)."""
+def _hidden_slice(x: torch.Tensor, mesh: DeviceMesh, own: bool = False) -> torch.Tensor:
+    """Replicated tensor → this rank's slice of the last dimension (no communication; backward all-gathers); a
+    copy of its own with ``own``, not a view."""
     last = x.dim() - 1
-    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(last)]).to_local()
+    out = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(last)]).to_local()
+    return out.clone() if own else out
 
 
 def _hidden_gather(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -1048,7 +1050,11 @@ def apply_pp_scatter(part: nn.Module, stage: int, plan: dict, tp_mesh: DeviceMes
     block; the gradients go back the same way. The pipeline carries 1/tp of the bytes, as the cost model charges."""
     n_stages = plan["pp"] * plan["vpp"]
     if stage < n_stages - 1:
-        part.register_forward_hook(lambda module, args, out: _hidden_slice(out, tp_mesh))
+        # zero-bubble: torch 2.13's input pass detaches a stage's outputs in place (``stage_backward_input``, on
+        # every stage but the first), which the view ``to_local`` gives refuses; the slice is sent as a tensor of its
+        # own there (a copy of 1/tp of the activation), as the last stage's loss is (`vocab_parallel_loss`)
+        own = plan["schedule"] == "zb"
+        part.register_forward_hook(lambda module, args, out: _hidden_slice(out, tp_mesh, own))
     if stage > 0:
         part.register_forward_pre_hook(lambda module, args: (_hidden_gather(args[0], tp_mesh), *args[1:]))
 
