@@ -52,6 +52,7 @@ from costmodel.memory import (
     fsdp_gathered_bytes,
     fsdp_padding_numel,
     fsdp_reduce_bytes,
+    fsdp_reduce_in_flight_bytes,
     fsdp_root_bytes,
     fsdp_transient_grads,
     grads_accumulate,
@@ -762,15 +763,18 @@ class Evaluator:
         chunk_root = [gathered_pp * sum(n for kind, n in zip(ks, ns) if kind != "block")
                       for ks, ns in zip(kinds, numel)]
         largest = gathered_pp * max((n for kind, n in gathering if kind == "block"), default=0.0)
+        reducing = fsdp_reduce_in_flight_bytes(cfg, gathering)
         edges = []  # the embedding's and head's: (chunk, bytes with the chunk gathered at the state, without)
         for k, (idx, ks) in enumerate(zip(mine, kinds)):
             for i, kind in zip(idx, ks):
                 if kind != "block":
-                    freed = self._freed_before(i, idx, costs)
-                    gathered = self.edge_peak_bytes(i, acs[i], root) - freed
+                    # what its moments shed: the micro-batch's other activations, less (the embedding's backward,
+                    # the root unit's last) the lowest block's reduction beside it
+                    shed = self._freed_before(i, idx, costs) - (reducing if kind == "embed" else 0.0)
+                    gathered = self.edge_peak_bytes(i, acs[i], root) - shed
                     if gathered_pp:
                         held_here, prefetch = fsdp_chunk_gathered(kind, chunk_whole[k], chunk_root[k], largest)
-                        edges.append((k, gathered, self.edge_peak_bytes(i, acs[i], held_here, prefetch) - freed))
+                        edges.append((k, gathered, self.edge_peak_bytes(i, acs[i], held_here, prefetch) - shed))
                     else:
                         edges.append((k, gathered, gathered))
         # ZeRO-3 outside a pipeline: a block's backward with the root and two blocks gathered

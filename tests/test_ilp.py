@@ -403,6 +403,10 @@ def _pinned_fits(lg, cl, cfg, gb, acs, stage_of, memory_bytes) -> bool:
     (BIG_VOCAB, "dp=2,pp=2,zero=3,mbs=1,schedule=gpipe,precision=fp32", 4),
     (BIG_VOCAB, "dp=2,pp=2,zero=3,mbs=1,schedule=zb,precision=fp32", 4),
     (BIG_VOCAB, "dp=2,pp=2,vpp=2,zero=3,mbs=1,schedule=interleaved,precision=fp32", 4),
+    # ZeRO 2 and 3 with a large tied vocabulary: the embedding's backward (three copies of the tied weight's gradient
+    # beside the lowest block's reduce-scatter input, `costmodel.memory.fsdp_reduce_in_flight_bytes`) sets the peak
+    (BIG_VOCAB, "dp=4,zero=2,mbs=1,precision=fp32", 8),
+    (BIG_VOCAB, "dp=4,zero=3,mbs=1,precision=fp32", 8),
     # FSDP2's padded shards, gathered and held (2 experts over 4 ranks: `Evaluator.gathered_numel`)
     (TWO_EXPERTS, "dp=4,zero=3,mbs=1,precision=bf16", 16),
     (TWO_EXPERTS, "dp=4,zero=2,mbs=1,precision=bf16", 16),

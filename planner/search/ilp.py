@@ -94,6 +94,7 @@ from costmodel.memory import (
     fsdp_edge_bytes,
     fsdp_gathered_bytes,
     fsdp_reduce_bytes,
+    fsdp_reduce_in_flight_bytes,
     fsdp_reduce_dtype_bytes,
     fsdp_root_bytes,
     head_grad_bytes,
@@ -658,6 +659,8 @@ class Model:
             # head's backward, as a one-hot over its count vectors (`tab`)
             largest = self.tab(r, lambda v: self._b(gathered_pp * max(
                 (n for kind, n in gathering(v) if kind == "block"), default=0.0)))[0] if gathered_pp else 0.0
+            # one block's reduce-scatter input in flight at the embedding's backward (ZeRO 2/3 outside a pipeline)
+            reducing = self.tab(r, lambda v: self._b(fsdp_reduce_in_flight_bytes(cfg, gathering(v))))[0]
             edge_moments = []  # the embedding's and head's: (chunk, with it gathered at the state, without)
             roots = []  # each chunk's root unit (its layers other than blocks), gathered
             for u in stages:
@@ -673,10 +676,12 @@ class Model:
                         for a in d.fixed_acs[i]) for lowest_only in (True, False)))
                     continue
                 freed = 0.0
+                if ev.lg.layers[i].kind == "embed":  # the lowest block's reduction beside it (outside a pipeline)
+                    freed -= reducing
                 if ev.lg.layers[i].kind == "embed" and not zero_bubble:  # its chunk's last backward: the
                     # micro-batch's other activations there freed (`costmodel.estimate.Evaluator._freed_before`)
                     mine = sum(self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a] for a in d.fixed_acs[i])
-                    freed = self.layer_sum([u], lambda x: self._b(x.act_bytes)) - mine
+                    freed += self.layer_sum([u], lambda x: self._b(x.act_bytes)) - mine
                 j = stages.index(u)
 
                 def moments(root_bytes, i=i, freed=freed):  # edge_moments as expressions in its checkpointing
