@@ -119,12 +119,14 @@ def grad_compress_options(dp: int, tp: int, zero: int, schedule: str = "1f1b", p
 def checkpoint_modes(tp: int, ep: int = 1, compiled: bool = False, zero_bubble: bool = False, cp: int = 1,
                      attention_core=None) -> tuple[str, ...]:
     """The activation-checkpointing modes a block may take (`problems` refuses the others): none under torch.compile
-    with tensor parallelism, no selective AC with expert parallelism, under the zero-bubble schedule, or with
+    with tensor parallelism or under the zero-bubble schedule, no selective AC with expert parallelism or with
     context parallelism where selective is the per-op policy (`selective_policy` of ``attention_core``); the
     search offers the ILP only these."""
     if compiled and tp > 1:
         return ("none",)
-    if ep > 1 or zero_bubble or (cp > 1 and selective_policy(attention_core) != "attention-core"):
+    if zero_bubble:
+        return ("none",)
+    if ep > 1 or (cp > 1 and selective_policy(attention_core) != "attention-core"):
         return ("none", "full")
     return ("none", "selective", "full")
 
@@ -174,11 +176,12 @@ def problems(facts: dict) -> list:
         out.append(f"selective activation checkpointing with cp={f['cp']} is not supported yet on a model whose "
                    "attention is a fused kernel (its per-op policy recomputes the context-parallel all-gather of "
                    "the keys and values, which the cost model does not price); re-plan with --fix ac=full or cp=1")
-    if pp > 1 and schedule == "zb" and f.get("selective_ac"):
-        out.append("selective activation checkpointing with the zero-bubble schedule is not supported (torch 2.13's "
-                   "selective checkpoint lets autograd through a region once, and the schedule's weight-gradient pass "
-                   "goes through it a second time: 'Trying to backward an extra time', torch/utils/checkpoint.py); "
-                   "re-plan with --fix ac=full or schedule=1f1b")
+    if pp > 1 and schedule == "zb" and (f.get("checkpointed") or f.get("selective_ac")):
+        out.append("activation checkpointing with the zero-bubble schedule is not supported (torch 2.13's weight "
+                   "pass asks autograd once per parameter group, stage_backward_weight: a selective region refuses "
+                   "the second ask, 'Trying to backward an extra time', and a fully checkpointed block is recomputed "
+                   "at each, as its non-reentrant checkpoint recomputes per graph task: the check traced 2.5x the "
+                   "priced FLOPs on the last stage); re-plan with --fix ac=none or schedule=1f1b")
     if pp > 1 and schedule == "zb" and zero >= 3 and ranks > 1:
         out.append("zero=3 with the zero-bubble schedule is not supported yet (torch 2.13 with FSDP2 resharding after "
                    "each forward: the last stage's weight gradients are never computed nor reduced, so it trains "

@@ -66,7 +66,7 @@ CASES = {
     "hf_pp2_1f1b": (2, lambda: _llama(pp=2)),
     "hf_pp2_interleaved": (2, lambda: _llama(pp=2, vpp=2, schedule="interleaved")),
     "hf_pp2_gpipe_full_ac": (2, lambda: _llama(pp=2, schedule="gpipe", ac={0: "full", 3: "full"})),
-    "hf_pp2_zero_bubble_full_ac": (2, lambda: _llama(pp=2, vpp=2, mbs=2, schedule="zb", ac={1: "full", 2: "full"})),
+    "hf_pp2_zero_bubble": (2, lambda: _llama(pp=2, vpp=2, mbs=2, schedule="zb")),
     "hf_neox_pp2": (2, lambda: _plan(NEOX, "model.gpt_neox.layers", 2, pp=2)),
     "hf_qwen2_pp2": (2, lambda: _plan(QWEN2, "model.model.layers", 4, pp=2)),
     "hf_deepseek_pp2": (2, lambda: _plan(DEEPSEEK, "model.model.layers", 4, pp=2)),  # the dense block on stage 0

@@ -38,6 +38,8 @@ def test_each_rule_names_the_fix():
             precision="fp16"),  # one rule for the search, the emitter and the runtime (issue 13)
         "zero=1 with tp>1": facts(tp=2, zero=1),
         "zero=3 with the zero-bubble schedule": facts(pp=2, dp=2, zero=3, schedule="zb"),
+        # its weight pass recomputes a fully checkpointed block once per parameter group (traced 2.5x the FLOPs)
+        "activation checkpointing with the zero-bubble schedule": facts(pp=2, schedule="zb", checkpointed=True),
         "tp=2 cannot run layers.0.attn.kv_b_proj": facts(tp=2, tp_unsplit="layers.0.attn.kv_b_proj"),
         "does not divide heads=6": facts(tp=4, heads=6),
         "sequence parallel needs seq=30": facts(tp=4, sp=True, seq=30),

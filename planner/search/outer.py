@@ -464,8 +464,9 @@ GREEDY = "greedy"  #: the backend name of an incumbent that no ILP improved (tim
 def _candidate_options(kw: dict, cfg: ParallelConfig, compiled: bool, attention_core: bool) -> dict:
     """The ILP's options for one candidate: the search's, and the AC modes the runtime can run with it
     (`costmodel.runnable`): with torch.compile and tensor parallelism none (torch 2.13 cannot compile a checkpointed
-    block's DTensor inputs), with expert parallelism, the zero-bubble schedule, or context parallelism where
-    selective AC is the per-op policy (the model has no attention core) no selective AC."""
+    block's DTensor inputs), nor under the zero-bubble schedule (its weight pass recomputes a checkpointed block
+    once per parameter group); with expert parallelism, or context parallelism where selective AC is the per-op
+    policy (the model has no attention core), no selective AC."""
     modes = checkpoint_modes(cfg.tp, cfg.ep, compiled, zero_bubble=cfg.pp > 1 and cfg.schedule.value == "zb",
                              cp=cfg.cp, attention_core=attention_core)
     if "acs" in kw or len(modes) == len(AC):

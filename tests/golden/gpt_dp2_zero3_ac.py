@@ -436,12 +436,13 @@ def problems(facts: dict) -> list:
             "attention is a fused kernel (its per-op policy recomputes the context-parallel all-gather of "
             "the keys and values, which the cost model does not price); re-plan with --fix ac=full or cp=1"
         )
-    if pp > 1 and schedule == "zb" and f.get("selective_ac"):
+    if pp > 1 and schedule == "zb" and (f.get("checkpointed") or f.get("selective_ac")):
         out.append(
-            "selective activation checkpointing with the zero-bubble schedule is not supported (torch 2.13's "
-            "selective checkpoint lets autograd through a region once, and the schedule's weight-gradient pass "
-            "goes through it a second time: 'Trying to backward an extra time', torch/utils/checkpoint.py); "
-            "re-plan with --fix ac=full or schedule=1f1b"
+            "activation checkpointing with the zero-bubble schedule is not supported (torch 2.13's weight "
+            "pass asks autograd once per parameter group, stage_backward_weight: a selective region refuses "
+            "the second ask, 'Trying to backward an extra time', and a fully checkpointed block is recomputed "
+            "at each, as its non-reentrant checkpoint recomputes per graph task: the check traced 2.5x the "
+            "priced FLOPs on the last stage); re-plan with --fix ac=none or schedule=1f1b"
         )
     if pp > 1 and schedule == "zb" and zero >= 3 and ranks > 1:
         out.append(
