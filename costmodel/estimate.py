@@ -489,17 +489,6 @@ class Evaluator:
         # (a tied head's weight is the embedding's only where one rank holds both: pp = 1)
         return AUTOCAST_COPY_BYTES * (sum(c.cast_numel for c in costs) + self._tied_numel_here)
 
-    def autocast_grads_held_bytes(self, costs: list[LayerCost]) -> float:
-        """The 16-bit gradients of the weights autocast casts (`cast_cache_bytes`' count), on a rank holding the
-        layers of ``costs``, held through a pipelined backward: the runtime's autocast region spans torch's schedule
-        (`planner.emit.train.train_step_loss`), so a micro-batch after the first reaches the copies an earlier one
-        made, whose cast-backs autograd runs last (it goes by the order nodes were made; measured on real tensors
-        too), and every such gradient of the stage waits for the end of its backward. Charged at each of its
-        backward's moments (exact at the last). Outside a pipeline each micro-batch has a region of its own: 0."""
-        if self.cfg.pp == 1 or not autocast_dtype(self.cfg, self.autocast):
-            return 0.0
-        return AUTOCAST_COPY_BYTES * sum(c.cast_numel for c in costs)
-
     def tied_sync_time(self, rank: int) -> float:
         """Megatron's embedding-group all-reduce (`planner.emit.runtime.sync_tied_grads`): with pp > 1 the first and
         the last pipeline rank each hold a copy of a weight tied between the embedding and the head, and sum its
@@ -775,14 +764,13 @@ class Evaluator:
                       for ks, ns in zip(kinds, numel)]
         largest = gathered_pp * max((n for kind, n in gathering if kind == "block"), default=0.0)
         reducing = fsdp_reduce_in_flight_bytes(cfg, gathering)
-        held_casts = self.autocast_grads_held_bytes(rank_costs)
         edges = []  # the embedding's and head's: (chunk, bytes with the chunk gathered at the state, without)
         for k, (idx, ks) in enumerate(zip(mine, kinds)):
             for i, kind in zip(idx, ks):
                 if kind != "block":
                     # what its moments shed: the micro-batch's other activations, less (the embedding's backward,
-                    # the last of its chunk's) the lowest block's reduction and the 16-bit gradients held to the end
-                    shed = self._freed_before(i, idx, costs) - (reducing + held_casts if kind == "embed" else 0.0)
+                    # the root unit's last) the lowest block's reduction beside it
+                    shed = self._freed_before(i, idx, costs) - (reducing if kind == "embed" else 0.0)
                     gathered = self.edge_peak_bytes(i, acs[i], root) - shed
                     if gathered_pp:
                         held_here, prefetch = fsdp_chunk_gathered(kind, chunk_whole[k], chunk_root[k], largest)
@@ -793,7 +781,7 @@ class Evaluator:
         in_block = fsdp_gathered_bytes(cfg, gathering) if cfg.zero == 3 and cfg.data_ranks > 1 and not gathered_pp \
             else 0.0
         extra = head_grad_bytes(cfg, held, self.m, r, self.autocast) + fsdp_reduce_bytes(cfg, held, gathering)
-        extra += self.tied_in_flight_bytes + held_casts
+        extra += self.tied_in_flight_bytes
         zero_bubble = cfg.schedule == Schedule.ZERO_BUBBLE and cfg.pp > 1
         # pipelined ZeRO 3: a chunk's lowest block's backward, with its chunk gathered whole and the micro-batch's
         # other blocks' activations freed (an input pass frees none); and, in a chunk whose output is its top block's

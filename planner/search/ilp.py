@@ -638,10 +638,6 @@ class Model:
             fsdp_edge, _, edge_hi = self.tab(r, lambda v: self._b(fsdp_edge_bytes(cfg, gathering(v), d.m)))
             extra_b = self._b(head_grad_bytes(cfg, edges, d.m, r, d.ev.autocast)) + reduce
             extra_b += self._b(ev.tied_in_flight_bytes)  # (pp = 1: a rank with blocks)
-            # the 16-bit weight gradients a pipelined backward under autocast holds to its end
-            held_casts = self.tab(r, lambda v, r=r: self._b(ev.autocast_grads_held_bytes(
-                _rank_layer_costs(d, r, v))))[0]
-            extra_b += held_casts
             # a block's backward comes after the head's: that micro-batch's head activations are gone; zero-bubble:
             # a block's input pass runs with the head's activations still held and the weight ops' gradients built
             # on top (`act_building`); the head's own backward before them (`act`)
@@ -680,8 +676,8 @@ class Model:
                         for a in d.fixed_acs[i]) for lowest_only in (True, False)))
                     continue
                 freed = 0.0
-                if ev.lg.layers[i].kind == "embed":  # the lowest block's reduction beside it (outside a pipeline),
-                    freed -= reducing + held_casts  # the 16-bit weight gradients held to its end (pipelined)
+                if ev.lg.layers[i].kind == "embed":  # the lowest block's reduction beside it (outside a pipeline)
+                    freed -= reducing
                 if ev.lg.layers[i].kind == "embed" and not zero_bubble:  # its chunk's last backward: the
                     # micro-batch's other activations there freed (`costmodel.estimate.Evaluator._freed_before`)
                     mine = sum(self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a] for a in d.fixed_acs[i])

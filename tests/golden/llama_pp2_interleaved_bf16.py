@@ -1073,15 +1073,13 @@ def train_step_loss(
             )
         x, y = inputs.to(device), labels.to(device)
     optimizer.zero_grad(set_to_none=not zeroes_grads_in_place(par))
-    with loss_context(plan):
+    with autocast(plan, device), loss_context(plan):
         n_stages = plan["pp"] * plan["vpp"]
         args = (x,) if 0 in par.stage_indices else ()
         losses: list = []
         kwargs = {"target": y, "losses": losses} if n_stages - 1 in par.stage_indices else {}
         # return_outputs=False: the last stage would otherwise keep every micro-batch's output (the logits)
-        # (one autocast region over the schedule, which runs the micro-batches: `costmodel.memory`
-        # `autocast_grads_held_bytes` prices what that holds)
-        with _first_backward_synced(par.stages, plan["grad_accum"]), autocast(plan, device):
+        with _first_backward_synced(par.stages, plan["grad_accum"]):
             par.schedule.step(*args, **kwargs, return_outputs=False)
         local = torch.stack(losses).mean().detach().float() if losses else torch.zeros((), device=device)
     par.grad_norm = clip_grad_norm(par, plan["clip_norm"])
