@@ -160,6 +160,17 @@ def test_every_searched_plan_emits(odd_seq):
                 runtime_config(plan, model)
 
 
+def test_pinned_checkpointing_is_never_offered_with_zero_bubble(odd_seq):
+    """A pinned ``ac`` enters the runnable rules with every candidate (it was only under --compile): with
+    ``--fix ac=full`` the search offered zero-bubble candidates, which the emitter then refused."""
+    cluster = load_cluster("dgx-h100:nodes=1")
+    refused: list = []
+    cands = candidates(odd_seq, cluster, 16, {"tp": 1, "pp": 2, "mbs": 1, "ac": "full"}, refused=refused)
+    assert cands and all(c.schedule.value != "zb" for c in cands)
+    assert any(c.schedule.value == "zb" and "zero-bubble" in why for c, why in refused)
+    assert any(c.schedule.value == "zb" for c in candidates(odd_seq, cluster, 16, {"tp": 1, "pp": 2, "mbs": 1}))
+
+
 def test_pinned_unrunnable_fix_says_why(odd_seq):
     cluster = load_cluster("dgx-h100:nodes=1")
     with pytest.raises(NoPlanFits, match="ZeroRedundancyOptimizer"):

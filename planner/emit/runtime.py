@@ -1053,7 +1053,7 @@ def apply_pp_scatter(part: nn.Module, stage: int, plan: dict, tp_mesh: DeviceMes
         # zero-bubble: torch 2.13's input pass detaches a stage's outputs in place (``stage_backward_input``, on
         # every stage but the first), which the view ``to_local`` gives refuses; the slice is sent as a tensor of its
         # own there (a copy of 1/tp of the activation), as the last stage's loss is (`vocab_parallel_loss`)
-        own = plan["schedule"] == "zb"
+        own = plan["schedule"] == "zb" and stage > 0
         part.register_forward_hook(lambda module, args, out: _hidden_slice(out, tp_mesh, own))
     if stage > 0:
         part.register_forward_pre_hook(lambda module, args: (_hidden_gather(args[0], tp_mesh), *args[1:]))

@@ -176,9 +176,11 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
                                      precision=precision, ep=ep, cp=cp)
                 facts = cfg.runnable_facts(global_batch, arch, lg.model.seq)
                 facts["grad_compress"] = parse_grad_compress(fix.get("grad_compress", "none"))[0]
-                facts["selective_ac"] = getattr(fix.get("ac"), "value", fix.get("ac")) == "selective"  # (pinned)
-                if compiled:  # unpinned, AC is the ILP's choice: `_candidate_options` limits it
-                    facts |= {"compile": "inductor", "checkpointed": fix.get("ac", "none") != "none"}
+                # (pinned; unpinned, AC is the ILP's choice: `_candidate_options` limits it)
+                facts["selective_ac"] = getattr(fix.get("ac"), "value", fix.get("ac")) == "selective"
+                facts["checkpointed"] = fix.get("ac", "none") != "none"
+                if compiled:
+                    facts["compile"] = "inductor"
                 why = runnable_problems(facts)
                 if why:  # the runtime would refuse it (costmodel.runnable): never offered
                     if refused is not None:
@@ -518,8 +520,10 @@ def _no_fit(lg, cluster, global_batch, fix, smallest) -> NoPlanFits:
                           "a smaller micro-batch or recomputation")
     bound, _, cfg = min(smallest, key=lambda x: (x[0], x[1]))
     # its least-memory plan as the search may make it: even stages, the recomputation --fix allows that holds least
-    ac = AC(fix["ac"]) if "ac" in fix else AC.FULL
-    what = f"ac={ac.value} as --fix pins it" if "ac" in fix else "full recomputation"
+    zero_bubble = cfg.pp > 1 and cfg.schedule.value == "zb"  # (no recomputation there: `checkpoint_modes`)
+    ac = AC(fix["ac"]) if "ac" in fix else AC.NONE if zero_bubble else AC.FULL
+    what = f"ac={ac.value} as --fix pins it" if "ac" in fix else "no recomputation (zero-bubble)" if zero_bubble \
+        else "full recomputation"
     try:
         est = Evaluator(lg, cluster, replace(cfg, ac=ac), global_batch).evaluate(
             [ac] * len(lg.layers), even_stages(lg, cfg.pp * cfg.vpp))
