@@ -121,6 +121,11 @@ class ParallelConfig:
         return 4 if self.precision == "fp32" else 2
 
     @property
+    def zero_bubble(self) -> bool:
+        """torch's zero-bubble schedule runs the pipeline: each backward split into an input pass and a weight pass."""
+        return self.pp > 1 and self.schedule == Schedule.ZERO_BUBBLE
+
+    @property
     def fsdp_in_pipeline(self) -> bool:
         """FSDP inside torch's pipeline stages (`costmodel.runnable.pipelined_fsdp`)."""
         return pipelined_fsdp(self.zero, self.data_ranks, self.pp)

@@ -409,7 +409,7 @@ class Evaluator:
         received = [self.p2p_bytes(firsts[c]) if c > 0 else 0.0 for c in mine]
         sent = [self.p2p_bytes(firsts[c + 1]) if c < n_stages - 1 else 0.0 for c in mine]
         return pipeline_buffers(self.m, received, sent, self.cfg.tp == 1 and not self._pp_cast(),
-                                zero_bubble=self.cfg.schedule == Schedule.ZERO_BUBBLE and pp > 1)
+                                zero_bubble=self.cfg.zero_bubble)
 
     @property
     def wide_boundaries(self) -> bool:
@@ -683,7 +683,7 @@ class Evaluator:
         """Activations of its micro-batch gone by the time layer ``i`` of ``chunk`` runs its backward, which the
         rank's held activations count: the token embedding's backward is the chunk's last, after every other layer's
         has freed what it saved (zero-bubble's weight pass excepted, charged as it is)."""
-        if self.lg.layers[i].kind != "embed" or (self.cfg.schedule == Schedule.ZERO_BUBBLE and self.cfg.pp > 1):
+        if self.lg.layers[i].kind != "embed" or self.cfg.zero_bubble:
             return 0.0
         return sum(costs[j].act_bytes for j in chunk if j != i)
 
@@ -782,7 +782,7 @@ class Evaluator:
             else 0.0
         extra = head_grad_bytes(cfg, held, self.m, r, self.autocast) + fsdp_reduce_bytes(cfg, held, gathering)
         extra += self.tied_in_flight_bytes
-        zero_bubble = cfg.schedule == Schedule.ZERO_BUBBLE and cfg.pp > 1
+        zero_bubble = cfg.zero_bubble
         # pipelined ZeRO 3: a chunk's lowest block's backward, with its chunk gathered whole and the micro-batch's
         # other blocks' activations freed (an input pass frees none); and, in a chunk whose output is its top block's
         # (no head), the root's pre-backward copy-out beside the top block and the next one's buffer: the root's

@@ -122,9 +122,7 @@ def checkpoint_modes(tp: int, ep: int = 1, compiled: bool = False, zero_bubble: 
     with tensor parallelism or under the zero-bubble schedule, no selective AC with expert parallelism or with
     context parallelism where selective is the per-op policy (`selective_policy` of ``attention_core``); the
     search offers the ILP only these."""
-    if compiled and tp > 1:
-        return ("none",)
-    if zero_bubble:
+    if (compiled and tp > 1) or zero_bubble:
         return ("none",)
     if ep > 1 or (cp > 1 and selective_policy(attention_core) != "attention-core"):
         return ("none", "full")

@@ -85,7 +85,7 @@ from ortools.linear_solver import pywraplp
 from costmodel.cluster import Cluster
 from costmodel.collectives import all_gather_time, reduce_scatter_time
 from costmodel.compression import compressed_grad_comm
-from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
+from costmodel.config import AC, ParallelConfig, parse_grad_compress
 from costmodel.estimate import Estimate, Evaluator
 from costmodel.memory import (
     FRAGMENTATION,
@@ -553,7 +553,7 @@ class Model:
             # chunk builds its weight ops' output gradients on top of its full activations
             full_sum = self.layer_sum(stages, lambda x: self._b(x.act_bytes))
             pending_sum = building_sum = None  # zero-bubble only
-            zero_bubble = cfg.schedule == Schedule.ZERO_BUBBLE and d.pp > 1
+            zero_bubble = cfg.zero_bubble
             v = cfg.vpp
             # each chunk counted on its own (ZeRO-3's per-stage units: its chunks may hold different numbers of
             # blocks): every chunk's layers at that chunk's own weights, exactly as `_rank_memory` sums them
@@ -678,10 +678,10 @@ class Model:
                 freed = 0.0
                 if ev.lg.layers[i].kind == "embed":  # the lowest block's reduction beside it (outside a pipeline)
                     freed -= reducing
-                if ev.lg.layers[i].kind == "embed" and not zero_bubble:  # its chunk's last backward: the
-                    # micro-batch's other activations there freed (`costmodel.estimate.Evaluator._freed_before`)
-                    mine = sum(self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a] for a in d.fixed_acs[i])
-                    freed += self.layer_sum([u], lambda x: self._b(x.act_bytes)) - mine
+                    if not zero_bubble:  # its chunk's last backward: the micro-batch's other activations there freed
+                        # (`costmodel.estimate.Evaluator._freed_before`)
+                        mine = sum(self._b(ev.cost(i, a).act_bytes) * self.fixed_ac[i, a] for a in d.fixed_acs[i])
+                        freed += self.layer_sum([u], lambda x: self._b(x.act_bytes)) - mine
                 j = stages.index(u)
 
                 def moments(root_bytes, i=i, freed=freed):  # edge_moments as expressions in its checkpointing

@@ -469,7 +469,7 @@ def _candidate_options(kw: dict, cfg: ParallelConfig, compiled: bool, attention_
     block's DTensor inputs), nor under the zero-bubble schedule (its weight pass recomputes a checkpointed block
     once per parameter group); with expert parallelism, or context parallelism where selective AC is the per-op
     policy (the model has no attention core), no selective AC."""
-    modes = checkpoint_modes(cfg.tp, cfg.ep, compiled, zero_bubble=cfg.pp > 1 and cfg.schedule.value == "zb",
+    modes = checkpoint_modes(cfg.tp, cfg.ep, compiled, zero_bubble=cfg.zero_bubble,
                              cp=cfg.cp, attention_core=attention_core)
     if "acs" in kw or len(modes) == len(AC):
         return kw
@@ -520,10 +520,10 @@ def _no_fit(lg, cluster, global_batch, fix, smallest) -> NoPlanFits:
                           "a smaller micro-batch or recomputation")
     bound, _, cfg = min(smallest, key=lambda x: (x[0], x[1]))
     # its least-memory plan as the search may make it: even stages, the recomputation --fix allows that holds least
-    zero_bubble = cfg.pp > 1 and cfg.schedule.value == "zb"  # (no recomputation there: `checkpoint_modes`)
-    ac = AC(fix["ac"]) if "ac" in fix else AC.NONE if zero_bubble else AC.FULL
-    what = f"ac={ac.value} as --fix pins it" if "ac" in fix else "no recomputation (zero-bubble)" if zero_bubble \
-        else "full recomputation"
+    # (no recomputation under zero-bubble: `checkpoint_modes`)
+    ac = AC(fix["ac"]) if "ac" in fix else AC.NONE if cfg.zero_bubble else AC.FULL
+    what = f"ac={ac.value} as --fix pins it" if "ac" in fix else "no recomputation (zero-bubble)" \
+        if cfg.zero_bubble else "full recomputation"
     try:
         est = Evaluator(lg, cluster, replace(cfg, ac=ac), global_batch).evaluate(
             [ac] * len(lg.layers), even_stages(lg, cfg.pp * cfg.vpp))
