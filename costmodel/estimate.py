@@ -42,6 +42,8 @@ from costmodel.layercost import (
 )
 from costmodel.memory import (
     AUTOCAST_COPY_BYTES,
+    DDP_BUCKET_BYTES,
+    DDP_FIRST_BUCKET_BYTES,
     MemoryBreakdown,
     allowance,
     autocast_dtype,
@@ -356,12 +358,13 @@ class Evaluator:
     @functools.cached_property
     def largest_bucket(self) -> float:
         """The largest of DDP's gradient buckets over the model's layers (`costmodel.memory.ddp_largest_bucket`; fp32:
-        each layer's matrices, then the rest of its parameters as one), here and in the ILP."""
+        each layer's matrices, then the rest of its parameters as one), here and in the ILP; where the runtime reduces
+        after the backward (`ParallelConfig.reduces_after_step`), its own buckets', which have no smaller first."""
         tensors = []
         for c in self._gradient_layers:
             in_matrices = [4.0 * m * n for m, n in c.grad_matrices]
             tensors += [*in_matrices, max(0.0, 4.0 * c.param_numel - sum(in_matrices))]
-        return ddp_largest_bucket(tensors)
+        return ddp_largest_bucket(tensors, DDP_BUCKET_BYTES if self.cfg.reduces_after_step else DDP_FIRST_BUCKET_BYTES)
 
     def powersgd_memory(self, rank: int) -> tuple[float, float]:
         """PowerSGD of ``rank`` over the model's layers (`costmodel.compression.powersgd_memory`): bytes per
@@ -488,6 +491,51 @@ class Evaluator:
             return 0.0
         # (a tied head's weight is the embedding's only where one rank holds both: pp = 1)
         return AUTOCAST_COPY_BYTES * (sum(c.cast_numel for c in costs) + self._tied_numel_here)
+
+    def cast_cache_after_backward(self, costs: list[LayerCost]) -> float:
+        """What of `cast_cache_bytes` a rank holding the layers of ``costs`` still holds at the step's moment after
+        the backward (`_rank_memory`'s ``after_backward``): the runtime's autocast regions end with the backward (a
+        micro-batch's each, or torch's schedule's: `planner.emit.train.train_step_loss`), and a region's end frees its
+        copies, so the post-step reductions and the optimizer step run without them; only DDP's reduction of its last
+        bucket, inside the last backward (`costmodel.memory.grads_always_held`: DDP reducing as it goes), sees them.
+        Traced, llama 6 × 320 bf16 full AC, dp 4 × tp 2 (the gradients all-reduced after the step): 6.5 % over with
+        them."""
+        return self.cast_cache_bytes(costs) if grads_always_held(self.cfg) else 0.0
+
+    @property
+    def holds_cast_grads(self) -> bool:
+        """Whether a pipeline stage's backward holds the 16-bit gradients of autocast's copies to its end
+        (`autocast_held_bytes`): 16-bit training under autocast (`costmodel.memory.autocast_dtype`) in torch's
+        pipeline schedules, the runtime's one region over all the micro-batches; not zero-bubble's, whose input
+        pass on a stage past the first stops at the stage's inputs and whose weight pass asks `autograd.grad` for a
+        parameter group at a time (traced, llama 6 × 320 bf16 without checkpointing, dp 4 × pp 2: −1.5 % / +1.8 %
+        unpriced)."""
+        return self.cfg.pp > 1 and not self.cfg.zero_bubble and autocast_dtype(self.cfg, self.autocast) is not None
+
+    def cast_grad_excess(self, c: LayerCost) -> float:
+        """What a block's 16-bit weight gradients held to the end of a backward (`autocast_held_bytes`) exceed the
+        activations its backward frees by (0 where they do not)."""
+        return max(0.0, AUTOCAST_COPY_BYTES * c.cast_numel - c.act_bytes) if self.holds_cast_grads else 0.0
+
+    def autocast_held_bytes(self, chunk: list[int], costs: list[LayerCost]) -> tuple[float, float, float]:
+        """The 16-bit weight gradients a backward of pipeline chunk ``chunk`` (layer indices; ``costs`` by layer)
+        holds to its end, where a micro-batch after the first runs it (`holds_cast_grads`): autocast's copy of a
+        weight is the first micro-batch's, reused by every later one, and autograd runs the nodes of a backward in
+        the order they were made, latest first, so in a later micro-batch's backward the copies' cast-backs come
+        after all of its own nodes and each 16-bit weight gradient (`AUTOCAST_COPY_BYTES` per element of
+        `LayerCost.cast_numel`) waits for the end of the stage's backward (measured on real tensors, CPU autocast, 4
+        blocks: 8 of 8 alive at the second micro-batch's embedding backward, none at the first's). Returns (at the
+        embedding's backward, its chunk's last node: all of them; at a block's, on top of what its moment holds: the
+        head's and each block's `cast_grad_excess`, less the lowest block's, which `Evaluator._rank_memory` takes
+        off with that block's working set; as the cast-backs run, with the micro-batch's activations gone: all of
+        them, beside which each cast-back makes its gradient's fp32 copy, `_rank_memory`'s ``cast_back``)."""
+        if not self.holds_cast_grads:
+            return 0.0, 0.0, 0.0
+        kinds = [self.lg.layers[i].kind for i in chunk]
+        every = AUTOCAST_COPY_BYTES * sum(costs[i].cast_numel for i in chunk)
+        above = sum(AUTOCAST_COPY_BYTES * costs[i].cast_numel if kind == "head" else self.cast_grad_excess(costs[i])
+                    for i, kind in zip(chunk, kinds) if kind in ("head", "block"))
+        return (every if "embed" in kinds else 0.0), above, every
 
     def tied_sync_time(self, rank: int) -> float:
         """Megatron's embedding-group all-reduce (`planner.emit.runtime.sync_tied_grads`): with pp > 1 the first and
@@ -726,8 +774,9 @@ class Evaluator:
         # torch's own receive buffers (static, kept from step to step) and the outputs its stages keep for their
         # backward (per micro-batch in flight, pending a weight pass included)
         buffers, per_micro_batch, buffers_after = self.pipeline_buffers(r, [idx[0] for idx in stages])
-        # every gradient, no activation left
+        # every gradient, no activation left (autocast's copies as `cast_cache_after_backward` says)
         after_backward = sum(self.static_bytes(params, extra)) + buffers_after + more_p + more_g + more_o
+        after_backward += self.cast_cache_after_backward(rank_costs) - self.cast_cache_bytes(rank_costs)
         after_backward += self.gathered_padding_bytes(rank_costs)
         chunks = [c for c in range(len(stages)) if rank_of[c] == r]  # the rank's chunks, in order
         mine = [stages[c] for c in chunks]
@@ -757,6 +806,10 @@ class Evaluator:
         blocks = [(costs[i].backward_peak_bytes, costs[i].act_bytes) for idx, ks in zip(mine, kinds)
                   for i, kind in zip(idx, ks) if kind == "block"]
         block_peak = max((b for b, _ in blocks), default=0.0)  # the largest backward working set of a block
+        # ...and, beside the 16-bit weight gradients a later micro-batch's backward holds (`autocast_held_bytes`),
+        # the lowest block's: its own excess is not held yet
+        lowest_cast = max((costs[i].backward_peak_bytes - self.cast_grad_excess(costs[i]) for idx, ks in
+                           zip(mine, kinds) for i, kind in zip(idx, ks) if kind == "block"), default=0.0)
         # pipelined ZeRO 3 (`costmodel.memory.fsdp_chunk_gathered`): what a backward gathers of its chunk where the
         # state does not hold it gathered already; elsewhere nothing beyond ZeRO-3's own `root` and `in_block`
         chunk_whole = [gathered_pp * n for n in chunk_gathered]
@@ -764,7 +817,16 @@ class Evaluator:
                       for ks, ns in zip(kinds, numel)]
         largest = gathered_pp * max((n for kind, n in gathering if kind == "block"), default=0.0)
         reducing = fsdp_reduce_in_flight_bytes(cfg, gathering)
-        edges = []  # the embedding's and head's: (chunk, bytes with the chunk gathered at the state, without)
+        # a pipelined backward under autocast, where the chunk's backward is a later micro-batch's: the 16-bit weight
+        # gradients held to its end, at the embedding's moment and on top of a block's (`autocast_held_bytes`)
+        cast_held = [self.autocast_held_bytes(idx, costs) for idx in mine]
+        # ...and as the cast-backs run: all of them, the micro-batch's activations on the chunk gone, and the fp32
+        # copy of one (at most the rank's largest; the first, the weight cast last in the forward, is the head's or
+        # a block's down projection) on its way to ``.grad``
+        cast_back = 4.0 * max((c.cast_largest for c in rank_costs), default=0.0)
+        cast_backs = [(k, every + cast_back - f) for k, ((_, _, every), f) in enumerate(zip(cast_held, full)) if every]
+        edges = []  # the embedding's and head's: (chunk, bytes with the chunk gathered at the state, without, and
+        # what a later micro-batch's backward adds)
         for k, (idx, ks) in enumerate(zip(mine, kinds)):
             for i, kind in zip(idx, ks):
                 if kind != "block":
@@ -772,11 +834,13 @@ class Evaluator:
                     # the root unit's last) the lowest block's reduction beside it
                     shed = self._freed_before(i, idx, costs) - (reducing if kind == "embed" else 0.0)
                     gathered = self.edge_peak_bytes(i, acs[i], root) - shed
+                    later = cast_held[k][0] if kind == "embed" else 0.0
                     if gathered_pp:
                         held_here, prefetch = fsdp_chunk_gathered(kind, chunk_whole[k], chunk_root[k], largest)
-                        edges.append((k, gathered, self.edge_peak_bytes(i, acs[i], held_here, prefetch) - shed))
+                        edges.append((k, gathered, self.edge_peak_bytes(i, acs[i], held_here, prefetch) - shed,
+                                      later))
                     else:
-                        edges.append((k, gathered, gathered))
+                        edges.append((k, gathered, gathered, later))
         # ZeRO-3 outside a pipeline: a block's backward with the root and two blocks gathered
         in_block = fsdp_gathered_bytes(cfg, gathering) if cfg.zero == 3 and cfg.data_ranks > 1 and not gathered_pp \
             else 0.0
@@ -803,12 +867,16 @@ class Evaluator:
         # a block's backward comes after the head's: that micro-batch's head activations (the logits) are gone
         head_act = sum(costs[i].act_bytes for idx in mine for i in idx if self.lg.layers[i].kind == "head")
 
-        def moment(gath):  # the backward working sets beyond the state, its chunks gathered as ``gath`` says
-            edge = max((e_in if gathered_pp and gath[k] else e_out for k, e_in, e_out in edges), default=0.0)
+        def moment(gath, made):  # the backward working sets beyond the state, its chunks gathered as ``gath``
+            # says, and (autocast) holding the 16-bit weight gradients of the chunks ``made`` says ran a backward
+            edge = max([(e_in if gathered_pp and gath[k] else e_out) + (later if made[k] else 0.0)
+                        for k, e_in, e_out, later in edges] + [b for k, b in cast_backs if made[k]], default=0.0)
             if not blocks:
                 return 0.0, edge
             if not gathered_pp:
-                return block_peak + in_block + extra - (0.0 if zero_bubble else head_act), edge
+                held = max((above for (_, above, _), m in zip(cast_held, made) if m), default=0.0)
+                work = max(block_peak, lowest_cast + held) if held else block_peak
+                return work + in_block + extra - (0.0 if zero_bubble else head_act), edge
             block = max(b + w * (1 - gath[k]) for k, b, w in highest + lowest + copy_out) + extra
             return block - (0.0 if zero_bubble else head_act), edge
 
@@ -817,13 +885,17 @@ class Evaluator:
         for gath in sorted({g for *_, g in states}):
             at = [s for s, (*_, g) in enumerate(states) if g == gath]
             top = max(at, key=with_grads.__getitem__)
-            block, edge = moment(gath)
             if zero_bubble:  # ...and while a block's input pass runs, those gradients built so far on top
+                block, edge = moment(gath, states[top][2])
                 built = max(with_grads[s] + max((g for f, g in zip(states[s][0], building) if f >= 1), default=0.0)
                             for s in at) - with_grads[top]
                 temp = max(block + built, edge)
-            else:
-                temp = max(block, edge)
+            else:  # (each state with its own moments: which chunks' backwards hold 16-bit weight gradients)
+                temp = max(moment(gath, states[top][2]))
+                for s in at:
+                    here = max(moment(gath, states[s][2]))
+                    if with_grads[s] + here > with_grads[top] + temp:
+                        top, temp = s, here
             peaks.append((with_grads[top] + temp, top, temp))
         _, top, temp = max(peaks)
         act, g_b, p_b = held_by[top], always + grads_at[top], p_b + gathered_at[top]

@@ -65,14 +65,16 @@ DDP_BUCKET_BYTES = 25 * 2**20  #: torch DDP default bucket_cap_mb = 25
 DDP_FIRST_BUCKET_BYTES = 2**20  #: and its first bucket's (``dist._DEFAULT_FIRST_BUCKET_BYTES``)
 
 
-def ddp_largest_bucket(tensors) -> float:
+def ddp_largest_bucket(tensors, first: float = DDP_FIRST_BUCKET_BYTES) -> float:
     """The largest of DDP's buckets over gradient tensors of ``tensors`` bytes each, in the parameters' order: torch
-    2.13's ``_compute_bucket_assignment_by_size`` (DDP's bucket rebuild, and the runtime's
-    `planner.emit.runtime.allreduce_in_buckets` alike) adds tensors to a bucket until it holds its limit,
-    `DDP_FIRST_BUCKET_BYTES` for the first and `DDP_BUCKET_BYTES` after, so a large tensor (an embedding) can make
-    a bucket far beyond the limit."""
+    2.13's ``_compute_bucket_assignment_by_size`` (DDP's bucket rebuild) adds tensors to a bucket until it holds its
+    limit, ``first`` (`DDP_FIRST_BUCKET_BYTES`) for the first and `DDP_BUCKET_BYTES` after, so a large tensor (an
+    embedding) can make a bucket far beyond the limit. The runtime's all-reduce after the backward
+    (`planner.emit.runtime.allreduce_in_buckets`) packs the same way with no smaller first bucket: ``first`` =
+    `DDP_BUCKET_BYTES` (traced, llama 6 × 320 dp 4 × tp 2: its 16.7 MiB of gradients in one flat copy, where DDP's
+    first bucket would have left 14.9)."""
     largest = size = 0.0
-    limit = DDP_FIRST_BUCKET_BYTES
+    limit = first
     for nbytes in tensors:
         size += nbytes
         if size >= limit:
@@ -137,9 +139,9 @@ def zero1_partition_numel(sizes: list[tuple[float, bool, int]], dp: int) -> floa
 #: bytes per element of autocast's cached 16-bit copy of a parameter it casts: the weights of the ops it runs in 16
 #: bits (matmuls; not an embedding's or a norm's, nor a grouped expert weight cast through a transpose, which is
 #: not a leaf: `costmodel.layercost.LayerCost.cast_numel`), kept until the outermost autocast region exits
-#: (torch/amp/autocast_mode.py, ``clear_autocast_cache``); the runtime's region is the whole training step
-#: (measured here with CPU autocast: an 8192² linear's forward and backward held 128 MiB more inside the region
-#: than after it)
+#: (torch/amp/autocast_mode.py, ``clear_autocast_cache``); the runtime's region is a micro-batch's forward and
+#: backward, or under pipelining torch's whole schedule (`planner.emit.train.train_step_loss`) (measured here with
+#: CPU autocast: an 8192² linear's forward and backward held 128 MiB more inside the region than after it)
 AUTOCAST_COPY_BYTES = 2.0
 
 

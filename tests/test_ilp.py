@@ -407,6 +407,13 @@ def _pinned_fits(lg, cl, cfg, gb, acs, stage_of, memory_bytes) -> bool:
     # beside the lowest block's reduce-scatter input, `costmodel.memory.fsdp_reduce_in_flight_bytes`) sets the peak
     (BIG_VOCAB, "dp=4,zero=2,mbs=1,precision=fp32", 8),
     (BIG_VOCAB, "dp=4,zero=3,mbs=1,precision=fp32", 8),
+    # pipelined DDP under autocast: a later micro-batch's backward holds the 16-bit weight gradients to its end
+    # (`Evaluator.autocast_held_bytes`: at a block's, the embedding's and the cast-backs' moments)
+    (BIG_VOCAB, "dp=2,pp=2,mbs=1,schedule=1f1b,precision=bf16", 8),
+    (BIG_VOCAB.replace("vocab=8192", "vocab=128"), "dp=2,pp=2,mbs=1,schedule=1f1b,precision=bf16", 8),
+    (BIG_VOCAB.replace("vocab=8192", "vocab=128"), "dp=2,pp=2,mbs=1,schedule=gpipe,precision=bf16", 8),
+    (BIG_VOCAB.replace("vocab=8192", "vocab=128"), "dp=2,pp=2,vpp=2,mbs=1,schedule=interleaved,precision=bf16", 8),
+    (TWO_EXPERTS.replace("layers=3", "layers=4"), "dp=2,pp=2,mbs=1,schedule=1f1b,precision=bf16", 8),
     # FSDP2's padded shards, gathered and held (2 experts over 4 ranks: `Evaluator.gathered_numel`)
     (TWO_EXPERTS, "dp=4,zero=3,mbs=1,precision=bf16", 16),
     (TWO_EXPERTS, "dp=4,zero=2,mbs=1,precision=bf16", 16),

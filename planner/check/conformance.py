@@ -116,7 +116,7 @@ def predicted_roles(plan: Plan, lg=None) -> list[dict]:
     for r in range(cfg.pp):
         parts = next(s.memory_parts for s in est.stages if s.rank == r)
         allocated = (parts["peak"] - runtime_reserved_bytes(cfg, cluster.device)) / (1 + FRAGMENTATION)
-        # autocast's cast cache (16-bit copies of the parameters, held through the step) is a parameter state to
+        # autocast's cast cache (16-bit copies of the parameters, held through its region) is a parameter state to
         # the cost model (`costmodel.memory.state_bytes_per_param`) and tensors made in the step to torch's tracker
         cache = ev.cast_cache_bytes([ev.cost(i, acs[i]) for i, s in enumerate(stage_of) if s % cfg.pp == r])
         memory = {"params": parts["params"] - cache, "grads": parts["grads"], "optimizer": parts["optimizer"],

@@ -187,14 +187,16 @@ def train_step_loss(par: Parallel, optimizer: torch.optim.Optimizer, inputs: tor
             inputs, labels = context_tokens(par, inputs), context_tokens(par, labels)
         x, y = inputs.to(device), labels.to(device)
     optimizer.zero_grad(set_to_none=not zeroes_grads_in_place(par))
-    with autocast(plan, device), loss_context(plan):
+    with loss_context(plan):
         if plan["pp"] > 1:
             n_stages = plan["pp"] * plan["vpp"]
             args = (x,) if 0 in par.stage_indices else ()
             losses: list = []
             kwargs = {"target": y, "losses": losses} if n_stages - 1 in par.stage_indices else {}
-            # return_outputs=False: the last stage would otherwise keep every micro-batch's output (the logits)
-            with _first_backward_synced(par.stages, plan["grad_accum"]):
+            # return_outputs=False: the last stage would otherwise keep every micro-batch's output (the logits).
+            # One autocast region over torch's schedule, which runs the micro-batches: one cached 16-bit copy of
+            # each weight for all of them (a region per forward would keep a copy per micro-batch in flight)
+            with _first_backward_synced(par.stages, plan["grad_accum"]), autocast(plan, device):
                 par.schedule.step(*args, **kwargs, return_outputs=False)
             local = torch.stack(losses).mean().detach().float() if losses else torch.zeros((), device=device)
         else:
@@ -207,7 +209,12 @@ def train_step_loss(par: Parallel, optimizer: torch.optim.Optimizer, inputs: tor
             attach = isinstance(module, DDP) and n > 1 and any(p.grad is None for p in module.parameters())
             for k, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
                 sync = k == n - 1 or (attach and k == 0)
-                loss = _accumulate(module, par.loss_fn, xm, ym, n, sync, keep_gathered=plan["zero"] == 2)
+                # an autocast region per micro-batch: a region keeps a weight's 16-bit copy to its end, and the
+                # backward of a later micro-batch reaching a copy an earlier one made would run the copy's
+                # cast-back last (autograd goes by the order nodes were made), holding every 16-bit weight
+                # gradient to its end (`costmodel.estimate.Evaluator.autocast_held_bytes`)
+                with autocast(plan, device):
+                    loss = _accumulate(module, par.loss_fn, xm, ym, n, sync, keep_gathered=plan["zero"] == 2)
                 local += loss.detach().float()
     if post_step_allreduce(plan["dp"] * plan["cp"], plan["tp"], plan["zero"], plan["schedule"], plan["pp"]):
         for part in par.parts:

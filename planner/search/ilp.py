@@ -88,6 +88,7 @@ from costmodel.compression import compressed_grad_comm
 from costmodel.config import AC, ParallelConfig, parse_grad_compress
 from costmodel.estimate import Estimate, Evaluator
 from costmodel.memory import (
+    AUTOCAST_COPY_BYTES,
     FRAGMENTATION,
     dp_reduction_temp_bytes,
     fsdp_chunk_gathered,
@@ -540,11 +541,18 @@ class Model:
                      self.layer_sum([u], lambda c: self._b(gathered_pp * ev.gathered_numel(c)))) for u in stages]
             assert len(each) == cfg.vpp, "a rank's chunks are one unit each (ilp_data)"
             every = [(full, pend, sum(x * g + y * h for x, y, (g, h) in zip(made, gathered, each))
-                      + (x_made if max(made) else 0.0), gathered)
+                      + (x_made if max(made) else 0.0), gathered, made)
                      for full, pend, made, gathered in held_states(cfg.schedule, cfg.pp, cfg.vpp, r, d.m)]
             # pipelined ZeRO 3: the states grouped by which chunks they hold gathered, each group with the moments
             # that gathering leaves (`costmodel.estimate.Evaluator._rank_memory`); otherwise one group
-            groups = sorted({g for *_, g in every}) if gathered_pp else [None]
+            groups = sorted({g for *_, g, _ in every}) if gathered_pp else [None]
+            # a pipelined backward under autocast holds the 16-bit weight gradients of the chunks a backward ran on
+            # already (`Evaluator.autocast_held_bytes`): the states also grouped by those chunks, each group with
+            # those moments (one group of states per such set of chunks; never with pipelined ZeRO 3, never FSDP)
+            holds = ev.holds_cast_grads
+            assert not (holds and gathered_pp), "autocast and FSDP exclude each other (trains_under_autocast)"
+            act_made = {made: s.NumVar(0, self.inf, f"act_made[{r},{made}]")
+                        for made in sorted({m for *_, m in every if max(m)})} if holds else {}
             # per state of the rank's chunks (costmodel.memory.held_states: micro-batches holding all their
             # activations, and zero-bubble's pending a weight pass), blocks at the rank's average count (decoding
             # spreads them evenly over its chunks), the embedding and head at their own chunk's; the largest state
@@ -567,7 +575,7 @@ class Model:
             for gath in groups:
                 act[gath] = s.NumVar(0, self.inf, f"act[{r},{gath}]")
                 act_building[gath] = s.NumVar(0, self.inf, f"act_building[{r},{gath}]")
-            for full, pend, extra, gath in every if per_chunk else ():
+            for full, pend, extra, gath, made in every if per_chunk else ():
                 gath = gath if gathered_pp else None
                 eligible = [f >= 1 and not (r == 0 and j == 0) for j, f in enumerate(full)]
                 expr = buffers(full, pend) + extra + 0.0 * self.bottleneck
@@ -578,11 +586,13 @@ class Model:
                         expr += pend[j] * self.layer_sum([u], lambda x: self._b(x.pending_bytes))
                 s.Add(act[gath] >= expr)
                 s.Add(act_building[gath] >= expr)
+                if made in act_made:
+                    s.Add(act_made[made] >= expr)
                 for j, u in enumerate(stages):
                     if zero_bubble and eligible[j]:
                         s.Add(act_building[gath] >= expr
                               + self.layer_sum([u], lambda x: self._b(x.weight_output_bytes)))
-            for full, pend, extra, gath in every if not per_chunk else ():
+            for full, pend, extra, gath, made in every if not per_chunk else ():
                 gath = gath if gathered_pp else None
                 k, w = sum(full) / len(full), sum(pend) / len(pend)
                 first = pend[0] / v if r == 0 else 0.0  # the first stage's share, held as full activations
@@ -612,6 +622,8 @@ class Model:
                                             * self.fixed_ac[i, a] for a in d.fixed_acs[i])
                 s.Add(act[gath] >= expr)
                 s.Add(act_building[gath] >= expr + building)
+                if made in act_made:
+                    s.Add(act_made[made] >= expr)
             # the recomputation peak is the largest over the rank's layers (one per group of states)
             edges = [(ev.lg.layers[i].kind, ev.cost(i, AC.NONE).param_numel) for i in d.fixed_rank
                      if d.fixed_rank[i] == r]
@@ -647,6 +659,8 @@ class Model:
             # each block choice's working set and, for a chunk's lowest block (pipelined ZeRO 3), with its own
             # activations (the chunk's others freed; an input pass frees none), as expressions in its indicator
             work = []
+            cast_work = []  # (autocast, `holds`) each block choice's working set less its `cast_grad_excess`, its
+            # indicator (None: always held)
             for k, i in enumerate(d.reps):
                 for a in d.acs[k]:
                     u = self.uses_ac[r, k, a] = s.BoolVar(f"uses_ac[{r},{k},{a.value}]")
@@ -654,6 +668,7 @@ class Model:
                         s.Add(self.blocks[c, k, a] <= d.counts[k] * u)
                     w = self._b(ev.cost(i, a).backward_peak_bytes)
                     work.append((w * u, (w + (0.0 if zero_bubble else self._b(ev.cost(i, a).act_bytes))) * u))
+                    cast_work.append((w - self._b(ev.cast_grad_excess(ev.cost(i, a))), u))
             root = fsdp_root_bytes(cfg, gathering(d.vectors(r)[0]))  # (ZeRO-3 outside a pipeline)
             # pipelined ZeRO 3 (costmodel.memory.fsdp_chunk_gathered): the rank's largest block, prefetched at the
             # head's backward, as a one-hot over its count vectors (`tab`)
@@ -662,6 +677,7 @@ class Model:
             # one block's reduce-scatter input in flight at the embedding's backward (ZeRO 2/3 outside a pipeline)
             reducing = self.tab(r, lambda v: self._b(fsdp_reduce_in_flight_bytes(cfg, gathering(v))))[0]
             edge_moments = []  # the embedding's and head's: (chunk, with it gathered at the state, without)
+            embeds = []  # the embedding's: (chunk, its moments), for the 16-bit weight gradients held beside them
             roots = []  # each chunk's root unit (its layers other than blocks), gathered
             for u in stages:
                 fixed = [ev.cost(j, AC.NONE) for j in _fixed_on_stage(d, u) if ev.lg.layers[j].kind != "block"]
@@ -674,6 +690,8 @@ class Model:
                     work.append(tuple(sum(self._b(ev.cost(i, a).backward_peak_bytes + (
                         0.0 if zero_bubble or lowest_only else ev.cost(i, a).act_bytes)) * self.fixed_ac[i, a]
                         for a in d.fixed_acs[i]) for lowest_only in (True, False)))
+                    cast_work.append((sum(self._b(ev.cost(i, a).backward_peak_bytes - ev.cast_grad_excess(
+                        ev.cost(i, a))) * self.fixed_ac[i, a] for a in d.fixed_acs[i]), None))
                     continue
                 freed = 0.0
                 if ev.lg.layers[i].kind == "embed":  # the lowest block's reduction beside it (outside a pipeline)
@@ -697,6 +715,8 @@ class Model:
                     bare = moments(held_here * d.mem_unit if kind == "head" else 0.0)
                     bare[1] = bare[1] + prefetch + (0.0 if kind == "head" else held_here)
                 edge_moments.append((j, gathered, bare))
+                if ev.lg.layers[i].kind == "embed":
+                    embeds.append((j, bare))
             lowest, copy_out = [], []  # pipelined ZeRO 3: each chunk's lowest block's backward, the chunk gathered
             # whole; the root's copy-out where a chunk has no head (`costmodel.estimate.Evaluator._rank_memory`);
             # each chunk's top block's, with its root and the rank's two largest blocks
@@ -737,8 +757,14 @@ class Model:
                 if zero_bubble:  # the larger of the two moments, as one bound on `peak`
                     s.Add(peak >= act_building[gath] - act[gath] + block_peak)
                 tops.append(act[gath] + peak)
+            if act_made:
+                tops += self._held_cast_moments(r, stages, act_made, self.rec_peak[r, None], cast_work, embeds,
+                                                extra_b - head_act)
             # the rank's states beyond the per-parameter ones (autocast's cache, FSDP's padding, ZeRO-1's partition)
             uneven = self.tab(r, lambda v, r=r: self._b(sum(ev.rank_state_extras(_rank_layer_costs(d, r, v)))))[0]
+            # ...of which autocast's copies are gone by the moment after the backward (`cast_cache_after_backward`)
+            uncached = self.tab(r, lambda v, r=r: self._b(ev.cast_cache_bytes(c := _rank_layer_costs(d, r, v))
+                                                          - ev.cast_cache_after_backward(c)))[0]
             # pipelined ZeRO 3: the gathered parameters' padding, all held after the backward
             padding = self.tab(r, lambda v, r=r: self._b(ev.gathered_padding_bytes(_rank_layer_costs(d, r, v))))[0]
             static_b = self._b(per_param) * params + uneven
@@ -761,13 +787,54 @@ class Model:
                 if after_backward > per_param or copy_hi > 0 or x_after > x_peak or d.pp > 1 or edge_hi > 0:
                     kept = sum(self._b(d.buffers[o, r][2]) * self.compress["pp", o] for o in d.pp_opts)  # (torch's)
                     moments.append((1 + FRAGMENTATION) * (self._b(after_backward) * params + x_at_after + copy + kept
-                                                          + fsdp_edge + uneven + padding + extra) + reserve)
+                                                          + fsdp_edge + uneven - uncached + padding + extra)
+                                   + reserve)
                 for lhs in moments:
                     if len(d.grad_opts) == 1:
                         s.Add(lhs <= cap)
                     else:
                         big = 1e6  # memory in thousandths of the capacity: 1e6 is far above any rank's total
                         s.Add(lhs <= cap + big * (1 - self.compress["dp", k]))
+
+    def _held_cast_moments(self, r: int, stages: list, act_made: dict, peak, cast_work: list, embeds: list,
+                           beside) -> list:
+        """Rank ``r``'s heaviest states where a pipelined backward under autocast holds the 16-bit weight gradients
+        of the chunks a backward ran on already (`costmodel.estimate.Evaluator.autocast_held_bytes`), with their
+        moments: per set of such chunks (``act_made``: its states' heaviest, keyed by `held_states`' ``made``), the
+        group's own moments (``peak``) and, for each such chunk, a block's backward beside the head's and the
+        blocks' excess (``cast_work``: each block choice's working set less its own excess, with its indicator;
+        ``beside``: what every block moment adds), the embedding's (``embeds``: its chunk and moments) with all of
+        them, and the cast-backs with all of them and an fp32 copy, the micro-batch's activations gone. Returns
+        the states' totals, for `add_memory`'s ``tops``."""
+        d, s, ev = self.d, self.solver, self.d.ev
+
+        def chunk_sum(u, f):  # Σ over chunk u's layers of f(kind, cost), linear in the AC choices
+            terms = [f("block", ev.cost(i, a)) * self.blocks[u, k, a] for k, i in enumerate(d.reps) for a in d.acs[k]]
+            for i in _fixed_on_stage(d, u):
+                terms += [f(ev.lg.layers[i].kind, ev.cost(i, a)) * self.fixed_ac[i, a] for a in d.fixed_acs[i]]
+            return sum(terms, self.zero)
+
+        every = [chunk_sum(u, lambda kind, c: self._b(AUTOCAST_COPY_BYTES * c.cast_numel)) for u in stages]
+        above = [chunk_sum(u, lambda kind, c: self._b(AUTOCAST_COPY_BYTES * c.cast_numel if kind == "head" else
+                                                      ev.cast_grad_excess(c) if kind == "block" else 0.0))
+                 for u in stages]
+        freed = [self.layer_sum([u], lambda c: self._b(c.act_bytes)) for u in stages]
+        cast_back = self.tab(r, lambda v: self._b(4.0 * max(
+            (c.cast_largest for c in _rank_layer_costs(d, r, v)), default=0.0)))[0]
+        big = self._b(AUTOCAST_COPY_BYTES * sum(ev.cost(i, AC.NONE).cast_numel for i in range(len(ev.lg.layers))))
+        totals = []
+        for made, act in act_made.items():
+            held = s.NumVar(0, self.inf, f"rec_peak_made[{r},{made}]")
+            s.Add(held >= peak)
+            for j in (j for j, m in enumerate(made) if m):
+                for w, u in cast_work:  # (a choice the rank does not use, u = 0, bounds nothing)
+                    s.Add(held >= (w if u is None else w * u - big * (1 - u)) + above[j] + beside)
+                for _, moments in (e for e in embeds if e[0] == j):
+                    for e in moments:
+                        s.Add(held >= e + every[j])
+                s.Add(held >= every[j] + cast_back - freed[j])
+            totals.append(act + held)
+        return totals
 
     # -- objective -------------------------------------------------------------------------------------------
     def add_objective(self) -> None:

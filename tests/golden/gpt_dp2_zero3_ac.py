@@ -1149,7 +1149,7 @@ def train_step_loss(
             )
         x, y = inputs.to(device), labels.to(device)
     optimizer.zero_grad(set_to_none=not zeroes_grads_in_place(par))
-    with autocast(plan, device), loss_context(plan):
+    with loss_context(plan):
         local = torch.zeros((), device=device)
         module, n = par.modules[0], plan["grad_accum"]
         # DDP makes a gradient a view of its bucket in a synchronised backward only, so a step that starts
@@ -1159,7 +1159,12 @@ def train_step_loss(
         attach = isinstance(module, DDP) and n > 1 and any(p.grad is None for p in module.parameters())
         for k, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
             sync = k == n - 1 or (attach and k == 0)
-            loss = _accumulate(module, par.loss_fn, xm, ym, n, sync, keep_gathered=plan["zero"] == 2)
+            # an autocast region per micro-batch: a region keeps a weight's 16-bit copy to its end, and the
+            # backward of a later micro-batch reaching a copy an earlier one made would run the copy's
+            # cast-back last (autograd goes by the order nodes were made), holding every 16-bit weight
+            # gradient to its end (`costmodel.estimate.Evaluator.autocast_held_bytes`)
+            with autocast(plan, device):
+                loss = _accumulate(module, par.loss_fn, xm, ym, n, sync, keep_gathered=plan["zero"] == 2)
             local += loss.detach().float()
     par.grad_norm = clip_grad_norm(par, plan["clip_norm"])
     optimizer.step()

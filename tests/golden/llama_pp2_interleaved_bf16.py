@@ -1073,13 +1073,15 @@ def train_step_loss(
             )
         x, y = inputs.to(device), labels.to(device)
     optimizer.zero_grad(set_to_none=not zeroes_grads_in_place(par))
-    with autocast(plan, device), loss_context(plan):
+    with loss_context(plan):
         n_stages = plan["pp"] * plan["vpp"]
         args = (x,) if 0 in par.stage_indices else ()
         losses: list = []
         kwargs = {"target": y, "losses": losses} if n_stages - 1 in par.stage_indices else {}
-        # return_outputs=False: the last stage would otherwise keep every micro-batch's output (the logits)
-        with _first_backward_synced(par.stages, plan["grad_accum"]):
+        # return_outputs=False: the last stage would otherwise keep every micro-batch's output (the logits).
+        # One autocast region over torch's schedule, which runs the micro-batches: one cached 16-bit copy of
+        # each weight for all of them (a region per forward would keep a copy per micro-batch in flight)
+        with _first_backward_synced(par.stages, plan["grad_accum"]), autocast(plan, device):
             par.schedule.step(*args, **kwargs, return_outputs=False)
         local = torch.stack(losses).mean().detach().float() if losses else torch.zeros((), device=device)
     par.grad_norm = clip_grad_norm(par, plan["clip_norm"])
