@@ -711,8 +711,11 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
             rank_rec_full += n.fwd_flops * k * f * counted
         whole = n.tp_role == "column" and ctx.gathered_column_inputs  # its saved input is not split
         # copies of weights it saves (`NodeInfo.saved_weight_bytes`) are the rank's shard of the weight, whatever
-        # the batch: an expert's under expert parallelism on 1/ep of the ranks
-        copies = n.saved_weight_bytes * f / (ctx.ep if any(p in experts for p in n.params) else 1)
+        # the batch: an expert's under expert parallelism on 1/ep of the ranks; a replicated op's whole under
+        # sequence parallelism too, which splits its tokens, not its weights (traced, MoE 3 × 256 bf16, tp 4 with
+        # SP, GPipe: a (4, 256, 512) copy of each expert weight per micro-batch, where 1/4 of it was priced: −48 %)
+        copies = n.saved_weight_bytes * _shard(n, ctx.tp, False, tp_layer) / (
+            ctx.ep if any(p in experts for p in n.params) else 1)
         saved = (n.saved_bytes - n.saved_weight_bytes) * k * (1.0 if whole else f) * ctx.act_scale + copies
         if n.tp_role in _SHARDED_ROLES and tp_layer and not whole:
             act_sharded += saved
