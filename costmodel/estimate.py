@@ -500,7 +500,12 @@ class Evaluator:
         bucket, inside the last backward (`costmodel.memory.grads_always_held`: DDP reducing as it goes), sees them.
         Traced, llama 6 × 320 bf16 full AC, dp 4 × tp 2 (the gradients all-reduced after the step): 6.5 % over with
         them."""
-        return self.cast_cache_bytes(costs) if grads_always_held(self.cfg) else 0.0
+        return self.cast_cache_bytes(costs) if self.cache_after_backward else 0.0
+
+    @property
+    def cache_after_backward(self) -> bool:
+        """Whether autocast's copies are held at the moment after the backward (`cast_cache_after_backward`)."""
+        return grads_always_held(self.cfg)
 
     @property
     def holds_cast_grads(self) -> bool:

@@ -98,10 +98,11 @@ class LayerCost:
     param_sizes: tuple[tuple[float, bool, int], ...] = ()
     #: elements on this rank of the parameters its matmuls read directly, which ``torch.autocast`` casts to 16 bits
     #: and caches for the step (`costmodel.memory.AUTOCAST_COPY_BYTES`; of those it owns: a weight another layer
-    #: owns and it reads, a tied head's, is `costmodel.estimate.Evaluator.cast_cache_bytes`'s)
+    #: owns and it reads, a tied head's, is `costmodel.estimate.Evaluator.cast_cache_bytes`'s); 0 under autocast
+    #: where the layer is selectively checkpointed: its copies are not cached
     cast_numel: float = 0.0
-    #: the largest of those tensors' elements on this rank (the fp32 copy a cast-back makes of one 16-bit gradient:
-    #: `costmodel.estimate.Evaluator.autocast_held_bytes`)
+    #: the largest of its matmuls' weights' elements on this rank, whatever its checkpointing (the fp32 copy a
+    #: cast-back makes of one 16-bit gradient: `costmodel.estimate.Evaluator.autocast_held_bytes`)
     cast_largest: float = 0.0
     #: what torch's zero-bubble schedule keeps of a micro-batch from its input-gradient pass to its weight pass
     #: (pipelining/_backward.py, ``stage_backward_input``, which runs ``autograd.grad(retain_graph=True)``, then
@@ -849,12 +850,19 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         ep_b = (calls - 2 * ffns) * one + (count_calls - ffns) * counts
         a2a_bytes = calls * payload
     cast = {p for n in layer.nodes if n.kind == "matmul" for p in n.params}  # (autocast's: `LayerCost.cast_numel`)
+    cast_numel = sum(rank_numel.get(p, 0.0) for p in cast)
+    if ac == AC.SELECTIVE and ctx.weight_cast_bytes:
+        # under autocast a selectively checkpointed block runs with autocast's cache off and recasts its weights in
+        # the recomputation, keeping none of its forward's copies (`planner.emit.runtime._without_cast_cache`): no
+        # cached copies (nor their shared cast-backs), and the recomputation's own live through its backward
+        rec_peak += ctx.weight_cast_bytes * cast_numel
+        cast_numel = 0.0
     return LayerCost(
         fwd_s=fwd, bwd_s=bwd, recompute_s=rec, tp_comm_fwd_s=comm_f, tp_comm_bwd_s=comm_b + rec_comm, act_bytes=act,
         backward_peak_bytes=rec_peak + grad_working_set, weight_peak_bytes=rec_peak + weights,
         param_numel=param_numel, fwd_flops=fwd_flops,
         recompute_flops=rec_flops, grad_matrices=tuple(matrices), param_tensors=len(counted),
-        param_sizes=tuple(sizes), cast_numel=sum(rank_numel.get(p, 0.0) for p in cast),
+        param_sizes=tuple(sizes), cast_numel=cast_numel,
         cast_largest=max((rank_numel.get(p, 0.0) for p in cast), default=0.0),
         pending_bytes=act + weight_outputs - (tail if layer.kind == "head" and ac == AC.NONE else 0.0),
         weight_output_bytes=weight_outputs, ep_comm_fwd_s=ep_f, ep_comm_bwd_s=ep_b, a2a_bytes=a2a_bytes,

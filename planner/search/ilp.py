@@ -761,10 +761,15 @@ class Model:
                 tops += self._held_cast_moments(r, stages, act_made, self.rec_peak[r, None], cast_work, embeds,
                                                 extra_b - head_act)
             # the rank's states beyond the per-parameter ones (autocast's cache, FSDP's padding, ZeRO-1's partition)
-            uneven = self.tab(r, lambda v, r=r: self._b(sum(ev.rank_state_extras(_rank_layer_costs(d, r, v)))))[0]
+            # (autocast's cached copies, `cast_cache_bytes`, depend on the layers' checkpointing: a sum over them)
+            uneven = self.tab(r, lambda v, r=r: self._b(sum(ev.rank_state_extras(c := _rank_layer_costs(d, r, v)))
+                                                        - ev.cast_cache_bytes(c)))[0]
+            tied_cache = ev.cast_cache_bytes([])  # (a tied head's copy: pp = 1)
+            cache = self.layer_sum(stages, lambda c, t=tied_cache: self._b(ev.cast_cache_bytes([c]) - t)) \
+                + self._b(tied_cache)
+            uneven += cache
             # ...of which autocast's copies are gone by the moment after the backward (`cast_cache_after_backward`)
-            uncached = self.tab(r, lambda v, r=r: self._b(ev.cast_cache_bytes(c := _rank_layer_costs(d, r, v))
-                                                          - ev.cast_cache_after_backward(c)))[0]
+            uncached = self.zero if ev.cache_after_backward else cache
             # pipelined ZeRO 3: the gathered parameters' padding, all held after the backward
             padding = self.tab(r, lambda v, r=r: self._b(ev.gathered_padding_bytes(_rank_layer_costs(d, r, v))))[0]
             static_b = self._b(per_param) * params + uneven

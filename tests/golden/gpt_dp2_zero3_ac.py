@@ -887,6 +887,7 @@ def _selective_contexts(policy):
     (``SelectiveCheckpointContext.op_output``), so the storages kept are known, and a later op writing into one is
     refused before any backward runs (with no ``op_output``, as in earlier releases, nothing is checked)."""
     kept: set = set()
+    weights: set = set()  # the storages of the weights' 16-bit copies the block makes, and of their views
 
     def keeping(ctx, op, *args, **kwargs):
         if kept and op._schema.is_mutable:
@@ -902,14 +903,50 @@ def _selective_contexts(policy):
                         "(y = y * 2, not y.mul_(2)) or re-plan with --fix ac=full or ac=none"
                     )
         decision = policy(ctx, op, *args, **kwargs)
+        out = getattr(ctx, "op_output", None)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if (
+            not ctx.is_recompute
+            and tensors
+            and (
+                (op is torch.ops.aten._to_copy.default and isinstance(args[0], nn.Parameter))
+                or all(_storage_key(a) in weights for a in tensors)
+            )
+        ):
+            # a weight's cast (autocast's, the cache off: `_without_cast_cache`) and its views: recast, not kept,
+            # or every call would keep a copy of the block's weights till its backward
+            weights.update(key for t in outs if (key := _storage_key(t)) is not None)
+            return CheckpointPolicy.PREFER_RECOMPUTE
         if decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE) and not ctx.is_recompute:
-            out = getattr(ctx, "op_output", None)
-            for t in out if isinstance(out, (tuple, list)) else (out,):
+            for t in outs:
                 if (key := _storage_key(t)) is not None:
                     kept.add(key)
         return decision
 
-    return create_selective_checkpoint_contexts(keeping)
+    forward, recompute = create_selective_checkpoint_contexts(keeping)
+    return _without_cast_cache(forward), _without_cast_cache(recompute)
+
+
+@contextlib.contextmanager
+def _without_cast_cache(inner):
+    """``inner`` with autocast's weight cache off. Under ``torch.autocast`` the forward of a selectively checkpointed
+    block (the first in its region) cast each weight and the recomputation found the copy cached and cast none, so
+    torch's replay of the forward's ops by their count (``_CachedTorchDispatchMode``) served the recomputation's
+    casts the outputs kept for others: a kept cast of another input of the same shape silently (wrong gradients),
+    else a failure at the first backward (measured with real tensors, one gloo rank under CPU autocast: llama
+    3 × 256 with 4 heads, DDP bf16, the attention-core policy: "aten.mul.Scalar encountered during backward but not
+    found in storage"). Without the cache both cast every weight they use (the same values: the same loss to the last
+    bit as full checkpointing with the cache), `_selective_contexts` keeps none of those copies (recast in the
+    recomputation), and the cost model prices no cached copy for the block, its recomputation's in its backward
+    (`costmodel.layercost.layer_cost`). Nothing changes outside autocast."""
+    cached = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        with inner:
+            yield
+    finally:
+        torch.set_autocast_cache_enabled(cached)
 
 
 def _op_contexts(batch: int, seq: int):
