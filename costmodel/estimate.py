@@ -486,7 +486,8 @@ class Evaluator:
     def cast_cache_bytes(self, costs: list[LayerCost]) -> float:
         """Autocast's cached 16-bit copies of the weights it casts (`costmodel.memory.AUTOCAST_COPY_BYTES`), on a
         rank holding the layers of ``costs``, where the plan trains under ``torch.autocast``: the matmuls' own
-        weights and a tied head's (`LayerCost.cast_numel`). Held through the step, charged with the parameters."""
+        weights and a tied head's (`LayerCost.cast_numel`). Held through each autocast region (a micro-batch's, or
+        torch's pipeline schedule's: `planner.emit.train.train_step_loss`), charged with the parameters."""
         if not autocast_dtype(self.cfg, self.autocast):
             return 0.0
         # (a tied head's weight is the embedding's only where one rank holds both: pp = 1)
@@ -829,7 +830,10 @@ class Evaluator:
         # copy of one (at most the rank's largest; the first, the weight cast last in the forward, is the head's or
         # a block's down projection) on its way to ``.grad``
         cast_back = 4.0 * max((c.cast_largest for c in rank_costs), default=0.0)
-        cast_backs = [(k, every + cast_back - f) for k, ((_, _, every), f) in enumerate(zip(cast_held, full)) if every]
+        # (charged wherever autocast's gradients are held: an upper bound on a chunk whose blocks are all selectively
+        # checkpointed, which casts nothing it caches, as the ILP sees it, `cast_largest` being any checkpointing's)
+        cast_backs = [(k, every + cast_back - f) for k, ((_, _, every), f) in enumerate(zip(cast_held, full))
+                      if self.holds_cast_grads]
         edges = []  # the embedding's and head's: (chunk, bytes with the chunk gathered at the state, without, and
         # what a later micro-batch's backward adds)
         for k, (idx, ks) in enumerate(zip(mine, kinds)):

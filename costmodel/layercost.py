@@ -97,7 +97,7 @@ class LayerCost:
     #: shards (`costmodel.memory.fsdp_padding_numel`)
     param_sizes: tuple[tuple[float, bool, int], ...] = ()
     #: elements on this rank of the parameters its matmuls read directly, which ``torch.autocast`` casts to 16 bits
-    #: and caches for the step (`costmodel.memory.AUTOCAST_COPY_BYTES`; of those it owns: a weight another layer
+    #: and caches for its region (`costmodel.memory.AUTOCAST_COPY_BYTES`; of those it owns: a weight another layer
     #: owns and it reads, a tied head's, is `costmodel.estimate.Evaluator.cast_cache_bytes`'s); 0 under autocast
     #: where the layer is selectively checkpointed: its copies are not cached
     cast_numel: float = 0.0

@@ -532,8 +532,8 @@ class _Replay:
 
     @contextlib.contextmanager
     def _autocast(self):
-        """One autocast region over the whole replay, as over the runtime's training step (so its cast cache
-        lives as long), with CUDA's fp32 policy for ``kernels="gpu"``."""
+        """One autocast region over the whole replay, as over a micro-batch of the runtime's training step (so its
+        cast cache lives as long), with CUDA's fp32 policy for ``kernels="gpu"``."""
         if self.autocast is None:
             yield
             return

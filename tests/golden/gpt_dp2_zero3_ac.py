@@ -887,7 +887,6 @@ def _selective_contexts(policy):
     (``SelectiveCheckpointContext.op_output``), so the storages kept are known, and a later op writing into one is
     refused before any backward runs (with no ``op_output``, as in earlier releases, nothing is checked)."""
     kept: set = set()
-    weights: set = set()  # the storages of the weights' 16-bit copies the block makes, and of their views
 
     def keeping(ctx, op, *args, **kwargs):
         if kept and op._schema.is_mutable:
@@ -911,12 +910,15 @@ def _selective_contexts(policy):
             and tensors
             and (
                 (op is torch.ops.aten._to_copy.default and isinstance(args[0], nn.Parameter))
-                or all(_storage_key(a) in weights for a in tensors)
+                or all(getattr(a, "_autopar_weight_copy", False) for a in tensors)
             )
         ):
-            # a weight's cast (autocast's, the cache off: `_without_cast_cache`) and its views: recast, not kept,
-            # or every call would keep a copy of the block's weights till its backward
-            weights.update(key for t in outs if (key := _storage_key(t)) is not None)
+            # a weight's cast (autocast's, the cache off: `_WithoutCastCache`) and its views: recast, not kept, or
+            # every call would keep a copy of the block's weights till its backward (marked on the tensors
+            # themselves: a storage's address is reused once it is freed)
+            for t in outs:
+                if isinstance(t, torch.Tensor):
+                    t._autopar_weight_copy = True
             return CheckpointPolicy.PREFER_RECOMPUTE
         if decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE) and not ctx.is_recompute:
             for t in outs:
@@ -925,28 +927,41 @@ def _selective_contexts(policy):
         return decision
 
     forward, recompute = create_selective_checkpoint_contexts(keeping)
-    return _without_cast_cache(forward), _without_cast_cache(recompute)
+    if torch.compiler.is_compiling() or not any(torch.is_autocast_enabled(d) for d in ("cuda", "cpu")):
+        return forward, recompute  # (compiling, torch wants its own two modes: torch/_higher_order_ops/wrap.py)
+    return _WithoutCastCache(forward), _WithoutCastCache(recompute)
 
 
-@contextlib.contextmanager
-def _without_cast_cache(inner):
-    """``inner`` with autocast's weight cache off. Under ``torch.autocast`` the forward of a selectively checkpointed
-    block (the first in its region) cast each weight and the recomputation found the copy cached and cast none, so
-    torch's replay of the forward's ops by their count (``_CachedTorchDispatchMode``) served the recomputation's
-    casts the outputs kept for others: a kept cast of another input of the same shape silently (wrong gradients),
-    else a failure at the first backward (measured with real tensors, one gloo rank under CPU autocast: llama
-    3 × 256 with 4 heads, DDP bf16, the attention-core policy: "aten.mul.Scalar encountered during backward but not
-    found in storage"). Without the cache both cast every weight they use (the same values: the same loss to the last
-    bit as full checkpointing with the cache), `_selective_contexts` keeps none of those copies (recast in the
-    recomputation), and the cost model prices no cached copy for the block, its recomputation's in its backward
-    (`costmodel.layercost.layer_cost`). Nothing changes outside autocast."""
-    cached = torch.is_autocast_cache_enabled()
-    torch.set_autocast_cache_enabled(False)
-    try:
-        with inner:
-            yield
-    finally:
-        torch.set_autocast_cache_enabled(cached)
+class _WithoutCastCache:
+    """A selective checkpoint's context ``inner`` with autocast's weight cache off. Under ``torch.autocast`` the
+    forward of a selectively checkpointed block (the first in its region) cast each weight and the recomputation
+    found the copy cached and cast none, so torch's replay of the forward's ops by their count
+    (``_CachedTorchDispatchMode``) served the recomputation's casts the outputs kept for others: a kept cast of
+    another input of the same shape silently (wrong gradients), else a failure at the first backward (measured with
+    real tensors, one gloo rank under CPU autocast: llama 3 × 256 with 4 heads, DDP bf16, the attention-core policy:
+    "aten.mul.Scalar encountered during backward but not found in storage"). Without the cache both cast every
+    weight they use (the same values: the same loss to the last bit as full checkpointing with the cache),
+    `_selective_contexts` keeps none of those copies (recast in the recomputation), and the cost model prices no
+    cached copy for the block, its recomputation's in its backward (`costmodel.layercost.layer_cost`). Not under
+    ``torch.compile`` (whose checkpoint takes torch's two dispatch modes only), where this is untested."""
+
+    def __init__(self, inner):
+        self.inner, self.cached = inner, []
+
+    def __enter__(self):
+        self.cached.append(torch.is_autocast_cache_enabled())
+        torch.set_autocast_cache_enabled(False)
+        try:
+            return self.inner.__enter__()
+        except BaseException:
+            torch.set_autocast_cache_enabled(self.cached.pop())
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            torch.set_autocast_cache_enabled(self.cached.pop())
 
 
 def _op_contexts(batch: int, seq: int):
