@@ -337,7 +337,8 @@ class Evaluator:
                                imbalance=cluster.moe_imbalance, cp=cfg.cp, cp_span=self.cp_span,
                                kv_width=kv_width, q_width=q_width, native_kernels=arch.get("kernels") == "native",
                                grad_exists=grads_accumulate(cfg, self.m), transient_grads=fsdp_transient_grads(cfg),
-                               grad_bytes=4 if under else cfg.param_bytes, weight_cast_bytes=2 if under else 0)
+                               grad_bytes=4 if under else cfg.param_bytes, weight_cast_bytes=2 if under else 0,
+                               casts_per_micro_batch=cfg.pp == 1)
         pipelined = cfg.pp > 1  # tied embedding/head weights have a copy on each end of the pipeline
         if ("owned", pipelined) not in shared:
             shared["owned", pipelined] = owned_params(lg, pipelined=pipelined)

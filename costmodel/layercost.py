@@ -228,6 +228,10 @@ class CostContext:
     #: bytes of an element of a matmul's weight gradient before its cast to the parameter's dtype: 2 under
     #: ``torch.autocast`` (the matmul ran on a 16-bit copy of the fp32 weight), else 0 (no cast)
     weight_cast_bytes: int = 0
+    #: under autocast, whether each micro-batch casts the weights anew: the runtime's autocast region is a
+    #: micro-batch's outside pipelines (`planner.emit.train.train_step_loss`); one over the step within one casts them
+    #: once per step, left unpriced
+    casts_per_micro_batch: bool = False
 
     @property
     def gather_scale(self) -> float:
@@ -851,9 +855,17 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         a2a_bytes = calls * payload
     cast = {p for n in layer.nodes if n.kind == "matmul" for p in n.params}  # (autocast's: `LayerCost.cast_numel`)
     cast_numel = sum(rank_numel.get(p, 0.0) for p in cast)
-    if ac == AC.SELECTIVE and ctx.weight_cast_bytes:
+    # autocast's casts of the weights (fp32 read, 16 bits written), which the capture leaves out of its nodes'
+    # traffic (`profiler.capture._ParamCasts`: its cache's, once per region): a micro-batch's where each has a region
+    # of its own; and a selectively checkpointed block's, whose cache is off, in its forward and its recomputation
+    uncached = ac == AC.SELECTIVE and ctx.weight_cast_bytes > 0
+    if uncached or (ctx.weight_cast_bytes and ctx.casts_per_micro_batch):
+        t_cast = _node_time(0.0, (4 + ctx.weight_cast_bytes) * cast_numel, ctx)
+        fwd += t_cast
+        rec += t_cast if uncached else 0.0
+    if uncached:
         # under autocast a selectively checkpointed block runs with autocast's cache off and recasts its weights in
-        # the recomputation, keeping none of its forward's copies (`planner.emit.runtime._without_cast_cache`): no
+        # the recomputation, keeping none of its forward's copies (`planner.emit.runtime._WithoutCastCache`): no
         # cached copies (nor their shared cast-backs), and the recomputation's own live through its backward
         rec_peak += ctx.weight_cast_bytes * cast_numel
         cast_numel = 0.0

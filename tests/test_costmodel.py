@@ -906,3 +906,25 @@ def test_ddp_largest_bucket_is_torchs_own_assignment():
         buckets, _ = dist._compute_bucket_assignment_by_size(tensors, [DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES],
                                                              [False] * len(tensors))
         assert ddp_largest_bucket([4.0 * n for n in numel]) == max(sum(4 * numel[i] for i in b) for b in buckets)
+
+
+def test_autocasts_weight_casts_are_priced_where_the_runtime_makes_them():
+    """Autocast casts each weight once per region (fp32 read, 16 bits written), which the capture leaves out of its
+    nodes' traffic. The runtime's region is a micro-batch's outside pipelines, so a block's forward there carries
+    its casts; within a pipeline the schedule's one region casts once per step (not charged per micro-batch); a
+    selectively checkpointed block, its cache off, casts in its forward and again in its recomputation."""
+    from costmodel.layercost import _node_time
+
+    lg = profile_model("llama:layers=2,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=1000,seq=128")
+    cl = load_cluster("dgx-h100:nodes=1:gpus_per_node=2")
+    block = next(i for i, layer in enumerate(lg.layers) if layer.kind == "block")
+    ddp = Evaluator(lg, cl, ParallelConfig(dp=2, mbs=1, precision="bf16"), 8)
+    piped = Evaluator(lg, cl, ParallelConfig(pp=2, mbs=1, precision="bf16"), 8)
+    plain = ddp.cost(block, AC.NONE)
+    cast = _node_time(0.0, 6.0 * plain.cast_numel, ddp.ctx)
+    assert cast > 0
+    assert plain.fwd_s == pytest.approx(piped.cost(block, AC.NONE).fwd_s + cast, rel=1e-12)
+    selective = piped.cost(block, AC.SELECTIVE)  # (its recomputation recasts, in a pipeline too)
+    full = piped.cost(block, AC.FULL)  # (the cache serves its recomputation)
+    assert selective.fwd_s == pytest.approx(full.fwd_s + cast, rel=1e-12)
+    assert selective.cast_numel == 0.0 and full.cast_numel == plain.cast_numel
