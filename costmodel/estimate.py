@@ -494,22 +494,17 @@ class Evaluator:
         # (a tied head's weight is the embedding's only where one rank holds both: pp = 1)
         return AUTOCAST_COPY_BYTES * (sum(c.cast_numel for c in costs) + self._tied_numel_here)
 
-    def cast_cache_after_backward(self, costs: list[LayerCost]) -> float:
-        """What of `cast_cache_bytes` a rank holding the layers of ``costs`` still holds at the step's moment after
-        the backward (`_rank_memory`'s ``after_backward``): the runtime's autocast regions end with the backward (a
-        micro-batch's each, or torch's schedule's: `planner.emit.train.train_step_loss`), and a region's end frees its
-        copies, so the post-step reductions and the optimizer step run without them; only DDP's reduction of its last
-        bucket, inside the last backward (`costmodel.memory.grads_always_held`: DDP reducing as it goes), sees them.
-        Traced, llama 6 × 320 bf16 full AC, dp 4 × tp 2 (the gradients all-reduced after the step): 6.5 % over with
-        them."""
-        return self.cast_cache_bytes(costs) if self.cache_after_backward else 0.0
-
-    @property
+    @functools.cached_property
     def cache_after_backward(self) -> bool:
-        """Whether autocast's copies are held at the moment after the backward (`cast_cache_after_backward`)."""
+        """Whether a rank still holds `cast_cache_bytes` at the step's moment after the backward (`_rank_memory`'s
+        ``after_backward``): the runtime's autocast regions end with the backward (a micro-batch's each, or torch's
+        schedule's: `planner.emit.train.train_step_loss`), and a region's end frees its copies, so the post-step
+        reductions and the optimizer step run without them; only DDP's reduction of its last bucket, inside the last
+        backward (`costmodel.memory.grads_always_held`: DDP reducing as it goes), sees them. Traced, llama 6 × 320
+        bf16 full AC, dp 4 × tp 2 (the gradients all-reduced after the step): 6.5 % over with them."""
         return grads_always_held(self.cfg)
 
-    @property
+    @functools.cached_property
     def holds_cast_grads(self) -> bool:
         """Whether a pipeline stage's backward holds the 16-bit gradients of autocast's copies to its end
         (`autocast_held_bytes`): 16-bit training under autocast (`costmodel.memory.autocast_dtype`) in torch's
@@ -781,9 +776,10 @@ class Evaluator:
         # torch's own receive buffers (static, kept from step to step) and the outputs its stages keep for their
         # backward (per micro-batch in flight, pending a weight pass included)
         buffers, per_micro_batch, buffers_after = self.pipeline_buffers(r, [idx[0] for idx in stages])
-        # every gradient, no activation left (autocast's copies as `cast_cache_after_backward` says)
+        # every gradient, no activation left (nor autocast's copies but where `cache_after_backward`)
         after_backward = sum(self.static_bytes(params, extra)) + buffers_after + more_p + more_g + more_o
-        after_backward += self.cast_cache_after_backward(rank_costs) - self.cast_cache_bytes(rank_costs)
+        if not self.cache_after_backward:
+            after_backward -= self.cast_cache_bytes(rank_costs)
         after_backward += self.gathered_padding_bytes(rank_costs)
         chunks = [c for c in range(len(stages)) if rank_of[c] == r]  # the rank's chunks, in order
         mine = [stages[c] for c in chunks]
@@ -833,8 +829,8 @@ class Evaluator:
         cast_back = 4.0 * max((c.cast_largest for c in rank_costs), default=0.0)
         # (charged wherever autocast's gradients are held: an upper bound on a chunk whose blocks are all selectively
         # checkpointed, which casts nothing it caches, as the ILP sees it, `cast_largest` being any checkpointing's)
-        cast_backs = [(k, every + cast_back - f) for k, ((_, _, every), f) in enumerate(zip(cast_held, full))
-                      if self.holds_cast_grads]
+        cast_backs = [(k, every + cast_back - f) for k, ((_, _, every), f) in enumerate(zip(cast_held, full))] \
+            if self.holds_cast_grads else []
         edges = []  # the embedding's and head's: (chunk, bytes with the chunk gathered at the state, without, and
         # what a later micro-batch's backward adds)
         for k, (idx, ks) in enumerate(zip(mine, kinds)):
@@ -900,12 +896,11 @@ class Evaluator:
                 built = max(with_grads[s] + max((g for f, g in zip(states[s][0], building) if f >= 1), default=0.0)
                             for s in at) - with_grads[top]
                 temp = max(block + built, edge)
-            else:  # (each state with its own moments: which chunks' backwards hold 16-bit weight gradients)
-                temp = max(moment(gath, states[top][2]))
-                for s in at:
-                    here = max(moment(gath, states[s][2]))
-                    if with_grads[s] + here > with_grads[top] + temp:
-                        top, temp = s, here
+            else:  # (each state with its own moments: which chunks' backwards hold 16-bit weight gradients; ties
+                # to the heaviest state, then to the first)
+                temps = {s: max(moment(gath, states[s][2])) for s in at}
+                top = max(at, key=lambda s, heaviest=top: (with_grads[s] + temps[s], s == heaviest))
+                temp = temps[top]
             peaks.append((with_grads[top] + temp, top, temp))
         _, top, temp = max(peaks)
         act, g_b, p_b = held_by[top], always + grads_at[top], p_b + gathered_at[top]

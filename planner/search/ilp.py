@@ -768,7 +768,7 @@ class Model:
             cache = self.layer_sum(stages, lambda c, t=tied_cache: self._b(ev.cast_cache_bytes([c]) - t)) \
                 + self._b(tied_cache)
             uneven += cache
-            # ...of which autocast's copies are gone by the moment after the backward (`cast_cache_after_backward`)
+            # ...of which autocast's copies are gone by the moment after the backward (`cache_after_backward`)
             uncached = self.zero if ev.cache_after_backward else cache
             # pipelined ZeRO 3: the gathered parameters' padding, all held after the backward
             padding = self.tab(r, lambda v, r=r: self._b(ev.gathered_padding_bytes(_rank_layer_costs(d, r, v))))[0]

@@ -521,9 +521,13 @@ def _no_fit(lg, cluster, global_batch, fix, smallest) -> NoPlanFits:
     bound, _, cfg = min(smallest, key=lambda x: (x[0], x[1]))
     # its least-memory plan as the search may make it: even stages, the recomputation --fix allows that holds least
     # (no recomputation under zero-bubble: `checkpoint_modes`)
-    ac = AC(fix["ac"]) if "ac" in fix else AC.NONE if cfg.zero_bubble else AC.FULL
-    what = f"ac={ac.value} as --fix pins it" if "ac" in fix else "no recomputation (zero-bubble)" \
-        if cfg.zero_bubble else "full recomputation"
+    if "ac" in fix:
+        ac = AC(fix["ac"])
+        what = f"ac={ac.value} as --fix pins it"
+    elif cfg.zero_bubble:
+        ac, what = AC.NONE, "no recomputation (zero-bubble)"
+    else:
+        ac, what = AC.FULL, "full recomputation"
     try:
         est = Evaluator(lg, cluster, replace(cfg, ac=ac), global_batch).evaluate(
             [ac] * len(lg.layers), even_stages(lg, cfg.pp * cfg.vpp))
