@@ -68,7 +68,14 @@ from costmodel.memory import (
     state_bytes_at_peak,
     zero1_partition_numel,
 )
-from costmodel.overlap import dp_exposed, fsdp_exposed, loss_sync_time, optimizer_part_time, tp_partial_bytes
+from costmodel.overlap import (
+    dp_exposed,
+    fsdp_exposed,
+    loss_sync_time,
+    optimizer_part_time,
+    tp_partial_bytes,
+    tp_partial_grads,
+)
 from costmodel.runnable import selective_policy
 from profiler.graph import LayerGraph
 from profiler.layers import has_attention_core
@@ -267,7 +274,13 @@ def selective_of(lg: LayerGraph, acs) -> str | None:
     """The selective-checkpointing policy a plan of ``lg`` with per-layer modes ``acs`` runs (`Plan.selective`):
     the runtime's policy for the model (`costmodel.runnable.selective_policy`) where any block is selective, else
     None."""
-    return selective_policy(has_attention_core(lg)) if AC.SELECTIVE in block_acs(lg, acs) else None
+    return model_selective_policy(lg) if AC.SELECTIVE in block_acs(lg, acs) else None
+
+
+def model_selective_policy(lg: LayerGraph) -> str:
+    """The selective-checkpointing policy the runtime runs on ``lg``'s model (`costmodel.runnable.selective_policy`
+    of its capture's facts)."""
+    return selective_policy(has_attention_core(lg), lg.model.arch.get("attends"))
 
 
 class Evaluator:
@@ -295,7 +308,7 @@ class Evaluator:
         (`costmodel.layercost.seq_relayout_bytes`; False for Megatron-LM's sequence-first ones)."""
         check_config(lg, cluster, cfg, global_batch)
         if selective is None:
-            selective = selective_policy(has_attention_core(lg))
+            selective = model_selective_policy(lg)
         self.autocast = autocast
         # a plan that trains under torch.autocast keeps its activations at the dtypes autocast gives them (the
         # fp32 residual stream, norms' fp32 inputs, the loss's fp32 logits): priced from the model captured
@@ -460,6 +473,14 @@ class Evaluator:
         (`costmodel.overlap.tp_partial_bytes`), after the backward: exposed."""
         nbytes = tp_partial_bytes(rank_costs, self.cfg)
         return all_reduce_time(nbytes, self.tp_span, self.cluster) if nbytes else 0.0
+
+    def tp_partial_bucket(self, rank_costs: list) -> float:
+        """The largest flat copy of the gradients summed over tp after the backward (`costmodel.overlap.
+        tp_partial_grads`), which the runtime packs as its other all-reduces after the backward
+        (`planner.emit.runtime.allreduce_in_buckets`: `ddp_largest_bucket` with no smaller first), a part's at a time
+        (one bucket over a rank's chunks here: at most a bucket over). Traced, MoE 3 × 256 (4 experts, top-2), tp 4
+        with SP: its router and experts, 18 MiB, in one copy after the backward, the step's peak (unpriced: −13 %)."""
+        return ddp_largest_bucket(tp_partial_grads(rank_costs, self.cfg), DDP_BUCKET_BYTES)
 
     @functools.cached_property
     def tied_in_flight_bytes(self) -> float:
@@ -827,8 +848,9 @@ class Evaluator:
         # copy of one (at most the rank's largest; the first, the weight cast last in the forward, is the head's or
         # a block's down projection) on its way to ``.grad``
         cast_back = 4.0 * max((c.cast_largest for c in rank_costs), default=0.0)
-        # (charged wherever autocast's gradients are held: an upper bound on a chunk whose blocks are all selectively
-        # checkpointed, which casts nothing it caches, as the ILP sees it, `cast_largest` being any checkpointing's)
+        # (charged wherever autocast's gradients are held: an upper bound on a chunk whose blocks all run under one of
+        # torch's selective checkpoint policies, which cast nothing they cache, as the ILP sees it, `cast_largest`
+        # being any checkpointing's)
         cast_backs = [(k, every + cast_back - f) for k, ((_, _, every), f) in enumerate(zip(cast_held, full))] \
             if self.holds_cast_grads else []
         edges = []  # the embedding's and head's: (chunk, bytes with the chunk gathered at the state, without, and
@@ -910,9 +932,10 @@ class Evaluator:
             per, whole = self.powersgd_memory(self.grad_rank)
             temp += per * params
             after_backward += per * params
-        # a peak after the backward: every gradient, and the reduction's copies of the last bucket; FSDP's at the
-        # ends of a micro-batch, with the root's parameter group in flight
-        after_backward += dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params, whole, self.largest_bucket)
+        # a peak after the backward: every gradient, and the reduction's copies of the last bucket, then the TP sum's
+        # (one after the other); FSDP's at the ends of a micro-batch, with the root's parameter group in flight
+        after_backward += max(dp_reduction_temp_bytes(cfg, self.grad_kind, 4.0 * params, whole, self.largest_bucket),
+                              self.tp_partial_bucket(rank_costs))
         after_backward += fsdp_edge_bytes(cfg, gathering, self.m)
         temp += max(0.0, after_backward - (p_b + g_b + o_b + act + temp))
         allocated = p_b + g_b + o_b + act + temp

@@ -47,7 +47,9 @@ configuration and that reference (so TP, SP and the micro-batch still scale as t
 Activation checkpointing (Korthikanti et al. 2022 Table 2 and §5):
 - ``none`` keeps every saved activation;
 - ``selective`` recomputes the unfused attention core (ops producing or reading seq×seq scores) and drops its
-  seq×seq saved tensors, keeping the rest; with a fused (flash) attention kernel there is nothing to drop;
+  seq×seq saved tensors, keeping autograd's saved tensors of the rest where the core is checkpointed whole (its
+  ``attend`` call) or every op's output where a per-op policy keeps all but the core; with a fused (flash)
+  attention kernel it is torchtitan's per-op policy (`CostContext.selective`);
 - ``full`` keeps only the layer's input and recomputes its forward (tensor-parallel all-reduces included) just
   before its backward, up to where torch's non-reentrant checkpoint stops early (`recompute_stop`).
 """
@@ -131,8 +133,9 @@ class LayerCost:
     #: only, summed over tp once per step (`planner.emit.runtime.tp_partial_params`): those of nodes on this rank's
     #: heads (``sharded``: per-head q/k norms) and, under sequence parallelism, those of the replicated nodes below
     #: the block's own children (a MoE feed-forward's router and experts; the norms SP runs are its children)
-    tp_partial_numel: float = 0.0
-    tp_partial_expert_numel: float = 0.0  #: the experts among them (a rank's 1/ep)
+    #: as (elements, is an expert's) per tensor, in the block's forward order (the runtime reduces them in its
+    #: modules' order, a part at a time: the same tensors, bucketed within a tensor of it)
+    tp_partial_sizes: tuple[tuple[float, bool], ...] = ()
     #: context parallelism: the keys' and values' all-gathers of the forward (and of a full recomputation), their
     #: gradients' reduce-scatters in the backward, not overlapped (see the module docstring)
     cp_comm_fwd_s: float = 0.0
@@ -189,7 +192,8 @@ class CostContext:
     gathered_column_inputs: bool = True
     #: what ``selective`` checkpointing keeps (`costmodel.runnable.selective_policy`, the runtime's choice per
     #: model): ``attention-core`` (Korthikanti et al. 2022 §5, Megatron-LM and autopar's runtime where the blocks
-    #: make seq×seq scores: the attention core is recomputed, with a fused attention kernel nothing), or
+    #: make seq×seq scores in an ``attend`` method: the attention core is recomputed, with a fused attention kernel
+    #: nothing), ``all-but-attention-core`` (the same core outside such a method: every other op's output kept), or
     #: ``every-other-matmul`` (torchtitan's per-op policy, ``selective_ac_option = "op"``, and autopar's runtime
     #: where the attention is fused: the outputs of the attention kernel and of every second matmul of a block are
     #: saved, every other op is recomputed)
@@ -355,9 +359,15 @@ def _tp_comm(layer: Layer) -> tuple[float, float, int, int]:
 def _column_input(n: NodeInfo, by_name: dict, layer: Layer) -> tuple[str, float]:
     """What a column-parallel node reads whole (its input's gradient is all-reduced, or under sequence parallelism
     the input all-gathered): its input from a node that is not sharded itself, else the layer's input; (a key that
-    names it, its bytes at the captured batch)."""
+    names it, its bytes at the captured batch). The runtime makes that input one replicated tensor for all the
+    linears of the module holding them (`planner.emit.runtime.apply_tp`'s ``sp_gather``), so they share its
+    reduction; a linear directly in the block (examples/custom_model.py's) takes its input alone, and reduces it
+    alone (traced: q, k and v's three all-reduces where one was priced, 30 % of a block's TP traffic)."""
     src = next((i for i in n.inputs if i in by_name and by_name[i].tp_role not in _SHARDED_ROLES), None)
-    return (src, by_name[src].output_bytes) if src else (f"<input of {n.name}>", layer.input_bytes)
+    nbytes = by_name[src].output_bytes if src else layer.input_bytes
+    if "." not in n.module_path.removeprefix(layer.name + "."):  # (directly in the block)
+        return f"<{n.name}>", nbytes
+    return (src, nbytes) if src else (f"<input of {n.name}>", nbytes)
 
 
 def _prod(shape) -> int:
@@ -502,7 +512,8 @@ def recompute_traffic(layer: Layer, ctx: CostContext, ac: AC = AC.FULL) -> tuple
     it whole, and under sequence parallelism the all-gather half of each later one (it runs at the start of the
     attention or MLP). The per-op selective policy (`CostContext.selective` ``every-other-matmul``) runs the same
     forward, but serves reduce-scatters' outputs from its cache: under sequence parallelism only the all-gather
-    halves are repeated, without it the same all-reduces. Nothing for the attention-core policy or none."""
+    halves are repeated, without it the same all-reduces. Nothing for the policies recomputing the attention core
+    (which holds no collective) or none."""
     parts = _recomputed_collectives(layer, ctx, ac)
     if ctx.sp:
         nbytes = sum(g + s for g, s in parts) / 2  # an all-gather or a reduce-scatter: half an all-reduce's payload
@@ -652,6 +663,35 @@ def compiled_bytes(layer: Layer) -> dict[str, tuple[float, float]]:
     return out
 
 
+def _kept_outside_core(n: NodeInfo) -> bool:
+    """Whether the selective policy ``all-but-attention-core`` keeps ``n``'s output (`planner.emit.runtime.
+    _selective_policy`): an op outside the attention core that allocates (a view holds nothing of its own) and is
+    not random (a dropout that draws), an allocation (``empty``) or in place, which that policy recomputes; a fused
+    attention kernel without dropout is kept."""
+    op = n.op.split(".")[1] if n.op.count(".") >= 1 else n.op
+    if n.kind == "view" or n.is_attention_core or op.endswith("_") or op.startswith(("empty", "new_empty")):
+        return False
+    return not (n.dropout or any(r in op for r in ("dropout", "rand", "bernoulli")))
+
+
+def _kept_outside_core_bytes(n: NodeInfo, by_name: Mapping[str, NodeInfo], viewed: set) -> float:
+    """Bytes (at the captured batch) the policy ``all-but-attention-core`` keeps for node ``n`` until the block's
+    backward: its output (`_kept_outside_core`); for a core node, the inputs it saves that no kept node made (the
+    core's operands, which a composite matmul copies in ops of their own outside the core: kept); for a view of a
+    recomputed node's output, that output, which the kept view holds (``viewed``: once per base)."""
+    if _kept_outside_core(n):
+        return float(n.output_bytes)
+    made = [by_name[i] for i in n.inputs if i in by_name]
+    if n.is_attention_core:
+        fed = sum(m.output_bytes for m in made if _kept_outside_core(m))
+        return float(max(0, n.saved_bytes - n.saved_square_bytes - n.saved_weight_bytes - fed))
+    if n.kind == "view" and made and not _kept_outside_core(made[0]) and made[0].kind != "view" \
+            and made[0].name not in viewed:
+        viewed.add(made[0].name)
+        return float(made[0].output_bytes)
+    return 0.0
+
+
 def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, ...], *,
                tp_layer: bool | None = None) -> LayerCost:
     """Cost of ``layer`` with checkpointing ``ac`` for one micro-batch on one rank (see the module docstring).
@@ -679,6 +719,10 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     op_policy = ctx.selective == "every-other-matmul"
     matmuls = 0
     op_act = op_rec = op_rec_flops = 0.0
+    # the selective policy of a core outside an ``attend`` method: every op's output kept but the core's
+    kept_all = ctx.selective == "all-but-attention-core"
+    all_act = 0.0
+    viewed: set[str] = set()  # recomputed nodes whose output a kept view holds
     o_f, o_b = ctx.cluster.device.op_overhead_s  # the host's time per op, where it adds (a CPU: `DeviceSpec`)
     # what DTensor adds to the ops the tensor-parallel runtime wraps (a CPU: `DeviceSpec.dtensor_overhead_s`), kept
     # apart from the compute a measured profile rescales: forward, backward, and the recomputations' share
@@ -742,6 +786,10 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
                 dt_op_rec += d_f
                 op_rec_flops += n.fwd_flops * k * cp
                 rank_op_rec += n.fwd_flops * k * f
+        if kept_all and n is not layer.nodes[-1]:
+            # (the block's output is the next layer's input, which its checkpoint holds: priced there)
+            all_act += _kept_outside_core_bytes(n, by_name, viewed) * k * (
+                1.0 if n.tp_role == "row" and tp > 1 else f) * ctx.act_scale
         if n.is_attention_core:
             core_fwd += t_f
             core_flops += n.fwd_flops * k * cp
@@ -781,7 +829,20 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
             rec_copy = recompute_relayout_bytes(layer, ctx, ac)
             rec_comm = recompute_comm_time(layer, ctx, ac) + copy_time(rec_copy, ctx)
         rec_peak = act_none - act
-    elif ac == AC.SELECTIVE:
+    elif ac == AC.SELECTIVE and kept_all:  # every output but the core's, and the block's input
+        keep = layer.input_bytes * k * ctx.act_scale / (ctx.tp if (ctx.sp and tp_layer) else 1)
+        if tp > 1:  # and the tensor-parallel collectives' outputs: a row's all-reduced sum (whole), or under
+            # sequence parallelism its reduce-scattered slice and the all-gathered input of its region, with the
+            # copies around them (`seq_relayout_bytes`: the partial sums' before the reduce-scatter, the gathered
+            # input's after the all-gather), which are ops of their own, kept too
+            gathered = _gathered_inputs(layer)
+            copies = 1.0 if ctx.seq_relayout else 0.0
+            all_act += sum((n.output_bytes / tp + gathered[n.name] + copies * (n.output_bytes + gathered[n.name]))
+                           if ctx.sp else n.output_bytes
+                           for n in layer.nodes if n.tp_role == "row") * k * ctx.act_scale
+        act, rec, rec_flops, rec_comm, rec_peak = all_act + keep, core_fwd, core_flops, 0.0, core_act
+        rec_copy = 0.0
+    elif ac == AC.SELECTIVE:  # autograd's saved tensors but the core's
         act, rec, rec_flops, rec_comm, rec_peak = act_none - core_act, core_fwd, core_flops, 0.0, core_act
         rec_copy = 0.0
     else:  # FULL: keep the input (sharded along the sequence with SP), recompute up to `recompute_stop`
@@ -792,7 +853,8 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
             rec_comm = recompute_comm_time(layer, ctx, ac) + copy_time(rec_copy, ctx)
         act, rec, rec_flops, rec_peak = keep, rec_fwd, rec_full_flops, act_none
 
-    param_numel = shard_extra = expert_numel = partial_numel = partial_experts = 0.0
+    param_numel = shard_extra = expert_numel = 0.0
+    partial_sizes = []  # (`LayerCost.tp_partial_sizes`)
     matrices = []
     counted: set[str] = set()
     rank_numel: dict[str, float] = {}  # each owned parameter's elements on this rank
@@ -812,12 +874,12 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
                     cnt, shape = cnt / ctx.ep, (shape[0] // ctx.ep, *shape[1:])
                 if p in experts:
                     expert_numel += cnt * f
-                    partial_experts += cnt * f if partial else 0.0
                 param_numel += cnt * f
                 rank_numel[p] = cnt * f
                 rows = shape[0] // (tp if f < 1 and n.tp_role in ("column", "vocab") else 1) if shape else 1
                 sizes.append((cnt * f, len(shape) >= 2, max(1, int(rows))))
-                partial_numel += cnt * f if partial else 0.0
+                if partial:
+                    partial_sizes.append((cnt * f, p in experts))
                 if len(shape) >= 2:
                     cols = _prod(shape[1:]) // (tp if f < 1 and n.tp_role == "row" else 1)
                     matrices.append((int(rows), int(cols)))
@@ -857,14 +919,15 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     cast_numel = sum(rank_numel.get(p, 0.0) for p in cast)
     # autocast's casts of the weights (fp32 read, 16 bits written), which the capture leaves out of its nodes'
     # traffic (`profiler.capture._ParamCasts`: its cache's, once per region): a micro-batch's where each has a region
-    # of its own; and a selectively checkpointed block's, whose cache is off, in its forward and its recomputation
-    uncached = ac == AC.SELECTIVE and ctx.weight_cast_bytes > 0
+    # of its own; and a block under one of torch's selective checkpoint policies, whose cache is off, in its forward
+    # and its recomputation (a checkpointed attend call casts no weight)
+    uncached = ac == AC.SELECTIVE and ctx.selective != "attention-core" and ctx.weight_cast_bytes > 0
     if uncached or (ctx.weight_cast_bytes and ctx.casts_per_micro_batch):
         t_cast = _node_time(0.0, (4 + ctx.weight_cast_bytes) * cast_numel, ctx)
         fwd += t_cast
         rec += t_cast if uncached else 0.0
     if uncached:
-        # under autocast a selectively checkpointed block runs with autocast's cache off and recasts its weights in
+        # under autocast such a block runs with autocast's cache off and recasts its weights in
         # the recomputation, keeping none of its forward's copies (`planner.emit.runtime._WithoutCastCache`): no
         # cached copies (nor their shared cast-backs), and the recomputation's own live through its backward
         rec_peak += ctx.weight_cast_bytes * cast_numel
@@ -879,8 +942,8 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         pending_bytes=act + weight_outputs - (tail if layer.kind == "head" and ac == AC.NONE else 0.0),
         weight_output_bytes=weight_outputs, ep_comm_fwd_s=ep_f, ep_comm_bwd_s=ep_b, a2a_bytes=a2a_bytes,
         a2a_calls=calls, a2a_count_calls=count_calls, expert_shard_extra=shard_extra,
-        expert_numel=expert_numel, rank_flops=rank_fb + rank_rec, tp_partial_numel=partial_numel,
-        tp_partial_expert_numel=partial_experts, cp_comm_fwd_s=cp_f, cp_comm_bwd_s=cp_b, cp_gather_bytes=cp_gather,
+        expert_numel=expert_numel, rank_flops=rank_fb + rank_rec, tp_partial_sizes=tuple(partial_sizes),
+        cp_comm_fwd_s=cp_f, cp_comm_bwd_s=cp_b, cp_gather_bytes=cp_gather,
         cp_scatter_bytes=cp_scatter, relayout_bytes=relayout + rec_copy,
     )
 

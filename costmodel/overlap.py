@@ -213,15 +213,18 @@ def dp_step_bytes(cfg, params: float, m: int, autocast: bool = True) -> dict[str
     return out
 
 
-def tp_partial_bytes(rank_costs: list[LayerCost], cfg) -> float:
-    """Bytes one rank all-reduces over its TP group once per step for the gradients each TP rank computes from its
-    share only (`LayerCost.tp_partial_numel`; `planner.emit.runtime.reduce_tp_partial_grads`): fp32 gradients of
-    this rank's parameters, or of its ZeRO 2/3 shards of them (over dp; experts over the dp/ep ranks holding the
-    same ones)."""
+def tp_partial_grads(rank_costs: list[LayerCost], cfg) -> list[float]:
+    """The bytes of each gradient one rank sums over its TP group once per step, in the runtime's order, for the
+    parameters whose gradient each TP rank computes from its share only (`LayerCost.tp_partial_sizes`;
+    `planner.emit.runtime.reduce_tp_partial_grads`): fp32 gradients of this rank's parameters, or of its ZeRO 2/3
+    shards of them (over dp; experts over the dp/ep ranks holding the same ones)."""
     if cfg.tp == 1:
-        return 0.0
-    experts = sum(c.tp_partial_expert_numel for c in rank_costs)
-    rest = sum(c.tp_partial_numel for c in rank_costs) - experts
-    if cfg.zero >= 2 and cfg.data_ranks > 1:
-        rest, experts = rest / cfg.data_ranks, experts / (cfg.dp // cfg.ep)  # (ep divides dp: costmodel.runnable)
-    return 4.0 * (rest + experts)
+        return []
+    sharded = cfg.zero >= 2 and cfg.data_ranks > 1  # (ep divides dp: costmodel.runnable)
+    return [4.0 * n / ((cfg.dp // cfg.ep if expert else cfg.data_ranks) if sharded else 1)
+            for c in rank_costs for n, expert in c.tp_partial_sizes]
+
+
+def tp_partial_bytes(rank_costs: list[LayerCost], cfg) -> float:
+    """Bytes one rank all-reduces over its TP group once per step (`tp_partial_grads`)."""
+    return sum(tp_partial_grads(rank_costs, cfg))

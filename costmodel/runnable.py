@@ -26,14 +26,17 @@ This module imports nothing but the standard library: the emitter copies it into
 ``kv_heads``, ``compile`` (the launch's torch.compile backend or None), ``checkpointed`` (any block under AC),
 ``selective_ac`` (any block under selective AC), ``ep`` (expert-parallel degree, default 1), ``experts`` (experts
 per MoE layer; None or 0: not a MoE model the runtime can split), ``expert_dim1`` (the gcd of the expert weights'
-second dimensions; None: unknown) and ``tp_unsplit`` (a linear tensor parallelism
-cannot run, `profiler.layers.tp_unsplit_linears`; empty: none), ``cp`` (context-parallel degree, default 1) and
-``cp_ready`` (the model's attention and positions can be split over the sequence,
-`profiler.layers.context_parallel_ready`; None: unknown), ``pp_split`` (why the runtime cannot cut the model into
-pipeline stages, `profiler.layers.pipeline_split_problem`; empty or None: it can, or unknown), ``forward`` (why the
-training step cannot call the model for its logits, `profiler.layers.forward_problem`; empty or None: it can),
-``attention_core`` (the blocks make seq×seq attention scores that selective AC can recompute,
-`profiler.layers.has_attention_core`; None: unknown: it picks the selective policy, `selective_policy`).
+second dimensions; None: unknown) and ``tp_unsplit`` (a linear tensor parallelism cannot run,
+`profiler.layers.tp_unsplit_linears`; empty: none), ``tp_forward`` (why tensor parallelism cannot run the blocks, per
+degree as a string, `profiler.layers.tensor_parallel_problems`; a degree not in it: it can, or not judged) and
+``sp_layout`` (why sequence parallelism cannot; empty: it can), ``cp``
+(context-parallel degree, default 1) and ``cp_ready`` (the model's attention and positions can be split over the
+sequence, `profiler.layers.context_parallel_ready`; None: unknown), ``pp_split`` (why the runtime cannot cut the
+model into pipeline stages, `profiler.layers.pipeline_split_problem`; empty or None: it can, or unknown),
+``forward`` (why the training step cannot call the model for its logits, `profiler.layers.forward_problem`;
+empty or None: it can), ``attention_core`` (the blocks make seq×seq attention scores that selective AC can
+recompute, `profiler.layers.has_attention_core`; None: unknown: it picks the selective policy, `selective_policy`)
+and ``attends`` (the blocks compute that core in an ``attend(q, k, v)`` method, `profiler.layers.has_attend`).
 """
 
 #: fp16 is not: its gradients underflow without loss scaling, which the runtime does not do yet (a GradScaler across
@@ -86,21 +89,30 @@ def pipelined_fsdp(zero: int, dp: int, pp: int) -> bool:
 
 
 #: the selective activation-checkpointing policies, by what they keep (`selective_policy` picks one per model)
-SELECTIVE_POLICIES = ("attention-core", "every-other-matmul")
+SELECTIVE_POLICIES = ("attention-core", "all-but-attention-core", "every-other-matmul")
 
 
-def selective_policy(attention_core) -> str:
+def selective_policy(attention_core, attends=True) -> str:
     """What ``ac=selective`` does to a model's blocks; the cost model (`costmodel.layercost.CostContext.selective`)
     and the runtime (`planner.emit.runtime.apply_ac`) read this one rule.
 
-    - ``attention-core`` where the blocks make seq×seq attention scores (``attention_core`` true or not known):
-      Korthikanti et al. 2022 §4.2, Megatron-LM's selective recomputation: the attention core is recomputed, every
-      other op's output kept.
+    - ``attention-core`` where the blocks make seq×seq attention scores (``attention_core`` true or not known) in
+      an ``attend(q, k, v)`` method (``attends``: `profiler.layers.has_attend`; the zoo models' protocol): Korthikanti
+      et al. 2022 §4.2, Megatron-LM's selective recomputation, which checkpoints its core attention module: each
+      ``attend`` runs under torch's checkpoint, which drops the core's saved tensors and recomputes the core in the
+      backward; the rest of the block saves what autograd saves.
+    - ``all-but-attention-core`` where such a core is not in an ``attend`` method (a Hugging Face model's eager
+      attention, a model of the user's): the block runs under torch's selective checkpoint with a policy that
+      recomputes the ops reading or making scores and keeps every other op's output, which is more than autograd
+      saves (a norm's intermediates, a residual sum's operands: traced, a zoo GPT with unfused attention held
+      more so than without checkpointing).
     - ``every-other-matmul`` where the attention is a fused kernel (``attention_core`` False), which leaves no core
       to recompute: torchtitan's per-op policy (``selective_ac_option = "op"``, the default of its Llama 3
       configurations): the attention kernel's output, every second matmul's (the 1st, 3rd, … of a block's forward)
       and reduce-scatters' are kept, every other op is recomputed."""
-    return "every-other-matmul" if attention_core is False else "attention-core"
+    if attention_core is False:
+        return "every-other-matmul"
+    return "all-but-attention-core" if attends is False else "attention-core"
 
 
 def grad_compress_options(dp: int, tp: int, zero: int, schedule: str = "1f1b", pp: int = 1,
@@ -120,11 +132,11 @@ def checkpoint_modes(tp: int, ep: int = 1, compiled: bool = False, zero_bubble: 
                      attention_core=None) -> tuple[str, ...]:
     """The activation-checkpointing modes a block may take (`problems` refuses the others): none under torch.compile
     with tensor parallelism or under the zero-bubble schedule, no selective AC with expert parallelism or with
-    context parallelism where selective is the per-op policy (`selective_policy` of ``attention_core``); the
-    search offers the ILP only these."""
+    context parallelism (a model the runtime can split over the sequence has a fused attention, whose per-op policy
+    `problems` refuses with cp > 1); the search offers the ILP only these. (``attention_core``: kept for callers.)"""
     if (compiled and tp > 1) or zero_bubble:
         return ("none",)
-    if ep > 1 or (cp > 1 and selective_policy(attention_core) != "attention-core"):
+    if ep > 1 or cp > 1:
         return ("none", "full")
     return ("none", "selective", "full")
 
@@ -149,6 +161,10 @@ def problems(facts: dict) -> list:
         out.append(f"tp={tp} cannot run {f['tp_unsplit']}: a linear beside the column-parallel ones whose name has no "
                    "tensor-parallel layout (multi-head latent attention's projections have none yet); re-plan with "
                    "--fix tp=1")
+    if tp > 1 and (why := (f.get("tp_forward") or {}).get(str(tp))):  # (`profiler.layers.tensor_parallel_problems`)
+        out.append(f"tp={tp}: {why}")
+    if tp > 1 and f.get("sp") and f.get("sp_layout"):
+        out.append(f"sp=on: {f['sp_layout']}")
     for key in ("heads", "kv_heads"):
         if tp > 1 and f.get(key) and f[key] % tp:
             out.append(f"tp={tp} does not divide {key}={f[key]}; choose a tp that divides it")
@@ -170,10 +186,11 @@ def problems(facts: dict) -> list:
         out.append(f"schedule={schedule} runs the {m} micro-batches per step in {rounds} equal rounds (torch's "
                    f"ScheduleInterleaved*: m divisible by max(1, m // pp)), which {m} is not; change --global-batch "
                    "or mbs")
-    if f.get("selective_ac") and f.get("cp", 1) > 1 and selective_policy(f.get("attention_core")) != "attention-core":
-        out.append(f"selective activation checkpointing with cp={f['cp']} is not supported yet on a model whose "
-                   "attention is a fused kernel (its per-op policy recomputes the context-parallel all-gather of "
-                   "the keys and values, which the cost model does not price); re-plan with --fix ac=full or cp=1")
+    policy = selective_policy(f.get("attention_core"), f.get("attends", True))
+    if f.get("selective_ac") and f.get("cp", 1) > 1 and policy != "all-but-attention-core":
+        out.append(f"selective activation checkpointing with cp={f['cp']} is not supported yet where its policy is "
+                   f"{policy} (it recomputes the context-parallel all-gather of the keys and values, which the cost "
+                   "model does not price); re-plan with --fix ac=full or cp=1")
     if pp > 1 and schedule == "zb" and (f.get("checkpointed") or f.get("selective_ac")):
         out.append("activation checkpointing with the zero-bubble schedule is not supported (torch 2.13's weight "
                    "pass asks autograd once per parameter group, stage_backward_weight: a selective region refuses "

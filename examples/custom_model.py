@@ -2,13 +2,17 @@
 examples/custom_model.py:factory --cluster cpu-local --global-batch 8 --emit train.py``.
 
 autopar calls ``factory(batch=…, seq=…)`` (each keyword only if the factory takes it) under the meta device, so
-the model costs no memory however large it is, and captures ``model(*example_inputs)`` with ``torch.export``. Three
+the model costs no memory however large it is, and captures ``model(*example_inputs)`` with ``torch.export``. Four
 rules make a model capturable and trainable:
 
 - ``forward(input_ids, labels=None)`` returns the scalar training loss when given labels (what the capture
   costs) and the logits [batch, seq, vocab] when not (what the emitted training step calls, taking the cross
   entropy itself: labels[:, t] is the token after input_ids[:, t]);
 - no Python ``if`` looks at a tensor's *values* (shapes are fine; use ``torch.where`` for value-dependent choices);
+- shapes inside a block come from the tensors, not from the model's settings, where tensor parallelism splits
+  them: a rank holds a slice of the heads (``view(b, s, -1, head_dim)``), or autopar plans it without (it runs
+  the forward with the linears split to check; it also needs the attention's and MLP's linears in submodules of
+  their own for sequence parallelism, which this small model does not do);
 - the repeated blocks sit in an ``nn.ModuleList`` attribute of the model: autopar groups the graph into embed, one
   layer per block, and head. For pipeline parallelism each stage is this model with the blocks it does not hold
   removed and the modules before or after them set to None, so ``forward`` skips a None embedding (its input is
@@ -35,9 +39,10 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         h = self.attention_norm(x)
-        q, k, v = (w(h).view(b, s, self.heads, d // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        # (-1 heads: a tensor-parallel rank holds a slice of them, the projections' output rows)
+        q, k, v = (w(h).view(b, s, -1, d // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.wo(attn.transpose(1, 2).reshape(b, s, d))
+        x = x + self.wo(attn.transpose(1, 2).reshape(b, s, -1))
         return x + self.w2(F.gelu(self.w1(self.ffn_norm(x))))
 
 

@@ -79,8 +79,9 @@ class Plan:
     #: the torch.compile backend the plan's blocks were priced under (`plan --compile`; the emitted script's default
     #: ``--compile``), or None: eager
     compile: str | None = None
-    #: what its selective layers recompute (`costmodel.runnable.selective_policy` of the model: ``attention-core`` or
-    #: ``every-other-matmul``), or None: no layer is selective (a plan file without it: ``attention-core``)
+    #: what its selective layers recompute (`costmodel.runnable.selective_policy` of the model: ``attention-core``,
+    #: ``all-but-attention-core`` or ``every-other-matmul``), or None: no layer is selective (a plan file without
+    #: it: ``attention-core``)
     selective: str | None = None
     schema_version: int = SCHEMA_VERSION  #: plan file schema
 

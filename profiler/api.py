@@ -18,8 +18,10 @@ from profiler.layers import (
     context_parallel_ready,
     forward_problem,
     group_layers,
+    has_attend,
     has_attention_core,
     pipeline_split_problem,
+    tensor_parallel_problems,
     tp_unsplit_linears,
 )
 from profiler.zoo.hf import masks_as_trained
@@ -181,6 +183,10 @@ def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: s
             graph = unfold(graph, depth)
         lg = group_layers(graph)
         lg.model.arch["attention_core"] = has_attention_core(lg)  # what selective AC recomputes (`runnable`)
+        lg.model.arch["attends"] = has_attend(model, lg)  # and how (`costmodel.runnable.selective_policy`)
+        # whether tensor and sequence parallelism can run a user's blocks (zoo and Hugging Face: by construction)
+        lg.model.arch["tp_forward"], lg.model.arch["sp_layout"] = tensor_parallel_problems(
+            model, lg.block_container, inputs[0]) if source.family == "file" else ({}, "")
         # whether the runtime can cut it into pipeline stages (`costmodel.runnable.problems`)
         lg.model.arch["pp_split"] = pipeline_split_problem(model, lg.block_container, seq=inputs[0].shape[1])
     if autocast is None and dtype in ("bf16", "fp16"):  # what plans that train under autocast keep (`Evaluator`)

@@ -73,6 +73,21 @@ def context_parallel_ready(model: nn.Module) -> bool:
             and all(getattr(m, "use_sdpa", True) for m in attends))
 
 
+def has_attend(model: nn.Module, lg: LayerGraph) -> bool:
+    """Whether every op of ``lg``'s attention cores (`has_attention_core`) runs in a module with an ``attend(q, k,
+    v)`` method (the zoo models' protocol, which `context_parallel_ready` reads too), or one inside such a module:
+    what selective activation checkpointing checkpoints whole where the core is unfused
+    (`costmodel.runnable.selective_policy`; the runtime's `planner.emit.runtime.attention_modules`). A core inline
+    in a module without one (a model of the user's, a Hugging Face model's eager attention) is not. The arch fact
+    ``attends``."""
+    # (paths relative to the block: a deep model is captured from fewer blocks than ``lg`` has, `profiler.fold`)
+    paths = {n.module_path.removeprefix(layer.name).removeprefix(".") for layer in lg.layers if layer.kind == "block"
+             for n in layer.nodes if n.is_attention_core}
+    blocks = model.get_submodule(lg.block_container) if lg.block_container else []
+    attends = {rel for block in blocks for rel, m in block.named_modules() if callable(getattr(m, "attend", None))}
+    return all(any(not a or p == a or p.startswith(a + ".") for a in attends) for p in paths)
+
+
 def pipeline_split_problem(model: nn.Module, container: str, seq: int = 8) -> str:
     """Why the runtime cannot cut ``model`` into pipeline stages at its blocks
     (``planner.emit.runtime.split_pipeline``), or ``''`` when it can. Two shapes split:
@@ -143,6 +158,69 @@ def forward_problem(model: nn.Module, input_ids) -> str:
         return (f"{name}(input_ids) returns {what}, not the logits [batch, seq, vocab] the training step takes its "
                 "loss from; return the logits when no labels are given (see examples/custom_model.py)")
     return ""
+
+
+#: the tensor-parallel degrees `tensor_parallel_problems` tries a user's forward at (those that split its widths)
+TP_PROBED = (2, 3, 4, 8)
+
+
+def tensor_parallel_problems(model: nn.Module, container: str, input_ids) -> tuple[dict, str]:
+    """Why tensor parallelism, and why sequence parallelism, cannot run ``model``'s blocks (the list at
+    ``container``) as the runtime splits them (`planner.emit.runtime.apply_tp`): ``({str(tp): why}, why-sp)``, empty
+    where they can; the arch facts ``tp_forward`` and ``sp_layout``, judged by `costmodel.runnable.problems` for the
+    search and the emitter. A tensor-parallel rank holds the column-parallel linears' output rows and the row-parallel
+    ones' input columns, so a forward that reads its head count from its settings (``view(b, s, self.heads, …)``)
+    fails on the local widths: a forward on the meta device with every such linear computing its rank's share (its
+    module, sizes and weight untouched, as torch's ``ColwiseParallel``/``RowwiseParallel`` leave them) checks it at
+    each degree of `TP_PROBED` that splits every such width (other degrees are not judged). Sequence parallelism
+    all-gathers the input of each module holding column-parallel linears; a linear directly in the block would have
+    the block's whole residual stream gathered, which its row-parallel output (a slice of the sequence) does not
+    match. Only a model on the meta device is run (a zoo or ``file.py`` model; one with real weights: nothing is
+    judged), on a copy: the model is not changed."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    blocks = model.get_submodule(container) if container else None
+    if blocks is None or not _on_meta(model):
+        return {}, ""
+    found = [(f"{i}.{rel}", rel, m) for i, block in enumerate(blocks) for rel, m in block.named_modules()
+             if isinstance(m, nn.Linear) and (_matches(rel, COLUMN_NAMES) or _matches(rel, ROW_NAMES))]
+    flat = next((f"{container}.{name}" for name, rel, _ in found if "." not in rel and _matches(rel, COLUMN_NAMES)),
+                None)
+    sp = (f"sequence parallelism gathers the input of the modules holding column-parallel linears, but {flat} sits "
+          "directly in its block, whose residual stream would be gathered too; put the attention's and the MLP's "
+          "linears in submodules of their own (as the zoo models do), or plan it with sp=off") if flat else ""
+
+    def column(w, b, tp):
+        return lambda x: F.linear(x, w[: w.shape[0] // tp], None if b is None else b[: b.shape[0] // tp])
+
+    def row(w, b, tp):
+        return lambda x: F.linear(x, w[:, : w.shape[1] // tp], b)
+
+    out = {}
+    for tp in TP_PROBED:
+        if not found or any((m.out_features if _matches(rel, COLUMN_NAMES) else m.in_features) % tp
+                            for _, rel, m in found):
+            continue
+        try:
+            probe = copy.deepcopy(model)
+            cut = probe.get_submodule(container)
+            for name, rel, _ in found:
+                m = cut.get_submodule(name)
+                m.forward = (column if _matches(rel, COLUMN_NAMES) else row)(m.weight, m.bias, tp)
+        except Exception:  # noqa: BLE001 (a model that cannot be copied: not judged)
+            return out, sp
+        try:
+            with torch.no_grad():
+                probe(input_ids.to("meta"))
+        except Exception as e:  # noqa: BLE001 (the user's code: any failure is the answer)
+            out[str(tp)] = (f"{type(model).__name__}'s forward fails with its column- and row-parallel linears "
+                            f"computing a rank's share at tp={tp} ({_first_line(e)}); read the local head count "
+                            "from a projection's output (q.shape[-1] // head_dim, as the zoo models do), or plan "
+                            "it with a tp it runs at")
+    return out, sp
 
 
 def _on_meta(model: nn.Module) -> bool:
@@ -376,8 +454,14 @@ def _signature(kind: str, prefix: str, nodes: list[NodeInfo], param_shapes: dict
 
 def has_attention_core(lg: LayerGraph) -> bool:
     """Whether the blocks make seq×seq attention scores (`profiler.graph.NodeInfo.is_attention_core`): what selective
-    activation checkpointing recomputes. A fused attention kernel makes none (`costmodel.runnable.problems`)."""
-    return any(n.is_attention_core for layer in lg.layers if layer.kind == "block" for n in layer.nodes)
+    activation checkpointing recomputes. A fused attention kernel makes none (`costmodel.runnable.problems`), so a
+    block that calls one has no core, whatever its shapes say: where a head's width equals the sequence, its queries,
+    keys and values ([batch, heads, seq, head_dim]) are shaped as scores (`attention_scores`). Read as a core, a MoE
+    with 64-wide heads at seq 64 took a policy that kept every op's output outside a core it does not have, and
+    priced it as no checkpointing: traced, 74.2 MiB against 65.7 predicted, more than the 66.5
+    it holds uncheckpointed."""
+    return any(n.is_attention_core and not any(m.kind == "attention" for m in layer.nodes)
+               for layer in lg.layers if layer.kind == "block" for n in layer.nodes)
 
 
 def group_layers(graph: ModelGraph) -> LayerGraph:

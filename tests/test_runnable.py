@@ -4,6 +4,7 @@ all apply it: every plan the search offers emits, and the dominances only prune 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -207,8 +208,8 @@ def test_selective_ac_follows_the_models_attention(tmp_path):
     """Selective AC recomputes the seq×seq attention core where the blocks make one (Megatron's unfused attention);
     where the attention is a fused kernel there is none, and selective is torchtitan's per-op policy
     (`selective_policy`). The capture records which (`profiler.layers.has_attention_core`), and the plan file says
-    which policy its selective layers run. With context parallelism the per-op policy is refused, one line,
-    exit 2, no plan written, and the search offers the ILP no selective AC there."""
+    which policy its selective layers run. With context parallelism the per-op policy and the checkpointed attend
+    call are refused, one line, exit 2, no plan written, and the search offers the ILP no selective AC there."""
     import subprocess
     import sys
 
@@ -217,14 +218,25 @@ def test_selective_ac_follows_the_models_attention(tmp_path):
     fused = profile_model("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=192,vocab=128,seq=48")
     math = profile_model("gpt:layers=2,hidden=64,heads=4,vocab=128,seq=48,attention=math,dropout=0")
     assert (fused.model.arch["attention_core"], math.model.arch["attention_core"]) == (False, True)
+    # the core is in the zoo GPT's attend method, in every block of a deep one (captured from fewer: a relative path)
+    deep = profile_model("gpt:layers=24,hidden=64,heads=4,vocab=128,seq=48,attention=math,dropout=0")
+    assert math.model.arch["attends"] is True and deep.model.arch["attends"] is True
     assert [selective_policy(core) for core in (False, True, None)] == [
         "every-other-matmul", "attention-core", "attention-core"]
+    # a core outside an attend method: the per-op policy that keeps all but the core
+    assert [selective_policy(core, attends=False) for core in (False, True, None)] == [
+        "every-other-matmul", "all-but-attention-core", "all-but-attention-core"]
     assert problems(facts(checkpointed=True, selective_ac=True, attention_core=False)) == []
     found = problems(facts(checkpointed=True, selective_ac=True, attention_core=False, cp=2, cp_ready=True))
     assert len(found) == 1 and "cp=2" in found[0] and "ac=full or cp=1" in found[0]
-    assert problems(facts(checkpointed=True, selective_ac=True, attention_core=True, cp=2, cp_ready=True)) == []
+    # checkpointing the attend call would recompute its all-gathers too (unpriced); a plan from before the policy
+    # field runs torch's selective checkpoint over the block, as it did
+    found = problems(facts(checkpointed=True, selective_ac=True, attention_core=True, cp=2, cp_ready=True))
+    assert len(found) == 1 and "attention-core" in found[0] and "ac=full or cp=1" in found[0]
+    assert problems(facts(checkpointed=True, selective_ac=True, attention_core=True, attends=False, cp=2,
+                          cp_ready=True)) == []
     assert "selective" not in checkpoint_modes(1, cp=2, attention_core=False)
-    assert "selective" in checkpoint_modes(1, cp=2, attention_core=True)
+    assert "selective" not in checkpoint_modes(1, cp=2, attention_core=True)
     assert "selective" in checkpoint_modes(1, cp=1, attention_core=False)
     for spec, fix, rc, policy in (
             ("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=192,vocab=128,seq=48", "dp=2", 0, "every-other-matmul"),
@@ -262,7 +274,70 @@ def test_attention_scores_are_told_from_activations_as_wide_as_the_sequence():
     assert not attention_scores((512, 512), 1, 512)  # a 2-D causal mask is made, not recomputed as scores
     wide = profile_model("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=128,seq=64")
     assert not any(n.is_attention_core for n in wide.model.nodes) and wide.model.arch["attention_core"] is False
+    # heads as wide as the sequence: queries, keys and values [batch, heads, seq, head_dim] are shaped as scores,
+    # but a block that calls a fused kernel has no core (a MoE read so took the attention-core policy: −11 %)
+    square = profile_model("moe:layers=2,hidden=256,heads=4,kv_heads=4,ffn=128,vocab=128,seq=64,experts=4,top_k=2")
+    assert any(n.is_attention_core for n in square.model.nodes) and square.model.arch["attention_core"] is False
     math = profile_model("gpt:layers=2,hidden=64,heads=4,vocab=128,seq=64,attention=math,dropout=0")
     block = next(layer for layer in math.layers if layer.kind == "block")
     assert sorted({n.op.split(".")[1] for n in block.nodes if n.is_attention_core}) == [
         "baddbmm", "bmm", "dropout", "empty", "masked_fill", "softmax"]
+
+
+def test_a_users_blocks_are_tried_split_as_tensor_parallelism_splits_them():
+    """A ``file.py`` model's forward is run on the meta device with its column- and row-parallel linears cut as a
+    rank of tp = 2 holds them (`profiler.layers.tensor_parallel_problems`): examples/custom_model.py read its head
+    count from its settings, so its views failed on the local width, and the search offered tp = 2 for it (the
+    plan's own check could not trace it); it reads them from the tensors now. Blocks whose linears sit directly in
+    the block cannot take sequence parallelism, which would gather the whole residual stream. Each is one line, and
+    the search and the emitter read them."""
+    import sys
+    import types
+
+    import torch
+    import torch.nn.functional as F
+
+    from profiler.layers import tensor_parallel_problems
+
+    sys.path.insert(0, str(Path(__file__).parent / "data"))
+    import unfused_attention
+
+    def meta(spec):
+        model, inputs = resolve_model(spec).build(batch=1, seq=32, device="meta")
+        return model, inputs[0]
+
+    def by_settings(self, x):  # (the example's block as it was: the heads from its settings)
+        b, s, d = x.shape
+        h = self.attention_norm(x)
+        q, k, v = (w(h).view(b, s, self.heads, d // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        x = x + self.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
+        return x + self.w2(F.gelu(self.w1(self.ffn_norm(x))))
+
+    example = f"{Path(__file__).parent.parent / 'examples' / 'custom_model.py'}:factory"
+    custom, ids = meta(example)
+    tp, sp = tensor_parallel_problems(custom, "blocks", ids)
+    assert "blocks.0.wq sits directly in its block" in sp and "sp=off" in sp
+    assert sorted(tp) == ["8"] and "at tp=8" in tp["8"]  # (4 heads: 8 ranks cannot split them)
+    for block in custom.blocks:
+        block.forward = types.MethodType(by_settings, block)
+    tp, _ = tensor_parallel_problems(custom, "blocks", ids)
+    assert sorted(tp) == ["2", "4", "8"]  # (the widths 64 and 256: tp = 3 splits neither, and is not judged)
+    assert "TinyLM's forward fails" in tp["2"] and "at tp=2" in tp["2"]
+    assert custom.blocks[0].wq.forward.__func__ is torch.nn.Linear.forward  # (the model itself unchanged)
+
+    def by_width(self, x):  # reads the width the module was built with, which a rank's ColwiseParallel keeps
+        return by_settings(self, x) if self.wq.out_features == x.shape[-1] else x[0]
+
+    for block in custom.blocks:
+        block.forward = types.MethodType(by_width, block)
+    assert sorted(tensor_parallel_problems(custom, "blocks", ids)[0]) == ["2", "4", "8"]
+    ready, ids = meta(f"{Path(__file__).parent / 'data' / 'unfused_attention.py'}:factory")
+    tp_ready, sp_ready = tensor_parallel_problems(ready, "blocks", ids)
+    assert sorted(tp_ready) == ["8"] and sp_ready == ""  # (its 4 heads too)
+    with torch.device("meta"):
+        real = unfused_attention.UnfusedLM(vocab=64, dim=32, heads=4, layers=1).to_empty(device="cpu")
+    assert tensor_parallel_problems(real, "blocks", ids) == ({}, "")  # (real weights: not run here)
+    assert problems(facts(tp=2, tp_forward=tp)) == [f"tp=2: {tp['2']}"]
+    assert problems(facts(tp=3, tp_forward=tp)) == []
+    assert problems(facts(tp=2, sp=True, sp_layout=sp)) == [f"sp=on: {sp}"]
+    assert problems(facts(tp=1, tp_forward=tp, sp_layout=sp)) == []

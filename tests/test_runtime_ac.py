@@ -15,16 +15,17 @@ from profiler.zoo.registry import resolve_model
                                   "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128,attention=sdpa,dropout=0.1",
                                   "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=160,seq=32,vocab=128"])
 def test_full_and_selective_checkpointing_match_no_checkpointing(spec):
-    """Same seed, dropout 0.1 where the model has it: `full` (whole block), `selective` under either policy (the
-    seq×seq attention core, Korthikanti et al. 2022; every op but the attention kernel and the odd matmuls,
-    torchtitan's) recompute with the preserved RNG state, so loss and every gradient equal the plain run exactly,
-    over two micro-batches (the per-op policy counts each call's matmuls afresh)."""
+    """Same seed, dropout 0.1 where the model has it: `full` (whole block), `selective` under each policy (the
+    attention core, Korthikanti et al. 2022, as Megatron-LM checkpoints it, its ``attend`` call, or as a per-op
+    policy over the block; every op but the attention kernel and the odd matmuls, torchtitan's) recompute with the
+    preserved RNG state, so loss and every gradient equal the plain run exactly, over two micro-batches (the per-op
+    policy counts each call's matmuls afresh)."""
     torch.manual_seed(0)
     model, _ = resolve_model(spec).build(batch=2, device="cpu")
     x, y = torch.randint(0, 128, (2, 2, 32)), torch.randint(0, 128, (2, 2, 32))
     results = {}
     for mode, policy in (("none", None), ("full", None), ("selective", "attention-core"),
-                         ("selective", "every-other-matmul")):
+                         ("selective", "all-but-attention-core"), ("selective", "every-other-matmul")):
         m = copy.deepcopy(model).train()
         m._autopar_block_names = ["layers.0", "layers.1"]
         runtime.apply_ac(m, {"block_container": "layers", "ac": {"layers.0": mode, "layers.1": mode},
@@ -86,7 +87,7 @@ def test_selective_checkpointing_keeps_a_fused_attention_kernel():
         .build(batch=2, device="cpu")
     model._autopar_block_names = ["layers.0", "layers.1"]
     runtime.apply_ac(model, {"block_container": "layers", "ac": {"layers.0": "selective", "layers.1": "selective"},
-                             "mbs": 2, "seq": 32})
+                             "selective": "all-but-attention-core", "mbs": 2, "seq": 32})
     x, y = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))
     with Count() as forward:
         loss = model(x, y)
@@ -110,7 +111,7 @@ def test_a_fused_attention_with_dropout_is_recomputed():
         assert policy(None, op, *args, 0.1) == CheckpointPolicy.PREFER_RECOMPUTE
 
 
-@pytest.mark.parametrize("policy", ["every-other-matmul", "attention-core"])
+@pytest.mark.parametrize("policy", ["every-other-matmul", "all-but-attention-core"])
 def test_an_in_place_write_into_a_kept_output_is_refused(policy):
     """torch serves a kept output back after checking its version, but a write through a view with a version counter
     of its own (``linear`` on a 3-D input returns ``_unsafe_view(mm(…))``) escapes that check: the backward would
@@ -152,3 +153,52 @@ def test_an_in_place_write_into_a_kept_output_is_refused(policy):
         plain.load_state_dict(m.state_dict())
         plain(x).backward()
         torch.testing.assert_close(m.layers[0].a.weight.grad, plain.layers[0].a.weight.grad, rtol=0, atol=0)
+
+
+def test_the_attention_core_policy_recomputes_the_attend_call_only():
+    """``attention-core`` checkpoints each attention's ``attend`` (Megatron-LM's checkpointed core attention): in
+    the backward the core's ops run again (QKᵀ, softmax, ·V) and nothing else of the block does, so the block saves
+    what autograd saves but the core's seq×seq tensors, as the cost model prices it (`costmodel.layercost`). A block
+    with no ``attend`` method cannot run it: one line, before any step."""
+    from torch import nn
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: dict = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] = self.ops.get(func.overloadpacket.__name__, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    model, _ = resolve_model("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128,attention=math,dropout=0") \
+        .build(batch=2, device="cpu")
+    model._autopar_block_names = ["layers.0", "layers.1"]
+    runtime.apply_ac(model, {"block_container": "layers", "ac": {"layers.0": "selective", "layers.1": "selective"},
+                             "selective": "attention-core", "mbs": 2, "seq": 32})
+    x, y = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))
+    with Count() as forward:
+        loss = model(x, y)
+    with Count() as backward:
+        loss.backward()
+    assert forward.ops["baddbmm"] == forward.ops["_softmax"] == 2
+    assert (backward.ops["baddbmm"], backward.ops["_softmax"]) == (2, 2)  # the cores, once more each
+    assert "native_layer_norm" not in backward.ops and "gelu" not in backward.ops  # the rest, not at all
+    # a deep copy calls its own modules, and wrapping again wraps nothing twice
+    twin = copy.deepcopy(model)
+    runtime.apply_ac(twin, {"block_container": "layers", "ac": {"layers.0": "selective"},
+                            "selective": "attention-core", "mbs": 2, "seq": 32})
+    attention = twin.layers[0].attention
+    assert attention.attend.func is runtime._checkpointed_attend and attention.attend.args == (attention,)
+
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(4, 4)])
+
+    plain = Plain()
+    plain._autopar_block_names = ["layers.0"]
+    with pytest.raises(ValueError, match="no attention module with an attend"):
+        runtime.apply_ac(plain, {"block_container": "layers", "ac": {"layers.0": "selective"},
+                                 "selective": "attention-core", "mbs": 2, "seq": 4})

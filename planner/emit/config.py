@@ -20,6 +20,7 @@ from profiler.layers import (
     context_parallel_ready,
     forward_problem,
     pipeline_split_problem,
+    tensor_parallel_problems,
     tp_unsplit_linears,
 )
 from profiler.zoo.registry import is_file_spec
@@ -186,6 +187,8 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
     ids = torch.zeros(1, plan.seq, dtype=torch.long, device="meta")
     if is_file_spec(plan.model) and (why := forward_problem(model, ids)):
         raise ValueError(f"this plan cannot run: {why}")
+    tp_forward, sp_layout = tensor_parallel_problems(model, container, ids) if is_file_spec(plan.model) and c.tp > 1 \
+        else ({}, "")
     if c.pp > 1 and (why := pipeline_split_problem(model, container, seq=plan.seq)):
         raise ValueError(f"pp={c.pp}: {why}")
     names = {lay.name for lay in plan.layers}
@@ -219,14 +222,25 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
     kind, rank = parse_grad_compress(c.grad_compress)
     experts = expert_modules(list(blocks))
     # what selective AC recomputes: the policy the plan was priced under (a plan file from before the field: the
-    # attention core)
-    selective = plan.selective or "attention-core"
+    # attention core, as the runtime then reads it, `planner.emit.runtime.selective_of`)
+    def attends(block: nn.Module) -> bool:  # (`planner.emit.runtime.attention_modules`' rule)
+        return any(callable(getattr(m, "attend", None)) for m in block.modules())
+
+    selective = plan.selective or ("attention-core" if c.cp == 1 and attends(blocks) else "all-but-attention-core")
+    if selective == "attention-core" and "selective" in ac.values():
+        lacking = next((name for name, mode in ac.items() if mode == "selective"
+                        and not attends(blocks[int(name.rpartition(".")[2])])), None)
+        if lacking:
+            raise ValueError(f"this plan cannot run: its selective policy attention-core checkpoints each attention's "
+                             f"attend(q, k, v) call, but block {lacking} has none; re-plan this model")
     # the rules the search and runtime apply
     why = problems({**c.runnable_facts(plan.global_batch, seq=plan.seq), "compile": compile, "checkpointed": bool(ac),
-                    "selective_ac": "selective" in ac.values(), "attention_core": selective == "attention-core",
+                    "selective_ac": "selective" in ac.values(), "attention_core": selective != "every-other-matmul",
+                    "attends": selective != "all-but-attention-core",
                     "ep": c.ep, "experts": experts["experts"],
                     "expert_dim1": experts["expert_dim1"],
-                    "tp_unsplit": next(iter(tp_unsplit_linears(model)), ""),
+                    "tp_unsplit": next(iter(tp_unsplit_linears(model)), ""), "tp_forward": tp_forward,
+                    "sp_layout": sp_layout,
                     "cp_ready": context_parallel_ready(model), "pp_split": "", "forward": ""})  # (judged above)
     if why:
         raise ValueError(f"this plan cannot run: {why[0]}")

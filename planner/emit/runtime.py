@@ -32,7 +32,8 @@ keep only the branches and functions their plan uses):
    every rank), the model reads these tokens' positions from its ``context_positions``, and each attention
    all-gathers keys and values over the cp group. Gradients, ZeRO shards and the loss are then reduced over the
    dp × cp ranks (`data_parallel_mesh`), batch rows still split by dp;
-3. activation checkpointing: after TP, before data parallel, so checkpoint wrappers sit inside FSDP units;
+3. activation checkpointing: after TP, before data parallel, so checkpoint wrappers sit inside FSDP units (selective:
+   the plan's policy, `apply_ac`: a checkpointed attend call, or torch's selective checkpoint over the block);
 4. pipeline boundaries: each tensor-parallel rank sends its 1/tp slice (Megatron's scatter/gather); bf16
    activations between stages when the plan compresses;
 5. data parallel: DDP (ZeRO 0, and ZeRO 1 whose optimizer state `planner.emit.train.build_optimizer` shards)
@@ -133,7 +134,8 @@ def plan_problems(plan: dict) -> list:
     facts.update({key: plan[key] for key in ("ep", "experts", "expert_dim1", "cp") if key in plan})
     return problems({**facts, "micro_batches": plan["grad_accum"], "compile": plan["compile"],
                      "checkpointed": bool(plan["ac"]), "selective_ac": "selective" in plan["ac"].values(),
-                     "attention_core": plan.get("selective", "attention-core") != "every-other-matmul"})
+                     "attention_core": selective_of(plan) != "every-other-matmul",
+                     "attends": selective_of(plan) != "all-but-attention-core"})
 
 
 #: how long a collective may wait before the job fails (torch's NCCL default is 10 minutes; a large model's first
@@ -1024,7 +1026,7 @@ class _WithoutCastCache:
     found the copy cached and cast none, so torch's replay of the forward's ops by their count
     (``_CachedTorchDispatchMode``) served the recomputation's casts the outputs kept for others: a kept cast of
     another input of the same shape silently (wrong gradients), else a failure at the first backward (measured with
-    real tensors, one gloo rank under CPU autocast: llama 3 × 256 with 4 heads, DDP bf16, the attention-core policy:
+    real tensors, one gloo rank under CPU autocast: llama 3 × 256 with 4 heads, DDP bf16, the per-op policy then run:
     "aten.mul.Scalar encountered during backward but not found in storage"). Without the cache both cast every
     weight they use (the same values: the same loss to the last bit as full checkpointing with the cache),
     `_selective_contexts` keeps none of those copies (recast in the recomputation), and the cost model prices no
@@ -1055,24 +1057,61 @@ def _op_contexts(batch: int, seq: int):
     return _selective_contexts(_op_policy(batch, seq))
 
 
+def _checkpointed_attend(module: nn.Module, *args, **kwargs):
+    """``module``'s own ``attend`` (its class's) under torch's (non-reentrant) checkpoint: Megatron-LM's checkpointed
+    core attention. Its saved tensors (the seq×seq scores and probabilities, a dropout's mask) are dropped and the
+    core is recomputed from its inputs, which the checkpoint holds, just before its backward; the RNG state is
+    preserved so that recomputed dropout draws the same mask. Installed as ``functools.partial(…, module)``, which a
+    deep copy of the model copies with it (a closure would keep calling the original module)."""
+    return torch.utils.checkpoint.checkpoint(type(module).attend, module, *args, use_reentrant=False,
+                                             preserve_rng_state=True, **kwargs)
+
+
+def selective_of(plan: dict, block: nn.Module | None = None) -> str:
+    """The plan's selective-checkpointing policy (`costmodel.runnable.selective_policy`). A plan from before the
+    field ran its blocks under torch's selective checkpoint recomputing the attention core: so again
+    (``all-but-attention-core``), but where ``block`` computes its core in attend methods and the sequence is whole,
+    which checkpoints those (``attention-core``)."""
+    if plan.get("selective"):
+        return plan["selective"]
+    whole = plan.get("cp", 1) == 1 and block is not None and attention_modules(block)
+    return "attention-core" if whole else "all-but-attention-core"
+
+
 def apply_ac(part: nn.Module, plan: dict) -> None:
-    """Wrap the blocks the plan checkpoints: ``full`` recomputes the block; ``selective`` its attention core
-    (`_selective_policy`), or, where the plan's policy is ``every-other-matmul`` (the model's attention is a fused
-    kernel), all but the outputs of its attention kernel and odd matmuls (`_op_policy`). The RNG state is preserved
-    so that recomputed dropout draws the same masks."""
+    """Wrap the blocks the plan checkpoints: ``full`` recomputes the block; ``selective`` (the plan's policy,
+    `costmodel.runnable.selective_policy`) its attention core: ``attention-core`` checkpoints each attention's
+    ``attend`` (`_checkpointed_attend`); ``all-but-attention-core`` (a core not in an ``attend`` method) runs the block
+    under torch's selective checkpoint recomputing the ops of the core (`_selective_policy`); and
+    ``every-other-matmul`` (the model's attention is a fused kernel) keeps the outputs of its attention kernel and
+    odd matmuls (`_op_policy`). The RNG state is preserved so that recomputed dropout draws the same masks."""
     blocks = block_list(part, plan)
     for i, name in enumerate(part._autopar_block_names):
         mode = plan["ac"].get(name, "none")
+        policy = selective_of(plan, blocks[i])
         if mode == "full":
             blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=True)
-        elif mode == "selective" and plan.get("selective") == "every-other-matmul":
+        elif mode == "selective" and policy == "every-other-matmul":
             # (a fresh policy per call; cp > 1 is refused with this policy: `costmodel.runnable.problems`)
             context_fn = partial(_op_contexts, plan.get("mbs", 1), plan.get("seq", 0))
             blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=True, context_fn=context_fn)
+        elif mode == "selective" and policy == "attention-core":
+            modules = attention_modules(blocks[i])
+            if not modules:
+                raise ValueError(f"block {name} has no attention module with an attend(q, k, v) method, whose call "
+                                 "the plan's selective policy attention-core checkpoints; re-plan this model")
+            for module in modules:
+                wrapped = module.__dict__.get("attend")
+                if isinstance(wrapped, partial) and wrapped.func is _checkpointed_attend:
+                    continue  # (wrapped already: not twice)
+                if wrapped is not None or not callable(getattr(type(module), "attend", None)):
+                    raise ValueError(f"{type(module).__name__}.attend is set on the module, not a method of its "
+                                     "class, which selective checkpointing wraps; define it in the class")
+                module.attend = partial(_checkpointed_attend, module)
         elif mode == "selective":
             # (this rank's sequence: context parallelism splits it)
-            policy = _selective_policy(plan.get("mbs", 1), plan.get("seq", 0) // plan.get("cp", 1))
-            context_fn = partial(_selective_contexts, policy)
+            core = _selective_policy(plan.get("mbs", 1), plan.get("seq", 0) // plan.get("cp", 1))
+            context_fn = partial(_selective_contexts, core)
             blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=True, context_fn=context_fn)
 
 

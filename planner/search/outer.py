@@ -616,7 +616,7 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
 
     from costmodel.cluster import load_cluster
     from profiler.capture import capture
-    from profiler.layers import context_parallel_ready, group_layers
+    from profiler.layers import context_parallel_ready, group_layers, has_attend
     from profiler.zoo.hf import masks_as_trained
 
     cl = load_cluster(cluster)
@@ -629,12 +629,14 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
     name = f"module:{type(model).__name__}"
 
     def layers(autocast: str | None = None) -> LayerGraph:
-        # (the arch fact the rules read: whether the runtime can split this module's sequence)
+        # (the arch facts the rules read: whether the runtime can split this module's sequence, and whether its
+        # blocks make attention scores, in attend methods)
         with masks_as_trained():  # (a Hugging Face module: the masks a training step makes, not export's)
             graph = capture(model, example_inputs, name=name, arch={"cp_ready": context_parallel_ready(model)},
                             autocast=autocast)
         out = group_layers(graph)
         out.model.arch["attention_core"] = has_attention_core(out)
+        out.model.arch["attends"] = has_attend(model, out)
         return out
 
     lg = layers()

@@ -347,18 +347,27 @@ def trains_under_autocast(precision: str, zero: int, data_ranks: int) -> bool:
     return precision in ("bf16", "fp16") and not (data_ranks > 1 and zero >= 2)
 
 
-def selective_policy(attention_core) -> str:
+def selective_policy(attention_core, attends=True) -> str:
     """What ``ac=selective`` does to a model's blocks; the cost model (`costmodel.layercost.CostContext.selective`)
     and the runtime (`planner.emit.runtime.apply_ac`) read this one rule.
 
-    - ``attention-core`` where the blocks make seq×seq attention scores (``attention_core`` true or not known):
-      Korthikanti et al. 2022 §4.2, Megatron-LM's selective recomputation: the attention core is recomputed, every
-      other op's output kept.
+    - ``attention-core`` where the blocks make seq×seq attention scores (``attention_core`` true or not known) in
+      an ``attend(q, k, v)`` method (``attends``: `profiler.layers.has_attend`; the zoo models' protocol): Korthikanti
+      et al. 2022 §4.2, Megatron-LM's selective recomputation, which checkpoints its core attention module: each
+      ``attend`` runs under torch's checkpoint, which drops the core's saved tensors and recomputes the core in the
+      backward; the rest of the block saves what autograd saves.
+    - ``all-but-attention-core`` where such a core is not in an ``attend`` method (a Hugging Face model's eager
+      attention, a model of the user's): the block runs under torch's selective checkpoint with a policy that
+      recomputes the ops reading or making scores and keeps every other op's output, which is more than autograd
+      saves (a norm's intermediates, a residual sum's operands: traced, a zoo GPT with unfused attention held
+      more so than without checkpointing).
     - ``every-other-matmul`` where the attention is a fused kernel (``attention_core`` False), which leaves no core
       to recompute: torchtitan's per-op policy (``selective_ac_option = "op"``, the default of its Llama 3
       configurations): the attention kernel's output, every second matmul's (the 1st, 3rd, … of a block's forward)
       and reduce-scatters' are kept, every other op is recomputed."""
-    return "every-other-matmul" if attention_core is False else "attention-core"
+    if attention_core is False:
+        return "every-other-matmul"
+    return "all-but-attention-core" if attends is False else "attention-core"
 
 
 def grad_compress_options(
@@ -403,6 +412,10 @@ def problems(facts: dict) -> list:
             "tensor-parallel layout (multi-head latent attention's projections have none yet); re-plan with "
             "--fix tp=1"
         )
+    if tp > 1 and (why := (f.get("tp_forward") or {}).get(str(tp))):  # (`profiler.layers.tensor_parallel_problems`)
+        out.append(f"tp={tp}: {why}")
+    if tp > 1 and f.get("sp") and f.get("sp_layout"):
+        out.append(f"sp=on: {f['sp_layout']}")
     for key in ("heads", "kv_heads"):
         if tp > 1 and f.get(key) and f[key] % tp:
             out.append(f"tp={tp} does not divide {key}={f[key]}; choose a tp that divides it")
@@ -430,11 +443,12 @@ def problems(facts: dict) -> list:
             f"ScheduleInterleaved*: m divisible by max(1, m // pp)), which {m} is not; change --global-batch "
             "or mbs"
         )
-    if f.get("selective_ac") and f.get("cp", 1) > 1 and selective_policy(f.get("attention_core")) != "attention-core":
+    policy = selective_policy(f.get("attention_core"), f.get("attends", True))
+    if f.get("selective_ac") and f.get("cp", 1) > 1 and policy != "all-but-attention-core":
         out.append(
-            f"selective activation checkpointing with cp={f['cp']} is not supported yet on a model whose "
-            "attention is a fused kernel (its per-op policy recomputes the context-parallel all-gather of "
-            "the keys and values, which the cost model does not price); re-plan with --fix ac=full or cp=1"
+            f"selective activation checkpointing with cp={f['cp']} is not supported yet where its policy is "
+            f"{policy} (it recomputes the context-parallel all-gather of the keys and values, which the cost "
+            "model does not price); re-plan with --fix ac=full or cp=1"
         )
     if pp > 1 and schedule == "zb" and (f.get("checkpointed") or f.get("selective_ac")):
         out.append(
@@ -618,7 +632,8 @@ def plan_problems(plan: dict) -> list:
             "compile": plan["compile"],
             "checkpointed": bool(plan["ac"]),
             "selective_ac": "selective" in plan["ac"].values(),
-            "attention_core": plan.get("selective", "attention-core") != "every-other-matmul",
+            "attention_core": selective_of(plan) != "every-other-matmul",
+            "attends": selective_of(plan) != "all-but-attention-core",
         }
     )
 
@@ -760,6 +775,12 @@ def tied_copies(par: Parallel, tie: dict) -> list:
 
 def block_list(part: nn.Module, plan: dict) -> nn.ModuleList:
     return part.get_submodule(plan["block_container"])
+
+
+def attention_modules(part: nn.Module) -> list:
+    """The modules whose attention core `apply_cp` replaces: those with an ``attend(q, k, v)`` method (the zoo
+    models' protocol, `profiler.layers.context_parallel_ready`)."""
+    return [m for m in part.modules() if callable(getattr(m, "attend", None))]
 
 
 _FUSED_ATTENTION = {
@@ -938,7 +959,7 @@ class _WithoutCastCache:
     found the copy cached and cast none, so torch's replay of the forward's ops by their count
     (``_CachedTorchDispatchMode``) served the recomputation's casts the outputs kept for others: a kept cast of
     another input of the same shape silently (wrong gradients), else a failure at the first backward (measured with
-    real tensors, one gloo rank under CPU autocast: llama 3 × 256 with 4 heads, DDP bf16, the attention-core policy:
+    real tensors, one gloo rank under CPU autocast: llama 3 × 256 with 4 heads, DDP bf16, the per-op policy then run:
     "aten.mul.Scalar encountered during backward but not found in storage"). Without the cache both cast every
     weight they use (the same values: the same loss to the last bit as full checkpointing with the cache),
     `_selective_contexts` keeps none of those copies (recast in the recomputation), and the cost model prices no
@@ -969,24 +990,66 @@ def _op_contexts(batch: int, seq: int):
     return _selective_contexts(_op_policy(batch, seq))
 
 
+def _checkpointed_attend(module: nn.Module, *args, **kwargs):
+    """``module``'s own ``attend`` (its class's) under torch's (non-reentrant) checkpoint: Megatron-LM's checkpointed
+    core attention. Its saved tensors (the seq×seq scores and probabilities, a dropout's mask) are dropped and the
+    core is recomputed from its inputs, which the checkpoint holds, just before its backward; the RNG state is
+    preserved so that recomputed dropout draws the same mask. Installed as ``functools.partial(…, module)``, which a
+    deep copy of the model copies with it (a closure would keep calling the original module)."""
+    return torch.utils.checkpoint.checkpoint(
+        type(module).attend, module, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
+    )
+
+
+def selective_of(plan: dict, block: nn.Module | None = None) -> str:
+    """The plan's selective-checkpointing policy (`costmodel.runnable.selective_policy`). A plan from before the
+    field ran its blocks under torch's selective checkpoint recomputing the attention core: so again
+    (``all-but-attention-core``), but where ``block`` computes its core in attend methods and the sequence is whole,
+    which checkpoints those (``attention-core``)."""
+    if plan.get("selective"):
+        return plan["selective"]
+    whole = plan.get("cp", 1) == 1 and block is not None and attention_modules(block)
+    return "attention-core" if whole else "all-but-attention-core"
+
+
 def apply_ac(part: nn.Module, plan: dict) -> None:
-    """Wrap the blocks the plan checkpoints: ``full`` recomputes the block; ``selective`` its attention core
-    (`_selective_policy`), or, where the plan's policy is ``every-other-matmul`` (the model's attention is a fused
-    kernel), all but the outputs of its attention kernel and odd matmuls (`_op_policy`). The RNG state is preserved
-    so that recomputed dropout draws the same masks."""
+    """Wrap the blocks the plan checkpoints: ``full`` recomputes the block; ``selective`` (the plan's policy,
+    `costmodel.runnable.selective_policy`) its attention core: ``attention-core`` checkpoints each attention's
+    ``attend`` (`_checkpointed_attend`); ``all-but-attention-core`` (a core not in an ``attend`` method) runs the block
+    under torch's selective checkpoint recomputing the ops of the core (`_selective_policy`); and
+    ``every-other-matmul`` (the model's attention is a fused kernel) keeps the outputs of its attention kernel and
+    odd matmuls (`_op_policy`). The RNG state is preserved so that recomputed dropout draws the same masks."""
     blocks = block_list(part, plan)
     for i, name in enumerate(part._autopar_block_names):
         mode = plan["ac"].get(name, "none")
+        policy = selective_of(plan, blocks[i])
         if mode == "full":
             blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=True)
-        elif mode == "selective" and plan.get("selective") == "every-other-matmul":
+        elif mode == "selective" and policy == "every-other-matmul":
             # (a fresh policy per call; cp > 1 is refused with this policy: `costmodel.runnable.problems`)
             context_fn = partial(_op_contexts, plan.get("mbs", 1), plan.get("seq", 0))
             blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=True, context_fn=context_fn)
+        elif mode == "selective" and policy == "attention-core":
+            modules = attention_modules(blocks[i])
+            if not modules:
+                raise ValueError(
+                    f"block {name} has no attention module with an attend(q, k, v) method, whose call "
+                    "the plan's selective policy attention-core checkpoints; re-plan this model"
+                )
+            for module in modules:
+                wrapped = module.__dict__.get("attend")
+                if isinstance(wrapped, partial) and wrapped.func is _checkpointed_attend:
+                    continue  # (wrapped already: not twice)
+                if wrapped is not None or not callable(getattr(type(module), "attend", None)):
+                    raise ValueError(
+                        f"{type(module).__name__}.attend is set on the module, not a method of its "
+                        "class, which selective checkpointing wraps; define it in the class"
+                    )
+                module.attend = partial(_checkpointed_attend, module)
         elif mode == "selective":
             # (this rank's sequence: context parallelism splits it)
-            policy = _selective_policy(plan.get("mbs", 1), plan.get("seq", 0) // plan.get("cp", 1))
-            context_fn = partial(_selective_contexts, policy)
+            core = _selective_policy(plan.get("mbs", 1), plan.get("seq", 0) // plan.get("cp", 1))
+            context_fn = partial(_selective_contexts, core)
             blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=True, context_fn=context_fn)
 
 

@@ -363,18 +363,27 @@ def trains_under_autocast(precision: str, zero: int, data_ranks: int) -> bool:
     return precision in ("bf16", "fp16") and not (data_ranks > 1 and zero >= 2)
 
 
-def selective_policy(attention_core) -> str:
+def selective_policy(attention_core, attends=True) -> str:
     """What ``ac=selective`` does to a model's blocks; the cost model (`costmodel.layercost.CostContext.selective`)
     and the runtime (`planner.emit.runtime.apply_ac`) read this one rule.
 
-    - ``attention-core`` where the blocks make seq×seq attention scores (``attention_core`` true or not known):
-      Korthikanti et al. 2022 §4.2, Megatron-LM's selective recomputation: the attention core is recomputed, every
-      other op's output kept.
+    - ``attention-core`` where the blocks make seq×seq attention scores (``attention_core`` true or not known) in
+      an ``attend(q, k, v)`` method (``attends``: `profiler.layers.has_attend`; the zoo models' protocol): Korthikanti
+      et al. 2022 §4.2, Megatron-LM's selective recomputation, which checkpoints its core attention module: each
+      ``attend`` runs under torch's checkpoint, which drops the core's saved tensors and recomputes the core in the
+      backward; the rest of the block saves what autograd saves.
+    - ``all-but-attention-core`` where such a core is not in an ``attend`` method (a Hugging Face model's eager
+      attention, a model of the user's): the block runs under torch's selective checkpoint with a policy that
+      recomputes the ops reading or making scores and keeps every other op's output, which is more than autograd
+      saves (a norm's intermediates, a residual sum's operands: traced, a zoo GPT with unfused attention held
+      more so than without checkpointing).
     - ``every-other-matmul`` where the attention is a fused kernel (``attention_core`` False), which leaves no core
       to recompute: torchtitan's per-op policy (``selective_ac_option = "op"``, the default of its Llama 3
       configurations): the attention kernel's output, every second matmul's (the 1st, 3rd, … of a block's forward)
       and reduce-scatters' are kept, every other op is recomputed."""
-    return "every-other-matmul" if attention_core is False else "attention-core"
+    if attention_core is False:
+        return "every-other-matmul"
+    return "all-but-attention-core" if attends is False else "attention-core"
 
 
 def grad_compress_options(
@@ -419,6 +428,10 @@ def problems(facts: dict) -> list:
             "tensor-parallel layout (multi-head latent attention's projections have none yet); re-plan with "
             "--fix tp=1"
         )
+    if tp > 1 and (why := (f.get("tp_forward") or {}).get(str(tp))):  # (`profiler.layers.tensor_parallel_problems`)
+        out.append(f"tp={tp}: {why}")
+    if tp > 1 and f.get("sp") and f.get("sp_layout"):
+        out.append(f"sp=on: {f['sp_layout']}")
     for key in ("heads", "kv_heads"):
         if tp > 1 and f.get(key) and f[key] % tp:
             out.append(f"tp={tp} does not divide {key}={f[key]}; choose a tp that divides it")
@@ -446,11 +459,12 @@ def problems(facts: dict) -> list:
             f"ScheduleInterleaved*: m divisible by max(1, m // pp)), which {m} is not; change --global-batch "
             "or mbs"
         )
-    if f.get("selective_ac") and f.get("cp", 1) > 1 and selective_policy(f.get("attention_core")) != "attention-core":
+    policy = selective_policy(f.get("attention_core"), f.get("attends", True))
+    if f.get("selective_ac") and f.get("cp", 1) > 1 and policy != "all-but-attention-core":
         out.append(
-            f"selective activation checkpointing with cp={f['cp']} is not supported yet on a model whose "
-            "attention is a fused kernel (its per-op policy recomputes the context-parallel all-gather of "
-            "the keys and values, which the cost model does not price); re-plan with --fix ac=full or cp=1"
+            f"selective activation checkpointing with cp={f['cp']} is not supported yet where its policy is "
+            f"{policy} (it recomputes the context-parallel all-gather of the keys and values, which the cost "
+            "model does not price); re-plan with --fix ac=full or cp=1"
         )
     if pp > 1 and schedule == "zb" and (f.get("checkpointed") or f.get("selective_ac")):
         out.append(
@@ -634,7 +648,8 @@ def plan_problems(plan: dict) -> list:
             "compile": plan["compile"],
             "checkpointed": bool(plan["ac"]),
             "selective_ac": "selective" in plan["ac"].values(),
-            "attention_core": plan.get("selective", "attention-core") != "every-other-matmul",
+            "attention_core": selective_of(plan) != "every-other-matmul",
+            "attends": selective_of(plan) != "all-but-attention-core",
         }
     )
 
@@ -944,6 +959,12 @@ class VocabLookup(TorchFunctionMode):
         )
 
 
+def attention_modules(part: nn.Module) -> list:
+    """The modules whose attention core `apply_cp` replaces: those with an ``attend(q, k, v)`` method (the zoo
+    models' protocol, `profiler.layers.context_parallel_ready`)."""
+    return [m for m in part.modules() if callable(getattr(m, "attend", None))]
+
+
 def _submodule(part: nn.Module, name: str | None):
     """``part``'s module at the dotted ``name``, or None (no name, or split off on this pipeline stage)."""
     if not name:
@@ -954,6 +975,17 @@ def _submodule(part: nn.Module, name: str | None):
         if module is None:
             return None
     return module
+
+
+def selective_of(plan: dict, block: nn.Module | None = None) -> str:
+    """The plan's selective-checkpointing policy (`costmodel.runnable.selective_policy`). A plan from before the
+    field ran its blocks under torch's selective checkpoint recomputing the attention core: so again
+    (``all-but-attention-core``), but where ``block`` computes its core in attend methods and the sequence is whole,
+    which checkpoints those (``attention-core``)."""
+    if plan.get("selective"):
+        return plan["selective"]
+    whole = plan.get("cp", 1) == 1 and block is not None and attention_modules(block)
+    return "attention-core" if whole else "all-but-attention-core"
 
 
 def fsdp_policy(plan: dict) -> MixedPrecisionPolicy:
