@@ -720,7 +720,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     matmuls = 0
     op_act = op_rec = op_rec_flops = 0.0
     # the selective policy of a core outside an ``attend`` method: every op's output kept but the core's
-    kept_all = ctx.selective == "all-but-attention-core"
+    kept_all = ac == AC.SELECTIVE and ctx.selective == "all-but-attention-core"
     all_act = 0.0
     viewed: set[str] = set()  # recomputed nodes whose output a kept view holds
     o_f, o_b = ctx.cluster.device.op_overhead_s  # the host's time per op, where it adds (a CPU: `DeviceSpec`)
@@ -829,7 +829,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
             rec_copy = recompute_relayout_bytes(layer, ctx, ac)
             rec_comm = recompute_comm_time(layer, ctx, ac) + copy_time(rec_copy, ctx)
         rec_peak = act_none - act
-    elif ac == AC.SELECTIVE and kept_all:  # every output but the core's, and the block's input
+    elif kept_all:  # every output but the core's, and the block's input
         keep = layer.input_bytes * k * ctx.act_scale / (ctx.tp if (ctx.sp and tp_layer) else 1)
         if tp > 1:  # and the tensor-parallel collectives' outputs: a row's all-reduced sum (whole), or under
             # sequence parallelism its reduce-scattered slice and the all-gathered input of its region, with the

@@ -59,6 +59,12 @@ def _matches(path: str, names: tuple[str, ...]) -> bool:
     return any(path == n or path.endswith("." + n) for n in names)
 
 
+def _attend_modules(module: nn.Module) -> dict[str, nn.Module]:
+    """``module``'s submodules (by relative name) with an ``attend(q, k, v)`` method: the zoo models' protocol, the
+    runtime's `planner.emit.runtime.attention_modules` (a copy: the runtime imports nothing of autopar's)."""
+    return {rel: m for rel, m in module.named_modules() if callable(getattr(m, "attend", None))}
+
+
 def context_parallel_ready(model: nn.Module) -> bool:
     """Whether the runtime can split ``model``'s sequence over a context-parallel group
     (`planner.emit.runtime.apply_cp`): the model reads its tokens' positions from ``context_positions`` (None:
@@ -68,7 +74,7 @@ def context_parallel_ready(model: nn.Module) -> bool:
     attention nodes): a model whose attention is captured otherwise (the zoo GPT's ``attention=math``, Megatron's
     unfused kernels: ``use_sdpa`` False) would run other than it is costed, so it is not ready. One rule for the
     capture (the arch fact ``cp_ready``, which `costmodel.runnable.context_problems` judges) and the runtime."""
-    attends = [m for m in model.modules() if callable(getattr(m, "attend", None))]
+    attends = _attend_modules(model).values()
     return (getattr(model, "context_positions", False) is None and bool(attends)
             and all(getattr(m, "use_sdpa", True) for m in attends))
 
@@ -84,7 +90,7 @@ def has_attend(model: nn.Module, lg: LayerGraph) -> bool:
     paths = {n.module_path.removeprefix(layer.name).removeprefix(".") for layer in lg.layers if layer.kind == "block"
              for n in layer.nodes if n.is_attention_core}
     blocks = model.get_submodule(lg.block_container) if lg.block_container else []
-    attends = {rel for block in blocks for rel, m in block.named_modules() if callable(getattr(m, "attend", None))}
+    attends = {rel for block in blocks for rel in _attend_modules(block)}
     return all(any(not a or p == a or p.startswith(a + ".") for a in attends) for p in paths)
 
 
@@ -200,18 +206,19 @@ def tensor_parallel_problems(model: nn.Module, container: str, input_ids) -> tup
         return lambda x: F.linear(x, w[:, : w.shape[1] // tp], b)
 
     out = {}
-    for tp in TP_PROBED:
-        if not found or any((m.out_features if _matches(rel, COLUMN_NAMES) else m.in_features) % tp
-                            for _, rel, m in found):
-            continue
-        try:
-            probe = copy.deepcopy(model)
-            cut = probe.get_submodule(container)
-            for name, rel, _ in found:
-                m = cut.get_submodule(name)
-                m.forward = (column if _matches(rel, COLUMN_NAMES) else row)(m.weight, m.bias, tp)
-        except Exception:  # noqa: BLE001 (a model that cannot be copied: not judged)
-            return out, sp
+    degrees = [tp for tp in TP_PROBED if found and not any(
+        (m.out_features if _matches(rel, COLUMN_NAMES) else m.in_features) % tp for _, rel, m in found)]
+    if not degrees:
+        return out, sp
+    try:
+        probe = copy.deepcopy(model)
+        cut = [(probe.get_submodule(container).get_submodule(name), _matches(rel, COLUMN_NAMES))
+               for name, rel, _ in found]
+    except Exception:  # noqa: BLE001 (a model that cannot be copied: not judged)
+        return out, sp
+    for tp in degrees:
+        for m, is_column in cut:
+            m.forward = (column if is_column else row)(m.weight, m.bias, tp)
         try:
             with torch.no_grad():
                 probe(input_ids.to("meta"))
@@ -460,8 +467,8 @@ def has_attention_core(lg: LayerGraph) -> bool:
     with 64-wide heads at seq 64 took a policy that kept every op's output outside a core it does not have, and
     priced it as no checkpointing: traced, 74.2 MiB against 65.7 predicted, more than the 66.5
     it holds uncheckpointed."""
-    return any(n.is_attention_core and not any(m.kind == "attention" for m in layer.nodes)
-               for layer in lg.layers if layer.kind == "block" for n in layer.nodes)
+    return any(any(n.is_attention_core for n in layer.nodes) and not any(n.kind == "attention" for n in layer.nodes)
+               for layer in lg.layers if layer.kind == "block")
 
 
 def group_layers(graph: ModelGraph) -> LayerGraph:

@@ -6,9 +6,30 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner.emit import runtime
 from profiler.zoo.registry import resolve_model
+
+
+class CountOps(TorchDispatchMode):
+    """How many times each op runs inside the mode: ``ops[op overload]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func] = self.ops.get(func, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    def named(self, name: str) -> int:
+        """Runs of the ops of packet ``name`` (``baddbmm``: every overload of it)."""
+        return sum(n for op, n in self.ops.items() if op.overloadpacket.__name__ == name)
+
+    def fused(self) -> int:
+        """Runs of torch's fused attention kernels (`runtime._FUSED_ATTENTION`)."""
+        return sum(n for op, n in self.ops.items() if op in runtime._FUSED_ATTENTION)
 
 
 @pytest.mark.parametrize("spec", ["gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128,attention=math,dropout=0.1",
@@ -71,17 +92,6 @@ def test_selective_checkpointing_keeps_a_fused_attention_kernel():
     """A fused attention kernel makes no seq×seq tensor: selective AC keeps its outputs (as the cost model reads it,
     `profiler.graph.NodeInfo.is_attention_core`), though torch 2.13 tags it ``nondeterministic_seeded``; the backward
     runs it no second time."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.fused = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.fused += func in runtime._FUSED_ATTENTION
-            return func(*args, **(kwargs or {}))
-
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in runtime._FUSED_ATTENTION
     model, _ = resolve_model("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128,attention=sdpa,dropout=0") \
         .build(batch=2, device="cpu")
@@ -89,11 +99,11 @@ def test_selective_checkpointing_keeps_a_fused_attention_kernel():
     runtime.apply_ac(model, {"block_container": "layers", "ac": {"layers.0": "selective", "layers.1": "selective"},
                              "selective": "all-but-attention-core", "mbs": 2, "seq": 32})
     x, y = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))
-    with Count() as forward:
+    with CountOps() as forward:
         loss = model(x, y)
-    with Count() as backward:
+    with CountOps() as backward:
         loss.backward()
-    assert (forward.fused, backward.fused) == (2, 0)
+    assert (forward.fused(), backward.fused()) == (2, 0)
 
 
 def test_a_fused_attention_with_dropout_is_recomputed():
@@ -161,16 +171,6 @@ def test_the_attention_core_policy_recomputes_the_attend_call_only():
     what autograd saves but the core's seq×seq tensors, as the cost model prices it (`costmodel.layercost`). A block
     with no ``attend`` method cannot run it: one line, before any step."""
     from torch import nn
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops: dict = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[func.overloadpacket.__name__] = self.ops.get(func.overloadpacket.__name__, 0) + 1
-            return func(*args, **(kwargs or {}))
 
     model, _ = resolve_model("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128,attention=math,dropout=0") \
         .build(batch=2, device="cpu")
@@ -178,13 +178,13 @@ def test_the_attention_core_policy_recomputes_the_attend_call_only():
     runtime.apply_ac(model, {"block_container": "layers", "ac": {"layers.0": "selective", "layers.1": "selective"},
                              "selective": "attention-core", "mbs": 2, "seq": 32})
     x, y = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))
-    with Count() as forward:
+    with CountOps() as forward:
         loss = model(x, y)
-    with Count() as backward:
+    with CountOps() as backward:
         loss.backward()
-    assert forward.ops["baddbmm"] == forward.ops["_softmax"] == 2
-    assert (backward.ops["baddbmm"], backward.ops["_softmax"]) == (2, 2)  # the cores, once more each
-    assert "native_layer_norm" not in backward.ops and "gelu" not in backward.ops  # the rest, not at all
+    assert forward.named("baddbmm") == forward.named("_softmax") == 2
+    assert (backward.named("baddbmm"), backward.named("_softmax")) == (2, 2)  # the cores, once more each
+    assert backward.named("native_layer_norm") == backward.named("gelu") == 0  # the rest, not at all
     # a deep copy calls its own modules, and wrapping again wraps nothing twice
     twin = copy.deepcopy(model)
     runtime.apply_ac(twin, {"block_container": "layers", "ac": {"layers.0": "selective"},

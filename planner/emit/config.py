@@ -12,6 +12,7 @@ from torch import nn
 
 from costmodel.compression import POWERSGD_START_ITER
 from costmodel.runnable import problems
+from planner.emit.runtime import attention_modules, selective_of
 from planner.plan import AC, Plan, parse_grad_compress
 from profiler.experts import expert_modules
 from profiler.layers import (
@@ -221,15 +222,12 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
         stage_rank = [s % c.pp for s in range(n_stages)]
     kind, rank = parse_grad_compress(c.grad_compress)
     experts = expert_modules(list(blocks))
-    # what selective AC recomputes: the policy the plan was priced under (a plan file from before the field: the
-    # attention core, as the runtime then reads it, `planner.emit.runtime.selective_of`)
-    def attends(block: nn.Module) -> bool:  # (`planner.emit.runtime.attention_modules`' rule)
-        return any(callable(getattr(m, "attend", None)) for m in block.modules())
-
-    selective = plan.selective or ("attention-core" if c.cp == 1 and attends(blocks) else "all-but-attention-core")
+    # what selective AC recomputes: the policy the plan was priced under (a plan file from before the field: as the
+    # runtime then reads it)
+    selective = selective_of({"selective": plan.selective, "cp": c.cp}, blocks)
     if selective == "attention-core" and "selective" in ac.values():
         lacking = next((name for name, mode in ac.items() if mode == "selective"
-                        and not attends(blocks[int(name.rpartition(".")[2])])), None)
+                        and not attention_modules(blocks[int(name.rpartition(".")[2])])), None)
         if lacking:
             raise ValueError(f"this plan cannot run: its selective policy attention-core checkpoints each attention's "
                              f"attend(q, k, v) call, but block {lacking} has none; re-plan this model")

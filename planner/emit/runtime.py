@@ -132,10 +132,11 @@ def plan_problems(plan: dict) -> list:
                                         "precision", "seq")}
     # (a PLAN from before ep, or before cp, has none of these)
     facts.update({key: plan[key] for key in ("ep", "experts", "expert_dim1", "cp") if key in plan})
+    selective = selective_of(plan)
     return problems({**facts, "micro_batches": plan["grad_accum"], "compile": plan["compile"],
                      "checkpointed": bool(plan["ac"]), "selective_ac": "selective" in plan["ac"].values(),
-                     "attention_core": selective_of(plan) != "every-other-matmul",
-                     "attends": selective_of(plan) != "all-but-attention-core"})
+                     "attention_core": selective != "every-other-matmul",
+                     "attends": selective != "all-but-attention-core"})
 
 
 #: how long a collective may wait before the job fails (torch's NCCL default is 10 minutes; a large model's first

@@ -780,16 +780,18 @@ class Model:
                 x_at_peak = self.tab(r, lambda v, r=r, x=x_peak: self._b(x) * self._extra(r, v))[0]
                 x_at_after = self.tab(r, lambda v, r=r, x=x_after: self._b(x) * self._extra(r, v))[0]
             static_b += x_at_peak
+            # the TP sum's copy after the backward (`Evaluator.tp_partial_bucket`), whatever the compression
+            tp_copy = {v: ev.tp_partial_bucket(_rank_layer_costs(d, r, v)) for v in d.vectors(r)}
             for k in d.grad_opts:
                 kind, rank = parse_grad_compress(k)
                 per, whole = ev.powersgd_memory(rank) if kind == "powersgd" else (0.0, 1.0)
                 # PowerSGD's error feedback and low-rank factors, held step to step
                 extra = self._b(per) * params if kind == "powersgd" and cfg.data_ranks > 1 else 0.0
                 # the step's other peak, after the backward: every gradient and the reduction's copy of a bucket,
-                # then the TP sum's (`Evaluator.tp_partial_bucket`)
-                copy, _, copy_hi = self.tab(r, lambda v, r=r, kind=kind, whole=whole: self._b(max(
+                # then the TP sum's
+                copy, _, copy_hi = self.tab(r, lambda v, r=r, kind=kind, whole=whole, tp_copy=tp_copy: self._b(max(
                     dp_reduction_temp_bytes(cfg, kind, 4.0 * self._params(r, v), whole, ev.largest_bucket),
-                    ev.tp_partial_bucket(_rank_layer_costs(d, r, v)))))
+                    tp_copy[v])))
                 moments = [(1 + FRAGMENTATION) * (static_b + top + extra) + reserve for top in tops]
                 if after_backward > per_param or copy_hi > 0 or x_after > x_peak or d.pp > 1 or edge_hi > 0:
                     kept = sum(self._b(d.buffers[o, r][2]) * self.compress["pp", o] for o in d.pp_opts)  # (torch's)

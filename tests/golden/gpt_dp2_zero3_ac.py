@@ -625,6 +625,7 @@ def plan_problems(plan: dict) -> list:
     }
     # (a PLAN from before ep, or before cp, has none of these)
     facts.update({key: plan[key] for key in ("ep", "experts", "expert_dim1", "cp") if key in plan})
+    selective = selective_of(plan)
     return problems(
         {
             **facts,
@@ -632,8 +633,8 @@ def plan_problems(plan: dict) -> list:
             "compile": plan["compile"],
             "checkpointed": bool(plan["ac"]),
             "selective_ac": "selective" in plan["ac"].values(),
-            "attention_core": selective_of(plan) != "every-other-matmul",
-            "attends": selective_of(plan) != "all-but-attention-core",
+            "attention_core": selective != "every-other-matmul",
+            "attends": selective != "all-but-attention-core",
         }
     )
 
