@@ -40,8 +40,8 @@ every place of the step (micro-batch or schedule action, and block), which `plan
 from __future__ import annotations
 
 import contextlib
+import io
 import re
-import sys
 from collections import defaultdict
 
 import torch
@@ -488,7 +488,8 @@ def trace_rank(plan: Plan, rank: int, *, source=None, micro_batches: int | None 
         coords = {name: (rt.batch_mesh(config, mesh) if name == "dp" and hasattr(rt, "batch_mesh") else
                          mesh[name]).get_local_rank() for name in ("pp", "dp", "tp")}
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        with (_shapes_only(fake, rt), contextlib.redirect_stdout(sys.stderr),  # (the runtime's notes)
+        # (the runtime's notes are about a run on this machine, "this CPU run trains in fp32", not about this trace)
+        with (_shapes_only(fake, rt), contextlib.redirect_stdout(io.StringIO()),
               _rebuilt_buckets() if config["grad_compress"].startswith("powersgd") else contextlib.nullcontext()):
             par = rt.parallelize(build, config, mesh)
         if config["grad_compress"] == "none":
