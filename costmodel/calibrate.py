@@ -83,12 +83,14 @@ class Row:
         """How the row's stack computes, where it differs from autopar's runtime: Megatron-LM's vocab-parallel
         cross entropy and llm-foundry's fused one compute the loss gradient in place, neither saves a
         column-parallel linear's whole input, Megatron-LM's sequence-first activations need no copy around its
-        sequence-parallel collectives, and Megatron-LM keeps 16-bit parameters beside fp32 master weights
-        where autopar's runtime autocasts fp32 ones (`costmodel.memory.state_bytes_per_param`); torchtitan is
-        torch-native (autopar's runtime) but may compile and checkpoint per op."""
+        sequence-parallel collectives, Megatron-LM keeps 16-bit parameters beside fp32 master weights
+        where autopar's runtime autocasts fp32 ones (`costmodel.memory.state_bytes_per_param`), and llm-foundry's
+        float8 is Transformer Engine's, whose fused casts its fitted ``fp8_eff`` holds where torchao's are priced
+        by their bytes (`costmodel.layercost.float8_cast_bytes`); torchtitan is torch-native (autopar's runtime,
+        torchao's float8) but may compile and checkpoint per op."""
         native = self.stack == "torch-native"
         return {"in_place_loss": not native, "gathered_column_inputs": native, "compiled": self.compiled,
-                "selective": self.selective, "autocast": native, "seq_relayout": native}
+                "selective": self.selective, "autocast": native, "seq_relayout": native, "float8_casts": native}
 
 
 def load_rows(path: Path = DATA) -> list[Row]:

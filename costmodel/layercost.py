@@ -236,6 +236,10 @@ class CostContext:
     #: micro-batch's outside pipelines (`planner.emit.train.train_step_loss`); one over the step within one casts them
     #: once per step, left unpriced
     casts_per_micro_batch: bool = False
+    #: under float8 training, the float8 linears' casts run as kernels of their own, priced by their bytes
+    #: (`float8_cast_bytes`: torchao's dynamic tensorwise scaling, as autopar's stack and torchtitan run it); False
+    #: for a stack whose float8 recipe is priced within its ``fp8_eff`` (Transformer Engine's fused casts)
+    float8_casts: bool = True
 
     @property
     def gather_scale(self) -> float:
@@ -252,9 +256,11 @@ class CostContext:
         return self.mbs / self.captured_batch / self.cp
 
 
-def _node_time(flops: float, nbytes: float, ctx: CostContext, *, attention: bool = False) -> float:
+def _node_time(flops: float, nbytes: float, ctx: CostContext, *, attention: bool = False,
+               float8: bool = False) -> float:
     """Roofline of one op: the slower of its FLOPs at the size-dependent matmul efficiency (scaled for fused
-    attention kernels and fp8) and its bytes at the achieved memory bandwidth."""
+    attention kernels and fp8) and its bytes at the achieved memory bandwidth. ``float8``: a float8 linear
+    (`is_float8_linear`), run at the fp8 peak under float8 training; every other op keeps 16 bits."""
     dev = ctx.cluster.device
     t_mem = nbytes / (dev.hbm_bw * dev.memory_eff) if nbytes else 0.0
     if not flops:
@@ -263,7 +269,7 @@ def _node_time(flops: float, nbytes: float, ctx: CostContext, *, attention: bool
     eff = dev.matmul_eff(flops)
     if attention:
         eff *= dev.attention_eff
-    if dtype == "fp8" and not attention:  # attention stays in 16 bits under float8 training
+    if dtype == "fp8" and float8 and not attention:
         eff *= dev.fp8_eff
     elif dtype == "fp8":
         dtype = "bf16"
@@ -293,6 +299,61 @@ def _whole_bytes(n: NodeInfo, f: float, layer: Layer, by_name: dict) -> tuple[fl
         return 0.0, 0.0
     whole = n.output_bytes if n.tp_role == "row" else _column_input(n, by_name, layer)[1]
     return whole * (1 - f), 2 * whole * (1 - f)
+
+
+def is_float8_linear(n: NodeInfo, layer: Layer) -> bool:
+    """Whether float8 training runs ``n`` in float8: torchao's float8 conversion swaps a model's ``nn.Linear``
+    modules (not other matmuls: attention's, grouped experts'), skipping those with a weight dimension that is not a
+    multiple of 16 (``torch._scaled_mm``'s requirement, as torchtitan's converter filters them); torchtitan's
+    Llama 3 configs leave the output projection out (``filter_fqns = ["output"]``), as the tensor-parallel
+    collectives here leave the embedding and the head 16-bit (`layer_cost`)."""
+    return (layer.kind == "block" and n.kind == "matmul" and n.op == "aten.linear.default"
+            and n.module_type == "Linear" and len(n.input_shapes) > 1
+            and all(d % 16 == 0 for d in n.input_shapes[1]))
+
+
+def _float8_operand_bytes(cast: float, used: float, fused: bool) -> float:
+    """Bytes torchao's tensorwise recipe moves to make a float8 activation (a linear's input or its output
+    gradient) of which this rank casts ``cast`` elements and its matmuls take ``used`` (more where the float8
+    tensor is gathered between), in both layouts its two matmuls take it in (row-major, column-major), per torchao's
+    roofline model of the recipe (``torchao/testing/training/roofline_utils.py``,
+    ``get_tensor_memory_traffic_ovhd_s``): a max-abs pass reads the 16-bit tensor (fused into the op that made it
+    where ``fused``: compiled), then one kernel reads it again and writes both float8 layouts. A tensor cast before
+    it is gathered is gathered in one layout and copied into the other whole (``preprocess_addmm``'s copy)."""
+    amax = 0.0 if fused else 2 * cast
+    if used == cast:
+        return amax + (2 + 1 + 1) * cast
+    return amax + (2 + 1) * cast + (1 + 1) * used
+
+
+def float8_cast_bytes(n: NodeInfo, ctx: CostContext, tp: int, cast: set[str]) -> tuple[float, float]:
+    """(forward, backward) bytes of one micro-batch on one rank that a float8 linear (`is_float8_linear`) moves in
+    its casts, kernels of their own under torchao's dynamic tensorwise scaling (what autopar's stack and torchtitan
+    run), as torchao's roofline model of the recipe counts them (`_float8_operand_bytes`): its input forward, its
+    output gradient backward, and its weight in 8 bytes an element (a max-abs pass and a cast forward, 2 + 3; a
+    cast to the other layout backward, 3). Under tensor parallelism, the rank's share: a column-parallel linear's
+    input is cast before it is gathered where sequence parallelism shards it (torchao's ``Float8ColwiseParallel``,
+    ``PrepareFloat8ModuleInput``), a row-parallel one's output gradient likewise (``Float8RowwiseParallel``). An
+    input several linears read (the attention's q, k and v projections) is cast once (``PrepareFloat8ModuleInput``
+    under TP; one graph's common subexpression under torch.compile): ``cast`` holds the inputs already cast, and
+    grows."""
+    k = ctx.scale
+    x, g, w = _prod(n.input_shapes[0]) * k, _prod(n.output_shapes[0]) * k, _prod(n.input_shapes[1])
+    share = 1.0 / tp
+    row = n.tp_role == "row" and tp > 1
+    column = n.tp_role == "column" and tp > 1
+    x_used, g_used = (x * share if row else x), (g * share if column else g)
+    x_cast = x * share if column and ctx.sp else x_used
+    g_cast = g * share if row and ctx.sp else g_used
+    if row or column:
+        w *= share
+    fwd, bwd = (2 + 3) * w, 3 * w
+    source = n.inputs[0] if n.inputs else n.name  # (no call node before it: it reads the layer's input)
+    if source not in cast:
+        fwd += _float8_operand_bytes(x_cast, x_used, ctx.compiled)
+        cast.add(source)
+    bwd += _float8_operand_bytes(g_cast, g_used, ctx.compiled)
+    return fwd, bwd
 
 
 def is_tp_layer(layer: Layer) -> bool:
@@ -731,6 +792,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     experts = {p.fqn for p in owned if is_expert_param(p, ctx.experts)}
     by_name = {n.name: n for n in layer.nodes}
     saved_by: dict[str, float] = {}  # what each node saves for the backward, as the activations count it
+    float8_cast: set[str] = set()  # the inputs float8 linears have cast (`float8_cast_bytes`)
     for j, n in enumerate(layer.nodes):
         f = _shard(n, ctx.tp, ctx.sp, tp_layer)
         if n.kind != "view":  # a view allocates nothing, nor does its gradient (a view of the output's gradient)
@@ -743,9 +805,17 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         w_f, w_b = _whole_bytes(n, f, layer, by_name)
         # the busiest expert sets an expert GEMM's time (`costmodel.moe`: the capture is the balanced case)
         busy = ctx.imbalance if experts and any(p in experts for p in n.params) else 1.0
-        t_f = busy * _node_time(n.fwd_flops * k * f, (b_f * f + w_f) * k * ctx.act_scale, ctx, attention=attn) + o_f
+        f8 = ctx.precision == "fp8" and is_float8_linear(n, layer)
+        t_f = busy * _node_time(n.fwd_flops * k * f, (b_f * f + w_f) * k * ctx.act_scale, ctx, attention=attn,
+                                float8=f8) + o_f
+        t_b = busy * _node_time(n.bwd_flops * k * f, (b_b * f + w_b) * k * ctx.act_scale, ctx, attention=attn,
+                                float8=f8) + o_b
+        if f8 and ctx.float8_casts:  # (kernels of their own: their time adds to the matmul's)
+            c_f, c_b = float8_cast_bytes(n, ctx, tp, float8_cast)
+            t_f += _node_time(0.0, c_f, ctx)
+            t_b += _node_time(0.0, c_b, ctx)
         fwd += t_f
-        bwd += busy * _node_time(n.bwd_flops * k * f, (b_b * f + w_b) * k * ctx.act_scale, ctx, attention=attn) + o_b
+        bwd += t_b
         fwd_flops += n.fwd_flops * k * cp  # model FLOPs: the whole layer, all TP and CP ranks
         # torch's counter charges a rank's two chunks of attention (2·cp + 1)·c² score blocks, not S²/cp
         counted = (2 * cp + 1) / (4 * cp) if attn and cp > 1 else 1.0

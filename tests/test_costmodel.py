@@ -842,6 +842,79 @@ def test_float8_gathers_sequence_parallel_activations_in_float8():
     assert (bf16_f, bf16_b) == (2 * bf, 2 * bb) and (fp8_f, fp8_b) == (1.5 * bf, 1.5 * bb)
 
 
+def test_float8_runs_the_blocks_linears_only():
+    """Float8 training (torchao's conversion) swaps the blocks' ``nn.Linear`` modules: the head (left out by
+    torchtitan's configs, ``filter_fqns = ["output"]``), a linear with a dimension not a multiple of 16 and any
+    other matmul (an unfused attention's) keep 16 bits, so they cost under fp8 what they cost under bf16."""
+    from costmodel.layercost import CostContext, is_float8_linear, layer_cost, owned_params
+
+    cl = load_cluster("dgx-h100")  # (a device with an fp8 peak)
+    for spec, odd in (("gpt:layers=2,hidden=2048,heads=16,seq=128,vocab=1024,attention=math", False),
+                      ("llama:layers=2,hidden=2048,heads=16,kv_heads=4,ffn=5448,vocab=1024,seq=128", True)):
+        lg = profile_model(spec)
+        owned = owned_params(lg)
+        head, block = lg.layers[-1], lg.blocks[0]
+        linears = [n for n in block.nodes if is_float8_linear(n, block)]
+        others = [n for n in block.nodes if n.kind == "matmul" and n not in linears]
+        assert not any(is_float8_linear(n, head) for n in head.nodes)
+        if odd:  # ffn 5448 = 16 · 340.5: the feed-forward's three linears stay 16-bit
+            assert {n.module_path.rsplit(".", 1)[-1] for n in others} == {"w1", "w2", "w3"}
+        else:  # the attention core's two batched matmuls
+            assert len(others) == 2 and all(not n.params for n in others)
+        assert linears
+        ctx = {p: CostContext(cluster=cl, tp=1, sp=False, mbs=8, captured_batch=1, precision=p, float8_casts=False)
+               for p in ("bf16", "fp8")}
+        bf16, fp8 = (layer_cost(head, AC.NONE, ctx[p], owned[head.name]) for p in ("bf16", "fp8"))
+        assert (fp8.fwd_s, fp8.bwd_s) == (bf16.fwd_s, bf16.bwd_s)
+        bf16, fp8 = (layer_cost(block, AC.NONE, ctx[p], owned[block.name]) for p in ("bf16", "fp8"))
+        assert fp8.fwd_s < bf16.fwd_s and fp8.bwd_s < bf16.bwd_s
+
+
+def test_float8_casts_priced_as_torchaos_roofline_counts_them():
+    """torchao's tensorwise float8 casts each linear's input (forward) and output gradient (backward) with a max-abs
+    pass (2 bytes an element read; none compiled, fused into the op before) and a kernel reading it again and
+    writing both float8 layouts (2 + 1 + 1), and its weight in 8 bytes an element (torchao's
+    ``roofline_utils.get_tensor_memory_traffic_ovhd_s``); an input the q, k and v projections share is cast once.
+    Under TP with SP a column-parallel input (a row-parallel output gradient) is cast on the rank's shard and
+    gathered in float8, then copied whole into the other layout (1 + 1). Closed form for a Llama block, and the
+    block's time under fp8 grows by exactly those bytes at the achieved memory bandwidth."""
+    from costmodel.cluster import group_span
+    from costmodel.layercost import CostContext, float8_cast_bytes, is_float8_linear, layer_cost, owned_params
+
+    cl = _cluster()
+    lg = profile_model("llama:layers=2,hidden=256,heads=8,kv_heads=4,ffn=704,vocab=1024,seq=128")
+    block = lg.blocks[0]
+    owned = owned_params(lg)[block.name]
+    linears = [n for n in block.nodes if is_float8_linear(n, block)]
+    assert [n.module_path.rsplit(".", 1)[-1] for n in linears] == ["wq", "wk", "wv", "wo", "w1", "w3", "w2"]
+    mbs, tokens, hidden, kv, ffn = 2, 128, 256, 128, 704
+    act = mbs * tokens
+    for tp, sp, compiled in ((1, False, False), (1, False, True), (4, True, False), (4, False, True)):
+        ctx = CostContext(cluster=cl, tp=tp, sp=sp, mbs=mbs, captured_batch=1, precision="fp8", compiled=compiled,
+                          tp_span=group_span(cl, tp, 1) if tp > 1 else None)
+        amax = 0 if compiled else 2
+        s = 1 / tp
+        # a column-parallel input (a row-parallel output gradient), act · hidden elements: under SP cast on the
+        # shard, gathered, copied whole; else cast and laid out twice where it is
+        whole = act * hidden
+        gathered = (amax + 3) * whole * s + 2 * whole if sp else (amax + 4) * whole
+        # inputs: the attention's (once for q, k, v), wo's (its shard), the feed-forward's (once for w1, w3), w2's
+        fwd_act = 2 * gathered + (amax + 4) * act * s * (hidden + ffn)
+        # output gradients: q, k, v, w1, w3 (their shard), wo's and w2's
+        bwd_act = (amax + 4) * act * s * (hidden + 2 * kv + 2 * ffn) + 2 * gathered
+        weights = s * (hidden * hidden * 2 + 2 * hidden * kv + 3 * hidden * ffn)
+        want = (fwd_act + 5 * weights, bwd_act + 3 * weights)
+        seen: set[str] = set()
+        got = [float8_cast_bytes(n, ctx, tp, seen) for n in linears]
+        assert sum(f for f, _ in got) == pytest.approx(want[0], rel=1e-12), (tp, sp, compiled)
+        assert sum(b for _, b in got) == pytest.approx(want[1], rel=1e-12), (tp, sp, compiled)
+        # the block's time: the casts are kernels of their own, at the achieved memory bandwidth
+        bw = cl.device.hbm_bw * cl.device.memory_eff
+        on, off = (layer_cost(block, AC.NONE, dataclasses.replace(ctx, float8_casts=c), owned) for c in (True, False))
+        assert on.fwd_s - off.fwd_s == pytest.approx(want[0] / bw, rel=1e-9)
+        assert on.bwd_s - off.bwd_s == pytest.approx(want[1] / bw, rel=1e-9)
+
+
 def test_split_linears_move_their_whole_activation():
     """A tensor-parallel rank's share of a split linear reads the whole input (column-parallel: gathered or
     replicated) or writes whole partial sums (row-parallel), so its bytes do not shrink by tp as its FLOPs do: each
