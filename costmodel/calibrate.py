@@ -86,7 +86,7 @@ class Row:
         sequence-parallel collectives, Megatron-LM keeps 16-bit parameters beside fp32 master weights
         where autopar's runtime autocasts fp32 ones (`costmodel.memory.state_bytes_per_param`), and llm-foundry's
         float8 is Transformer Engine's, whose fused casts its fitted ``fp8_eff`` holds where torchao's are priced
-        by their bytes (`costmodel.layercost.float8_cast_bytes`); torchtitan is torch-native (autopar's runtime,
+        by their bytes (`costmodel.layercost.float8_cast_costs`); torchtitan is torch-native (autopar's runtime,
         torchao's float8) but may compile and checkpoint per op."""
         native = self.stack == "torch-native"
         return {"in_place_loss": not native, "gathered_column_inputs": native, "compiled": self.compiled,

@@ -307,7 +307,7 @@ class Evaluator:
         for Megatron-LM's 16-bit parameters beside a master copy); ``seq_relayout``: the collectives along the
         sequence copy around NCCL's layout, as torch's DTensor does on autopar's batch-first activations
         (`costmodel.layercost.seq_relayout_bytes`; False for Megatron-LM's sequence-first ones); ``float8_casts``:
-        float8 training's casts priced as kernels of their own (`costmodel.layercost.float8_cast_bytes`, torchao's
+        float8 training's casts priced as kernels of their own (`costmodel.layercost.float8_cast_costs`, torchao's
         recipe; False for a stack whose recipe's casts are in its fitted ``fp8_eff``)."""
         check_config(lg, cluster, cfg, global_batch)
         if selective is None:

@@ -237,7 +237,7 @@ class CostContext:
     #: once per step, left unpriced
     casts_per_micro_batch: bool = False
     #: under float8 training, the float8 linears' casts run as kernels of their own, priced by their bytes
-    #: (`float8_cast_bytes`: torchao's dynamic tensorwise scaling, as autopar's stack and torchtitan run it); False
+    #: (`float8_cast_costs`: torchao's dynamic tensorwise scaling, as autopar's stack and torchtitan run it); False
     #: for a stack whose float8 recipe is priced within its ``fp8_eff`` (Transformer Engine's fused casts)
     float8_casts: bool = True
 
@@ -326,17 +326,29 @@ def _float8_operand_bytes(cast: float, used: float, fused: bool) -> float:
     return amax + (2 + 1) * cast + (1 + 1) * used
 
 
-def float8_cast_bytes(n: NodeInfo, ctx: CostContext, tp: int, cast: set[str]) -> tuple[float, float]:
-    """(forward, backward) bytes of one micro-batch on one rank that a float8 linear (`is_float8_linear`) moves in
-    its casts, kernels of their own under torchao's dynamic tensorwise scaling (what autopar's stack and torchtitan
-    run), as torchao's roofline model of the recipe counts them (`_float8_operand_bytes`): its input forward, its
-    output gradient backward, and its weight in 8 bytes an element (a max-abs pass and a cast forward, 2 + 3; a
-    cast to the other layout backward, 3). Under tensor parallelism, the rank's share: a column-parallel linear's
-    input is cast before it is gathered where sequence parallelism shards it (torchao's ``Float8ColwiseParallel``,
-    ``PrepareFloat8ModuleInput``), a row-parallel one's output gradient likewise (``Float8RowwiseParallel``). An
-    input several linears read (the attention's q, k and v projections) is cast once (``PrepareFloat8ModuleInput``
-    under TP; one graph's common subexpression under torch.compile): ``cast`` holds the inputs already cast, and
-    grows."""
+@dataclass(frozen=True)
+class Float8Casts:
+    """What a float8 linear's casts cost one rank per micro-batch (`float8_cast_costs`)."""
+
+    fwd_bytes: float  #: bytes its forward's casts move
+    bwd_bytes: float  #: bytes its backward's casts move
+    fwd_amax: int  #: max-abs all-reduces over the tensor-parallel group its forward waits for
+    bwd_amax: int  #: likewise, its backward
+
+
+def float8_cast_costs(n: NodeInfo, ctx: CostContext, tp: int, cast: set[str]) -> Float8Casts:
+    """What the casts of a float8 linear (`is_float8_linear`) cost one rank per micro-batch, kernels of their own
+    under torchao's dynamic tensorwise scaling (what autopar's stack and torchtitan run). Bytes, as torchao's roofline
+    model of the recipe counts them (`_float8_operand_bytes`): its input forward, its output gradient backward, and
+    its weight in 8 bytes an element (a max-abs pass and a cast forward, 2 + 3; a cast to the other layout backward,
+    3). Under tensor parallelism, the rank's share: a column-parallel linear's input is cast before it is gathered
+    where sequence parallelism shards it (torchao's ``Float8ColwiseParallel``, ``PrepareFloat8ModuleInput``), a
+    row-parallel one's output gradient likewise (``Float8RowwiseParallel``). And the scale of a tensor split over
+    the tensor-parallel ranks is its global max-abs: a 4-byte all-reduce over the group, which the cast waits for
+    ("the overhead is communicating max(abs) across ranks", torchtitan's docs/float8.md): the weight's forward (its
+    backward cast reuses it), a split input's, a split output gradient's. An input several linears read (the
+    attention's q, k and v projections) is cast once (``PrepareFloat8ModuleInput`` under TP; one graph's common
+    subexpression under torch.compile): ``cast`` holds the inputs already cast, and grows."""
     k = ctx.scale
     x, g, w = _prod(n.input_shapes[0]) * k, _prod(n.output_shapes[0]) * k, _prod(n.input_shapes[1])
     share = 1.0 / tp
@@ -348,12 +360,25 @@ def float8_cast_bytes(n: NodeInfo, ctx: CostContext, tp: int, cast: set[str]) ->
     if row or column:
         w *= share
     fwd, bwd = (2 + 3) * w, 3 * w
+    fwd_amax = int(row or column)  # (the weight's, split over the group)
     source = n.inputs[0] if n.inputs else n.name  # (no call node before it: it reads the layer's input)
     if source not in cast:
         fwd += _float8_operand_bytes(x_cast, x_used, ctx.compiled)
+        fwd_amax += x_cast < x
         cast.add(source)
     bwd += _float8_operand_bytes(g_cast, g_used, ctx.compiled)
-    return fwd, bwd
+    return Float8Casts(fwd, bwd, fwd_amax, int(g_cast < g))
+
+
+#: bytes of a max-abs all-reduce (`float8_cast_costs`): one fp32 scalar
+AMAX_BYTES = 4
+
+
+def amax_time(calls: int, ctx: CostContext) -> float:
+    """Seconds of ``calls`` max-abs all-reduces over the tensor-parallel group (`float8_cast_costs`)."""
+    if not calls or ctx.tp_span is None:
+        return 0.0
+    return all_reduce_time(AMAX_BYTES * calls, ctx.tp_span, ctx.cluster, calls)
 
 
 def is_tp_layer(layer: Layer) -> bool:
@@ -792,7 +817,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     experts = {p.fqn for p in owned if is_expert_param(p, ctx.experts)}
     by_name = {n.name: n for n in layer.nodes}
     saved_by: dict[str, float] = {}  # what each node saves for the backward, as the activations count it
-    float8_cast: set[str] = set()  # the inputs float8 linears have cast (`float8_cast_bytes`)
+    float8_cast: set[str] = set()  # the inputs float8 linears have cast (`float8_cast_costs`)
     for j, n in enumerate(layer.nodes):
         f = _shard(n, ctx.tp, ctx.sp, tp_layer)
         if n.kind != "view":  # a view allocates nothing, nor does its gradient (a view of the output's gradient)
@@ -810,10 +835,10 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
                                 float8=f8) + o_f
         t_b = busy * _node_time(n.bwd_flops * k * f, (b_b * f + w_b) * k * ctx.act_scale, ctx, attention=attn,
                                 float8=f8) + o_b
-        if f8 and ctx.float8_casts:  # (kernels of their own: their time adds to the matmul's)
-            c_f, c_b = float8_cast_bytes(n, ctx, tp, float8_cast)
-            t_f += _node_time(0.0, c_f, ctx)
-            t_b += _node_time(0.0, c_b, ctx)
+        if f8 and ctx.float8_casts:  # (kernels of their own, and the max-abs all-reduces they wait for)
+            casts = float8_cast_costs(n, ctx, tp, float8_cast)
+            t_f += _node_time(0.0, casts.fwd_bytes, ctx) + amax_time(casts.fwd_amax, ctx)
+            t_b += _node_time(0.0, casts.bwd_bytes, ctx) + amax_time(casts.bwd_amax, ctx)
         fwd += t_f
         bwd += t_b
         fwd_flops += n.fwd_flops * k * cp  # model FLOPs: the whole layer, all TP and CP ranks

@@ -52,22 +52,21 @@ def test_llm_foundry_throughput_and_fit(predictions):
 def test_torchtitan_rows_under_the_torch_native_stack(predictions):
     """torchtitan's published Llama 3.1 runs on H100 (FSDP, FSDP + TP; eager, compiled, float8 tensorwise), under
     the torch-native stack's own constants (`costmodel.stacks`): mean absolute error ≤ 3 % over the 12 rows (1.3 %)
-    and 11 of them within 8 % (issue 15 asks for all), none beyond 12 %. Outside: the async-TP report's 8B float8
-    row at tp = 8 (−8.1 %: predicted faster than measured; its bf16 twin is at +0.9 %). It was at −10.5 % while
-    float8's casts were left in the fitted fp8 efficiency (0.77, now 0.92: the GEMMs' own) and the head was priced
-    in float8, which torchtitan leaves 16-bit (`costmodel.layercost.float8_cast_bytes`, `is_float8_linear`); its
-    small tensor-parallel linears cast the most bytes per FLOP. The two 8B TP = 8 rows were at −10.3 % and −13.4 %
-    before the copies torch makes around sequence-parallel collectives were costed
+    and every row within 8 % (issue 15). The worst is the async-TP report's 8B float8 row at tp = 8 (−6.8 %:
+    predicted faster than measured; its bf16 twin at +0.8 %). It was at −10.5 % while float8's casts were left in
+    the fitted fp8 efficiency (0.77, now 0.91: the GEMMs' own), the head was priced in float8 (torchtitan leaves it
+    16-bit) and the max-abs all-reduces over the TP group went unpriced (`costmodel.layercost.float8_cast_costs`,
+    `is_float8_linear`): its small tensor-parallel linears cast the most bytes per FLOP. The two 8B TP = 8 rows
+    were at −10.3 % and −13.4 % before the copies torch makes around sequence-parallel collectives were costed
     (`costmodel.layercost.sp_relayout_bytes`), with float8's all-gathers and the whole activations split linears
-    move. Held out of the fit in turn (leave-one-out, measured before the float8 casts were priced), ten rows were
+    move. Held out of the fit in turn (leave-one-out, measured before float8's casts were priced), ten rows were
     predicted within 4.9 %, that float8 row at −12.1 % and the one 32K-token row at +19.5 %: it alone pins the
     attention's efficiency (without it the fit trades attention 0.84 → 0.55 for matmul e_max 0.54 → 0.62 at an
     equal objective); mean 4.6 %."""
     errs = _errors(predictions, "torchtitan")
     assert len(errs) == 12
     assert sum(abs(e) for e in errs.values()) / len(errs) <= 0.03, errs
-    assert sum(abs(e) <= 0.08 for e in errs.values()) >= 11, errs
-    assert all(abs(e) <= 0.12 for e in errs.values()), errs
+    assert all(abs(e) <= 0.08 for e in errs.values()), errs
 
 
 def test_torchtitan_runs_fit_and_their_published_memory(predictions):

@@ -876,10 +876,20 @@ def test_float8_casts_priced_as_torchaos_roofline_counts_them():
     writing both float8 layouts (2 + 1 + 1), and its weight in 8 bytes an element (torchao's
     ``roofline_utils.get_tensor_memory_traffic_ovhd_s``); an input the q, k and v projections share is cast once.
     Under TP with SP a column-parallel input (a row-parallel output gradient) is cast on the rank's shard and
-    gathered in float8, then copied whole into the other layout (1 + 1). Closed form for a Llama block, and the
-    block's time under fp8 grows by exactly those bytes at the achieved memory bandwidth."""
+    gathered in float8, then copied whole into the other layout (1 + 1). A tensor split over the TP ranks is
+    scaled by its global max-abs, a 4-byte all-reduce its cast waits for (torchtitan's docs/float8.md). Closed form
+    for a Llama block, and the block's time under fp8 grows by exactly those bytes at the achieved memory bandwidth
+    and those all-reduces."""
     from costmodel.cluster import group_span
-    from costmodel.layercost import CostContext, float8_cast_bytes, is_float8_linear, layer_cost, owned_params
+    from costmodel.collectives import all_reduce_time
+    from costmodel.layercost import (
+        AMAX_BYTES,
+        CostContext,
+        float8_cast_costs,
+        is_float8_linear,
+        layer_cost,
+        owned_params,
+    )
 
     cl = _cluster()
     lg = profile_model("llama:layers=2,hidden=256,heads=8,kv_heads=4,ffn=704,vocab=1024,seq=128")
@@ -904,15 +914,22 @@ def test_float8_casts_priced_as_torchaos_roofline_counts_them():
         bwd_act = (amax + 4) * act * s * (hidden + 2 * kv + 2 * ffn) + 2 * gathered
         weights = s * (hidden * hidden * 2 + 2 * hidden * kv + 3 * hidden * ffn)
         want = (fwd_act + 5 * weights, bwd_act + 3 * weights)
+        # max-abs all-reduces over the TP group: forward the 7 split weights, and the split inputs (wo's, w2's; the
+        # attention's and the feed-forward's under SP); backward the 5 column-parallel output gradients, and wo's
+        # and w2's under SP
+        reduces = (7 + 2 + 2 * sp, 5 + 2 * sp) if tp > 1 else (0, 0)
         seen: set[str] = set()
-        got = [float8_cast_bytes(n, ctx, tp, seen) for n in linears]
-        assert sum(f for f, _ in got) == pytest.approx(want[0], rel=1e-12), (tp, sp, compiled)
-        assert sum(b for _, b in got) == pytest.approx(want[1], rel=1e-12), (tp, sp, compiled)
-        # the block's time: the casts are kernels of their own, at the achieved memory bandwidth
+        got = [float8_cast_costs(n, ctx, tp, seen) for n in linears]
+        assert sum(c.fwd_bytes for c in got) == pytest.approx(want[0], rel=1e-12), (tp, sp, compiled)
+        assert sum(c.bwd_bytes for c in got) == pytest.approx(want[1], rel=1e-12), (tp, sp, compiled)
+        assert (sum(c.fwd_amax for c in got), sum(c.bwd_amax for c in got)) == reduces
+        # the block's time: the casts are kernels of their own, at the achieved memory bandwidth, each all-reduce
+        # a 4-byte one of the group
         bw = cl.device.hbm_bw * cl.device.memory_eff
+        one = all_reduce_time(AMAX_BYTES, ctx.tp_span, cl) if tp > 1 else 0.0
         on, off = (layer_cost(block, AC.NONE, dataclasses.replace(ctx, float8_casts=c), owned) for c in (True, False))
-        assert on.fwd_s - off.fwd_s == pytest.approx(want[0] / bw, rel=1e-9)
-        assert on.bwd_s - off.bwd_s == pytest.approx(want[1] / bw, rel=1e-9)
+        assert on.fwd_s - off.fwd_s == pytest.approx(want[0] / bw + reduces[0] * one, rel=1e-9)
+        assert on.bwd_s - off.bwd_s == pytest.approx(want[1] / bw + reduces[1] * one, rel=1e-9)
 
 
 def test_split_linears_move_their_whole_activation():
