@@ -237,8 +237,8 @@ class CostContext:
     #: once per step, left unpriced
     casts_per_micro_batch: bool = False
     #: under float8 training, the float8 linears' casts run as kernels of their own, priced by their bytes
-    #: (`float8_cast_costs`: torchao's dynamic tensorwise scaling, as autopar's stack and torchtitan run it); False
-    #: for a stack whose float8 recipe is priced within its ``fp8_eff`` (Transformer Engine's fused casts)
+    #: (`float8_cast_costs`: torchao's dynamic tensorwise scaling, the torch-native stack's float8, as torchtitan runs
+    #: it); False for a stack whose float8 recipe is priced within its ``fp8_eff`` (Transformer Engine's fused casts)
     float8_casts: bool = True
 
     @property
@@ -312,20 +312,6 @@ def is_float8_linear(n: NodeInfo, layer: Layer) -> bool:
             and all(d % 16 == 0 for d in n.input_shapes[1]))
 
 
-def _float8_operand_bytes(cast: float, used: float, fused: bool) -> float:
-    """Bytes torchao's tensorwise recipe moves to make a float8 activation (a linear's input or its output
-    gradient) of which this rank casts ``cast`` elements and its matmuls take ``used`` (more where the float8
-    tensor is gathered between), in both layouts its two matmuls take it in (row-major, column-major), per torchao's
-    roofline model of the recipe (``torchao/testing/training/roofline_utils.py``,
-    ``get_tensor_memory_traffic_ovhd_s``): a max-abs pass reads the 16-bit tensor (fused into the op that made it
-    where ``fused``: compiled), then one kernel reads it again and writes both float8 layouts. A tensor cast before
-    it is gathered is gathered in one layout and copied into the other whole (``preprocess_addmm``'s copy)."""
-    amax = 0.0 if fused else 2 * cast
-    if used == cast:
-        return amax + (2 + 1 + 1) * cast
-    return amax + (2 + 1) * cast + (1 + 1) * used
-
-
 @dataclass(frozen=True)
 class Float8Casts:
     """What a float8 linear's casts cost one rank per micro-batch (`float8_cast_costs`)."""
@@ -337,37 +323,76 @@ class Float8Casts:
 
 
 def float8_cast_costs(n: NodeInfo, ctx: CostContext, tp: int, cast: set[str]) -> Float8Casts:
-    """What the casts of a float8 linear (`is_float8_linear`) cost one rank per micro-batch, kernels of their own
-    under torchao's dynamic tensorwise scaling (what autopar's stack and torchtitan run). Bytes, as torchao's roofline
-    model of the recipe counts them (`_float8_operand_bytes`): its input forward, its output gradient backward, and
-    its weight in 8 bytes an element (a max-abs pass and a cast forward, 2 + 3; a cast to the other layout backward,
-    3). Under tensor parallelism, the rank's share: a column-parallel linear's input is cast before it is gathered
-    where sequence parallelism shards it (torchao's ``Float8ColwiseParallel``, ``PrepareFloat8ModuleInput``), a
-    row-parallel one's output gradient likewise (``Float8RowwiseParallel``). And the scale of a tensor split over
-    the tensor-parallel ranks is its global max-abs: a 4-byte all-reduce over the group, which the cast waits for
-    ("the overhead is communicating max(abs) across ranks", torchtitan's docs/float8.md): the weight's forward (its
-    backward cast reuses it), a split input's, a split output gradient's. An input several linears read (the
-    attention's q, k and v projections) is cast once (``PrepareFloat8ModuleInput`` under TP; one graph's common
-    subexpression under torch.compile): ``cast`` holds the inputs already cast, and grows."""
+    """What the casts of a float8 linear (`is_float8_linear`) cost one rank per micro-batch: kernels of their own
+    under torchao's dynamic tensorwise scaling, the recipe torchtitan runs (autopar's runtime trains no float8 yet),
+    and the max-abs all-reduces they wait for. Kernels, per element of a 16-bit tensor: a max-abs pass reads it
+    (2 bytes), a cast reads it and writes one byte per layout made (2 + 1 or 2 + 1 + 1), and putting a float8
+    tensor in the other layout copies it (1 + 1: ``torch._scaled_mm`` takes its first operand row-major, its second
+    column-major, and torchao's ``preprocess_addmm`` copies whichever is not).
+
+    - Compiled, torchao's roofline model of the recipe (``torchao/testing/training/roofline_utils.py``,
+      ``get_tensor_memory_traffic_ovhd_s``, with fusion modeling): the input forward and the output gradient
+      backward each a cast into both layouts, the max-abs fused into the op that made it (4 bytes); the weight a
+      max-abs and a cast forward, a cast into the other layout backward (2 + 3 + 3). An input several linears read
+      (the attention's q, k and v projections) is one common subexpression: cast once.
+    - Eager, torchao's code (``matmul_with_hp_or_float8_args``): the input is cast forward and cast again from its
+      saved 16-bit copy backward, then copied to the other layout (5, 5 + 2), by each linear; the output gradient is
+      cast twice, once per backward matmul, one of them copied (5 + 5 + 2); the weight is cast once forward, and its
+      float8 copied backward (5, 2).
+    - Tensor parallelism (torchao's ``PrepareFloat8ModuleInput``, ``Float8ColwiseParallel``,
+      ``Float8RowwiseParallel``): a column-parallel linear's input is cast once by the module, before it is
+      gathered where sequence parallelism shards it, a row-parallel linear's output gradient likewise; a tensor
+      cast before it is gathered is gathered in one layout and copied whole into the other. A split tensor's scale
+      is its max-abs over the group, a 4-byte all-reduce its cast waits for ("the overhead is communicating
+      max(abs) across ranks", torchtitan's docs/float8.md): the weight's (reused backward), the split inputs' and
+      output gradients', one per cast.
+
+    ``cast`` holds the inputs already cast once for several linears, and grows."""
     k = ctx.scale
     x, g, w = _prod(n.input_shapes[0]) * k, _prod(n.output_shapes[0]) * k, _prod(n.input_shapes[1])
     share = 1.0 / tp
     row = n.tp_role == "row" and tp > 1
     column = n.tp_role == "column" and tp > 1
-    x_used, g_used = (x * share if row else x), (g * share if column else g)
-    x_cast = x * share if column and ctx.sp else x_used
-    g_cast = g * share if row and ctx.sp else g_used
+    compiled = ctx.compiled
+    amax = 0 if compiled else 2  # (bytes an element: fused into the op before it, compiled)
     if row or column:
         w *= share
-    fwd, bwd = (2 + 3) * w, 3 * w
-    fwd_amax = int(row or column)  # (the weight's, split over the group)
-    source = n.inputs[0] if n.inputs else n.name  # (no call node before it: it reads the layer's input)
-    if source not in cast:
-        fwd += _float8_operand_bytes(x_cast, x_used, ctx.compiled)
-        fwd_amax += x_cast < x
-        cast.add(source)
-    bwd += _float8_operand_bytes(g_cast, g_used, ctx.compiled)
-    return Float8Casts(fwd, bwd, fwd_amax, int(g_cast < g))
+    fwd, bwd = (2 + 3) * w, (3 if compiled else 2) * w
+    fwd_amax, bwd_amax = int(row or column), 0  # (the weight's, split over the group)
+
+    def by_module(cast_n: float, used_n: float) -> tuple[float, float]:
+        # cast once where it is made (before its gather), and laid out again where the matmuls take it
+        if cast_n == used_n and compiled:
+            return (amax + 2 + 1 + 1) * cast_n, 0.0
+        return (amax + 2 + 1) * cast_n, (1 + 1) * used_n
+
+    # the input: its rank's share is whole for a column-parallel linear, split for a row-parallel one
+    x_used = x * share if row else x
+    source = n.inputs[0] if n.inputs else "(the layer's input)"
+    shared = source in cast
+    cast.add(source)
+    if column or compiled:  # cast once for all the linears that read it
+        x_cast = x * share if column and ctx.sp else x_used
+        once, copied = by_module(x_cast, x_used)
+        fwd += 0.0 if shared else once
+        bwd += copied if not (shared and compiled) else 0.0
+        fwd_amax += int(not shared and x_cast < x)
+    else:  # each linear casts its own, forward and again backward
+        fwd += (amax + 2 + 1) * x_used
+        bwd += (amax + 2 + 1 + 1 + 1) * x_used
+        fwd_amax += int(row)
+        bwd_amax += int(row)
+    # the output gradient: split for a column-parallel linear, whole for a row-parallel one
+    g_used = g * share if column else g
+    if row or compiled:  # cast once (by the module under TP, before its gather under SP)
+        g_cast = g * share if row and ctx.sp else g_used
+        once, copied = by_module(g_cast, g_used)
+        bwd += once + copied
+        bwd_amax += int(g_cast < g)
+    else:  # cast once per backward matmul, one of them copied
+        bwd += (2 * (amax + 2 + 1) + 1 + 1) * g_used
+        bwd_amax += 2 * int(column)
+    return Float8Casts(fwd, bwd, fwd_amax, bwd_amax)
 
 
 #: bytes of a max-abs all-reduce (`float8_cast_costs`): one fp32 scalar

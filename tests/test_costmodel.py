@@ -870,16 +870,18 @@ def test_float8_runs_the_blocks_linears_only():
         assert fp8.fwd_s < bf16.fwd_s and fp8.bwd_s < bf16.bwd_s
 
 
-def test_float8_casts_priced_as_torchaos_roofline_counts_them():
-    """torchao's tensorwise float8 casts each linear's input (forward) and output gradient (backward) with a max-abs
-    pass (2 bytes an element read; none compiled, fused into the op before) and a kernel reading it again and
-    writing both float8 layouts (2 + 1 + 1), and its weight in 8 bytes an element (torchao's
-    ``roofline_utils.get_tensor_memory_traffic_ovhd_s``); an input the q, k and v projections share is cast once.
-    Under TP with SP a column-parallel input (a row-parallel output gradient) is cast on the rank's shard and
-    gathered in float8, then copied whole into the other layout (1 + 1). A tensor split over the TP ranks is
-    scaled by its global max-abs, a 4-byte all-reduce its cast waits for (torchtitan's docs/float8.md). Closed form
-    for a Llama block, and the block's time under fp8 grows by exactly those bytes at the achieved memory bandwidth
-    and those all-reduces."""
+def test_float8_casts_priced_as_torchao_runs_them():
+    """torchao's tensorwise float8 casts, per element of a 16-bit tensor: a max-abs pass reads it (2 bytes), a
+    cast reads it and writes a byte per layout, a float8 copy into the other layout ``torch._scaled_mm`` takes moves
+    1 + 1. Compiled, as torchao's roofline model counts them (``roofline_utils.get_tensor_memory_traffic_ovhd_s``,
+    fusion modeling): input forward and output gradient backward one cast into both layouts (max-abs fused: 4),
+    once per tensor (q, k and v share theirs); weight 2 + 3 forward, 3 backward. Eager, as torchao's code runs
+    them: each linear casts its input forward (5) and again backward, then copies it (7); its output gradient twice,
+    one copied (12); its weight once (5) and copies it backward (2). Under TP a column-parallel input is cast once
+    by the module (on its shard under SP, then gathered in float8 and copied whole: 1 + 1), a row-parallel output
+    gradient likewise; a tensor split over the TP ranks waits for a 4-byte max-abs all-reduce per cast
+    (torchtitan's docs/float8.md). Closed form for a Llama block, and the block's time under fp8 grows by exactly
+    those bytes at the achieved memory bandwidth and those all-reduces."""
     from costmodel.cluster import group_span
     from costmodel.collectives import all_reduce_time
     from costmodel.layercost import (
@@ -899,37 +901,45 @@ def test_float8_casts_priced_as_torchaos_roofline_counts_them():
     assert [n.module_path.rsplit(".", 1)[-1] for n in linears] == ["wq", "wk", "wv", "wo", "w1", "w3", "w2"]
     mbs, tokens, hidden, kv, ffn = 2, 128, 256, 128, 704
     act = mbs * tokens
-    for tp, sp, compiled in ((1, False, False), (1, False, True), (4, True, False), (4, False, True)):
-        ctx = CostContext(cluster=cl, tp=tp, sp=sp, mbs=mbs, captured_batch=1, precision="fp8", compiled=compiled,
-                          tp_span=group_span(cl, tp, 1) if tp > 1 else None)
-        amax = 0 if compiled else 2
+    big = act * hidden  # the attention's and the feed-forward's inputs, wo's and w2's outputs
+    for tp, sp, compiled in [(1, False, False), (1, False, True)] + [(4, sp, c) for sp in (0, 1) for c in (0, 1)]:
+        ctx = CostContext(cluster=cl, tp=tp, sp=bool(sp), mbs=mbs, captured_batch=1, precision="fp8",
+                          compiled=bool(compiled), tp_span=group_span(cl, tp, 1) if tp > 1 else None)
         s = 1 / tp
-        # a column-parallel input (a row-parallel output gradient), act · hidden elements: under SP cast on the
-        # shard, gathered, copied whole; else cast and laid out twice where it is
-        whole = act * hidden
-        gathered = (amax + 3) * whole * s + 2 * whole if sp else (amax + 4) * whole
-        # inputs: the attention's (once for q, k, v), wo's (its shard), the feed-forward's (once for w1, w3), w2's
-        fwd_act = 2 * gathered + (amax + 4) * act * s * (hidden + ffn)
-        # output gradients: q, k, v, w1, w3 (their shard), wo's and w2's
-        bwd_act = (amax + 4) * act * s * (hidden + 2 * kv + 2 * ffn) + 2 * gathered
+        row_in = act * s * (hidden + ffn)  # wo's and w2's inputs, their rank's share
+        col_out = act * s * (hidden + 2 * kv + 2 * ffn)  # q, k, v, w1, w3's outputs, likewise
         weights = s * (hidden * hidden * 2 + 2 * hidden * kv + 3 * hidden * ffn)
-        want = (fwd_act + 5 * weights, bwd_act + 3 * weights)
-        # max-abs all-reduces over the TP group: forward the 7 split weights, and the split inputs (wo's, w2's; the
-        # attention's and the feed-forward's under SP); backward the 5 column-parallel output gradients, and wo's
-        # and w2's under SP
-        reduces = (7 + 2 + 2 * sp, 5 + 2 * sp) if tp > 1 else (0, 0)
+        if compiled:
+            # the two shared inputs, the two row-parallel outputs' gradients: gathered under SP, else in place
+            gathered = (3 * big * s, 2 * big) if sp else (4 * big, 0)
+            fwd = 2 * gathered[0] + 4 * row_in + 5 * weights
+            bwd = 2 * gathered[1] + 4 * col_out + 2 * sum(gathered) + 3 * weights
+            reduces = (7 + 2 + 2 * sp, 5 + 2 * sp)
+        elif tp == 1:
+            inputs = 5 * big + row_in  # q, k, v and w1, w3 each cast their own
+            fwd, bwd = 5 * inputs + 5 * weights, 7 * inputs + 12 * (col_out + 2 * big) + 2 * weights
+            reduces = (0, 0)
+        else:
+            once = 5 * big * (s if sp else 1)  # the attention's and the feed-forward's, by the module
+            row_g = 5 * big * (s if sp else 1) + 2 * big  # wo's and w2's output gradients, likewise, then copied
+            fwd = 2 * once + 5 * row_in + 5 * weights
+            bwd = 5 * 2 * big + 7 * row_in + 12 * col_out + 2 * row_g + 2 * weights
+            reduces = (7 + 2 + 2 * sp, 2 * 5 + 2 + 2 * sp)
+        if tp == 1:
+            reduces = (0, 0)
         seen: set[str] = set()
         got = [float8_cast_costs(n, ctx, tp, seen) for n in linears]
-        assert sum(c.fwd_bytes for c in got) == pytest.approx(want[0], rel=1e-12), (tp, sp, compiled)
-        assert sum(c.bwd_bytes for c in got) == pytest.approx(want[1], rel=1e-12), (tp, sp, compiled)
-        assert (sum(c.fwd_amax for c in got), sum(c.bwd_amax for c in got)) == reduces
+        case = (tp, sp, compiled)
+        assert sum(c.fwd_bytes for c in got) == pytest.approx(fwd, rel=1e-12), case
+        assert sum(c.bwd_bytes for c in got) == pytest.approx(bwd, rel=1e-12), case
+        assert (sum(c.fwd_amax for c in got), sum(c.bwd_amax for c in got)) == reduces, case
         # the block's time: the casts are kernels of their own, at the achieved memory bandwidth, each all-reduce
         # a 4-byte one of the group
         bw = cl.device.hbm_bw * cl.device.memory_eff
         one = all_reduce_time(AMAX_BYTES, ctx.tp_span, cl) if tp > 1 else 0.0
         on, off = (layer_cost(block, AC.NONE, dataclasses.replace(ctx, float8_casts=c), owned) for c in (True, False))
-        assert on.fwd_s - off.fwd_s == pytest.approx(want[0] / bw + reduces[0] * one, rel=1e-9)
-        assert on.bwd_s - off.bwd_s == pytest.approx(want[1] / bw + reduces[1] * one, rel=1e-9)
+        assert on.fwd_s - off.fwd_s == pytest.approx(fwd / bw + reduces[0] * one, rel=1e-9), case
+        assert on.bwd_s - off.bwd_s == pytest.approx(bwd / bw + reduces[1] * one, rel=1e-9), case
 
 
 def test_split_linears_move_their_whole_activation():
