@@ -269,7 +269,7 @@ def _node_time(flops: float, nbytes: float, ctx: CostContext, *, attention: bool
     eff = dev.matmul_eff(flops)
     if attention:
         eff *= dev.attention_eff
-    if dtype == "fp8" and float8 and not attention:
+    if dtype == "fp8" and float8:  # (only linears: `is_float8_linear`)
         eff *= dev.fp8_eff
     elif dtype == "fp8":
         dtype = "bf16"

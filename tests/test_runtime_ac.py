@@ -32,6 +32,22 @@ class CountOps(TorchDispatchMode):
         return sum(n for op, n in self.ops.items() if op in runtime._FUSED_ATTENTION)
 
 
+def _selective_step(attention: str, policy: str):
+    """A 2-block GPT (``attention``) under selective checkpointing ``policy``, and the ops of one forward and of
+    its backward (`CountOps`)."""
+    model, _ = resolve_model(f"gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128,attention={attention},dropout=0") \
+        .build(batch=2, device="cpu")
+    model._autopar_block_names = ["layers.0", "layers.1"]
+    runtime.apply_ac(model, {"block_container": "layers", "ac": {"layers.0": "selective", "layers.1": "selective"},
+                             "selective": policy, "mbs": 2, "seq": 32})
+    x, y = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))
+    with CountOps() as forward:
+        loss = model(x, y)
+    with CountOps() as backward:
+        loss.backward()
+    return model, forward, backward
+
+
 @pytest.mark.parametrize("spec", ["gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128,attention=math,dropout=0.1",
                                   "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128,attention=sdpa,dropout=0.1",
                                   "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=160,seq=32,vocab=128"])
@@ -93,16 +109,7 @@ def test_selective_checkpointing_keeps_a_fused_attention_kernel():
     `profiler.graph.NodeInfo.is_attention_core`), though torch 2.13 tags it ``nondeterministic_seeded``; the backward
     runs it no second time."""
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in runtime._FUSED_ATTENTION
-    model, _ = resolve_model("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128,attention=sdpa,dropout=0") \
-        .build(batch=2, device="cpu")
-    model._autopar_block_names = ["layers.0", "layers.1"]
-    runtime.apply_ac(model, {"block_container": "layers", "ac": {"layers.0": "selective", "layers.1": "selective"},
-                             "selective": "all-but-attention-core", "mbs": 2, "seq": 32})
-    x, y = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))
-    with CountOps() as forward:
-        loss = model(x, y)
-    with CountOps() as backward:
-        loss.backward()
+    _, forward, backward = _selective_step("sdpa", "all-but-attention-core")
     assert (forward.fused(), backward.fused()) == (2, 0)
 
 
@@ -172,16 +179,7 @@ def test_the_attention_core_policy_recomputes_the_attend_call_only():
     with no ``attend`` method cannot run it: one line, before any step."""
     from torch import nn
 
-    model, _ = resolve_model("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128,attention=math,dropout=0") \
-        .build(batch=2, device="cpu")
-    model._autopar_block_names = ["layers.0", "layers.1"]
-    runtime.apply_ac(model, {"block_container": "layers", "ac": {"layers.0": "selective", "layers.1": "selective"},
-                             "selective": "attention-core", "mbs": 2, "seq": 32})
-    x, y = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))
-    with CountOps() as forward:
-        loss = model(x, y)
-    with CountOps() as backward:
-        loss.backward()
+    model, forward, backward = _selective_step("math", "attention-core")
     assert forward.named("baddbmm") == forward.named("_softmax") == 2
     assert (backward.named("baddbmm"), backward.named("_softmax")) == (2, 2)  # the cores, once more each
     assert backward.named("native_layer_norm") == backward.named("gelu") == 0  # the rest, not at all
