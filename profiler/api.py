@@ -138,6 +138,33 @@ def _folded_source(source):
     return (folded, depth) if folded is not None else (source, None)
 
 
+def runnable_facts(model: torch.nn.Module, container: str, input_ids, *, user_code: bool) -> dict:
+    """The arch facts `costmodel.runnable` judges a model's plans by, which the search offers only plans that pass
+    and the emitter and the runtime refuse the others with: the same for a captured spec (`profile_model`) and a
+    module given to `auto_parallelize` (`planner.search.outer.plan_for_module`; one with real weights is run as a
+    meta copy, `profiler.layers.meta_copy`). How many experts expert parallelism can split (0: none;
+    `profiler.experts`), a linear tensor parallelism cannot run (`profiler.layers.tp_unsplit_linears`), whether
+    its sequence can be split (`profiler.layers.context_parallel_ready`), whether the runtime can cut it into
+    pipeline stages (`profiler.layers.pipeline_split_problem`), and for the user's own code (``user_code``: a
+    ``file.py`` model or a module; the zoo's and Hugging Face's follow the contract by construction) whether the
+    training step can call it for logits (`profiler.layers.forward_problem`) and whether tensor and sequence
+    parallelism can run its blocks (`profiler.layers.tensor_parallel_problems`)."""
+    out: dict = {}
+    try:
+        found = expert_modules(model)
+        out["ep_experts"], out["ep_dim1"] = found["experts"], found["expert_dim1"]
+    except ValueError:
+        out["ep_experts"], out["ep_dim1"] = 0, 0
+    unsplit = tp_unsplit_linears(model)
+    out["tp_unsplit"] = unsplit[0] if unsplit else ""
+    out["cp_ready"] = context_parallel_ready(model)
+    out["forward"] = forward_problem(model, input_ids) if user_code else ""
+    out["tp_forward"], out["sp_layout"] = (tensor_parallel_problems(model, container, input_ids) if user_code
+                                           else ({}, ""))
+    out["pp_split"] = pipeline_split_problem(model, container, seq=input_ids.shape[1])
+    return out
+
+
 def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: str = "bf16",
                   kernels: str = "gpu", fold: bool = True, autocast: str | None = None) -> LayerGraph:
     """Capture the model named by ``spec`` (zoo preset, ``gpt:…``, ``llama:…``, ``hf:…``, ``file.py:factory``) on
@@ -166,17 +193,7 @@ def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: s
     if not fake and any(p.is_floating_point() and p.dtype != torch_dtype for p in model.parameters()):
         model = model.to(torch_dtype)
     arch = dict(source.arch())
-    try:  # how many experts the runtime's expert parallelism can split (0: none; `profiler.experts`)
-        found = expert_modules(model)
-        arch["ep_experts"], arch["ep_dim1"] = found["experts"], found["expert_dim1"]
-    except ValueError:
-        arch["ep_experts"], arch["ep_dim1"] = 0, 0
-    unsplit = tp_unsplit_linears(model)  # linears tensor parallelism cannot run (`profiler.layers`)
-    arch["tp_unsplit"] = unsplit[0] if unsplit else ""
-    arch["cp_ready"] = context_parallel_ready(model)  # (`costmodel.runnable.context_problems`)
     arch["kernels"] = kernels  # whose attention kernels the capture replays (`profiler.capture`)
-    # whether the training step can call it for logits (zoo and Hugging Face models: by construction)
-    arch["forward"] = forward_problem(model, inputs[0]) if source.family == "file" else ""
     with masks_as_trained():  # the masks a training step makes on real tensors (`profiler.zoo.hf`)
         graph = capture(model, inputs, name=spec, arch=arch, kernels=kernels, autocast=autocast)
         if depth:
@@ -184,11 +201,7 @@ def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: s
         lg = group_layers(graph)
         lg.model.arch["attention_core"] = has_attention_core(lg)  # what selective AC recomputes (`runnable`)
         lg.model.arch["attends"] = has_attend(model, lg)  # and how (`costmodel.runnable.selective_policy`)
-        # whether tensor and sequence parallelism can run a user's blocks (zoo and Hugging Face: by construction)
-        lg.model.arch["tp_forward"], lg.model.arch["sp_layout"] = tensor_parallel_problems(
-            model, lg.block_container, inputs[0]) if source.family == "file" else ({}, "")
-        # whether the runtime can cut it into pipeline stages (`costmodel.runnable.problems`)
-        lg.model.arch["pp_split"] = pipeline_split_problem(model, lg.block_container, seq=inputs[0].shape[1])
+        lg.model.arch.update(runnable_facts(model, lg.block_container, inputs[0], user_code=source.family == "file"))
     if autocast is None and dtype in ("bf16", "fp16"):  # what plans that train under autocast keep (`Evaluator`)
         lg = dataclasses.replace(lg, recapture=functools.partial(
             profile_model, spec, batch=batch, seq=seq, dtype="fp32", kernels=kernels, fold=fold, autocast=dtype))

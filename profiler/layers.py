@@ -16,6 +16,7 @@ tensor-parallelise it.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import re
 from collections import Counter
@@ -139,14 +140,15 @@ def forward_problem(model: nn.Module, input_ids) -> str:
     [batch, seq, vocab] and takes the loss itself (`planner.emit.train`, with the label and loss conventions of
     shared/DESIGN.md), while the capture calls ``model(input_ids, labels)`` for the loss. A forward whose labels have
     no default, or that returns something else without them, is refused with this line. Checked by a forward on the
-    meta device (``input_ids`` there): one rule for the capture (the arch fact ``forward``, judged by
-    `costmodel.runnable.problems`) and the emitter."""
+    meta device (``input_ids`` there; a model with real weights as a meta copy, `meta_copy`): one rule for the
+    capture (the arch fact ``forward``, judged by `costmodel.runnable.problems`) and the emitter."""
     import inspect
 
     import torch
 
     name = type(model).__name__
-    if not _on_meta(model):  # (a model with real weights, given to `auto_parallelize`: not run here)
+    model = _on_meta_or_copy(model)  # (one with real weights, given to `auto_parallelize`: a meta copy of it)
+    if model is None:
         return ""
     try:
         inspect.signature(model.forward).bind(input_ids)
@@ -181,15 +183,13 @@ def tensor_parallel_problems(model: nn.Module, container: str, input_ids) -> tup
     each degree of `TP_PROBED` that splits every such width (other degrees are not judged). Sequence parallelism
     all-gathers the input of each module holding column-parallel linears; a linear directly in the block would have
     the block's whole residual stream gathered, which its row-parallel output (a slice of the sequence) does not
-    match. Only a model on the meta device is run (a zoo or ``file.py`` model; one with real weights: nothing is
-    judged), on a copy: the model is not changed."""
-    import copy
-
+    match. The model is run on the meta device (a zoo or ``file.py`` model; one with real weights, given to
+    `auto_parallelize`, as a meta copy, `meta_copy`), on a copy: the model is not changed."""
     import torch
     import torch.nn.functional as F
 
     blocks = model.get_submodule(container) if container else None
-    if blocks is None or not _on_meta(model):
+    if blocks is None or (on_meta := _on_meta_or_copy(model)) is None:
         return {}, ""
     found = [(f"{i}.{rel}", rel, m) for i, block in enumerate(blocks) for rel, m in block.named_modules()
              if isinstance(m, nn.Linear) and (_matches(rel, COLUMN_NAMES) or _matches(rel, ROW_NAMES))]
@@ -211,7 +211,7 @@ def tensor_parallel_problems(model: nn.Module, container: str, input_ids) -> tup
     if not degrees:
         return out, sp
     try:
-        probe = copy.deepcopy(model)
+        probe = copy.deepcopy(model) if on_meta is model else on_meta
         cut = [(probe.get_submodule(container).get_submodule(name), _matches(rel, COLUMN_NAMES))
                for name, rel, _ in found]
     except Exception:  # noqa: BLE001 (a model that cannot be copied: not judged)
@@ -232,8 +232,35 @@ def tensor_parallel_problems(model: nn.Module, container: str, input_ids) -> tup
 
 def _on_meta(model: nn.Module) -> bool:
     """Whether every parameter and buffer of ``model`` is on the meta device (as the capture and the emitter build
-    zoo and ``file.py`` models): only such a model is run by the rules here, at no cost."""
+    zoo and ``file.py`` models)."""
     return all(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are on the meta device (no data copied; shared
+    parameters stay shared)."""
+    memo: dict = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b.detach().to("meta")
+    return copy.deepcopy(model, memo)
+
+
+def _on_meta_or_copy(model: nn.Module) -> nn.Module | None:
+    """``model`` itself on the meta device, where the rules here run it at no cost; a model with real weights
+    (given to `auto_parallelize`) as a meta copy of it (`meta_copy`: its weights neither read nor changed); None for
+    one that cannot be copied so or is built on fake tensors (a Hugging Face capture's: not judged here)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if _on_meta(model):
+        return model
+    if any(isinstance(t, FakeTensor) for t in (*model.parameters(), *model.buffers())):
+        return None
+    try:
+        return meta_copy(model)
+    except Exception:  # noqa: BLE001 (a model that cannot be deep-copied: not judged)
+        return None
 
 
 def _first_line(e: Exception) -> str:
@@ -248,16 +275,14 @@ def _stage_trace(model: nn.Module, leaf: str, seq: int) -> str:
     before or after the blocks) and the last stage on hidden states. Each is a shallow copy with the modules it does
     not own set to None, as `planner.emit.runtime.split_pipeline` makes them. '' when every stage runs and the
     first and middle ones return the hidden states the next one takes. A model with real weights (given to
-    `auto_parallelize`) is not run: ''."""
-    import copy
-
+    `auto_parallelize`) is run as a meta copy (`meta_copy`)."""
     import torch
 
     names = [name for name, _ in model.named_children()]
     at = names.index(leaf)
-    blocks = getattr(model, leaf)
-    if not len(blocks) or not _on_meta(model):
+    if not len(getattr(model, leaf)) or (model := _on_meta_or_copy(model)) is None:
         return ""
+    blocks = getattr(model, leaf)
     before, after = names[:at], names[at + 1:]  # (all of them, as the runtime sets them to None)
 
     def stage(drop: list):

@@ -284,6 +284,41 @@ def test_attention_scores_are_told_from_activations_as_wide_as_the_sequence():
         "baddbmm", "bmm", "dropout", "empty", "masked_fill", "softmax"]
 
 
+def test_a_module_given_to_auto_parallelize_is_judged_as_its_file_would_be():
+    """`auto_parallelize` plans a module it is given (`planner.search.outer.plan_for_module`) with the arch facts a
+    captured ``file.py`` model gets (`profiler.api.runnable_facts`), its forward and its blocks under tensor
+    parallelism tried on a meta copy of its real weights: a block that reads its head count from its settings
+    fails at a rank's width, so no tp = 2 plan is offered, and `runtime_config` refuses one made for the module
+    before. Before, the module path set none of these facts: the search offered tp = 2, and the first forward
+    failed on every rank."""
+    import types
+
+    import torch.nn.functional as F
+
+    from planner.search.outer import plan_for_module
+
+    example = f"{Path(__file__).parent.parent / 'examples' / 'custom_model.py'}:factory"
+    model, inputs = resolve_model(example).build(batch=1, seq=32, device="cpu")
+    tp2 = plan_for_module(model, inputs, cluster="cpu-local", fix={"tp": 2})  # (the example runs at tp = 2)
+    assert tp2.config.tp == 2 and tp2.model == "module:TinyLM"
+
+    def by_settings(self, x):
+        b, s, d = x.shape
+        h = self.attention_norm(x)
+        q, k, v = (w(h).view(b, s, self.heads, d // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        x = x + self.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
+        return x + self.w2(F.gelu(self.w1(self.ffn_norm(x))))
+
+    for block in model.blocks:
+        block.forward = types.MethodType(by_settings, block)
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(NoPlanFits, match="TinyLM's forward fails .* at tp=2"):
+        plan_for_module(model, inputs, cluster="cpu-local", fix={"tp": 2})
+    with pytest.raises(ValueError, match="TinyLM's forward fails .* at tp=2"):
+        runtime_config(tp2, model)
+    assert all(p.device.type == "cpu" and p.equal(w) for p, w in zip(model.parameters(), weights))
+
+
 def test_a_users_blocks_are_tried_split_as_tensor_parallelism_splits_them():
     """A ``file.py`` model's forward is run on the meta device with its column- and row-parallel linears cut as a
     rank of tp = 2 holds them (`profiler.layers.tensor_parallel_problems`): examples/custom_model.py read its head
@@ -336,7 +371,10 @@ def test_a_users_blocks_are_tried_split_as_tensor_parallelism_splits_them():
     assert sorted(tp_ready) == ["8"] and sp_ready == ""  # (its 4 heads too)
     with torch.device("meta"):
         real = unfused_attention.UnfusedLM(vocab=64, dim=32, heads=4, layers=1).to_empty(device="cpu")
-    assert tensor_parallel_problems(real, "blocks", ids) == ({}, "")  # (real weights: not run here)
+    # real weights (a module given to auto_parallelize): judged on a meta copy, the weights neither read nor changed
+    tp_real, sp_real = tensor_parallel_problems(real, "blocks", ids)
+    assert sorted(tp_real) == ["8"] and "UnfusedLM's forward fails" in tp_real["8"] and sp_real == ""
+    assert not any(t.is_meta for t in real.parameters())
     assert problems(facts(tp=2, tp_forward=tp)) == [f"tp=2: {tp['2']}"]
     assert problems(facts(tp=3, tp_forward=tp)) == []
     assert problems(facts(tp=2, sp=True, sp_layout=sp)) == [f"sp=on: {sp}"]

@@ -15,6 +15,7 @@ from costmodel.compression import POWERSGD_START_ITER
 from planner.emit import runtime, train
 from planner.emit.config import runtime_config
 from planner.plan import Plan
+from profiler.layers import meta_copy
 
 
 @dataclass
@@ -199,14 +200,3 @@ def _is_hf_lm(model: nn.Module) -> bool:
     except ImportError:
         return False
     return isinstance(model, PreTrainedModel)
-
-
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` whose parameters and buffers are on the meta device (no data copied; shared
-    parameters stay shared)."""
-    memo: dict = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = b.detach().to("meta")
-    return _copy.deepcopy(model, memo)

@@ -24,6 +24,7 @@ from profiler.layers import (
     tensor_parallel_problems,
     tp_unsplit_linears,
 )
+from profiler.zoo.hf import HFCausalLMLoss
 from profiler.zoo.registry import is_file_spec
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -183,12 +184,15 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
         blocks = model.get_submodule(container)
     except AttributeError:
         raise ValueError(f"plan for {plan.model} expects blocks at {container!r}, which this model lacks") from None
-    # (a user's file.py model: the zoo's and Hugging Face's follow the contract; `auto_parallelize` names its plans
-    # module:<class>, and judges the module it was given)
+    # the user's own code is tried as the capture tries it (`profiler.api.runnable_facts`): a file.py model, or a
+    # module given to `auto_parallelize` (its plans are named module:<class>; a meta copy of it is run), not the
+    # zoo's and Hugging Face's, which follow the contract by construction
     ids = torch.zeros(1, plan.seq, dtype=torch.long, device="meta")
-    if is_file_spec(plan.model) and (why := forward_problem(model, ids)):
+    user_code = is_file_spec(plan.model) or (plan.model.startswith("module:")
+                                             and not isinstance(model, HFCausalLMLoss))
+    if user_code and (why := forward_problem(model, ids)):
         raise ValueError(f"this plan cannot run: {why}")
-    tp_forward, sp_layout = tensor_parallel_problems(model, container, ids) if is_file_spec(plan.model) and c.tp > 1 \
+    tp_forward, sp_layout = tensor_parallel_problems(model, container, ids) if user_code and c.tp > 1 \
         else ({}, "")
     if c.pp > 1 and (why := pipeline_split_problem(model, container, seq=plan.seq)):
         raise ValueError(f"pp={c.pp}: {why}")

@@ -615,9 +615,10 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
     import torch
 
     from costmodel.cluster import load_cluster
+    from profiler.api import runnable_facts
     from profiler.capture import capture
-    from profiler.layers import context_parallel_ready, group_layers, has_attend
-    from profiler.zoo.hf import masks_as_trained
+    from profiler.layers import group_layers, has_attend
+    from profiler.zoo.hf import HFCausalLMLoss, masks_as_trained
 
     cl = load_cluster(cluster)
     if world_size is not None and world_size != cl.world_size:
@@ -628,13 +629,18 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
                              "cluster with that many GPUs")
     name = f"module:{type(model).__name__}"
 
+    facts: dict = {}
+
     def layers(autocast: str | None = None) -> LayerGraph:
-        # (the arch facts the rules read: whether the runtime can split this module's sequence, and whether its
-        # blocks make attention scores, in attend methods)
+        # (the arch facts the rules read, as for a captured spec: `profiler.api.runnable_facts`, run once; and
+        # whether its blocks make attention scores, in attend methods)
         with masks_as_trained():  # (a Hugging Face module: the masks a training step makes, not export's)
-            graph = capture(model, example_inputs, name=name, arch={"cp_ready": context_parallel_ready(model)},
-                            autocast=autocast)
-        out = group_layers(graph)
+            graph = capture(model, example_inputs, name=name, autocast=autocast)
+            out = group_layers(graph)
+            if not facts:  # (a module of the user's: its forward and its blocks under TP tried on a meta copy)
+                facts.update(runnable_facts(model, out.block_container, example_inputs[0],
+                                            user_code=not isinstance(model, HFCausalLMLoss)))
+        out.model.arch.update(facts)
         out.model.arch["attention_core"] = has_attention_core(out)
         out.model.arch["attends"] = has_attend(model, out)
         return out
