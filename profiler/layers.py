@@ -147,6 +147,7 @@ def forward_problem(model: nn.Module, input_ids) -> str:
     import torch
 
     name = type(model).__name__
+    given = model
     model = _on_meta_or_copy(model)  # (one with real weights, given to `auto_parallelize`: a meta copy of it)
     if model is None:
         return ""
@@ -160,7 +161,9 @@ def forward_problem(model: nn.Module, input_ids) -> str:
         with torch.no_grad():
             out = model(input_ids.to("meta"))
     except Exception as e:  # noqa: BLE001 (the user's code: any failure is the answer)
-        return f"{name}(input_ids) failed on the meta device ({_first_line(e)})"
+        # (a copy of a module that runs on its own device but not on meta, a device literal in its forward: not
+        # judged, as the runtime's own first step will)
+        return "" if model is not given else f"{name}(input_ids) failed on the meta device ({_first_line(e)})"
     if not isinstance(out, torch.Tensor) or out.dim() != 3 or tuple(out.shape[:2]) != tuple(input_ids.shape):
         what = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
         return (f"{name}(input_ids) returns {what}, not the logits [batch, seq, vocab] the training step takes its "
@@ -214,7 +217,9 @@ def tensor_parallel_problems(model: nn.Module, container: str, input_ids) -> tup
         probe = copy.deepcopy(model) if on_meta is model else on_meta
         cut = [(probe.get_submodule(container).get_submodule(name), _matches(rel, COLUMN_NAMES))
                for name, rel, _ in found]
-    except Exception:  # noqa: BLE001 (a model that cannot be copied: not judged)
+        with torch.no_grad():  # (unsplit first: a forward that fails on meta whatever the split is not judged)
+            probe(input_ids.to("meta"))
+    except Exception:  # noqa: BLE001 (a model that cannot be copied or run on meta: not judged)
         return out, sp
     for tp in degrees:
         for m, is_column in cut:
@@ -280,8 +285,16 @@ def _stage_trace(model: nn.Module, leaf: str, seq: int) -> str:
 
     names = [name for name, _ in model.named_children()]
     at = names.index(leaf)
+    given = model
     if not len(getattr(model, leaf)) or (model := _on_meta_or_copy(model)) is None:
         return ""
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    if model is not given:  # (a copy of a module that does not run on meta whatever the cut: not judged)
+        try:
+            with torch.no_grad():
+                model(ids)
+        except Exception:  # noqa: BLE001
+            return ""
     blocks = getattr(model, leaf)
     before, after = names[:at], names[at + 1:]  # (all of them, as the runtime sets them to None)
 
@@ -293,7 +306,6 @@ def _stage_trace(model: nn.Module, leaf: str, seq: int) -> str:
             part._modules[n] = None
         return part
 
-    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     kind = type(model).__name__
     hidden = None
     for what, drop, x in (("first", after, ids), ("middle", before + after, None), ("last", before, None)):

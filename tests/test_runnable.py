@@ -290,9 +290,11 @@ def test_a_module_given_to_auto_parallelize_is_judged_as_its_file_would_be():
     parallelism tried on a meta copy of its real weights: a block that reads its head count from its settings
     fails at a rank's width, so no tp = 2 plan is offered, and `runtime_config` refuses one made for the module
     before. Before, the module path set none of these facts: the search offered tp = 2, and the first forward
-    failed on every rank."""
+    failed on every rank. A module that runs on its own device but not on meta at all (a CPU tensor made in its
+    forward) is not judged: neither refused nor passed by a meta forward that proves nothing."""
     import types
 
+    import torch
     import torch.nn.functional as F
 
     from planner.search.outer import plan_for_module
@@ -317,6 +319,15 @@ def test_a_module_given_to_auto_parallelize_is_judged_as_its_file_would_be():
     with pytest.raises(ValueError, match="TinyLM's forward fails .* at tp=2"):
         runtime_config(tp2, model)
     assert all(p.device.type == "cpu" and p.equal(w) for p, w in zip(model.parameters(), weights))
+
+    def cpu_literal(self, x):  # runs on its own device, not on meta whatever the split: not judged, not refused
+        return by_settings(self, x) + torch.zeros(x.shape[1], x.shape[2])
+
+    for block in model.blocks:
+        block.forward = types.MethodType(cpu_literal, block)
+    model(inputs[0])  # (it runs)
+    assert plan_for_module(model, inputs, cluster="cpu-local", fix={"tp": 2}).config.tp == 2
+    runtime_config(tp2, model)  # (no ValueError)
 
 
 def test_a_users_blocks_are_tried_split_as_tensor_parallelism_splits_them():
