@@ -54,7 +54,7 @@ from costmodel.cluster import Cluster, load_cluster
 from costmodel.config import AC, ParallelConfig, Schedule
 from costmodel.estimate import Evaluator
 from costmodel.hardware import EfficiencyCurve
-from costmodel.stacks import FITTED_FILE, fitted
+from costmodel.stacks import FITTED_FILE, STACKS, fitted
 
 DATA = Path(__file__).parent / "data" / "published_runs.json"
 KIND_OF_GPU = {"a100_40gb": "a100", "a100_80gb": "a100", "h100_80gb": "h100"}
@@ -85,12 +85,13 @@ class Row:
         column-parallel linear's whole input, Megatron-LM's sequence-first activations need no copy around its
         sequence-parallel collectives, Megatron-LM keeps 16-bit parameters beside fp32 master weights
         where autopar's runtime autocasts fp32 ones (`costmodel.memory.state_bytes_per_param`), and llm-foundry's
-        float8 is Transformer Engine's, whose fused casts its fitted ``fp8_eff`` holds where torchao's are priced
-        by their bytes (`costmodel.layercost.float8_cast_costs`); torchtitan is torch-native (autopar's runtime,
-        torchao's float8) but may compile and checkpoint per op."""
+        float8 is Transformer Engine's, whose casts are priced as that recipe runs them (the stack's
+        ``float8_recipe``, `costmodel.stacks.STACKS`); torchtitan is torch-native (autopar's runtime, torchao's
+        float8) but may compile and checkpoint per op."""
         native = self.stack == "torch-native"
         return {"in_place_loss": not native, "gathered_column_inputs": native, "compiled": self.compiled,
-                "selective": self.selective, "autocast": native, "seq_relayout": native, "float8_casts": native}
+                "selective": self.selective, "autocast": native, "seq_relayout": native,
+                "float8_recipe": STACKS[self.stack].float8_recipe}
 
 
 def load_rows(path: Path = DATA) -> list[Row]:
@@ -344,12 +345,22 @@ def write_fitted(fits: dict[str, tuple[Constants, str, list[Row]]],
 
 
 def _fitted_entries(fits: dict[str, tuple[Constants, str, list[Row]]]) -> dict:
+    """Each kind's constants as fitted.yaml keeps them: the efficiencies rounded up (to 4 decimals) and the matmul
+    curve's half-point down (to 4 digits), so that a constant fitted at the slower kinds' floor (`_floor`) is
+    written at or above it, never 1e-4 under it."""
+    def up(v: float) -> float:
+        return min(1.0, math.ceil(round(v * 1e4, 6)) / 1e4)
+
+    def down(v: float) -> float:
+        scale = 10.0 ** (math.floor(math.log10(v)) - 3)
+        return float(f"{math.floor(round(v / scale, 6)) * scale:.4g}")
+
     out = {}
     for kind, (k, source, _) in sorted(fits.items()):
         out[kind] = {
-            "matmul_e_max": round(k.e_max, 4), "matmul_f_half": float(f"{k.f_half:.4g}"),
-            "memory_eff": round(k.memory_eff, 4), "overlap_slowdown": round(k.overlap_slowdown, 4),
-            "attention_eff": round(k.attention_eff, 4), "fp8_eff": round(k.fp8_eff, 4),
+            "matmul_e_max": up(k.e_max), "matmul_f_half": down(k.f_half),
+            "memory_eff": up(k.memory_eff), "overlap_slowdown": round(k.overlap_slowdown, 4),
+            "attention_eff": up(k.attention_eff), "fp8_eff": up(k.fp8_eff),
             "source": source,
         }
     return out

@@ -30,6 +30,7 @@ from costmodel.collectives import all_gather_time, all_reduce_time, send_recv_ti
 from costmodel.compression import powersgd_memory, pp_cast_time
 from costmodel.config import AC, ParallelConfig, Schedule, parse_grad_compress
 from costmodel.layercost import (
+    FLOAT8_RECIPES,
     CostContext,
     LayerCost,
     copy_time,
@@ -290,7 +291,7 @@ class Evaluator:
                  cache: dict | None = None, measured: tuple[dict, int] | None = None,
                  in_place_loss: bool = False, gathered_column_inputs: bool = True, compiled: bool = False,
                  selective: str | None = None, autocast: bool = True, seq_relayout: bool = True,
-                 float8_casts: bool = True) -> None:
+                 float8_recipe: str | None = "torchao") -> None:
         """``cache``: optional dict shared by Evaluators of the *same* ``lg`` and ``cluster`` (e.g. a planner's
         candidates): the parameter ownership is computed once and layer costs are shared between
         configurations whose (tp, sp, mbs, precision, pp > 1) agree, the only configuration fields they depend on.
@@ -306,10 +307,12 @@ class Evaluator:
         fp32 under ``torch.autocast``, as in autopar's runtime (`costmodel.memory.state_bytes_per_param`; False
         for Megatron-LM's 16-bit parameters beside a master copy); ``seq_relayout``: the collectives along the
         sequence copy around NCCL's layout, as torch's DTensor does on autopar's batch-first activations
-        (`costmodel.layercost.seq_relayout_bytes`; False for Megatron-LM's sequence-first ones); ``float8_casts``:
-        float8 training's casts priced as kernels of their own (`costmodel.layercost.float8_cast_costs`, torchao's
-        recipe; False for a stack whose recipe's casts are in its fitted ``fp8_eff``)."""
+        (`costmodel.layercost.seq_relayout_bytes`; False for Megatron-LM's sequence-first ones); ``float8_recipe``:
+        the recipe whose casts float8 training runs as kernels of their own (`costmodel.layercost.FLOAT8_RECIPES`,
+        priced by `costmodel.layercost.float8_cast_costs`): torchao's, the torch-native stack's, by default."""
         check_config(lg, cluster, cfg, global_batch)
+        if float8_recipe is not None and float8_recipe not in FLOAT8_RECIPES:
+            raise ValueError(f"unknown float8 recipe {float8_recipe!r}; known: {', '.join(FLOAT8_RECIPES)}")
         if selective is None:
             selective = model_selective_policy(lg)
         self.autocast = autocast
@@ -354,7 +357,8 @@ class Evaluator:
                                kv_width=kv_width, q_width=q_width, native_kernels=arch.get("kernels") == "native",
                                grad_exists=grads_accumulate(cfg, self.m), transient_grads=fsdp_transient_grads(cfg),
                                grad_bytes=4 if under else cfg.param_bytes, weight_cast_bytes=2 if under else 0,
-                               casts_per_micro_batch=cfg.pp == 1, float8_casts=float8_casts)
+                               casts_per_micro_batch=cfg.pp == 1, float8_recipe=float8_recipe,
+                               autocast_capture=autocast_capture)
         pipelined = cfg.pp > 1  # tied embedding/head weights have a copy on each end of the pipeline
         if ("owned", pipelined) not in shared:
             shared["owned", pipelined] = owned_params(lg, pipelined=pipelined)
@@ -364,7 +368,7 @@ class Evaluator:
             ("layer_costs", cfg.tp, cfg.sp, cfg.mbs, cfg.precision, bool(measured), in_place_loss,
              gathered_column_inputs, seq_relayout, compiled, selective, pipelined, cfg.ep, cfg.cp, autocast_capture,
              self.ctx.grad_exists, self.ctx.transient_grads, self.ctx.grad_bytes, self.ctx.weight_cast_bytes,
-             float8_casts),
+             float8_recipe),
             {})
         self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
 

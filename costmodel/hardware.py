@@ -97,8 +97,8 @@ class DeviceSpec:
     #: efficiency of fused attention kernels (FlashAttention) relative to a GEMM of the same FLOPs, in (0, 1]:
     #: FlashAttention-2 reaches 50-73 % of A100 peak vs ~80 % for GEMMs, and 35-50 % of H100 peak (Dao 2023, §4.1).
     attention_eff: float = 1.0
-    #: achieved fraction of the fp8 peak relative to the bf16 curve (fp8 GEMMs are smaller per FLOP and pay
-    #: scaling/casting work), in (0, 1].
+    #: achieved fraction of the fp8 peak relative to the bf16 curve: the float8 GEMMs' own efficiency (their
+    #: recipe's casts are kernels priced apart, `costmodel.layercost.float8_cast_costs`), in (0, 1].
     fp8_eff: float = 1.0
     #: fractional slowdown of compute while a collective overlaps it (the collective's kernels take SMs and HBM
     #: bandwidth): overlapped compute time is multiplied by ``1 + overlap_slowdown``, in [0, 1]. 1: the collectives

@@ -20,7 +20,7 @@ block (backward: an all-gather) and all-gathers the last block's output for the 
 all-reduce's payload. Two things torch adds: DTensor's sequence-parallel collectives copy the whole activation
 between its batch-first layout and NCCL's dim 0 (`tp_relayout_bytes`, `seq_relayout_bytes`: read from torch 2.13's
 functional collectives, traced by `autopar check`, part of tp_comm's time), and float8 training gathers in float8
-(`CostContext.gather_scale`). A rank's share of a split linear does 1/t of its FLOPs but still reads or writes the
+(`gather_scale`). A rank's share of a split linear does 1/t of its FLOPs but still reads or writes the
 whole activation on its unsplit side (`_whole_bytes`), which is what a skinny GEMM's time is.
 
 Context parallelism (``cp`` ranks share each sequence; `planner.emit.runtime.apply_cp`): the sequence is cut into
@@ -236,18 +236,12 @@ class CostContext:
     #: micro-batch's outside pipelines (`planner.emit.train.train_step_loss`); one over the step within one casts them
     #: once per step, left unpriced
     casts_per_micro_batch: bool = False
-    #: under float8 training, the float8 linears' casts run as kernels of their own, priced by their bytes
-    #: (`float8_cast_costs`: torchao's dynamic tensorwise scaling, the torch-native stack's float8, as torchtitan runs
-    #: it); False for a stack whose float8 recipe is priced within its ``fp8_eff`` (Transformer Engine's fused casts)
-    float8_casts: bool = True
-
-    @property
-    def gather_scale(self) -> float:
-        """Bytes a sequence-parallel all-gather moves per byte of the 16-bit tensor it gathers: ½ under float8
-        training, whose tensor-parallel linears cast to float8 before gathering (torchao's tensorwise
-        ``PrepareFloat8ModuleInput`` and ``Float8ColwiseParallel`` the inputs forward, ``Float8RowwiseParallel`` the
-        output gradients backward, as torchtitan's float8 runs use them), while reductions stay 16-bit; else 1."""
-        return 0.5 if self.precision == "fp8" and self.sp else 1.0
+    #: the graph was captured under ``torch.autocast`` (`LayerGraph.under_autocast`): its fp32 parameters are read
+    #: whole where no autocast copy stands in, and its matmuls' backward casts their 16-bit weight gradients to fp32
+    autocast_capture: bool = False
+    #: under float8 training, whose recipe casts the float8 linears' operands (`FLOAT8_RECIPES`): kernels of their
+    #: own, priced by their bytes (`float8_cast_costs`); None leaves them unpriced (the GEMMs alone)
+    float8_recipe: str | None = "torchao"
 
     @property
     def scale(self) -> float:
@@ -288,6 +282,39 @@ def _shard(node: NodeInfo, tp: int, sp: bool, tp_layer: bool) -> float:
     return 1.0
 
 
+def _weight_traffic(n: NodeInfo, ctx: CostContext, numel: Mapping[str, int]) -> tuple[float, float]:
+    """(forward, backward) bytes of its weights a node moves, whole, at the plan's dtypes: what the capture's byte
+    count of the node (every tensor an ATen op reads or writes, `profiler.capture`) holds once, and which does not
+    grow with the tokens as the rest of its bytes does (a micro-batch of 56 sequences reads a linear's weight once,
+    not 56 times). ``numel``: the layer's own parameters' elements by name (a weight another layer owns, the head's
+    tied to the embedding, is a linear's second operand).
+
+    - A matmul reads its weights (and bias) forward at its compute dtype (under autocast the 16-bit copy, whose
+      cast the capture leaves out, `LayerCost` prices it per micro-batch), reads them again for its input's gradient
+      and writes their gradients backward; under an autocast capture its backward also casts the 16-bit gradients
+      to the fp32 parameters' dtype (2 read, 4 written).
+    - An embedding reads its whole table forward, as the capture counts it, and writes its whole gradient backward,
+      at the parameter's dtype (fp32 under an autocast capture).
+    - A copy of a weight made per call (an expert weight's transposed autocast copy) is the weight's bytes alone.
+
+    Other ops' weights (a norm's vector) are left with the tokens' bytes."""
+    if not n.params or n.kind == "view":
+        return 0.0, 0.0
+    if n.op == "aten._to_copy.default":
+        return n.fwd_bytes * ctx.act_scale, n.bwd_bytes * ctx.act_scale
+    names = list(dict.fromkeys(n.params))
+    w = float(sum(numel.get(p, 0) for p in names))
+    if any(p not in numel for p in names) and n.op == "aten.linear.default" and len(n.input_shapes) > 1:
+        w = float(sum(_prod(s) for s in n.input_shapes[1:]))  # (a tied weight: the linear's weight and bias)
+    compute = 4 if ctx.precision == "fp32" else 2  # (a plain capture's bytes are rescaled to the plan's dtypes)
+    if n.kind == "matmul":
+        return w * compute, w * (2 * compute + (2 + 4 if ctx.autocast_capture else 0))
+    if n.op == "aten.embedding.default":
+        table = w * (4 if ctx.autocast_capture else compute)
+        return table, table
+    return 0.0, 0.0
+
+
 def _whole_bytes(n: NodeInfo, f: float, layer: Layer, by_name: dict) -> tuple[float, float]:
     """(forward, backward) bytes at the captured batch that a tensor-parallel rank's share ``f`` of a split matmul
     does not shrink, on top of ``f`` of its captured bytes: a column-parallel (or vocabulary-parallel) linear reads
@@ -305,11 +332,30 @@ def is_float8_linear(n: NodeInfo, layer: Layer) -> bool:
     """Whether float8 training runs ``n`` in float8: torchao's float8 conversion swaps a model's ``nn.Linear``
     modules (not other matmuls: attention's, grouped experts'), skipping those with a weight dimension that is not a
     multiple of 16 (``torch._scaled_mm``'s requirement, as torchtitan's converter filters them); torchtitan's
-    Llama 3 configs leave the output projection out (``filter_fqns = ["output"]``), as the tensor-parallel
-    collectives here leave the embedding and the head 16-bit (`layer_cost`)."""
+    Llama 3 configs leave the output projection out (``filter_fqns = ["output"]``), and the same rule decides
+    which sequence-parallel all-gathers move float8 (`gather_scale`)."""
     return (layer.kind == "block" and n.kind == "matmul" and n.op == "aten.linear.default"
             and n.module_type == "Linear" and len(n.input_shapes) > 1
             and all(d % 16 == 0 for d in n.input_shapes[1]))
+
+
+def gather_scale(layer: Layer, ctx: CostContext) -> float:
+    """Bytes a sequence-parallel all-gather of ``layer`` moves per byte of the 16-bit tensor it gathers: ½ where
+    float8 training runs the linears it feeds in float8 (`is_float8_linear`), which cast before they gather
+    (torchao's tensorwise ``PrepareFloat8ModuleInput`` and ``Float8ColwiseParallel`` the inputs forward,
+    ``Float8RowwiseParallel`` the output gradients backward, as torchtitan runs them; Transformer Engine's modules
+    likewise), while reductions stay 16-bit; else 1 (the embedding, the head, a block none of whose linears runs in
+    float8)."""
+    if ctx.precision != "fp8" or not ctx.sp:
+        return 1.0
+    return 0.5 if any(is_float8_linear(n, layer) for n in layer.nodes) else 1.0
+
+
+#: float8 training recipes whose casts `float8_cast_costs` prices (`CostContext.float8_recipe`)
+FLOAT8_RECIPES = {
+    "torchao": "torchao's dynamic tensorwise scaling: the torch-native stack's float8, as torchtitan runs it",
+    "transformer-engine": "Transformer Engine's delayed scaling (te.Linear): llm-foundry's fc_type te, Megatron-Core",
+}
 
 
 @dataclass(frozen=True)
@@ -347,7 +393,10 @@ def float8_cast_costs(n: NodeInfo, ctx: CostContext, tp: int, cast: set[str]) ->
       max(abs) across ranks", torchtitan's docs/float8.md): the weight's (reused backward), the split inputs' and
       output gradients', one per cast.
 
-    ``cast`` holds the inputs already cast once for several linears, and grows."""
+    Transformer Engine's delayed scaling (``transformer-engine``, `te_float8_cast_costs`) is priced by its own
+    kernels. ``cast`` holds the inputs already cast once for several linears, and grows."""
+    if ctx.float8_recipe == "transformer-engine":
+        return te_float8_cast_costs(n, ctx, tp)
     k = ctx.scale
     x, g, w = _prod(n.input_shapes[0]) * k, _prod(n.output_shapes[0]) * k, _prod(n.input_shapes[1])
     share = 1.0 / tp
@@ -393,6 +442,41 @@ def float8_cast_costs(n: NodeInfo, ctx: CostContext, tp: int, cast: set[str]) ->
         bwd += (2 * (amax + 2 + 1) + 1 + 1) * g_used
         bwd_amax += 2 * int(column)
     return Float8Casts(fwd, bwd, fwd_amax, bwd_amax)
+
+
+def te_float8_cast_costs(n: NodeInfo, ctx: CostContext, tp: int) -> Float8Casts:
+    """What Transformer Engine's casts of a float8 linear cost one rank per micro-batch under its delayed scaling
+    recipe, as ``te.Linear`` runs them (transformer_engine/pytorch/module/linear.py, ``_Linear``, and
+    ``grad_output_preprocess`` in module/base.py): a tensor's scale comes from the max-abs history of earlier
+    steps, so each cast is one kernel that records the new max-abs as it goes (no pass of its own, and no
+    all-reduce a cast waits for: the new max-abs values of all the modules are reduced together after each
+    micro-batch's forward and backward, one small all-reduce each, left unpriced, as are the scale updates).
+    ``fp8_cast_transpose_fused`` reads the 16-bit tensor (2 bytes an element) and writes it in both layouts the
+    float8 GEMMs take (1 + 1): the input forward (its transpose is saved for the weight's gradient), the weight
+    every forward (a module is not told which micro-batch is the first, so none reuses a cast), the output
+    gradient backward. Each module casts its own input (there is no common subexpression across modules).
+    Under sequence parallelism a column-parallel linear casts its input's shard (2 + 1), gathers it in float8 and
+    transposes the gathered tensor backward (1 + 1); a row-parallel linear's output gradient likewise."""
+    k = ctx.scale
+    x, g, w = _prod(n.input_shapes[0]) * k, _prod(n.output_shapes[0]) * k, _prod(n.input_shapes[1])
+    share = 1.0 / tp
+    row = n.tp_role == "row" and tp > 1
+    column = n.tp_role == "column" and tp > 1
+    if row or column:
+        w *= share
+    fwd, bwd = (2 + 1 + 1) * w, 0.0
+    x_used = x * share if row else x
+    if column and ctx.sp:  # the shard cast, gathered in float8, transposed whole backward
+        fwd += (2 + 1) * x * share
+        bwd += (1 + 1) * x_used
+    else:
+        fwd += (2 + 1 + 1) * x_used
+    g_used = g * share if column else g
+    if row and ctx.sp:
+        bwd += (2 + 1) * g * share + (1 + 1) * g_used
+    else:
+        bwd += (2 + 1 + 1) * g_used
+    return Float8Casts(fwd, bwd, 0, 0)
 
 
 #: bytes of a max-abs all-reduce (`float8_cast_costs`): one fp32 scalar
@@ -534,26 +618,25 @@ def recompute_stop(layer: Layer) -> int:
     return savers[-1] if savers else len(layer.nodes)
 
 
-def tp_comm_time(nbytes: float, calls: int, ctx: CostContext, *, float8: bool = True) -> float:
+def tp_comm_time(nbytes: float, calls: int, ctx: CostContext, *, scale: float = 1.0) -> float:
     """Seconds of ``calls`` tensor-parallel reductions moving ``nbytes`` in all: all-reduces, or with sequence
     parallelism a reduce-scatter and an all-gather each (the same ring bytes, each a call of its own; the
-    all-gather in float8 under float8 training, `CostContext.gather_scale`, where ``float8``: a block's, not the
-    embedding's or the head's, which stay 16-bit). The copies around them are `tp_relayout_bytes`'."""
+    all-gather's bytes times ``scale``, `gather_scale`). The copies around them are `tp_relayout_bytes`'."""
     if not nbytes or ctx.tp_span is None:
         return 0.0
     if ctx.sp:
-        return sp_comm_time(nbytes, calls, nbytes, calls, ctx, float8=float8)
+        return sp_comm_time(nbytes, calls, nbytes, calls, ctx, scale=scale)
     return all_reduce_time(nbytes, ctx.tp_span, ctx.cluster, calls)
 
 
 def sp_comm_time(gathered: float, gathers: int, scattered: float, scatters: int, ctx: CostContext, *,
-                 float8: bool = True) -> float:
-    """Seconds of ``gathers`` sequence-parallel all-gathers of ``gathered`` 16-bit bytes in all (their outputs;
-    in float8 under float8 training where ``float8``, `CostContext.gather_scale`) and ``scatters`` reduce-scatters
-    of ``scattered`` bytes (their inputs)."""
+                 scale: float = 1.0) -> float:
+    """Seconds of ``gathers`` sequence-parallel all-gathers of ``gathered`` 16-bit bytes in all (their outputs,
+    times ``scale``: in float8 under float8 training, `gather_scale`) and ``scatters`` reduce-scatters of
+    ``scattered`` bytes (their inputs)."""
     t = 0.0
     if gathered:
-        t += all_gather_time(gathered * (ctx.gather_scale if float8 else 1.0), ctx.tp_span, ctx.cluster, gathers)
+        t += all_gather_time(gathered * scale, ctx.tp_span, ctx.cluster, gathers)
     if scattered:
         t += reduce_scatter_time(scattered, ctx.tp_span, ctx.cluster, scatters)
     return t
@@ -578,7 +661,7 @@ def tp_relayout_bytes(layer: Layer, ctx: CostContext) -> tuple[float, float]:
     # outputs scattered; backward the other way round: the rows' output gradients gathered, the columns' input
     # gradients scattered (their sizes differ under autocast: a norm's fp32 output, a 16-bit row output)
     rows, columns = tp_comm_bytes(layer, ctx)
-    g = ctx.gather_scale
+    g = gather_scale(layer, ctx)
     return seq_relayout_bytes(columns * g, rows, ctx), seq_relayout_bytes(rows * g, columns, ctx)
 
 
@@ -645,7 +728,7 @@ def recompute_comm_time(layer: Layer, ctx: CostContext, ac: AC) -> float:
     parts = _recomputed_collectives(layer, ctx, ac)  # (once: `recompute_traffic` is their sum)
     gathered, scattered = [g for g, _ in parts], [s for _, s in parts]
     return sp_comm_time(sum(gathered) * k, sum(1 for g in gathered if g), sum(scattered) * k,
-                        sum(1 for s in scattered if s), ctx)
+                        sum(1 for s in scattered if s), ctx, scale=gather_scale(layer, ctx))
 
 
 def recompute_relayout_bytes(layer: Layer, ctx: CostContext, ac: AC) -> float:
@@ -661,7 +744,7 @@ def recompute_relayout_bytes(layer: Layer, ctx: CostContext, ac: AC) -> float:
     if parts and ac == AC.SELECTIVE and ctx.selective == "every-other-matmul":
         stop = recompute_stop(layer)
         scattered = sum(n.output_bytes for j, n in enumerate(layer.nodes) if n.tp_role == "row" and j < stop)
-    return seq_relayout_bytes(sum(g for g, _ in parts) * k * ctx.gather_scale, scattered * k, ctx)
+    return seq_relayout_bytes(sum(g for g, _ in parts) * k * gather_scale(layer, ctx), scattered * k, ctx)
 
 
 def _recomputed_collectives(layer: Layer, ctx: CostContext, ac: AC) -> list[tuple[float, float]]:
@@ -843,6 +926,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     by_name = {n.name: n for n in layer.nodes}
     saved_by: dict[str, float] = {}  # what each node saves for the backward, as the activations count it
     float8_cast: set[str] = set()  # the inputs float8 linears have cast (`float8_cast_costs`)
+    own_numel = {p.fqn: p.numel for p in owned}  # (`_weight_traffic`)
     for j, n in enumerate(layer.nodes):
         f = _shard(n, ctx.tp, ctx.sp, tp_layer)
         if n.kind != "view":  # a view allocates nothing, nor does its gradient (a view of the output's gradient)
@@ -856,11 +940,16 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         # the busiest expert sets an expert GEMM's time (`costmodel.moe`: the capture is the balanced case)
         busy = ctx.imbalance if experts and any(p in experts for p in n.params) else 1.0
         f8 = ctx.precision == "fp8" and is_float8_linear(n, layer)
-        t_f = busy * _node_time(n.fwd_flops * k * f, (b_f * f + w_f) * k * ctx.act_scale, ctx, attention=attn,
-                                float8=f8) + o_f
-        t_b = busy * _node_time(n.bwd_flops * k * f, (b_b * f + w_b) * k * ctx.act_scale, ctx, attention=attn,
-                                float8=f8) + o_b
-        if f8 and ctx.float8_casts:  # (kernels of their own, and the max-abs all-reduces they wait for)
+        # the weights' bytes, which the capture counts once, do not grow with the tokens as the rest does: the
+        # rank's share of them (split by TP, and by EP for the experts') is read once per micro-batch
+        p_f, p_b = _weight_traffic(n, ctx, own_numel)
+        held = _shard(n, ctx.tp, False, tp_layer) / (ctx.ep if ctx.ep > 1 and experts & set(n.params) else 1)
+        extra = k * f - held
+        t_f = busy * _node_time(n.fwd_flops * k * f, max(0.0, (b_f * f + w_f) * k * ctx.act_scale - extra * p_f),
+                                ctx, attention=attn, float8=f8) + o_f
+        t_b = busy * _node_time(n.bwd_flops * k * f, max(0.0, (b_b * f + w_b) * k * ctx.act_scale - extra * p_b),
+                                ctx, attention=attn, float8=f8) + o_b
+        if f8 and ctx.float8_recipe:  # (kernels of their own, and the max-abs all-reduces they wait for)
             casts = float8_cast_costs(n, ctx, tp, float8_cast)
             t_f += _node_time(0.0, casts.fwd_bytes, ctx) + amax_time(casts.fwd_amax, ctx)
             t_b += _node_time(0.0, casts.bwd_bytes, ctx) + amax_time(casts.bwd_amax, ctx)
@@ -931,9 +1020,9 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     if tp > 1 and ctx.tp_span is not None:
         bf, bb, calls_f, calls_b = tp_traffic(layer, ctx)
         copy_f, copy_b = tp_relayout_bytes(layer, ctx)
-        f8 = layer.kind not in ("embed", "head")  # (float8 training leaves those two 16-bit)
-        comm_f = tp_comm_time(bf, calls_f, ctx, float8=f8) + copy_time(copy_f, ctx)
-        comm_b = tp_comm_time(bb, calls_b, ctx, float8=f8) + copy_time(copy_b, ctx)
+        g = gather_scale(layer, ctx)
+        comm_f = tp_comm_time(bf, calls_f, ctx, scale=g) + copy_time(copy_f, ctx)
+        comm_b = tp_comm_time(bb, calls_b, ctx, scale=g) + copy_time(copy_b, ctx)
         relayout = copy_f + copy_b
 
     rank_rec = {AC.NONE: 0.0, AC.FULL: rank_rec_full}.get(ac, rank_op_rec if op_policy else rank_core)

@@ -32,6 +32,9 @@ class Stack:
     name: str
     description: str
     rows: str  #: the published rows its constants are fitted on (`costmodel.calibrate`)
+    #: the float8 recipe its float8 training runs (`costmodel.layercost.FLOAT8_RECIPES`), whose casts its published
+    #: float8 rows are priced with, so that its fitted ``fp8_eff`` is the float8 GEMMs' own
+    float8_recipe: str = "torchao"
 
 
 STACKS = {
@@ -44,10 +47,12 @@ STACKS = {
         "columns, bf16 and float8 tensorwise)"),
     "megatron": Stack(
         "megatron", "Megatron-LM (2022): tensor, sequence and pipeline parallelism with interleaving",
-        "Korthikanti et al. 2022 Table 5 (A100)"),
+        "Korthikanti et al. 2022 Table 5 (A100)", float8_recipe="transformer-engine"),
     "composer": Stack(
         "composer", "MosaicML Composer / llm-foundry: PyTorch FSDP with FlashAttention and fused cross entropy",
-        "llm-foundry's MPT benchmarks (A100 40/80 GB, H100)"),
+        "llm-foundry's MPT benchmarks (A100 40/80 GB, H100)",
+        # (its benchmarks run float8 as te.Linear: fc_type te on H100, scripts/train/benchmarking/submit_benchmarks.py)
+        float8_recipe="transformer-engine"),
 }
 
 

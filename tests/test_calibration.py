@@ -6,6 +6,8 @@ these tests only predict. Thresholds are the issue's acceptance criteria.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from costmodel import calibrate
@@ -184,7 +186,9 @@ def test_a_refit_never_makes_the_kept_constants_worse(monkeypatch):
 
     from costmodel.hardware import fitted_constants
 
-    kept = calibrate._kept(fitted_constants("a100"))
+    # (overlap_slowdown moved inside its range: a constant fitted on a bound packs to a logit of ~20, where this
+    # test's bowl at 0 would outweigh its well)
+    kept = dataclasses.replace(calibrate._kept(fitted_constants("a100")), overlap_slowdown=0.4)
     target = calibrate._pack(kept, None, False)
 
     def error(rows, k):

@@ -811,35 +811,52 @@ def test_pipeline_boundary_gathers_copy_as_torch_does():
 def test_float8_gathers_sequence_parallel_activations_in_float8():
     """Under float8 training the tensor-parallel linears cast before they gather (torchao's tensorwise
     ``PrepareFloat8ModuleInput``, ``Float8ColwiseParallel``, ``Float8RowwiseParallel``, as torchtitan runs them):
-    with sequence parallelism each all-gather (and the copy after it, `tp_relayout_bytes`) moves half the bytes of
-    the 16-bit one, the reduce-scatters (and the copies before them) the same; without sequence parallelism the
-    all-reduces are unchanged."""
+    with sequence parallelism each all-gather of a block whose linears run in float8 (and the copy after it,
+    `tp_relayout_bytes`) moves half the bytes of the 16-bit one, the reduce-scatters (and the copies before them)
+    the same; without sequence parallelism the all-reduces are unchanged. The head, and a block none of whose
+    linears runs in float8 (`is_float8_linear`: a width not a multiple of 16), gather 16-bit: one rule decides
+    both what computes and what gathers in float8."""
     from costmodel.cluster import group_span
     from costmodel.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
-    from costmodel.layercost import CostContext, tp_comm_bytes, tp_comm_time, tp_relayout_bytes
+    from costmodel.layercost import CostContext, gather_scale, tp_comm_bytes, tp_comm_time, tp_relayout_bytes
 
     cl = _cluster()
     span = group_span(cl, 4, 1)
     nbytes = 64 * 2**20
+    lg = profile_model("llama:layers=2,hidden=256,heads=8,kv_heads=4,ffn=704,vocab=1024,seq=128")
+    block, head = lg.blocks[0], lg.layers[-1]
     for sp in (True, False):
         ctx = {p: CostContext(cluster=cl, tp=4, sp=sp, mbs=2, captured_batch=1, precision=p, tp_span=span)
                for p in ("bf16", "fp8")}
+        g = {p: gather_scale(block, ctx[p]) for p in ctx}
+        assert gather_scale(head, ctx["fp8"]) == 1.0
         if not sp:
-            assert tp_comm_time(nbytes, 2, ctx["fp8"]) == tp_comm_time(nbytes, 2, ctx["bf16"]) == all_reduce_time(
-                nbytes, span, cl, 2)
+            assert g == {"bf16": 1.0, "fp8": 1.0}
+            assert tp_comm_time(nbytes, 2, ctx["fp8"], scale=g["fp8"]) == all_reduce_time(nbytes, span, cl, 2)
             continue
-        assert ctx["fp8"].gather_scale == 0.5 and ctx["bf16"].gather_scale == 1.0
+        assert g == {"bf16": 1.0, "fp8": 0.5}
         want = reduce_scatter_time(nbytes, span, cl, 2) + all_gather_time(nbytes / 2, span, cl, 2)
-        assert tp_comm_time(nbytes, 2, ctx["fp8"]) == pytest.approx(want, rel=1e-12)
-        assert tp_comm_time(nbytes, 2, ctx["fp8"]) < tp_comm_time(nbytes, 2, ctx["bf16"])
+        assert tp_comm_time(nbytes, 2, ctx["fp8"], scale=g["fp8"]) == pytest.approx(want, rel=1e-12)
+        assert tp_comm_time(nbytes, 2, ctx["fp8"], scale=g["fp8"]) < tp_comm_time(nbytes, 2, ctx["bf16"])
     # a Llama block's copies: the all-gathers' halve, the reduce-scatters' stay
-    lg = profile_model("llama:layers=2,hidden=256,heads=8,kv_heads=4,ffn=704,vocab=1024,seq=128")
-    block = lg.blocks[0]
     ctx = {p: CostContext(cluster=cl, tp=4, sp=True, mbs=2, captured_batch=1, precision=p, tp_span=span)
            for p in ("bf16", "fp8")}
     (bf16_f, bf16_b), (fp8_f, fp8_b) = (tp_relayout_bytes(block, ctx[p]) for p in ("bf16", "fp8"))
     bf, bb = tp_comm_bytes(block, ctx["bf16"])
     assert (bf16_f, bf16_b) == (2 * bf, 2 * bb) and (fp8_f, fp8_b) == (1.5 * bf, 1.5 * bb)
+    # hidden 264 = 16 · 16.5: no linear of the block runs in float8, nor does it gather in float8
+    odd = profile_model("llama:layers=2,hidden=264,heads=4,kv_heads=2,ffn=704,vocab=1024,seq=128").blocks[0]
+    assert gather_scale(odd, ctx["fp8"]) == 1.0
+    assert tp_relayout_bytes(odd, ctx["fp8"]) == tp_relayout_bytes(odd, ctx["bf16"])
+    # and the block's own tensor-parallel time follows the same rule
+    from costmodel.layercost import layer_cost, owned_params
+
+    odd_lg = profile_model("llama:layers=2,hidden=264,heads=4,kv_heads=2,ffn=704,vocab=1024,seq=128")
+    for layer, lgraph, halved in ((block, lg, True), (odd, odd_lg, False)):
+        own = owned_params(lgraph)[layer.name]
+        c = {p: layer_cost(layer, AC.NONE, ctx[p], own) for p in ctx}
+        assert (c["fp8"].tp_comm_fwd_s < c["bf16"].tp_comm_fwd_s) is halved
+        assert (c["fp8"].tp_comm_fwd_s == c["bf16"].tp_comm_fwd_s) is not halved
 
 
 def test_float8_runs_the_blocks_linears_only():
@@ -862,7 +879,7 @@ def test_float8_runs_the_blocks_linears_only():
         else:  # the attention core's two batched matmuls
             assert len(others) == 2 and all(not n.params for n in others)
         assert linears
-        ctx = {p: CostContext(cluster=cl, tp=1, sp=False, mbs=8, captured_batch=1, precision=p, float8_casts=False)
+        ctx = {p: CostContext(cluster=cl, tp=1, sp=False, mbs=8, captured_batch=1, precision=p, float8_recipe=None)
                for p in ("bf16", "fp8")}
         bf16, fp8 = (layer_cost(head, AC.NONE, ctx[p], owned[head.name]) for p in ("bf16", "fp8"))
         assert (fp8.fwd_s, fp8.bwd_s) == (bf16.fwd_s, bf16.bwd_s)
@@ -937,9 +954,54 @@ def test_float8_casts_priced_as_torchao_runs_them():
         # a 4-byte one of the group
         bw = cl.device.hbm_bw * cl.device.memory_eff
         one = all_reduce_time(AMAX_BYTES, ctx.tp_span, cl) if tp > 1 else 0.0
-        on, off = (layer_cost(block, AC.NONE, dataclasses.replace(ctx, float8_casts=c), owned) for c in (True, False))
+        on, off = (layer_cost(block, AC.NONE, dataclasses.replace(ctx, float8_recipe=c), owned)
+                   for c in ("torchao", None))
         assert on.fwd_s - off.fwd_s == pytest.approx(fwd / bw + reduces[0] * one, rel=1e-9), case
         assert on.bwd_s - off.bwd_s == pytest.approx(bwd / bw + reduces[1] * one, rel=1e-9), case
+
+
+def test_float8_casts_priced_as_transformer_engine_runs_them():
+    """Transformer Engine's delayed scaling (``te.Linear``): each cast is one ``fp8_cast_transpose_fused`` kernel
+    that reads the 16-bit tensor (2 bytes an element), writes both layouts (1 + 1) and records the max-abs as it
+    goes, its scale taken from earlier steps' (no max-abs pass, no all-reduce to wait for). Per linear: its input
+    forward, its weight every forward, its output gradient backward, each module its own (q, k and v cast the
+    same input three times). Under SP a column-parallel input is cast on its shard (2 + 1), gathered in float8 and
+    transposed whole backward (1 + 1), a row-parallel output gradient likewise. Closed form for a Llama block."""
+    from costmodel.cluster import group_span
+    from costmodel.layercost import CostContext, float8_cast_costs, is_float8_linear, layer_cost, owned_params
+
+    cl = _cluster()
+    lg = profile_model("llama:layers=2,hidden=256,heads=8,kv_heads=4,ffn=704,vocab=1024,seq=128")
+    block = lg.blocks[0]
+    owned = owned_params(lg)[block.name]
+    linears = [n for n in block.nodes if is_float8_linear(n, block)]
+    mbs, tokens, hidden, kv, ffn = 2, 128, 256, 128, 704
+    act = mbs * tokens
+    big = act * hidden
+    for tp, sp, compiled in [(1, False, False), (1, False, True), (4, False, False), (4, True, True)]:
+        ctx = CostContext(cluster=cl, tp=tp, sp=sp, mbs=mbs, captured_batch=1, precision="fp8", compiled=compiled,
+                          tp_span=group_span(cl, tp, 1) if tp > 1 else None, float8_recipe="transformer-engine")
+        s = 1 / tp
+        row_in = act * s * (hidden + ffn)
+        col_out = act * s * (hidden + 2 * kv + 2 * ffn)
+        weights = s * (hidden * hidden * 2 + 2 * hidden * kv + 3 * hidden * ffn)
+        col_in = 5 * big  # q, k, v and w1, w3 each cast their own (whole) input
+        if sp:
+            fwd = 3 * col_in * s + 4 * row_in + 4 * weights
+            bwd = 2 * col_in + 4 * col_out + 2 * (3 * big * s + 2 * big)
+        else:
+            fwd = 4 * col_in + 4 * row_in + 4 * weights
+            bwd = 4 * col_out + 4 * 2 * big
+        got = [float8_cast_costs(n, ctx, tp, set()) for n in linears]
+        case = (tp, sp, compiled)
+        assert sum(c.fwd_bytes for c in got) == pytest.approx(fwd, rel=1e-12), case
+        assert sum(c.bwd_bytes for c in got) == pytest.approx(bwd, rel=1e-12), case
+        assert all(c.fwd_amax == c.bwd_amax == 0 for c in got), case
+        bw = cl.device.hbm_bw * cl.device.memory_eff
+        on, off = (layer_cost(block, AC.NONE, dataclasses.replace(ctx, float8_recipe=c), owned)
+                   for c in ("transformer-engine", None))
+        assert on.fwd_s - off.fwd_s == pytest.approx(fwd / bw, rel=1e-9), case
+        assert on.bwd_s - off.bwd_s == pytest.approx(bwd / bw, rel=1e-9), case
 
 
 def test_split_linears_move_their_whole_activation():
@@ -1028,3 +1090,48 @@ def test_autocasts_weight_casts_are_priced_where_the_runtime_makes_them():
     full = piped.cost(block, AC.FULL)  # (the cache serves its recomputation)
     assert selective.fwd_s == pytest.approx(full.fwd_s + cast, rel=1e-12)
     assert selective.cast_numel == 0.0 and full.cast_numel == plain.cast_numel
+
+
+def test_weights_are_read_once_per_micro_batch_not_once_per_sequence(monkeypatch):
+    """The capture counts every tensor an op reads or writes at its batch of one sequence, a linear's weight
+    among them; a micro-batch of m sequences moves m times the activations but reads the weight once (and writes
+    its gradient once). Each linear of a Llama block at mbs 8 is charged 8 × its one-sequence bytes less 7 weights
+    forward and 14 backward (read for the input's gradient, its gradient written), the rank's share of them under
+    TP; the embedding its table once each way. Before, a micro-batch of 56 sequences of 512 tokens read each weight
+    56 times, which made llm-foundry's short-sequence float8 GEMMs memory-bound (its 1B seq 512 row +30 %)."""
+    import costmodel.layercost as lc
+    from costmodel.cluster import group_span
+
+    cl = _cluster()
+    lg = profile_model("llama:layers=2,hidden=256,heads=8,kv_heads=4,ffn=704,vocab=1024,seq=128")
+    owned = lc.owned_params(lg)
+    calls: list = []
+    real = lc._node_time
+    monkeypatch.setattr(lc, "_node_time", lambda flops, nbytes, ctx, **kw: calls.append(nbytes) or real(
+        flops, nbytes, ctx, **kw))
+    for layer, tp in [(lg.blocks[0], 1), (lg.blocks[0], 4), (lg.layers[0], 1)]:
+        charged = {}
+        for mbs in (1, 8):
+            ctx = lc.CostContext(cluster=cl, tp=tp, sp=False, mbs=mbs, captured_batch=1, precision="bf16",
+                                 tp_span=group_span(cl, tp, 1) if tp > 1 else None, grad_bytes=2)
+            calls.clear()
+            lc.layer_cost(layer, AC.NONE, ctx, owned[layer.name])
+            charged[mbs] = list(calls)
+        nodes = list(layer.nodes)
+        assert len(charged[1]) == len(charged[8]) == 2 * len(nodes)
+        weighted = 0
+        for i, n in enumerate(nodes):
+            f_bytes = charged[8][2 * i] - 8 * charged[1][2 * i]
+            b_bytes = charged[8][2 * i + 1] - 8 * charged[1][2 * i + 1]
+            share = 1 / tp if n.tp_role in ("column", "row") else 1.0
+            if n.kind == "matmul" and n.params:
+                w = 2 * lc._prod(n.input_shapes[1]) * share
+                assert (f_bytes, b_bytes) == (pytest.approx(-7 * w), pytest.approx(-14 * w)), n.name
+                weighted += 1
+            elif n.op == "aten.embedding.default":
+                w = 2 * lc._prod(n.input_shapes[0])
+                assert (f_bytes, b_bytes) == (pytest.approx(-7 * w), pytest.approx(-7 * w)), n.name
+                weighted += 1
+            else:
+                assert (f_bytes, b_bytes) == (pytest.approx(0.0, abs=1e-6), pytest.approx(0.0, abs=1e-6)), n.name
+        assert weighted == (7 if layer.kind == "block" else 1)
