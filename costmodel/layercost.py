@@ -397,15 +397,9 @@ def float8_cast_costs(n: NodeInfo, ctx: CostContext, tp: int, cast: set[str]) ->
     kernels. ``cast`` holds the inputs already cast once for several linears, and grows."""
     if ctx.float8_recipe == "transformer-engine":
         return te_float8_cast_costs(n, ctx, tp)
-    k = ctx.scale
-    x, g, w = _prod(n.input_shapes[0]) * k, _prod(n.output_shapes[0]) * k, _prod(n.input_shapes[1])
-    share = 1.0 / tp
-    row = n.tp_role == "row" and tp > 1
-    column = n.tp_role == "column" and tp > 1
+    x, g, w, share, row, column = _float8_operands(n, ctx, tp)
     compiled = ctx.compiled
     amax = 0 if compiled else 2  # (bytes an element: fused into the op before it, compiled)
-    if row or column:
-        w *= share
     fwd, bwd = (2 + 3) * w, (3 if compiled else 2) * w
     fwd_amax, bwd_amax = int(row or column), 0  # (the weight's, split over the group)
 
@@ -444,6 +438,17 @@ def float8_cast_costs(n: NodeInfo, ctx: CostContext, tp: int, cast: set[str]) ->
     return Float8Casts(fwd, bwd, fwd_amax, bwd_amax)
 
 
+def _float8_operands(n: NodeInfo, ctx: CostContext, tp: int) -> tuple[float, float, float, float, bool, bool]:
+    """A float8 linear's operands as its casts see them, in elements on one rank per micro-batch: (input, output
+    gradient, weight (its rank's share under TP), 1/tp, row-parallel, column-parallel)."""
+    k = ctx.scale
+    x, g, w = _prod(n.input_shapes[0]) * k, _prod(n.output_shapes[0]) * k, _prod(n.input_shapes[1])
+    share = 1.0 / tp
+    row = n.tp_role == "row" and tp > 1
+    column = n.tp_role == "column" and tp > 1
+    return x, g, w * share if row or column else w, share, row, column
+
+
 def te_float8_cast_costs(n: NodeInfo, ctx: CostContext, tp: int) -> Float8Casts:
     """What Transformer Engine's casts of a float8 linear cost one rank per micro-batch under its delayed scaling
     recipe, as ``te.Linear`` runs them (transformer_engine/pytorch/module/linear.py, ``_Linear``, and
@@ -457,13 +462,7 @@ def te_float8_cast_costs(n: NodeInfo, ctx: CostContext, tp: int) -> Float8Casts:
     gradient backward. Each module casts its own input (there is no common subexpression across modules).
     Under sequence parallelism a column-parallel linear casts its input's shard (2 + 1), gathers it in float8 and
     transposes the gathered tensor backward (1 + 1); a row-parallel linear's output gradient likewise."""
-    k = ctx.scale
-    x, g, w = _prod(n.input_shapes[0]) * k, _prod(n.output_shapes[0]) * k, _prod(n.input_shapes[1])
-    share = 1.0 / tp
-    row = n.tp_role == "row" and tp > 1
-    column = n.tp_role == "column" and tp > 1
-    if row or column:
-        w *= share
+    x, g, w, share, row, column = _float8_operands(n, ctx, tp)
     fwd, bwd = (2 + 1 + 1) * w, 0.0
     x_used = x * share if row else x
     if column and ctx.sp:  # the shard cast, gathered in float8, transposed whole backward
