@@ -29,12 +29,13 @@ with rows of its own (torch-native on H100) gets constants of its own, fitted on
 
 One set of constants per device *kind* (``a100``: 40 and 80 GB; ``h100``) and stack, never per row: the matmul
 efficiency curve (``e_max``, ``f_half``), the memory-bound efficiency, the fused-attention efficiency, the fp8
-efficiency (only where the kind has fp8 rows) and the overlap slowdown. A faster kind's matmul curve is held at or
-above a slower kind's achieved FLOP/s at every GEMM size (`matmul_floor`). The fit minimises the mean absolute
-relative error of the step time over the kind's rows, each source weighted equally: differential evolution over
-bounded, transformed parameters, then Nelder-Mead (`fit`), with the constants in fitted.yaml in the first
-population, so that a refit on the same rows never makes them worse. Korthikanti Table 4 (per-layer
-forward/backward of the 22B model) is predicted, not fitted, and printed as a check.
+efficiency and the overlap slowdown, each only where some row's prediction depends on it (`unidentified`): the
+others keep the committed value, or in a cold fit the published prior (`PRIOR`). A faster kind's matmul curve is
+held at or above a slower kind's achieved FLOP/s at every GEMM size (`matmul_floor`). The fit minimises the mean
+absolute relative error of the step time over the kind's rows, each source weighted equally: differential evolution
+over bounded, transformed parameters, then Nelder-Mead (`fit`), with the constants in fitted.yaml in the first
+population, so that a refit on the same rows never makes them worse. Korthikanti Table 4 (per-layer forward/backward
+of the 22B model) is predicted, not fitted, and printed as a check.
 """
 
 from __future__ import annotations
@@ -45,15 +46,17 @@ import datetime as _dt
 import json
 import math
 import sys
+from collections.abc import Callable, Iterable, Mapping
 from functools import cache
 from pathlib import Path
+from types import MappingProxyType
 
 import yaml
 
 from costmodel.cluster import Cluster, load_cluster
 from costmodel.config import AC, ParallelConfig, Schedule
 from costmodel.estimate import Evaluator
-from costmodel.hardware import EfficiencyCurve
+from costmodel.hardware import GPU_ATTENTION_EFF_PRIOR, GPU_MATMUL_PRIOR, GPU_MEMORY_EFF_PRIOR, EfficiencyCurve
 from costmodel.stacks import FITTED_FILE, STACKS, fitted
 
 DATA = Path(__file__).parent / "data" / "published_runs.json"
@@ -250,20 +253,24 @@ def _where(span: tuple[float, float], value: float) -> float:  # (`_within`'s in
     return _logit((value - span[0]) / (span[1] - span[0]) if span[1] > span[0] else 0.5)
 
 
-def _unpack(x, floor: tuple[Constants, float, float] | None = None) -> Constants:
-    """Constants from the optimiser's unbounded parameters (`_PARAMS`; fp8_eff 1 without a sixth). ``floor`` = (a
-    slower kind's constants, this kind's bf16 peak over that kind's, its HBM bandwidth over that kind's): each
-    constant is kept where this kind is at least as fast as the slower one on every operation (`matmul_floor`)."""
+def _unpack(x, floor: tuple[Constants, float, float] | None = None,
+            held: Mapping[str, float] = MappingProxyType({})) -> Constants:
+    """Constants from the optimiser's unbounded parameters: e_max's and f_half's, then each other constant's of
+    `_PARAMS` but those ``held`` (name → value, each clipped into its range). ``floor`` = (a slower kind's
+    constants, this kind's bf16 peak over that kind's, its HBM bandwidth over that kind's): each constant is kept
+    where this kind is at least as fast as the slower one on every operation (`matmul_floor`)."""
     e_max = _within(_E_MAX, x[0])
     f_half = math.exp(x[1]) if floor is None else matmul_floor(e_max, floor[0], floor[1]) * _sig(x[1])
     ranges = _ranges(e_max, f_half, floor)
-    rest = {name: _within(ranges[name], v) for name, v in zip(_PARAMS[2:], x[2:])}
-    return Constants(e_max=e_max, f_half=f_half, **{"fp8_eff": 1.0} | rest)
+    free = iter(x[2:])
+    rest = {name: min(max(held[name], ranges[name][0]), ranges[name][1]) if name in held
+            else _within(ranges[name], next(free)) for name in _PARAMS[2:]}
+    return Constants(e_max=e_max, f_half=f_half, **rest)
 
 
-def _pack(k: Constants, floor: tuple[Constants, float, float] | None, fp8: bool) -> list[float]:
-    """`_unpack`'s inverse: the optimiser's parameters of constants ``k`` (each clipped into its bounds under
-    ``floor``, should a refitted slower kind have moved them)."""
+def _pack(k: Constants, floor: tuple[Constants, float, float] | None, held: Iterable[str] = ()) -> list[float]:
+    """`_unpack`'s inverse: the optimiser's parameters of constants ``k``, but for the constants ``held`` (each
+    clipped into its bounds under ``floor``, should a refitted slower kind have moved them)."""
     e = _where(_E_MAX, k.e_max)
     e_max = _within(_E_MAX, e)
     if floor is None:
@@ -273,7 +280,39 @@ def _pack(k: Constants, floor: tuple[Constants, float, float] | None, fp8: bool)
         f_half = min(k.f_half, ceiling)
         f = _logit(f_half / ceiling)
     ranges = _ranges(e_max, f_half, floor)
-    return [e, f] + [_where(ranges[name], getattr(k, name)) for name in _PARAMS[2:6 if fp8 else 5]]
+    held = set(held)
+    return [e, f] + [_where(ranges[name], getattr(k, name)) for name in _PARAMS[2:] if name not in held]
+
+
+#: each constant where no row says otherwise, from hardware.py's published priors (fp8_eff: the bf16 curve's
+#: efficiency at the fp8 peak): a cold fit holds here every constant its rows cannot identify (`unidentified`)
+PRIOR = Constants(e_max=GPU_MATMUL_PRIOR.e_max, f_half=GPU_MATMUL_PRIOR.f_half, memory_eff=GPU_MEMORY_EFF_PRIOR,
+                  overlap_slowdown=0.0, attention_eff=GPU_ATTENTION_EFF_PRIOR, fp8_eff=1.0)
+
+
+def depends_on(rows: Iterable, step_time: Callable[[object, float], float], span: tuple[float, float]) -> bool:
+    """Whether any of ``rows`` is predicted a different step time (``step_time(row, value)``) at the two ends of a
+    constant's ``span``: every constant's effect on a step is monotone, so a constant that moves none of the rows
+    between its bounds is one they cannot identify (the fused-attention efficiency, to runs whose attention is
+    unfused; the fp8 efficiency, to bf16 runs), and a fit leaves it where it was instead of wherever the optimiser
+    drifted (Korthikanti's eight unfused rows alone once put attention_eff at 0.29, and llm-foundry's 64K-token
+    rows, predicted with it, 160 % slow)."""
+    for row in rows:
+        lo, hi = (step_time(row, v) for v in span)
+        if abs(lo - hi) > 1e-9 * max(lo, hi):
+            return True
+    return False
+
+
+def unidentified(rows: list[Row], start: Constants) -> tuple[str, ...]:
+    """The constants of `_PARAMS` but the matmul curve's that no row of ``rows`` depends on (`depends_on`, over
+    each constant's range from ``start``)."""
+    ranges = _ranges(start.e_max, start.f_half, None)
+
+    def step_time(name: str) -> Callable[[Row, float], float]:
+        return lambda row, v: predict(row, dataclasses.replace(start, **{name: v})).step_time_s
+
+    return tuple(name for name in _PARAMS[2:] if not depends_on(rows, step_time(name), ranges[name]))
 
 
 def matmul_floor(e_max: float, slower: Constants, peak_ratio: float) -> float:
@@ -295,32 +334,34 @@ DE_GENERATIONS, DE_POPULATION = 40, 12
 
 def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None,
         kept: Constants | None = None) -> tuple[Constants, float]:
-    """The kind's constants (fp8_eff only where the kind has fp8 rows) that minimise `_error` on ``rows``;
-    ``floor``: see `_unpack`. The surface has many shallow local minima (the constants trade against each other
-    row by row), so a global search first, differential evolution over the transformed parameters (each constant's
-    range, seeded: the same rows give the same constants), then Nelder-Mead from its best. Nelder-Mead alone from
-    three fixed starts left the torch-native stack at 6.8 % where this finds 2.8 % under the same floor.
+    """The kind's constants that minimise `_error` on ``rows``, but for those the rows cannot identify
+    (`unidentified`), held at ``kept``'s values, or cold at the published `PRIOR`; ``floor``: see `_unpack`. The
+    surface has many shallow local minima (the constants trade against each other row by row), so a global search
+    first, differential evolution over the transformed parameters (each constant's range, seeded: the same rows
+    give the same constants), then Nelder-Mead from its best. Nelder-Mead alone from three fixed starts left the
+    torch-native stack at 6.8 % where this finds 2.8 % under the same floor.
     ``kept``: the constants in use, put in the first population; neither search ever returns a point worse than
     its best so far, so the result is never worse on ``rows`` than ``kept`` (clipped into the floor's bounds) and
     a refit is monotone."""
     from scipy.optimize import differential_evolution, minimize
 
-    has_fp8 = any(r.config.precision == "fp8" for r in rows)
-    bounds = [(-6.0, 6.0)] * (6 if has_fp8 else 5)  # logits: 0.25 % … 99.75 % of each constant's range
+    start = kept or PRIOR
+    held = {name: getattr(start, name) for name in unidentified(rows, start)}
+    bounds = [(-6.0, 6.0)] * (len(_PARAMS) - len(held))  # logits: 0.25 % … 99.75 % of each constant's range
     if floor is None:
         bounds[1] = (math.log(1e8), math.log(1e13))  # f_half, FLOP
     x0 = None
     if kept is not None:
-        x0 = _pack(kept, floor, has_fp8)
+        x0 = _pack(kept, floor, held)
         bounds = [(min(lo, v), max(hi, v)) for (lo, hi), v in zip(bounds, x0)]  # (so that it is a member as it is)
 
     def objective(x):
-        return _error(rows, _unpack(x, floor))
+        return _error(rows, _unpack(x, floor, held))
 
     res = differential_evolution(objective, bounds, x0=x0, seed=0, maxiter=DE_GENERATIONS, popsize=DE_POPULATION,
                                  tol=1e-6, init="sobol", polish=False)
     res = minimize(objective, res.x, method="Nelder-Mead", options={"maxiter": 800, "xatol": 1e-4, "fatol": 1e-6})
-    return _unpack(res.x, floor), float(res.fun)
+    return _unpack(res.x, floor, held), float(res.fun)
 
 
 #: device kinds in increasing bf16 peak, each with a catalogue device: a faster kind's curve is kept above the

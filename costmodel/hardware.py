@@ -180,9 +180,12 @@ class DeviceSpec:
 
 #: GPU matmul efficiency prior: large GEMMs reach ~75 % of dense peak in practice (Megatron/torchtitan MFU ranges),
 #: half of that at ~2 GFLOP (e.g. a 1024×1024×1024 GEMM). Overwritten by the calibration fit.
-_GPU_MATMUL_PRIOR = EfficiencyCurve(e_max=0.75, f_half=2e9, source="prior: unfitted")
+GPU_MATMUL_PRIOR = EfficiencyCurve(e_max=0.75, f_half=2e9, source="prior: unfitted")
 #: memory-bound ops commonly reach 70-85 % of HBM bandwidth (STREAM-like); prior, unfitted.
-_GPU_MEMORY_EFF_PRIOR = 0.8
+GPU_MEMORY_EFF_PRIOR = 0.8
+#: fused attention relative to a GEMM of its FLOPs: FlashAttention-2 reaches 50-73 % of the A100's peak where
+#: optimised GEMMs reach ~80 % (Dao 2023, abstract and §4.1); the middle of that range over 80 %. Prior, unfitted.
+GPU_ATTENTION_EFF_PRIOR = (0.50 + 0.73) / 2 / 0.80
 
 _A100_PEAKS = {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}
 _H100_PEAKS = {"bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12, "tf32": 494.7e12, "fp32": 66.9e12}
@@ -228,7 +231,8 @@ def _gpu(name: str, peaks: Mapping[str, float], memory_bytes: float, hbm_bw: flo
     if fit:
         effs, note = _efficiencies(fit), f"efficiencies: {fit['source']}"
     else:
-        effs = {"matmul_eff": _GPU_MATMUL_PRIOR, "memory_eff": _GPU_MEMORY_EFF_PRIOR, "overlap_slowdown": 0.0}
+        effs = {"matmul_eff": GPU_MATMUL_PRIOR, "memory_eff": GPU_MEMORY_EFF_PRIOR, "overlap_slowdown": 0.0,
+                "attention_eff": GPU_ATTENTION_EFF_PRIOR}
         note = "efficiencies: prior: unfitted"
     return DeviceSpec(name=name, peak_flops=peaks, memory_bytes=memory_bytes, hbm_bw=hbm_bw,
                       source=f"{_PEAK_SOURCE}; {memory_note}; {note}", **effs)

@@ -21,6 +21,9 @@ peak efficiency ``e_max`` (most of a training step is GEMMs), then the matmul cu
 ``f_half`` (small against large GEMMs: runs that differ in tp or hidden size), the memory-bound efficiency
 ``memory_eff`` (norms, element-wise ops), the slowdown of compute that overlaps communication
 ``overlap_slowdown``, and the fused-attention efficiency ``attention_eff``. The others keep the cluster's values.
+A constant no run depends on is skipped whatever the number of runs (`costmodel.calibrate.depends_on`: the
+fused-attention efficiency for runs whose attention is unfused, the overlap slowdown for runs that overlap no
+communication) and reported as such: it keeps the cluster's value, and the next constant takes its place.
 The fit minimises the relative error of the step time: for one constant, the mean absolute error (a bounded
 one-dimensional search); for more, the sum of squared relative errors (trust-region least squares on bounded,
 transformed parameters), polished by Nelder-Mead on the mean absolute error when runs outnumber constants. Start
@@ -69,11 +72,13 @@ class Calibration:
     """The fitted cluster and how well it reproduces each run."""
 
     cluster: Cluster
-    fitted: tuple[str, ...]  #: the constants the runs identified (`UNLOCK_ORDER`'s first len(runs))
+    fitted: tuple[str, ...]  #: the constants the runs identified (the first len(runs) of `UNLOCK_ORDER`'s the runs
+    #: depend on)
     values: dict  #: each fitted constant's value
     before_s: tuple[float, ...]  #: each run predicted with the given cluster
     after_s: tuple[float, ...]  #: … and with the fitted one
     runs: tuple[Run, ...]
+    unidentifiable: tuple[str, ...] = ()  #: the constants of `UNLOCK_ORDER` no run depends on (kept)
 
     def errors(self) -> list[float]:
         return [p / r.measured_step_s - 1 for p, r in zip(self.after_s, self.runs, strict=True)]
@@ -164,7 +169,8 @@ def predict(run: Run, device_from: Cluster) -> float:
 
 
 def calibrate(runs: Sequence[Run], cluster: Cluster) -> Calibration:
-    """Fit `UNLOCK_ORDER`'s first ``len(runs)`` constants of ``cluster``'s device to ``runs`` (see the module)."""
+    """Fit the first ``len(runs)`` constants of `UNLOCK_ORDER` that the runs depend on, of ``cluster``'s device,
+    to ``runs`` (see the module)."""
     if not runs:
         raise ValueError("calibrate needs at least one run")
     for run in runs:
@@ -173,10 +179,18 @@ def calibrate(runs: Sequence[Run], cluster: Cluster) -> Calibration:
                                                                             ours.memory_bytes, ours.hbm_bw):
             raise ValueError(f"{run.name}: its cluster {run.cluster} has {theirs.name} devices, the cluster to "
                              f"calibrate has {ours.name}; calibrate the runs of one device kind")
-    names = UNLOCK_ORDER[:len(runs)]
+    from costmodel.calibrate import depends_on
+
     dev = cluster.device
     start = {"e_max": dev.matmul_eff.e_max, "f_half": dev.matmul_eff.f_half, "memory_eff": dev.memory_eff,
              "overlap_slowdown": dev.overlap_slowdown, "attention_eff": dev.attention_eff}
+    unidentifiable = tuple(
+        name for name in UNLOCK_ORDER
+        if not depends_on(runs, lambda run, v, name=name: predict(run, _with(cluster, {name: v}, "probe")),
+                          _BOUNDS[name]))
+    names = tuple(n for n in UNLOCK_ORDER if n not in unidentifiable)[:len(runs)]
+    if not names:
+        raise ValueError("no run's predicted step time depends on any constant calibrate fits; check the runs")
 
     def error(values: dict) -> float:
         trial = _with(cluster, values, "fit in progress")
@@ -228,4 +242,5 @@ def calibrate(runs: Sequence[Run], cluster: Cluster) -> Calibration:
                                                             source=source))
     return Calibration(cluster=fitted, fitted=names, values=values,
                        before_s=tuple(predict(r, cluster) for r in runs),
-                       after_s=tuple(predict(r, fitted) for r in runs), runs=tuple(runs))
+                       after_s=tuple(predict(r, fitted) for r in runs), runs=tuple(runs),
+                       unidentifiable=unidentifiable)

@@ -84,3 +84,26 @@ def test_bad_runs_are_one_line_and_write_nothing(tmp_path, capsys, edit, needle)
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+
+def test_a_constant_no_run_depends_on_is_skipped_and_said(tmp_path, capsys):
+    """Megatron-style runs, unfused attention on tp = every GPU (no data-parallel gradient to overlap), cannot
+    identify the fused-attention efficiency or the overlap slowdown: four runs fit e_max, f_half and memory_eff,
+    not the overlap slowdown (fourth in order), and the CLI says which constants no run depends on."""
+    model = "gpt:layers=4,hidden=2048,heads=16,seq=2048,vocab=32000,attention=math"
+    runs = [{"name": f"mbs{mbs}", "model": model, "cluster": "dgx-h100:nodes=1", "global_batch": 16,
+             "config": {"tp": 8, "mbs": mbs}, "step_time_s": step}
+            for mbs, step in ((1, 0.080), (2, 0.060), (4, 0.052), (8, 0.050))]
+    path = tmp_path / "runs.yaml"
+    path.write_text(yaml.safe_dump(runs))
+    out = tmp_path / "h100.yaml"
+    assert main(["calibrate", str(path), "--cluster", "dgx-h100", "--out", str(out), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["unidentifiable"] == ["overlap_slowdown", "attention_eff"]
+    assert list(result["fitted"]) == ["e_max", "f_half", "memory_eff"]
+    base = load_cluster("dgx-h100").device
+    dev = load_cluster(str(out)).device
+    assert (dev.overlap_slowdown, dev.attention_eff) == (base.overlap_slowdown, base.attention_eff)
+    assert main(["calibrate", str(path), "--cluster", "dgx-h100", "--out", str(out)]) == 0
+    assert "no run depends on overlap_slowdown, attention_eff: kept" in capsys.readouterr().out

@@ -173,7 +173,8 @@ def test_the_optimiser_parameters_of_the_kept_constants_give_them_back():
     for entry, fl, fp8 in ((kept["a100"], None, False), (kept["h100"], floor, True),
                            (kept["stacks"]["torch-native"]["h100"], floor, True)):
         k = calibrate._kept(entry)
-        back = calibrate._unpack(calibrate._pack(k, fl, fp8), fl)
+        held = {} if fp8 else {"fp8_eff": k.fp8_eff}
+        back = calibrate._unpack(calibrate._pack(k, fl, held), fl, held)
         for name in ("e_max", "f_half", "memory_eff", "overlap_slowdown", "attention_eff") + (("fp8_eff",) * fp8):
             assert getattr(back, name) == pytest.approx(getattr(k, name), rel=1e-8), name
 
@@ -189,15 +190,44 @@ def test_a_refit_never_makes_the_kept_constants_worse(monkeypatch):
     # (overlap_slowdown moved inside its range: a constant fitted on a bound packs to a logit of ~20, where this
     # test's bowl at 0 would outweigh its well)
     kept = dataclasses.replace(calibrate._kept(fitted_constants("a100")), overlap_slowdown=0.4)
-    target = calibrate._pack(kept, None, False)
+    target = calibrate._pack(kept, None, ("fp8_eff",))
 
     def error(rows, k):
-        x = calibrate._pack(k, None, False)
+        x = calibrate._pack(k, None, ("fp8_eff",))
         d2 = sum((a - b) ** 2 for a, b in zip(x, target))
         return 1.0 - 0.9 * math.exp(-d2 / 1e-4) + 1e-3 * sum(v * v for v in x)  # a well at kept; a bowl at 0
 
     monkeypatch.setattr(calibrate, "_error", error)
+    # (every constant free but fp8_eff, as bf16 rows would leave them)
+    monkeypatch.setattr(calibrate, "unidentified", lambda rows, start: ("fp8_eff",))
     cold, cold_err = calibrate.fit([])
     warm, warm_err = calibrate.fit([], kept=kept)
     assert warm_err <= error([], kept) + 1e-9 < cold_err
     assert warm.e_max == pytest.approx(kept.e_max, rel=1e-3) and warm.f_half == pytest.approx(kept.f_half, rel=1e-2)
+
+
+def test_a_constant_no_row_depends_on_is_held_where_it_was(monkeypatch):
+    """Korthikanti's Megatron-LM of 2022 ran unfused attention on tp × pp = every GPU (no data-parallel gradient
+    to overlap): no row depends on the fused-attention efficiency, the overlap slowdown or the fp8 efficiency, and
+    a fit on them holds those at the published priors (cold) or at the kept constants (warm), whatever the
+    objective would prefer. A run with FlashAttention identifies attention_eff; a float8 run, fp8_eff."""
+    rows = calibrate.load_rows()
+    korthikanti = [r for r in rows if r.source == "korthikanti"][:2]
+    assert calibrate.unidentified(korthikanti, calibrate.PRIOR) == ("overlap_slowdown", "attention_eff", "fp8_eff")
+    flash = next(r for r in rows if r.source == "llm-foundry" and r.config.precision != "fp8")
+    fp8 = next(r for r in rows if r.source == "torchtitan" and r.config.precision == "fp8")
+    assert "attention_eff" not in calibrate.unidentified([flash], calibrate.PRIOR)
+    assert calibrate.unidentified([fp8], calibrate.PRIOR) == ()
+
+    # an objective whose minimum is at attention_eff 0.29 and overlap_slowdown 0.1 cannot move them
+    def error(rows, k):
+        return (k.e_max - 0.7) ** 2 + (k.attention_eff - 0.29) ** 2 + (k.overlap_slowdown - 0.1) ** 2
+
+    monkeypatch.setattr(calibrate, "_error", error)
+    cold, _ = calibrate.fit(korthikanti)
+    kept = dataclasses.replace(calibrate.PRIOR, attention_eff=0.6, overlap_slowdown=0.3, fp8_eff=0.9)
+    warm, _ = calibrate.fit(korthikanti, kept=kept)
+    assert cold.e_max == pytest.approx(0.7, abs=1e-3)
+    assert (cold.attention_eff, cold.overlap_slowdown, cold.fp8_eff) == (
+        calibrate.PRIOR.attention_eff, calibrate.PRIOR.overlap_slowdown, calibrate.PRIOR.fp8_eff)
+    assert (warm.attention_eff, warm.overlap_slowdown, warm.fp8_eff) == (0.6, 0.3, 0.9)

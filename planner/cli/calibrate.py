@@ -27,17 +27,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             for r, b, a in zip(res.runs, res.before_s, res.after_s, strict=True)]
     if args.json:
         print_json({"cluster_file": args.out, "fitted": {k: res.values[k] for k in res.fitted},
-                    "kept": [k for k in UNLOCK_ORDER if k not in res.fitted], "runs": rows})
+                    "kept": [k for k in UNLOCK_ORDER if k not in res.fitted],
+                    "unidentifiable": list(res.unidentifiable), "runs": rows})
         return 0
     print(f"{'run':<40} {'measured':>10} {'before':>10} {'after':>10} {'error':>8}")
     for row in rows:
         print(f"{row['name'][:40]:<40} {row['measured_s']:>9.4g}s {row['predicted_before_s']:>9.4g}s "
               f"{row['predicted_s']:>9.4g}s {row['error']:>+8.1%}")
     fitted = ", ".join(f"{k} {res.values[k]:.4g}" for k in res.fitted)
-    n, rest = len(res.fitted), [k for k in UNLOCK_ORDER if k not in res.fitted]
+    n = len(res.fitted)
+    rest = [k for k in UNLOCK_ORDER if k not in res.fitted and k not in res.unidentifiable]
     print(f"fitted {fitted} ({len(runs)} run{'s' if len(runs) > 1 else ''} identif{'ies' if n == 1 else 'y'} "
           f"{n} constant{'s' if n > 1 else ''}; more runs, differing in size and parallelism, unlock "
           f"{', '.join(rest)} in that order; the rest are {args.cluster}'s)" if rest else f"fitted {fitted}")
+    if res.unidentifiable:
+        print(f"no run depends on {', '.join(res.unidentifiable)}: kept at {args.cluster}'s value (runs that use "
+              "them, e.g. fused attention or overlapped communication, would identify them)")
     print(f"wrote {args.out}: plan with --cluster {args.out}[:nodes=N]")
     return 0
 
