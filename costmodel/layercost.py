@@ -271,6 +271,13 @@ def _node_time(flops: float, nbytes: float, ctx: CostContext, *, attention: bool
     return max(t_flop, t_mem)
 
 
+def _token_and_weight_bytes(scaled: float, weight: float, scale: float, held: float, busy: float) -> float:
+    """A node's bytes on this rank: ``scaled``, its captured bytes scaled to the rank's tokens (``scale`` times the
+    capture's), counts its ``weight`` bytes (`_weight_traffic`) ``scale`` times where the rank moves its share
+    ``held`` of them once; the tokens' part times ``busy`` (the busiest expert's share of them, `costmodel.moe`)."""
+    return max(0.0, busy * (scaled - scale * weight) + held * weight)
+
+
 def _shard(node: NodeInfo, tp: int, sp: bool, tp_layer: bool) -> float:
     """Fraction of the node's work one tensor-parallel rank does."""
     if not tp_layer or tp == 1:
@@ -936,18 +943,18 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         attn = n.kind == "attention"
         b_f, b_b = fused.get(n.name, (n.fwd_bytes, n.bwd_bytes))
         w_f, w_b = _whole_bytes(n, f, layer, by_name)
-        # the busiest expert sets an expert GEMM's time (`costmodel.moe`: the capture is the balanced case)
+        # the busiest expert sets an expert GEMM's time (`costmodel.moe`: the capture is the balanced case): its
+        # FLOPs and the bytes of its tokens scale, its weights are read once however many tokens it takes
         busy = ctx.imbalance if experts and any(p in experts for p in n.params) else 1.0
         f8 = ctx.precision == "fp8" and is_float8_linear(n, layer)
         # the weights' bytes, which the capture counts once, do not grow with the tokens as the rest does: the
         # rank's share of them (split by TP, and by EP for the experts') is read once per micro-batch
         p_f, p_b = _weight_traffic(n, ctx, own_numel)
         held = _shard(n, ctx.tp, False, tp_layer) / (ctx.ep if ctx.ep > 1 and experts & set(n.params) else 1)
-        extra = k * f - held
-        t_f = busy * _node_time(n.fwd_flops * k * f, max(0.0, (b_f * f + w_f) * k * ctx.act_scale - extra * p_f),
-                                ctx, attention=attn, float8=f8) + o_f
-        t_b = busy * _node_time(n.bwd_flops * k * f, max(0.0, (b_b * f + w_b) * k * ctx.act_scale - extra * p_b),
-                                ctx, attention=attn, float8=f8) + o_b
+        t_f = _node_time(busy * n.fwd_flops * k * f, _token_and_weight_bytes(
+            (b_f * f + w_f) * k * ctx.act_scale, p_f, k * f, held, busy), ctx, attention=attn, float8=f8) + o_f
+        t_b = _node_time(busy * n.bwd_flops * k * f, _token_and_weight_bytes(
+            (b_b * f + w_b) * k * ctx.act_scale, p_b, k * f, held, busy), ctx, attention=attn, float8=f8) + o_b
         if f8 and ctx.float8_recipe:  # (kernels of their own, and the max-abs all-reduces they wait for)
             casts = float8_cast_costs(n, ctx, tp, float8_cast)
             t_f += _node_time(0.0, casts.fwd_bytes, ctx) + amax_time(casts.fwd_amax, ctx)

@@ -89,6 +89,29 @@ def test_imbalance_scales_the_expert_gemms_only(moe):
     assert skewed.ep_comm_s == even.ep_comm_s
 
 
+def test_the_busiest_expert_reads_its_weights_once(moe):
+    """Imbalance gives the busiest expert more tokens, not more weights: on a device where every op is
+    memory-bound (1 GB/s), each unit of imbalance adds the same time, less than reading the block's expert
+    weights once (16 tokens an expert here, so their bytes are a tenth of the weights'). Multiplying the whole
+    roofline charged the weights' bytes again for every unit."""
+    def cluster(imbalance):
+        return parse_cluster_yaml(f"""
+name: slow-memory
+device: {{name: t, peak_tflops: {{bf16: 312, fp32: 19.5}}, memory_GiB: 80, hbm_bw_GBps: 1, memory_eff: 1.0}}
+gpus_per_node: 8
+nodes: 1
+intra: {{bw_GBps: 230, latency_us: 3}}
+inter: {{bw_GBps: 24, latency_us: 8}}
+moe_imbalance: {imbalance}
+""")
+
+    cfg = ParallelConfig(dp=8, zero=3, precision="bf16")
+    t1, t2, t3 = (Evaluator(moe, cluster(i), cfg, 8).cost(_block(moe), AC.NONE).fwd_s for i in (1, 2, 3))
+    weights_once = _expert_numel(moe) / LAYERS * 2 / 1e9  # bf16 expert weights of one block, read at 1 GB/s
+    assert t2 - t1 == pytest.approx(t3 - t2, rel=1e-9)
+    assert 0 < t2 - t1 < 0.2 * weights_once
+
+
 def test_ep_needs_experts_it_divides(moe):
     dense = profile_model("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32")
     with pytest.raises(ConfigError, match="no mixture-of-experts"):
