@@ -1,6 +1,6 @@
 """Closed-loop acceptance on cpu-local: measure ≥ 6 plans, recalibrate once, re-plan, and print the table.
 
-    python benchmarks/validate_cpu.py [--steps 4] [--out /tmp/cpu_recalibrated.yaml] [--json results.json]
+    python benchmarks/validate_cpu.py [--steps 4] [--rounds 2] [--out /tmp/cpu_recalibrated.yaml] [--json results.json]
 
 Model: a 4-block Llama-style decoder (hidden 256, 8 heads, seq 128, vocab 1024; untied head, so the pipeline plans
 run: the zoo GPT ties its head to the embedding, which cannot span pipeline ranks). Global batch 8, 2 gloo ranks
@@ -77,6 +77,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="measure every plan this many times, the plans in turn each round (`run_plans`)")
     ap.add_argument("--out", default="/tmp/cpu_recalibrated.yaml", help="recalibrated cluster file")
     ap.add_argument("--json", help="also write the results as JSON here")
     ap.add_argument("--remeasure", action="store_true",
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
     lg = profile_for(MODEL, base)
     plans = {name: plan_from_config(MODEL, "cpu-local", GLOBAL_BATCH, cfg, lg=lg) for name, cfg in CONFIGS.items()}
     speed = {"device": base.device.peak("fp32"), "before": gemm_rate()}
-    measured = run_plans(plans, steps=args.steps, warmup=args.warmup)
+    measured = run_plans(plans, steps=args.steps, warmup=args.warmup, rounds=args.rounds)
     speed["after"] = gemm_rate()
     print(f"machine speed (one thread, linear forward + backward at n = 256, 512, 1024): the cpu device as cached "
           f"{speed['device'] / 1e9:.1f} GFLOP/s; now {speed['before'] / 1e9:.1f} before the plans ran "
@@ -114,7 +116,8 @@ def main(argv=None) -> int:
         pick_name, pick_step = same[0], measured[same[0]].step_s
     else:
         pick_name = "search pick"
-        pick_step = run_plans({pick_name: picked}, steps=args.steps, warmup=args.warmup)[pick_name].step_s
+        pick_step = run_plans({pick_name: picked}, steps=args.steps, warmup=args.warmup,
+                              rounds=args.rounds)[pick_name].step_s
     fastest = min(measured, key=lambda n: measured[n].step_s)
     gap = pick_step / measured[fastest].step_s - 1
     print(

@@ -111,9 +111,28 @@ def test_compare_reports_relative_error():
     assert comp.error("step") == pytest.approx(-0.5)
 
 
+def test_rounds_of_one_plan_are_pooled():
+    """The driver measures a plan once per round; its steps are pooled (the step time is their median), each part
+    the median over rounds, the peak memory the largest, the losses the first round's."""
+    from planner.validate.driver import combine
+
+    def run(steps, forward, peak, losses):
+        return {"step_s": sorted(steps)[len(steps) // 2], "steps_s": steps, "forward_s": forward, "backward_s": 2.0,
+                "optimizer_s": 0.1, "comm_s": 0.0, "comm_in_compute_s": 0.0, "profiled_step_s": 1.0,
+                "peak_memory_bytes": peak, "losses": losses, "wall_s": 1.0}
+
+    one = run([1.0, 3.0], 0.5, 10, [2.0, 1.9])
+    assert combine([one]) is one
+    both = combine([one, run([2.0], 0.7, 30, [2.0, 1.9]), run([9.0], 0.6, 20, [2.0, 1.9])])
+    assert both["steps_s"] == [1.0, 3.0, 2.0, 9.0] and both["step_s"] == 2.5
+    assert both["forward_s"] == 0.6 and both["peak_memory_bytes"] == 30 and both["rounds"] == 3
+    assert both["losses"] == [2.0, 1.9] and both["wall_s"] == 3.0
+
+
 @pytest.mark.dist
 def test_validate_cli_measures_plans_and_recalibrates(tmp_path):
-    """One launch measures three plans (DP, TP, PP); --recalibrate writes a cluster that estimate/validate read."""
+    """One launch measures three plans (DP, TP, PP), in two rounds of one step each (pooled: two steps a plan);
+    --recalibrate writes a cluster that estimate/validate read."""
     base = load_cluster("cpu-local")
     lg = profile_for(MODEL, base)
     paths = []
@@ -129,6 +148,8 @@ def test_validate_cli_measures_plans_and_recalibrates(tmp_path):
         "validate",
         *paths,
         "--steps",
+        "1",
+        "--rounds",
         "2",
         "--warmup",
         "1",

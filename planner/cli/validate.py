@@ -32,7 +32,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for flag, path in (("--recalibrate", args.recalibrate), ("--runs-out", args.runs_out)):
         if path and Path(path).parent and not Path(path).parent.exists():
             raise UsageError(f"{flag} {path}: folder {Path(path).parent} does not exist")
-    measured = run_plans(plans, steps=args.steps, warmup=args.warmup, nproc=args.nproc)
+    measured = run_plans(plans, steps=args.steps, warmup=args.warmup, nproc=args.nproc, rounds=args.rounds)
     comps = [compare(n, plans[n], measured[n]) for n in plans]
     result = {"plans": {n: c.to_dict() | {"measured": measured[n].to_dict()} for n, c in zip(plans, comps)},
               "summary": summary(comps)}
@@ -78,6 +78,9 @@ def register(sub) -> None:
     v.add_argument("plans", nargs="+", metavar="PLAN.yaml", help="plan files written by `autopar plan --out`")
     v.add_argument("--steps", type=positive_int, default=5, help="timed steps after warm-up (default 5)")
     v.add_argument("--warmup", type=count, default=2, help="untimed warm-up steps (default 2)")
+    v.add_argument("--rounds", type=positive_int, default=1,
+                   help="measure every plan this many times, the plans in turn each round, and pool the rounds: a "
+                        "drift in the machine's speed then falls on every plan (default 1)")
     v.add_argument("--nproc", type=positive_int, help="processes per launch (default: each plan's world size)")
     v.add_argument("--recalibrate", metavar="OUT.yaml",
                    help="fit the cluster's device efficiency and link latency/bandwidth to the measurements and "

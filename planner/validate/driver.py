@@ -2,9 +2,12 @@
 
 ``python -m torch.distributed.run --standalone --nproc-per-node N planner/validate/driver.py CASES.json OUTDIR``
 
-CASES.json lists ``{"name", "script", "steps", "warmup"}``. Each rank imports every script as a module (its
-``main()`` does not run), builds the plan with the script's own functions (``init_distributed``, ``parallelize``,
-``build_optimizer``, ``get_batch``, ``train_step``) and times it without changing a line of it:
+CASES.json lists ``{"name", "script", "steps", "warmup"}``; a name listed more than once is measured once per
+listing, in the list's order, and its rounds pooled (`combine`): listing the plans round after round spreads a
+drift in the machine's speed over all of them instead of the few that ran while it lasted. Each rank imports every
+script as a module (its ``main()`` does not run), builds the plan with the script's own functions
+(``init_distributed``, ``parallelize``, ``build_optimizer``, ``get_batch``, ``train_step``) and times it without
+changing a line of it:
 
 - step: ``train_step`` wall time after a barrier, for ``warmup + steps`` steps (the first ``warmup`` are dropped);
 - forward: module forward hooks on each local model part (prepended pre-hook, appended post-hook, so FSDP's own
@@ -249,19 +252,38 @@ def measure(mod, steps: int, warmup: int) -> dict:
     return out
 
 
+def combine(rounds: list) -> dict:
+    """One plan measured in several rounds: its timed steps pooled (the step time their median), each part's time
+    the median over the rounds, the peak memory the largest; the losses are the first round's (each round trains
+    the same steps from the same initialisation)."""
+    if len(rounds) == 1:
+        return rounds[0]
+    out = dict(rounds[0])
+    out["steps_s"] = [t for r in rounds for t in r["steps_s"]]
+    out["step_s"] = statistics.median(out["steps_s"])
+    for key in ("forward_s", "backward_s", "optimizer_s", "comm_s", "comm_in_compute_s", "profiled_step_s"):
+        out[key] = statistics.median(r[key] for r in rounds)
+    out["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in rounds)
+    out["wall_s"] = sum(r["wall_s"] for r in rounds)
+    out["rounds"] = len(rounds)
+    return out
+
+
 def main() -> None:
     cases_path, out_dir = sys.argv[1], sys.argv[2]
     cases = json.loads(open(cases_path).read())
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    results = {}
+    rounds: dict = {}
     rank = int(os.environ.get("RANK", "0"))
     for i, case in enumerate(cases):
         mod = load_script(case["script"], f"autopar_case_{i}")
         t0 = time.perf_counter()
-        results[case["name"]] = measure(mod, int(case["steps"]), int(case["warmup"]))
-        results[case["name"]]["wall_s"] = time.perf_counter() - t0
+        result = measure(mod, int(case["steps"]), int(case["warmup"]))
+        result["wall_s"] = time.perf_counter() - t0
+        rounds.setdefault(case["name"], []).append(result)
         if rank == 0:
-            print(f"[validate] {case['name']}: step {results[case['name']]['step_s'] * 1e3:.1f} ms", flush=True)
+            print(f"[validate] {case['name']}: step {result['step_s'] * 1e3:.1f} ms", flush=True)
+    results = {name: combine(runs) for name, runs in rounds.items()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "cases": results}, f)
     dist.barrier()

@@ -187,12 +187,15 @@ def launch(cases: list[dict], nproc: int, workdir: Path, *, timeout: float = 600
 
 
 def run_plans(plans: dict[str, Plan], *, steps: int = 5, warmup: int = 2, nproc: int | None = None,
-              workdir: str | Path | None = None) -> dict[str, Measurement]:
-    """Emit and measure every plan; one torchrun launch per world size. ``nproc`` overrides the world size."""
+              workdir: str | Path | None = None, rounds: int = 1) -> dict[str, Measurement]:
+    """Emit and measure every plan; one torchrun launch per world size. ``nproc`` overrides the world size.
+    ``rounds``: each plan measured that many times, all the plans of a launch in turn each round (the driver
+    pools the rounds: `planner.validate.driver.combine`), so that a drift in the machine's speed falls on every
+    plan rather than on the few measured while it lasted."""
     from planner.emit.script import write_script
 
-    if steps < 1 or warmup < 0:
-        raise ValueError(f"--steps {steps} must be ≥ 1 and warm-up {warmup} ≥ 0")
+    if steps < 1 or warmup < 0 or rounds < 1:
+        raise ValueError(f"--steps {steps} and --rounds {rounds} must be ≥ 1 and warm-up {warmup} ≥ 0")
     tmp = None
     if workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="autopar-validate-")
@@ -206,7 +209,7 @@ def run_plans(plans: dict[str, Plan], *, steps: int = 5, warmup: int = 2, nproc:
                 {"name": name, "script": str(script), "steps": steps, "warmup": warmup})
         out: dict[str, Measurement] = {}
         for n, cases in sorted(groups.items()):
-            for name, ranks in launch(cases, n, workdir).items():
+            for name, ranks in launch(cases * rounds, n, workdir).items():
                 out[name] = merge_ranks(name, ranks)
         return {name: out[name] for name in plans}
     finally:
