@@ -259,6 +259,8 @@ def _unpack(x, floor: tuple[Constants, float, float] | None = None,
     `_PARAMS` but those ``held`` (name → value, each clipped into its range). ``floor`` = (a slower kind's
     constants, this kind's bf16 peak over that kind's, its HBM bandwidth over that kind's): each constant is kept
     where this kind is at least as fast as the slower one on every operation (`matmul_floor`)."""
+    if len(x) != len(_PARAMS) - len(held):
+        raise ValueError(f"{len(x)} parameters for {len(_PARAMS) - len(held)} free constants (held: {sorted(held)})")
     e_max = _within(_E_MAX, x[0])
     f_half = math.exp(x[1]) if floor is None else matmul_floor(e_max, floor[0], floor[1]) * _sig(x[1])
     ranges = _ranges(e_max, f_half, floor)
@@ -269,8 +271,8 @@ def _unpack(x, floor: tuple[Constants, float, float] | None = None,
 
 
 def _pack(k: Constants, floor: tuple[Constants, float, float] | None, held: Iterable[str] = ()) -> list[float]:
-    """`_unpack`'s inverse: the optimiser's parameters of constants ``k``, but for the constants ``held`` (each
-    clipped into its bounds under ``floor``, should a refitted slower kind have moved them)."""
+    """`_unpack`'s inverse: the optimiser's parameters of constants ``k`` but those ``held``, each constant clipped
+    into its bounds under ``floor`` (should a refitted slower kind have moved them)."""
     e = _where(_E_MAX, k.e_max)
     e_max = _within(_E_MAX, e)
     if floor is None:
@@ -290,16 +292,24 @@ PRIOR = Constants(e_max=GPU_MATMUL_PRIOR.e_max, f_half=GPU_MATMUL_PRIOR.f_half, 
                   overlap_slowdown=0.0, attention_eff=GPU_ATTENTION_EFF_PRIOR, fp8_eff=1.0)
 
 
+#: the least relative change of some row's step time, between a constant's two bounds, that lets rows identify it
+#: (`depends_on`): a constant that moves no row by 0.1 % over its whole range would be set by noise in the rows
+IDENTIFIES = 1e-3
+
+
 def depends_on(rows: Iterable, step_time: Callable[[object, float], float], span: tuple[float, float]) -> bool:
-    """Whether any of ``rows`` is predicted a different step time (``step_time(row, value)``) at the two ends of a
-    constant's ``span``: every constant's effect on a step is monotone, so a constant that moves none of the rows
-    between its bounds is one they cannot identify (the fused-attention efficiency, to runs whose attention is
-    unfused; the fp8 efficiency, to bf16 runs), and a fit leaves it where it was instead of wherever the optimiser
-    drifted (Korthikanti's eight unfused rows alone once put attention_eff at 0.29, and llm-foundry's 64K-token
-    rows, predicted with it, 160 % slow)."""
+    """Whether any of ``rows`` is predicted a step time (``step_time(row, value)``) differing by more than
+    `IDENTIFIES` at the two ends of a constant's ``span``, the other constants where they are: every constant's
+    effect on a step is monotone, so a constant that moves none of the rows between its bounds is one they cannot
+    identify (the fused-attention efficiency, to runs whose attention is unfused; the fp8 efficiency, to bf16 runs;
+    the overlap slowdown, to runs that overlap no communication), and a fit leaves it where it was instead of
+    wherever the optimiser drifted (Korthikanti's eight unfused rows alone once put attention_eff at 0.29, and
+    llm-foundry's 64K-token rows, predicted with it, 160 % slow). One constant at a time, at the others' values:
+    a constant no row depends on there could still matter where the others are far away (a roofline that flips);
+    the rules above hold whatever the others."""
     for row in rows:
         lo, hi = (step_time(row, v) for v in span)
-        if abs(lo - hi) > 1e-9 * max(lo, hi):
+        if abs(lo - hi) > IDENTIFIES * max(lo, hi):
             return True
     return False
 

@@ -223,7 +223,7 @@ def _efficiencies(fit: dict) -> dict:
     """A fitted entry of fitted.yaml as `DeviceSpec` fields."""
     return {"matmul_eff": EfficiencyCurve(e_max=fit["matmul_e_max"], f_half=fit["matmul_f_half"], source=fit["source"]),
             "memory_eff": fit["memory_eff"], "overlap_slowdown": fit["overlap_slowdown"],
-            "attention_eff": fit.get("attention_eff", 1.0), "fp8_eff": fit.get("fp8_eff", 1.0)}
+            "attention_eff": fit.get("attention_eff", GPU_ATTENTION_EFF_PRIOR), "fp8_eff": fit.get("fp8_eff", 1.0)}
 
 
 def _gpu(name: str, peaks: Mapping[str, float], memory_bytes: float, hbm_bw: float, memory_note: str) -> DeviceSpec:

@@ -275,7 +275,7 @@ def _token_and_weight_bytes(scaled: float, weight: float, scale: float, held: fl
     """A node's bytes on this rank: ``scaled``, its captured bytes scaled to the rank's tokens (``scale`` times the
     capture's), counts its ``weight`` bytes (`_weight_traffic`) ``scale`` times where the rank moves its share
     ``held`` of them once; the tokens' part times ``busy`` (the busiest expert's share of them, `costmodel.moe`)."""
-    return max(0.0, busy * (scaled - scale * weight) + held * weight)
+    return max(0.0, scaled - (scale - held) * weight) + (busy - 1.0) * max(0.0, scaled - scale * weight)
 
 
 def _shard(node: NodeInfo, tp: int, sp: bool, tp_layer: bool) -> float:
@@ -944,7 +944,8 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         b_f, b_b = fused.get(n.name, (n.fwd_bytes, n.bwd_bytes))
         w_f, w_b = _whole_bytes(n, f, layer, by_name)
         # the busiest expert sets an expert GEMM's time (`costmodel.moe`: the capture is the balanced case): its
-        # FLOPs and the bytes of its tokens scale, its weights are read once however many tokens it takes
+        # FLOPs and the bytes of its tokens scale, its weights are read once however many tokens it takes; its
+        # larger GEMM runs at the matmul efficiency of its own size
         busy = ctx.imbalance if experts and any(p in experts for p in n.params) else 1.0
         f8 = ctx.precision == "fp8" and is_float8_linear(n, layer)
         # the weights' bytes, which the capture counts once, do not grow with the tokens as the rest does: the

@@ -72,8 +72,8 @@ class Calibration:
     """The fitted cluster and how well it reproduces each run."""
 
     cluster: Cluster
-    fitted: tuple[str, ...]  #: the constants the runs identified (the first len(runs) of `UNLOCK_ORDER`'s the runs
-    #: depend on)
+    #: the constants fitted: the first len(runs) of those in `UNLOCK_ORDER` that some run depends on
+    fitted: tuple[str, ...]
     values: dict  #: each fitted constant's value
     before_s: tuple[float, ...]  #: each run predicted with the given cluster
     after_s: tuple[float, ...]  #: … and with the fitted one
@@ -196,13 +196,18 @@ def calibrate(runs: Sequence[Run], cluster: Cluster) -> Calibration:
         trial = _with(cluster, values, "fit in progress")
         return sum(abs(predict(r, trial) / r.measured_step_s - 1) for r in runs) / len(runs)
 
-    if len(names) == 1:
+    if len(names) == 1:  # (e_max, unless no run depends on it)
         from scipy.optimize import minimize_scalar
 
-        lo, hi = _BOUNDS["e_max"]
-        res = minimize_scalar(lambda e: error({"e_max": e}), bounds=(lo, hi), method="bounded",
-                              options={"xatol": 1e-5})
-        values = {"e_max": float(res.x)}
+        name, (lo, hi) = names[0], _BOUNDS[names[0]]
+        if name == "f_half":  # (searched in log space, as `unpack` below)
+            res = minimize_scalar(lambda v: error({name: math.exp(v)}), bounds=(math.log(lo), math.log(hi)),
+                                  method="bounded", options={"xatol": 1e-5})
+            values = {name: math.exp(float(res.x))}
+        else:
+            res = minimize_scalar(lambda v: error({name: v}), bounds=(lo, hi), method="bounded",
+                                  options={"xatol": 1e-5})
+            values = {name: float(res.x)}
     else:
         from scipy.optimize import minimize
 

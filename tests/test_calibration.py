@@ -177,6 +177,18 @@ def test_the_optimiser_parameters_of_the_kept_constants_give_them_back():
         back = calibrate._unpack(calibrate._pack(k, fl, held), fl, held)
         for name in ("e_max", "f_half", "memory_eff", "overlap_slowdown", "attention_eff") + (("fp8_eff",) * fp8):
             assert getattr(back, name) == pytest.approx(getattr(k, name), rel=1e-8), name
+    # a constant held in the middle of the order keeps the others in place; held below the floor's range, it is
+    # clipped into it (the H100's fused attention no slower than the A100's)
+    k = calibrate._kept(kept["h100"])
+    held = {"memory_eff": k.memory_eff, "attention_eff": 0.05}
+    x = calibrate._pack(k, floor, held)
+    assert len(x) == 4
+    back = calibrate._unpack(x, floor, held)
+    assert (back.e_max, back.overlap_slowdown, back.fp8_eff) == pytest.approx((k.e_max, k.overlap_slowdown, k.fp8_eff))
+    low = calibrate._ranges(back.e_max, back.f_half, floor)["attention_eff"][0]
+    assert low > 0.2 and back.attention_eff == low
+    with pytest.raises(ValueError, match="3 parameters for 4 free constants"):
+        calibrate._unpack(x[:3], floor, held)
 
 
 def test_a_refit_never_makes_the_kept_constants_worse(monkeypatch):

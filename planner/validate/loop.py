@@ -209,7 +209,7 @@ def run_plans(plans: dict[str, Plan], *, steps: int = 5, warmup: int = 2, nproc:
                 {"name": name, "script": str(script), "steps": steps, "warmup": warmup})
         out: dict[str, Measurement] = {}
         for n, cases in sorted(groups.items()):
-            for name, ranks in launch(cases * rounds, n, workdir).items():
+            for name, ranks in launch(cases * rounds, n, workdir, timeout=600 * rounds).items():
                 out[name] = merge_ranks(name, ranks)
         return {name: out[name] for name in plans}
     finally:
