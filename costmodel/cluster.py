@@ -25,7 +25,16 @@ from typing import Any
 
 import yaml
 
-from costmodel.hardware import DEVICES, DTENSOR_OPS, DTYPES, DeviceSpec, EfficiencyCurve, LazyCatalog
+from costmodel.hardware import (
+    DEVICES,
+    DTENSOR_OPS,
+    DTYPES,
+    GPU_MATMUL_PRIOR,
+    GPU_MEMORY_EFF_PRIOR,
+    DeviceSpec,
+    EfficiencyCurve,
+    LazyCatalog,
+)
 
 __all__ = [
     "CLUSTER_PRESETS",
@@ -591,7 +600,7 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
         raise ctx.error("device needs exactly one of memory_GiB (2**30 bytes) or memory_GB (1e9 bytes)")
     memory = (_get(ctx, value, "memory_GiB", float, "device") * GiB if "memory_GiB" in value
               else _get(ctx, value, "memory_GB", float, "device") * GB)
-    curve = EfficiencyCurve(e_max=0.75, f_half=2e9, source="prior: unfitted")
+    curve = GPU_MATMUL_PRIOR
     if "matmul_eff" in value:
         eff = _get(ctx, value, "matmul_eff", dict, "device")
         _check_keys(ctx, "device.matmul_eff", eff, ("e_max", "f_half_gflop", "source"))
@@ -600,7 +609,7 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
             raise ctx.error(f"device.matmul_eff.e_max must be in (0, 1], got {e_max!r}")
         curve = EfficiencyCurve(e_max=e_max, f_half=_get(ctx, eff, "f_half_gflop", float, "device.matmul_eff") * GB,
                                 source=str(eff.get("source", f"from {ctx.origin}")))
-    memory_eff = _get(ctx, value, "memory_eff", float, "device", default=0.8)
+    memory_eff = _get(ctx, value, "memory_eff", float, "device", default=GPU_MEMORY_EFF_PRIOR)
     effs = {key: _get(ctx, value, key, float, "device", default=1.0) for key in ("attention_eff", "fp8_eff")}
     for key, eff in (("memory_eff", memory_eff), *effs.items()):
         if eff > 1:

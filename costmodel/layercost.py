@@ -946,12 +946,13 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         # the busiest expert sets an expert GEMM's time (`costmodel.moe`: the capture is the balanced case): its
         # FLOPs and the bytes of its tokens scale, its weights are read once however many tokens it takes; its
         # larger GEMM runs at the matmul efficiency of its own size
-        busy = ctx.imbalance if experts and any(p in experts for p in n.params) else 1.0
+        expert = bool(experts.intersection(n.params))
+        busy = ctx.imbalance if expert else 1.0
         f8 = ctx.precision == "fp8" and is_float8_linear(n, layer)
         # the weights' bytes, which the capture counts once, do not grow with the tokens as the rest does: the
         # rank's share of them (split by TP, and by EP for the experts') is read once per micro-batch
         p_f, p_b = _weight_traffic(n, ctx, own_numel)
-        held = _shard(n, ctx.tp, False, tp_layer) / (ctx.ep if ctx.ep > 1 and experts & set(n.params) else 1)
+        held = _shard(n, ctx.tp, False, tp_layer) / (ctx.ep if expert else 1)
         t_f = _node_time(busy * n.fwd_flops * k * f, _token_and_weight_bytes(
             (b_f * f + w_f) * k * ctx.act_scale, p_f, k * f, held, busy), ctx, attention=attn, float8=f8) + o_f
         t_b = _node_time(busy * n.bwd_flops * k * f, _token_and_weight_bytes(
@@ -980,7 +981,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         # sequence parallelism too, which splits its tokens, not its weights (traced, MoE 3 × 256 bf16, tp 4 with
         # SP, GPipe: a (4, 256, 512) copy of each expert weight per micro-batch, where 1/4 of it was priced: −48 %)
         copies = n.saved_weight_bytes * _shard(n, ctx.tp, False, tp_layer) / (
-            ctx.ep if any(p in experts for p in n.params) else 1)
+            ctx.ep if expert else 1)
         saved = (n.saved_bytes - n.saved_weight_bytes) * k * (1.0 if whole else f) * ctx.act_scale + copies
         if n.tp_role in _SHARDED_ROLES and tp_layer and not whole:
             act_sharded += saved

@@ -51,6 +51,14 @@ from costmodel.hardware import EfficiencyCurve
 UNLOCK_ORDER = ("e_max", "f_half", "memory_eff", "overlap_slowdown", "attention_eff")
 _BOUNDS = {"e_max": (0.05, 1.0), "f_half": (1e6, 1e14), "memory_eff": (0.05, 1.0), "overlap_slowdown": (0.0, 0.9),
            "attention_eff": (0.05, 1.0)}
+
+
+def _space(name: str):
+    """(to, from) the space a constant is searched in: the matmul curve's half-point in log space (its bounds span
+    eight decades), the efficiencies as they are."""
+    return (math.log, math.exp) if name == "f_half" else (float, float)
+
+
 _RUN_KEYS = ("model", "cluster", "global_batch", "seq_len", "config", "step_time_s", "tokens_per_s", "name")
 
 
@@ -200,30 +208,24 @@ def calibrate(runs: Sequence[Run], cluster: Cluster) -> Calibration:
         from scipy.optimize import minimize_scalar
 
         name, (lo, hi) = names[0], _BOUNDS[names[0]]
-        if name == "f_half":  # (searched in log space, as `unpack` below)
-            res = minimize_scalar(lambda v: error({name: math.exp(v)}), bounds=(math.log(lo), math.log(hi)),
-                                  method="bounded", options={"xatol": 1e-5})
-            values = {name: math.exp(float(res.x))}
-        else:
-            res = minimize_scalar(lambda v: error({name: v}), bounds=(lo, hi), method="bounded",
-                                  options={"xatol": 1e-5})
-            values = {name: float(res.x)}
+        to, back = _space(name)
+        res = minimize_scalar(lambda v: error({name: back(v)}), bounds=(to(lo), to(hi)), method="bounded",
+                              options={"xatol": 1e-5})
+        values = {name: back(float(res.x))}
     else:
         from scipy.optimize import minimize
 
-        def unpack(x) -> dict:  # each constant through a sigmoid into its bounds (f_half in log space)
+        def unpack(x) -> dict:  # each constant through a sigmoid into its bounds, in its `_space`
             out = {}
             for name, v in zip(names, x, strict=True):
-                lo, hi = _BOUNDS[name]
+                (lo, hi), (to, back) = _BOUNDS[name], _space(name)
                 s = 1 / (1 + math.exp(-v))
-                out[name] = math.exp(math.log(lo) + s * (math.log(hi) - math.log(lo))) if name == "f_half" \
-                    else lo + s * (hi - lo)
+                out[name] = back(to(lo) + s * (to(hi) - to(lo)))
             return out
 
         def pack(name: str, value: float) -> float:
-            lo, hi = _BOUNDS[name]
-            s = (math.log(value) - math.log(lo)) / (math.log(hi) - math.log(lo)) if name == "f_half" \
-                else (value - lo) / (hi - lo)
+            (lo, hi), (to, _) = _BOUNDS[name], _space(name)
+            s = (to(value) - to(lo)) / (to(hi) - to(lo))
             s = min(max(s, 1e-4), 1 - 1e-4)
             return math.log(s / (1 - s))
 
