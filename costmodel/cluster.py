@@ -29,6 +29,7 @@ from costmodel.hardware import (
     DEVICES,
     DTENSOR_OPS,
     DTYPES,
+    FSDP_EVENTS,
     GPU_MATMUL_PRIOR,
     GPU_MEMORY_EFF_PRIOR,
     DeviceSpec,
@@ -580,7 +581,7 @@ def _parse_curve(ctx: _Ctx, where: str, data: Mapping[str, Any]) -> SizeCurve:
 
 _DEVICE_KEYS = ("name", "peak_tflops", "memory_GiB", "memory_GB", "hbm_bw_GBps", "matmul_eff", "memory_eff",
                 "attention_eff", "fp8_eff", "overlap_slowdown", "op_overhead_us", "dtensor_overhead_us",
-                "runtime_reserved_GiB", "source")
+                "fsdp_overhead_us", "fsdp_copy_GBps", "runtime_reserved_GiB", "source")
 
 
 def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
@@ -621,13 +622,11 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
     if (not isinstance(overhead, list) or len(overhead) != 2
             or any(isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 for t in overhead)):
         raise ctx.error(f"device.op_overhead_us must be [forward, backward] microseconds ≥ 0, got {overhead!r}")
-    dtensor = value.get("dtensor_overhead_us", {})  # host µs DTensor adds per tensor-parallel op (a CPU device)
-    if not isinstance(dtensor, dict) or any(
-            k not in DTENSOR_OPS or not isinstance(v, list) or len(v) != 2
-            or any(isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 for t in v)
-            for k, v in dtensor.items()):
-        raise ctx.error(f"device.dtensor_overhead_us must map {', '.join(DTENSOR_OPS)} to [forward, backward] "
-                        f"microseconds ≥ 0, got {dtensor!r}")
+    dtensor = _pairs_us(ctx, value, "dtensor_overhead_us", DTENSOR_OPS, "[forward, backward]")  # (a CPU device)
+    # host µs FSDP2 adds per group and per parameter tensor of each all-gather and reduce-scatter (a CPU device)
+    fsdp = _pairs_us(ctx, value, "fsdp_overhead_us", FSDP_EVENTS, "[per group, per tensor]")
+    # the rate of FSDP2's copies where measured (a CPU device); absent: the device's memory bandwidth
+    copy_bw = _get(ctx, value, "fsdp_copy_GBps", float, "device", default=0.0)
     reserved = None
     if "runtime_reserved_GiB" in value:  # measured: what the CUDA context and NCCL hold outside torch's allocator
         reserved = _get(ctx, value, "runtime_reserved_GiB", float, "device")
@@ -645,10 +644,24 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
         memory_eff=memory_eff,
         overlap_slowdown=float(slowdown),
         op_overhead_s=(float(f"{overhead[0]!r}e-6"), float(f"{overhead[1]!r}e-6")),
-        dtensor_overhead_s={k: (float(f"{v[0]!r}e-6"), float(f"{v[1]!r}e-6")) for k, v in dtensor.items()},
+        dtensor_overhead_s=dtensor,
+        fsdp_overhead_s=fsdp,
+        fsdp_copy_bw=float(f"{copy_bw!r}e9"),
         source=str(value.get("source", f"from {ctx.origin}")),
         **effs,
     )
+
+
+def _pairs_us(ctx: _Ctx, value: dict, key: str, names: tuple[str, ...], pair: str) -> dict[str, tuple[float, float]]:
+    """A device's ``key``: a mapping of some of ``names`` to a ``pair`` of microseconds ≥ 0, in seconds."""
+    got = value.get(key, {})
+    if not isinstance(got, dict) or any(
+            k not in names or not isinstance(v, list) or len(v) != 2
+            or any(isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 for t in v)
+            for k, v in got.items()):
+        raise ctx.error(f"device.{key} must map {', '.join(names)} to {pair} microseconds ≥ 0, got {got!r}")
+    # (scaled in decimal, so that a dumped figure reads back as the one it was)
+    return {k: (float(f"{v[0]!r}e-6"), float(f"{v[1]!r}e-6")) for k, v in got.items()}
 
 
 _CLUSTER_KEYS = ("name", "device", "gpus_per_node", "nodes", "intra", "inter", "memory_fraction", "stack",
@@ -762,6 +775,9 @@ def _dump_device(device: DeviceSpec, stack: str | None = None) -> str | dict[str
         **({"op_overhead_us": [_round12(t / US) for t in device.op_overhead_s]} if any(device.op_overhead_s) else {}),
         **({"dtensor_overhead_us": {k: [_round12(t / US) for t in v] for k, v in device.dtensor_overhead_s.items()}}
            if device.dtensor_overhead_s else {}),
+        **({"fsdp_overhead_us": {k: [_round12(t / US) for t in v] for k, v in device.fsdp_overhead_s.items()}}
+           if device.fsdp_overhead_s else {}),
+        **({"fsdp_copy_GBps": _round12(device.fsdp_copy_bw / GB)} if device.fsdp_copy_bw else {}),
         "source": device.source,
     } | ({"runtime_reserved_GiB": device.runtime_reserved / GiB} if device.runtime_reserved is not None else {})
 

@@ -24,6 +24,7 @@ from costmodel.stacks import fitted  # (one file holds the kinds' constants and 
 
 __all__ = [
     "DTENSOR_OPS",
+    "FSDP_EVENTS",
     "DTYPES",
     "DEVICES",
     "DeviceSpec",
@@ -38,6 +39,10 @@ DTYPES = ("bf16", "fp16", "fp32", "tf32", "fp8")
 
 #: the ops the tensor-parallel runtime runs as DTensors, each with its own host overhead (`DeviceSpec`)
 DTENSOR_OPS = ("tp_linear", "sp_linear", "sp_norm")
+
+#: what an FSDP2 group does per step, each with its own host overhead (`DeviceSpec.fsdp_overhead_s`): gather its
+#: parameters (and reshard them after), reduce-scatter its gradients
+FSDP_EVENTS = ("gather", "reduce")
 
 GiB = 2**30
 TERA = 1e12
@@ -115,6 +120,16 @@ class DeviceSpec:
     #: the wrapping of inputs and outputs, in Python on the thread that then runs the op (`costmodel.dtensor_probe`).
     #: Empty (0) on GPUs, where it overlaps the kernels as ``op_overhead_s`` does
     dtensor_overhead_s: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    #: host seconds FSDP2 adds per ``FSDP_EVENTS`` event of a ``fully_shard`` group, (per group, per parameter
+    #: tensor of the group): its hooks, the bookkeeping of each parameter's sharded and unsharded views, the
+    #: gradients' wrapping, in Python on the thread that then computes (`costmodel.fsdp_probe`), on top of the
+    #: collective and its copies (`costmodel.overlap.fsdp_serial_time`). Empty (0) on GPUs, where it overlaps the
+    #: kernels as ``op_overhead_s`` does
+    fsdp_overhead_s: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    #: bytes/s FSDP2's copies achieve where measured (`costmodel.fsdp_probe`: on a CPU they write into storage
+    #: freed and allocated again at every gather, at ~half the rate of a copy between kept buffers); 0: the
+    #: device's ``hbm_bw × memory_eff`` (a GPU's caching allocator hands the same blocks back)
+    fsdp_copy_bw: float = 0.0
     #: bytes the runtime holds outside torch's caching allocator (CUDA context, NCCL buffers) when measured (a
     #: cluster file's ``runtime_reserved_GiB``); None: modelled per plan (`costmodel.memory.runtime_reserved_bytes`)
     runtime_reserved: float | None = None
@@ -152,6 +167,14 @@ class DeviceSpec:
                                  f"(forward, backward) seconds ≥ 0, got {key!r}: {pair!r}")
         object.__setattr__(self, "dtensor_overhead_s", MappingProxyType(
             {k: tuple(float(t) for t in v) for k, v in self.dtensor_overhead_s.items()}))
+        for key, pair in self.fsdp_overhead_s.items():
+            if key not in FSDP_EVENTS or len(pair) != 2 or not all(t >= 0 for t in pair):
+                raise ValueError(f"device {self.name!r}: fsdp_overhead_s maps {', '.join(FSDP_EVENTS)} to "
+                                 f"(per group, per tensor) seconds ≥ 0, got {key!r}: {pair!r}")
+        if not self.fsdp_copy_bw >= 0:
+            raise ValueError(f"device {self.name!r}: fsdp_copy_bw must be ≥ 0 bytes/s, got {self.fsdp_copy_bw!r}")
+        object.__setattr__(self, "fsdp_overhead_s", MappingProxyType(
+            {k: tuple(float(t) for t in v) for k, v in self.fsdp_overhead_s.items()}))
         if self.runtime_reserved is not None and not self.runtime_reserved >= 0:
             raise ValueError(f"device {self.name!r}: runtime_reserved must be ≥ 0 bytes, got {self.runtime_reserved!r}")
         object.__setattr__(self, "peak_flops", _frozen_map(self.peak_flops))
@@ -159,12 +182,23 @@ class DeviceSpec:
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes, self.hbm_bw,
                      self.matmul_eff, self.memory_eff, self.attention_eff, self.fp8_eff, self.overlap_slowdown,
-                     self.op_overhead_s, tuple(sorted(self.dtensor_overhead_s.items())), self.runtime_reserved,
+                     self.op_overhead_s, tuple(sorted(self.dtensor_overhead_s.items())),
+                     tuple(sorted(self.fsdp_overhead_s.items())), self.fsdp_copy_bw, self.runtime_reserved,
                      self.source))
 
     def dtensor_overhead(self, op: str) -> tuple[float, float]:
         """(forward, backward) host seconds DTensor adds to one ``op`` (a ``DTENSOR_OPS`` key); 0 if unmeasured."""
         return self.dtensor_overhead_s.get(op, (0.0, 0.0))
+
+    def fsdp_overhead(self, event: str) -> tuple[float, float]:
+        """(per group, per parameter tensor) host seconds FSDP2 adds to one ``event`` (a ``FSDP_EVENTS`` key) of a
+        ``fully_shard`` group; 0 if unmeasured."""
+        return self.fsdp_overhead_s.get(event, (0.0, 0.0))
+
+    @property
+    def fsdp_copy_rate(self) -> float:
+        """Bytes/s of FSDP2's copies: ``fsdp_copy_bw`` where measured, else ``hbm_bw × memory_eff``."""
+        return self.fsdp_copy_bw or self.hbm_bw * self.memory_eff
 
     def peak(self, dtype: str) -> float:
         """Dense peak for ``dtype`` in FLOP/s; ValueError naming the dtypes this device has if it is unknown."""
@@ -286,7 +320,7 @@ CPU_OVERLAP_SLOWDOWN = 1.0
 
 
 #: Version of the measurement below; a cached device measured by another version is measured again.
-_CPU_MEASURE_VERSION = 3
+_CPU_MEASURE_VERSION = 4
 
 
 @functools.lru_cache(maxsize=1)
@@ -302,6 +336,7 @@ def measure_cpu_device() -> DeviceSpec:
             curve = EfficiencyCurve(**d.pop("matmul_eff"))
             d["op_overhead_s"] = tuple(d["op_overhead_s"])
             d["dtensor_overhead_s"] = {k: tuple(v) for k, v in d["dtensor_overhead_s"].items()}
+            d["fsdp_overhead_s"] = {k: tuple(v) for k, v in d["fsdp_overhead_s"].items()}
             return DeviceSpec(**d, matmul_eff=curve, overlap_slowdown=CPU_OVERLAP_SLOWDOWN)
     dev = _measure_cpu_device()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -310,6 +345,8 @@ def measure_cpu_device() -> DeviceSpec:
                                "memory_bytes": dev.memory_bytes, "hbm_bw": dev.hbm_bw, "memory_eff": dev.memory_eff,
                                "attention_eff": dev.attention_eff, "op_overhead_s": list(dev.op_overhead_s),
                                "dtensor_overhead_s": {k: list(v) for k, v in dev.dtensor_overhead_s.items()},
+                               "fsdp_overhead_s": {k: list(v) for k, v in dev.fsdp_overhead_s.items()},
+                               "fsdp_copy_bw": dev.fsdp_copy_bw,
                                "source": dev.source,
                                "matmul_eff": {"e_max": dev.matmul_eff.e_max, "f_half": dev.matmul_eff.f_half,
                                               "source": dev.matmul_eff.source}}))
@@ -363,9 +400,11 @@ def _measure_cpu_device() -> DeviceSpec:
     - op_overhead_s: a chain of tiny ops (mul, add, transpose, matmul, SiLU on 4×4 tensors, autograd on), the
       forward's and the backward's time per op: what a step pays per op besides its arithmetic;
     - dtensor_overhead_s: what DTensor adds per tensor-parallel linear and per sequence-parallel norm
-      (`_measure_dtensor_overhead`, a process of its own).
+      (`_measure_dtensor_overhead`, a process of its own);
+    - fsdp_overhead_s, fsdp_copy_bw: what FSDP2 adds per group and per parameter tensor to each all-gather and
+      reduce-scatter, and the rate of its copies (`_measure_fsdp_overhead`, a process of its own).
 
-    Memory = physical RAM (``os.sysconf``). ~8 s, once per machine.
+    Memory = physical RAM (``os.sysconf``). ~20 s, once per machine.
     """
     import numpy as np
     import torch  # local: importing the catalog must not import torch
@@ -429,6 +468,7 @@ def _measure_cpu_device() -> DeviceSpec:
         torch.set_num_threads(threads)
 
     dtensor, probe = _measure_dtensor_overhead()
+    fsdp, copy_bw, fsdp_probe = _measure_fsdp_overhead()
     ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     return DeviceSpec(
         name="cpu",
@@ -440,9 +480,11 @@ def _measure_cpu_device() -> DeviceSpec:
         attention_eff=attention_eff,
         op_overhead_s=overhead,
         dtensor_overhead_s=dtensor,
+        fsdp_overhead_s=fsdp,
+        fsdp_copy_bw=copy_bw,
         overlap_slowdown=CPU_OVERLAP_SLOWDOWN,
         source=f"measured on this machine, 1 thread, torch {torch.__version__}, {time.strftime('%Y-%m-%d')} "
-               f"(`costmodel.hardware._measure_cpu_device`); {probe}",
+               f"(`costmodel.hardware._measure_cpu_device`); {probe}; {fsdp_probe}",
     )
 
 
@@ -450,11 +492,29 @@ def _measure_dtensor_overhead() -> tuple[dict[str, tuple[float, float]], str]:
     """DTensor's host time per tensor-parallel op (`costmodel.dtensor_probe`), measured in a process of its own: it
     needs a process group, which the planner's process must not get. (figures, what the device's source says of
     them); a probe that cannot run (no loopback for gloo) leaves them 0 and says why."""
+    return _probe("costmodel.dtensor_probe", DTENSOR_OPS, "DTensor overhead",
+                  "DTensor overhead per tensor-parallel op: `costmodel.dtensor_probe`, a 1-rank gloo process")
+
+
+def _measure_fsdp_overhead() -> tuple[dict[str, tuple[float, float]], float, str]:
+    """FSDP2's host time per group and parameter tensor of each all-gather and reduce-scatter, and the rate of its
+    copies (`costmodel.fsdp_probe`), in a process of its own for the same reason: (figures, bytes/s, what the
+    source says); ({}, 0, why) where it cannot run."""
+    figures, says = _probe("costmodel.fsdp_probe", FSDP_EVENTS + ("copy_bw",), "FSDP2 overhead",
+                           "FSDP2 overhead per group and tensor and its copies' rate: `costmodel.fsdp_probe`, a 2-rank "
+                           "fake process group")
+    copy_bw = figures.pop("copy_bw", 0.0)
+    return figures, copy_bw, says
+
+
+def _probe(module: str, keys: tuple[str, ...], what: str, says: str) -> tuple[dict[str, tuple[float, float]], str]:
+    """Run ``python -m module`` (one thread, outside any torchrun world) and read each of ``keys`` (a pair, or a
+    number) from the JSON of its last line: (figures, ``says``), or ({}, why it could not run)."""
     import json
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "costmodel.dtensor_probe"]
+    cmd = [sys.executable, "-m", module]
     launcher = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                 "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")
     env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("TORCHELASTIC_")}
@@ -462,11 +522,12 @@ def _measure_dtensor_overhead() -> tuple[dict[str, tuple[float, float]], str]:
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=True)
         figures = json.loads(done.stdout.strip().splitlines()[-1])
-        out = {k: (float(figures[k][0]), float(figures[k][1])) for k in DTENSOR_OPS}
+        out = {k: (float(figures[k][0]), float(figures[k][1])) if isinstance(figures[k], list) else float(figures[k])
+               for k in keys}
     except (OSError, subprocess.SubprocessError, ValueError, KeyError, IndexError) as exc:
         err = getattr(exc, "stderr", None) or str(exc)
-        return {}, f"DTensor overhead not measured ({err.strip().splitlines()[-1] if err.strip() else exc!r})"
-    return out, "DTensor overhead per tensor-parallel op: `costmodel.dtensor_probe`, a 1-rank gloo process"
+        return {}, f"{what} not measured ({err.strip().splitlines()[-1] if err.strip() else exc!r})"
+    return out, says
 
 
 #: The device catalog. GPU entries are constants; ``cpu`` is measured on first lookup. Memory is what torch can

@@ -15,6 +15,11 @@
   prefetching one layer ahead, and reduce-scatters its gradients; the communication longer than the compute it
   overlaps is exposed, plus the first layer's all-gather, which nothing hides. Under pipelining the gradients are
   reduce-scattered once per step and the parameters gathered m + 1 times, not 2m (`fsdp_gather_share`).
+- FSDP2 also works on the computing stream, serial with compute whatever the device hides of the collectives
+  (`fsdp_serial_time`): it copies every gathered parameter out of the all-gather's buffer and every gradient into
+  the reduce-scatter's, and on a CPU its hooks and per-parameter bookkeeping run on the thread that computes.
+  Per step a ZeRO-3 group does this for 2m gathers (m + 1 pipelined) and m reductions (1 pipelined), a ZeRO-2 group
+  for 1 gather and m reductions (1 pipelined).
 - While communication overlaps compute, the compute slows down by the device's ``overlap_slowdown`` (the
   collective kernels take SMs and memory bandwidth); that cost is added to the exposed time. On a device whose
   collectives run on the computing cores (the CPU: `costmodel.hardware.CPU_OVERLAP_SLOWDOWN` = 1) nothing is
@@ -40,6 +45,34 @@ CLIP_BYTES = 12
 CLIP_OPS = 2
 #: bytes of the step's scalar all-reduces: the squared norm's and the loss's (one fp32 each)
 SCALAR_BYTES = 4
+
+
+def fsdp_serial_time(costs: list[LayerCost], ev: SyncView, event: str) -> float:
+    """Seconds one ``event`` (``gather`` or ``reduce``: `costmodel.hardware.FSDP_EVENTS`) of each of ``costs``' FSDP2
+    groups (a layer each, as the collectives count them) keeps the computing stream busy besides the collective
+    (torch 2.13, fsdp/_fully_shard/_fsdp_collectives.py):
+
+    - gather: ``foreach_all_gather_copy_out`` copies each parameter out of the gathered buffer
+      (``split_with_sizes_copy``, on the current stream after ``wait_for_unshard``): the gathered elements read and
+      written in the parameter dtype. Its copy-in (the rank's shard into the buffer, 1/dp of that) runs on the
+      all-gather stream: it takes of the compute only what an overlapped collective takes, ``overlap_slowdown``.
+    - reduce: ``foreach_reduce_scatter_copy_in`` concatenates the unsharded gradients into the reduce-scatter's
+      input (``chunk_cat``, on the current stream before ``reduce_scatter_stream.wait_stream``): read in the
+      gradient's dtype (the parameter's), written in the reduce dtype (`fsdp_reduce_dtype_bytes`). What follows
+      on the shard (the division, the accumulation into the sharded gradient) is 1/dp of it: not priced.
+
+    Both memory-bound (``DeviceSpec.fsdp_copy_rate``: ``hbm_bw × memory_eff``, or a CPU's measured rate), padded
+    as FSDP2 gathers (`SyncView.gathered_numel`); plus the device's host time per group and per parameter tensor
+    (``DeviceSpec.fsdp_overhead_s``: 0 on GPUs)."""
+    cfg, dev = ev.cfg, ev.cluster.device
+    numel = sum(ev.gathered_numel(c) for c in costs)
+    pbytes = cfg.param_bytes
+    if event == "gather":
+        moved = 2 * numel * pbytes * (1 + dev.overlap_slowdown / cfg.data_ranks)
+    else:
+        moved = numel * (pbytes + fsdp_reduce_dtype_bytes(cfg))
+    group, tensor = dev.fsdp_overhead(event)
+    return moved / dev.fsdp_copy_rate + group * len(costs) + tensor * sum(c.param_tensors for c in costs)
 
 
 def zero2_gather_time(params: float, ev: SyncView) -> float:
@@ -83,7 +116,8 @@ def dp_exposed(rank_costs: list[LayerCost], ev: SyncView) -> tuple[float, float]
     if cfg.zero == 3:  # reduce-scatters happen per micro-batch (fsdp_exposed), or once after the pipeline
         if not pipelined:
             return 0.0, 0.0
-        return reduce_scatter_time(gathered * fsdp_reduce_dtype_bytes(cfg), span, cluster), 0.0
+        rs = reduce_scatter_time(gathered * fsdp_reduce_dtype_bytes(cfg), span, cluster)
+        return rs + fsdp_serial_time(rank_costs, ev, "reduce"), 0.0
     if cfg.zero == 2:
         # every micro-batch reduce-scatters its gradients under its own backward (gradients stay sharded), or,
         # pipelined, once after the last backward, hidden by nothing; the once-per-step all-gather hides under the
@@ -93,7 +127,9 @@ def dp_exposed(rank_costs: list[LayerCost], ev: SyncView) -> tuple[float, float]
         fwd = sum(c.fwd_s for c in rank_costs)
         e1, s1 = (rs, 0.0) if pipelined else _hidden(rs, window, slow)
         e2, s2 = _hidden(ag, fwd, slow)
-        return (1 if pipelined else ev.m) * (e1 + s1) + e2 + s2, 0.0
+        serial = (fsdp_serial_time(rank_costs, ev, "gather")
+                  + (1 if pipelined else ev.m) * fsdp_serial_time(rank_costs, ev, "reduce"))
+        return (1 if pipelined else ev.m) * (e1 + s1) + e2 + s2 + serial, 0.0
     comm, last, encode = compressed_grad_comm(rank_costs, params, first, ev)
     exposed, slowdown = _hidden(comm, window, slow)
     exposed = max(exposed, last) + slowdown
@@ -113,7 +149,8 @@ def fsdp_gather_share(cfg, m: int) -> float:
 
 
 def fsdp_exposed(stage_costs: list[LayerCost], ev: SyncView) -> float:
-    """Per micro-batch, the ZeRO-3 parameter all-gathers and gradient reduce-scatters not hidden by compute."""
+    """Per micro-batch, the ZeRO-3 parameter all-gathers and gradient reduce-scatters not hidden by compute, and
+    FSDP2's work on the computing stream (`fsdp_serial_time`)."""
     span, cluster = ev.dp_span, ev.cluster
     slow = cluster.device.overlap_slowdown
     pbytes = 4 if ev.cfg.precision == "fp32" else 2
@@ -127,7 +164,10 @@ def fsdp_exposed(stage_costs: list[LayerCost], ev: SyncView) -> float:
     bwd = sum(c.bwd_s + c.recompute_s for c in stage_costs)
     e_f, s_f = _hidden(sum(ag[1:]), fwd, slow)
     e_b, s_b = _hidden(sum(ag[:-1]) + sum(rs[1:]), bwd, slow)
-    return ag[0] + e_f + s_f + ag[-1] + e_b + s_b + rs[0]
+    # what FSDP2 does on the computing stream (`fsdp_serial_time`): 2·share gathers, a reduction unless pipelined
+    serial = 2 * share * fsdp_serial_time(stage_costs, ev, "gather") + (
+        0.0 if ev.cfg.fsdp_in_pipeline else fsdp_serial_time(stage_costs, ev, "reduce"))
+    return ag[0] + e_f + s_f + ag[-1] + e_b + s_b + rs[0] + serial
 
 
 def optimizer_time(params: float, ev: SyncView, extra: float = 0.0) -> float:

@@ -187,12 +187,13 @@ inter: {bw_GBps: 12.5, latency_us: 10}
 
 
 def test_call_latency_and_op_overhead_round_trip():
-    """A link's per-call latency (its own and per kind) and a device's per-op host overhead are read in µs and
-    written back."""
+    """A link's per-call latency (its own and per kind), a device's per-op host overhead and FSDP2's (per group and
+    tensor, and its copies' rate) are read in µs (GB/s) and written back."""
     text = """\
 name: cpu-like
 device: {name: mycpu, peak_tflops: {fp32: 0.07}, memory_GiB: 24, hbm_bw_GBps: 20, op_overhead_us: [2.5, 4],
-         dtensor_overhead_us: {tp_linear: [200, 330], sp_norm: [190, 350]}}
+         dtensor_overhead_us: {tp_linear: [200, 330], sp_norm: [190, 350]},
+         fsdp_overhead_us: {gather: [180, 12.5], reduce: [270, 20]}, fsdp_copy_GBps: 9.7}
 gpus_per_node: 2
 nodes: 1
 intra: {bw_GBps: 1.8, latency_us: 50, call_latency_us: 2500, by_kind: {all_gather: {call_latency_us: 1300}}}
@@ -202,6 +203,11 @@ inter: {bw_GBps: 1.8, latency_us: 50}
     assert c.device.op_overhead_s == pytest.approx((2.5e-6, 4e-6))
     assert c.device.dtensor_overhead("tp_linear") == pytest.approx((200e-6, 330e-6))
     assert c.device.dtensor_overhead("sp_linear") == (0.0, 0.0)  # (not given: not charged)
+    assert c.device.fsdp_overhead("gather") == pytest.approx((180e-6, 12.5e-6))
+    assert c.device.fsdp_overhead("reduce") == pytest.approx((270e-6, 20e-6))
+    assert c.device.fsdp_copy_rate == pytest.approx(9.7e9)
+    assert load_cluster("dgx-h100").device.fsdp_copy_rate == pytest.approx(3.35e12 * load_cluster(
+        "dgx-h100").device.memory_eff)  # (not measured: the memory bandwidth)
     assert c.intra.call_latency_for("all_reduce") == pytest.approx(2.5e-3)
     assert c.intra.call_latency_for("all_gather") == pytest.approx(1.3e-3)
     assert c.inter.call_latency_for("all_gather") == 0.0

@@ -53,7 +53,10 @@ inter: {{bw_GBps: {rng.choice([0.05, 0.5, 5])}, latency_us: {rng.choice([5, 50])
 """
     cl = parse_cluster_yaml(text)  # the YAML has no overlap_slowdown key: set it on the device
     # the whole memory (no headroom): the random problems sit near its limit on purpose
-    return replace(cl, device=replace(cl.device, overlap_slowdown=rng.choice([0.0, 0.1, 0.3])), memory_fraction=1.0)
+    device = replace(cl.device, overlap_slowdown=rng.choice([0.0, 0.1, 0.3]),
+                     # FSDP2's host time per group and tensor (a CPU's: `costmodel.fsdp_probe`), or none (a GPU's)
+                     fsdp_overhead_s=rng.choice([{}, {"gather": (2e-4, 1e-5), "reduce": (3e-4, 2e-5)}]))
+    return replace(cl, device=device, memory_fraction=1.0)
 
 
 def splits(n_blocks: int, n_stages: int):

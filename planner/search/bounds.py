@@ -25,7 +25,8 @@ factor, s the device's overlap slowdown, T_r the per-micro-batch time of rank r,
      the forward and backward overlaps (`costmodel.overlap.fsdp_exposed`). Summed over stages, with
      Σ_c max(0, ·) ≥ max(0, Σ_c ·), the result is non-decreasing in Σ_c X_c (its slope is (1 − s)(1 − [·>0]) ≥ 0),
      so Σ_c X_c = S·(2·min ag + min rs) gives a bound; the windows are at most Σ fwd and Σ (bwd + fwd) (full
-     recomputation recomputes the forward).
+     recomputation recomputes the forward). Plus FSDP2's serial work, exact: every layer's, additive
+     (`costmodel.overlap.fsdp_serial_time`).
 2. max_r T_r ≥ max(Σ_r T_r / p, B_int): B_int is the least bottleneck of an integral distribution of the blocks,
    each at its cheapest time, over ranks carrying their fixed parts (pre/post layers, boundary transfers) with
    ≥ v blocks each: the greedy "next block to the least loaded rank" is optimal for identical items.
@@ -37,7 +38,7 @@ factor, s the device's overlap slowdown, T_r the per-micro-batch time of rank r,
    s·min(C, W) ≥ max(s·C, L, C − (1 − s)·W) with C the gradient all-reduce under the compression option, L the least
    last bucket, plus its encode time (PowerSGD's matmuls at the curve's e_max), minimised over the options; ZeRO-1
    adds one broadcast of the parameters (one call: ≤ the per-tensor ones); ZeRO-2 the two (1 − s)·max(0, ·) + s·(·)
-   overlaps; every rank its Adam step and clipping, and the loss's reductions.
+   overlaps and the average rank's FSDP2 serial work; every rank its Adam step and clipping, and the loss's reductions.
 
 Blocks of several kinds (`costmodel.estimate.block_classes`): W's relaxation is over the run's (activations, time)
 points with each kind at one mode (every per-kind mix of modes lies in their convex hull); the
@@ -55,6 +56,7 @@ candidate fits. `tests/test_ilp.py` checks it against the peak of every plan of 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from costmodel.cluster import Cluster
@@ -75,7 +77,7 @@ from costmodel.memory import (
     runtime_reserved_bytes,
     state_bytes_at_peak,
 )
-from costmodel.overlap import fsdp_gather_share, loss_sync_time, optimizer_part_time
+from costmodel.overlap import fsdp_gather_share, fsdp_serial_time, loss_sync_time, optimizer_part_time
 from planner.search.ilp import GRAD_OPTIONS, PP_OPTIONS
 from planner.search.ilp_data import zero23_grad_option
 from profiler.graph import LayerGraph
@@ -290,7 +292,15 @@ class Bounds:
         xf, xl, xr = S * min(ag), S * min(ag), S * min(rs)
         fwd_excess = max(0.0, sum(ag) - xf - g.fwd)
         bwd_excess = max(0.0, sum(ag) - xl + sum(rs) - xr - (g.bwd + g.fwd))
-        return (1 - sl) * (xf + xl + xr + fwd_excess + bwd_excess) + sl * (2 * sum(ag) + sum(rs))
+        # FSDP2's serial work, summed over every layer (`costmodel.overlap.fsdp_serial_time`: additive over layers)
+        serial = 2 * share * self._serial(cfg, g, ev, "gather") + (
+            0.0 if cfg.fsdp_in_pipeline else self._serial(cfg, g, ev, "reduce"))
+        return (1 - sl) * (xf + xl + xr + fwd_excess + bwd_excess) + sl * (2 * sum(ag) + sum(rs)) + serial
+
+    def _serial(self, cfg: ParallelConfig, g: _Group, ev: Evaluator, event: str) -> float:
+        """FSDP2's serial work of one ``event`` of every layer, for the candidate's own configuration (its reduce
+        dtype: ``ev`` is shared by candidates that differ in it)."""
+        return fsdp_serial_time(g.costs, _SerialView(cfg, self.cluster, ev.gathered_numel), event)
 
     def _finish(self, cfg: ParallelConfig, g: _Group, ev: Evaluator, grad_opts) -> float:
         p = cfg.pp
@@ -301,7 +311,8 @@ class Bounds:
                   + sum(loss_sync_time(ev)))
         pipelined = cfg.fsdp_in_pipeline
         if cfg.zero == 3 and pipelined:  # one exposed reduce-scatter of the average rank's gradients (affine: ≤ max)
-            return finish + reduce_scatter_time(P * fsdp_reduce_dtype_bytes(cfg), ev.dp_span, self.affine_cluster)
+            return (finish + reduce_scatter_time(P * fsdp_reduce_dtype_bytes(cfg), ev.dp_span, self.affine_cluster)
+                    + self._serial(cfg, g, ev, "reduce") / p)
         if cfg.data_ranks == 1 or cfg.zero == 3:
             return finish
         span, cl, sl = ev.dp_span, self.affine_cluster, self.cluster.device.overlap_slowdown
@@ -310,9 +321,11 @@ class Bounds:
         if cfg.zero == 2:
             rs = reduce_scatter_time(P * fsdp_reduce_dtype_bytes(cfg), span, cl)
             ag = all_gather_time(P * pbytes, span, cl)
+            # the average rank's serial work (additive over layers: ≤ the slowest's)
+            m = 1 if pipelined else ev.m  # reduce-scatters per step
+            finish += (self._serial(cfg, g, ev, "gather") + m * self._serial(cfg, g, ev, "reduce")) / p
             if pipelined:  # one reduce-scatter after the pipeline, hidden by nothing
                 return finish + rs + (1 - sl) * max(0.0, ag - fw) + sl * ag
-            m = ev.m  # a reduce-scatter per micro-batch
             return finish + (1 - sl) * (m * max(0.0, rs - wb) + max(0.0, ag - fw)) + sl * (m * rs + ag)
         if cfg.reduces_after_step:
             wb = 0.0  # all-reduced after the whole backward (costmodel.runnable): no window
@@ -565,7 +578,16 @@ class _PerSpan(dict):
         return v
 
 
-@dataclass
+@dataclass(frozen=True)
+class _SerialView:
+    """What `fsdp_serial_time` reads from an Evaluator."""
+
+    cfg: ParallelConfig
+    cluster: Cluster
+    gathered_numel: Callable
+
+
+@dataclass(frozen=True)
 class _OptView:
     """What `optimizer_part_time` reads from an Evaluator."""
 

@@ -41,8 +41,9 @@ Constraint families, one function each:
 2. `tab`: rank r's per-kind counts N_r,k = Σ_{c≡r} Σ_a blocks[c, k, a] equal Σ_key key_k·onehot[r, None][key]
    (clipped: key_k ≤ N_r,k, and N_r,k ≤ key_k below the cap).
 3. `add_stage_times`: T_c = Σ layer t + [c > 0]·p2p(chosen pp compression) + fsdp_c. Under ZeRO-3 fsdp_c =
-   ag_first + ag_last + rs_first + (1 − s)·E_f + s·A_f + (1 − s)·E_b + s·A_b with E ≥ A − window, E ≥ 0
-   (`costmodel.overlap.fsdp_exposed`; s = overlap_slowdown). max(0, A − W) + s·min(A, W) = (1 − s)·max(0, A − W)
+   ag_first + ag_last + rs_first + (1 − s)·E_f + s·A_f + (1 − s)·E_b + s·A_b + Σ serial with E ≥ A − window, E ≥ 0
+   (`costmodel.overlap.fsdp_exposed`; s = overlap_slowdown; serial: FSDP2's copies and host work,
+   `costmodel.overlap.fsdp_serial_time`, linear in the blocks). max(0, A − W) + s·min(A, W) = (1 − s)·max(0, A − W)
    + s·A, and 1 − s > 0, so the concave min needs no binary: the epigraph is tight at the optimum.
 4. `add_bottleneck`: bottleneck ≥ T_r = Σ_{c≡r} T_c.
 5. `add_finish`: finish ≥ dp_exposed_r + encode_r + optimizer_r (with the clipping) + the loss's reductions for every
@@ -50,8 +51,8 @@ Constraint families, one function each:
    (`costmodel.overlap.dp_exposed`): exposed = max(max(0, x), L) + s·min(C, W) with x = C − W, C the all-reduce time
    (tabulated in N_r), W the rank's backward window, L the last bucket. Written as s·C + G with G ≥ (1 − s)·x,
    G ≥ 0, G ≥ L − s·P and P ≤ max(0, x) by a binary δ (P ≤ x + M(1 − δ), P ≤ M·δ): the concave part of the max
-   is what needs the binary. ZeRO-2: two tight epigraphs as in 3. ZeRO-1 adds the parameters' broadcasts
-   (tabulated).
+   is what needs the binary. ZeRO-2: two tight epigraphs as in 3, plus FSDP2's serial work (tabulated). ZeRO-1
+   adds the parameters' broadcasts (tabulated).
 6. `add_memory`: per rank, 1.05·(params + grads + optimizer + in-flight activations + backward peak +
    temporaries) + reserve ≤ capacity (`costmodel.memory`); blocks weigh the rank's average in-flight count, the
    embedding and head their own chunk's; the backward peak is the max over the rank's layers, rec_peak ≥
@@ -105,6 +106,7 @@ from costmodel.memory import (
 )
 from costmodel.overlap import (
     fsdp_gather_share,
+    fsdp_serial_time,
     loss_sync_time,
     optimizer_part_time,
     zero1_sync_time,
@@ -373,6 +375,14 @@ class Model:
         ag_last = ag(fixed[-1]) if (c == d.S - 1 and d.post or not d.blocks) else self.at_block(self.last_kind, c, ag)
         sum_ag = sum((ag(i) * self.n_kind(u, k) for k, i in enumerate(d.reps)), self.zero) + sum(ag(i) for i in fixed)
         sum_rs = sum((rs(i) * self.n_kind(u, k) for k, i in enumerate(d.reps)), self.zero) + sum(rs(i) for i in fixed)
+
+        def serial(i):  # FSDP2's work on the computing stream (costmodel.overlap.fsdp_serial_time)
+            one = [ev.cost(i, AC.NONE)]
+            return 2 * share * fsdp_serial_time(one, ev, "gather") + (
+                0.0 if d.cfg.fsdp_in_pipeline else fsdp_serial_time(one, ev, "reduce"))
+
+        sum_serial = (sum((serial(i) * self.n_kind(u, k) for k, i in enumerate(d.reps)), self.zero)
+                      + sum(serial(i) for i in fixed))
         a_f = self._t(1) * (sum_ag - ag_first)
         a_b = self._t(1) * (sum_ag - ag_last + sum_rs - rs_first)
         fwd = self.layer_sum([u], lambda x: self._t(x.fwd_s))
@@ -382,7 +392,8 @@ class Model:
         s.Add(e_f >= a_f - fwd)
         s.Add(e_b >= a_b - bwd)
         sl = d.slow
-        return self._t(1) * (ag_first + ag_last + rs_first) + (1 - sl) * (e_f + e_b) + sl * (a_f + a_b)
+        return (self._t(1) * (ag_first + ag_last + rs_first) + (1 - sl) * (e_f + e_b) + sl * (a_f + a_b)
+                + self._t(1) * sum_serial)
 
     # -- 4. bottleneck ---------------------------------------------------------------------------------------
     def rank_time(self, r):
@@ -408,7 +419,8 @@ class Model:
                 s.Add(self.finish >= opt)
             elif d.cfg.zero == 3:  # pipelined: one reduce-scatter after the last backward, nothing hides it
                 rs, _, _ = self.tab(r, lambda v, r=r: self._t(reduce_scatter_time(
-                    self._gathered(r, v) * fsdp_reduce_dtype_bytes(d.cfg), d.ev.dp_span, d.ev.cluster)))
+                    self._gathered(r, v) * fsdp_reduce_dtype_bytes(d.cfg), d.ev.dp_span, d.ev.cluster)
+                    + fsdp_serial_time(_rank_layer_costs(d, r, v), d.ev, "reduce")))
                 s.Add(self.finish >= opt + rs)
             elif d.cfg.zero == 2:
                 s.Add(self.finish >= opt + self._zero2(r))
@@ -455,14 +467,21 @@ class Model:
         rs, _, _ = self.tab(r, lambda v: self._t(reduce_scatter_time(
             self._gathered(r, v) * fsdp_reduce_dtype_bytes(d.cfg), span, cl)))
         ag, _, _ = self.tab(r, lambda v: self._t(zero2_gather_time(self._gathered(r, v), ev)))
+        once = 1 if d.cfg.fsdp_in_pipeline else d.m  # reductions per step
+
+        def serial(v):  # FSDP2's work on the computing stream (costmodel.overlap.fsdp_serial_time)
+            costs = _rank_layer_costs(d, r, v)
+            return self._t(fsdp_serial_time(costs, ev, "gather") + once * fsdp_serial_time(costs, ev, "reduce"))
+
+        ser, _, _ = self.tab(r, serial)
         e1 = self.dp_excess[r, "rs"] = s.NumVar(0, self.inf, f"zero2_excess[{r},rs]")
         e2 = self.dp_excess[r, "ag"] = s.NumVar(0, self.inf, f"zero2_excess[{r},ag]")
         s.Add(e2 >= ag - self._window(r, lambda x: self._t(x.fwd_s)))
         if d.cfg.fsdp_in_pipeline:  # one reduce-scatter after the pipeline, exposed
             s.Add(e1 >= rs)
-            return e1 + (1 - sl) * e2 + sl * ag
+            return e1 + (1 - sl) * e2 + sl * ag + ser
         s.Add(e1 >= rs - self._window(r, lambda x: self._t(x.bwd_s + x.recompute_s)))
-        return (1 - sl) * (d.m * e1 + e2) + sl * (d.m * rs + ag)  # a reduce-scatter per micro-batch
+        return (1 - sl) * (d.m * e1 + e2) + sl * (d.m * rs + ag) + ser  # a reduce-scatter per micro-batch
 
     def _ddp(self, r, k):
         """(expression, upper bound) of exposed DDP reduction + encode (+ ZeRO-1 broadcasts) under option k."""
