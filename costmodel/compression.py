@@ -73,6 +73,7 @@ class SyncView(Protocol):
     grad_kind: str  #: ``none``, ``bf16``, ``fp16`` or ``powersgd``
     grad_rank: int  #: PowerSGD's rank (0 otherwise)
     autocast: bool  #: outside FSDP the module's parameters stay fp32 (`costmodel.memory.module_param_bytes`)
+    fsdp_copy_out: bool  #: FSDP copies gathered parameters out of its buffer (FSDP2; `costmodel.overlap`)
 
     def gathered_numel(self, c: LayerCost) -> float:
         """A layer's parameters as FSDP2 gathers and reduce-scatters them: padded on every rank's shard."""

@@ -291,7 +291,7 @@ class Evaluator:
                  cache: dict | None = None, measured: tuple[dict, int] | None = None,
                  in_place_loss: bool = False, gathered_column_inputs: bool = True, compiled: bool = False,
                  selective: str | None = None, autocast: bool = True, seq_relayout: bool = True,
-                 float8_recipe: str | None = "torchao") -> None:
+                 float8_recipe: str | None = "torchao", fsdp_copy_out: bool = True) -> None:
         """``cache``: optional dict shared by Evaluators of the *same* ``lg`` and ``cluster`` (e.g. a planner's
         candidates): the parameter ownership is computed once and layer costs are shared between
         configurations whose (tp, sp, mbs, precision, pp > 1) agree, the only configuration fields they depend on.
@@ -309,13 +309,18 @@ class Evaluator:
         sequence copy around NCCL's layout, as torch's DTensor does on autopar's batch-first activations
         (`costmodel.layercost.seq_relayout_bytes`; False for Megatron-LM's sequence-first ones); ``float8_recipe``:
         the recipe whose casts float8 training runs as kernels of their own (`costmodel.layercost.FLOAT8_RECIPES`,
-        priced by `costmodel.layercost.float8_cast_costs`): torchao's, the torch-native stack's, by default."""
+        priced by `costmodel.layercost.float8_cast_costs`): torchao's, the torch-native stack's, by default;
+        ``fsdp_copy_out``: sharded data parallelism copies each gathered parameter out of the all-gather's buffer,
+        as FSDP2 does (`costmodel.overlap.fsdp_serial_time`; False for FSDP1's flat parameter, Composer's, whose
+        parameters are views into the buffer it gathers into: torch 2.13 ``FlatParamHandle._all_gather_flat_param``
+        and ``_get_unflat_views``)."""
         check_config(lg, cluster, cfg, global_batch)
         if float8_recipe is not None and float8_recipe not in FLOAT8_RECIPES:
             raise ValueError(f"unknown float8 recipe {float8_recipe!r}; known: {', '.join(FLOAT8_RECIPES)}")
         if selective is None:
             selective = model_selective_policy(lg)
         self.autocast = autocast
+        self.fsdp_copy_out = fsdp_copy_out
         # a plan that trains under torch.autocast keeps its activations at the dtypes autocast gives them (the
         # fp32 residual stream, norms' fp32 inputs, the loss's fp32 logits): priced from the model captured
         # under autocast (`LayerGraph.under_autocast`) where it can be made, else from the 16-bit capture

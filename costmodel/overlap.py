@@ -56,10 +56,13 @@ def fsdp_serial_time(costs: list[LayerCost], ev: SyncView, event: str) -> float:
       (``split_with_sizes_copy``, on the current stream after ``wait_for_unshard``): the gathered elements read and
       written in the parameter dtype. Its copy-in (the rank's shard into the buffer, 1/dp of that) runs on the
       all-gather stream: it takes of the compute only what an overlapped collective takes, ``overlap_slowdown``.
+      FSDP1 (a published stack's: ``SyncView.fsdp_copy_out`` False) gathers into its flat parameter and uses
+      views of it: no copy-out, and its low-precision shard cast is the copy-in's size.
     - reduce: ``foreach_reduce_scatter_copy_in`` concatenates the unsharded gradients into the reduce-scatter's
       input (``chunk_cat``, on the current stream before ``reduce_scatter_stream.wait_stream``): read in the
-      gradient's dtype (the parameter's), written in the reduce dtype (`fsdp_reduce_dtype_bytes`). What follows
-      on the shard (the division, the accumulation into the sharded gradient) is 1/dp of it: not priced.
+      gradient's dtype (the parameter's), written in the reduce dtype (`fsdp_reduce_dtype_bytes`); FSDP1's
+      autograd concatenates them into its flat gradient alike. What follows on the shard (the division, the
+      accumulation into the sharded gradient) is 1/dp of it: not priced.
 
     Both memory-bound (``DeviceSpec.fsdp_copy_rate``: ``hbm_bw × memory_eff``, or a CPU's measured rate), padded
     as FSDP2 gathers (`SyncView.gathered_numel`); plus the device's host time per group and per parameter tensor
@@ -68,7 +71,7 @@ def fsdp_serial_time(costs: list[LayerCost], ev: SyncView, event: str) -> float:
     numel = sum(ev.gathered_numel(c) for c in costs)
     pbytes = cfg.param_bytes
     if event == "gather":
-        moved = 2 * numel * pbytes * (1 + dev.overlap_slowdown / cfg.data_ranks)
+        moved = 2 * numel * pbytes * ((1 if ev.fsdp_copy_out else 0) + dev.overlap_slowdown / cfg.data_ranks)
     else:
         moved = numel * (pbytes + fsdp_reduce_dtype_bytes(cfg))
     group, tensor = dev.fsdp_overhead(event)

@@ -300,7 +300,7 @@ class Bounds:
     def _serial(self, cfg: ParallelConfig, g: _Group, ev: Evaluator, event: str) -> float:
         """FSDP2's serial work of one ``event`` of every layer, for the candidate's own configuration (its reduce
         dtype: ``ev`` is shared by candidates that differ in it)."""
-        return fsdp_serial_time(g.costs, _SerialView(cfg, self.cluster, ev.gathered_numel), event)
+        return fsdp_serial_time(g.costs, _SerialView(cfg, self.cluster, ev.gathered_numel, ev.fsdp_copy_out), event)
 
     def _finish(self, cfg: ParallelConfig, g: _Group, ev: Evaluator, grad_opts) -> float:
         p = cfg.pp
@@ -585,6 +585,7 @@ class _SerialView:
     cfg: ParallelConfig
     cluster: Cluster
     gathered_numel: Callable
+    fsdp_copy_out: bool
 
 
 @dataclass(frozen=True)
