@@ -89,13 +89,16 @@ class Row:
         sequence-parallel collectives, Megatron-LM keeps 16-bit parameters beside fp32 master weights
         where autopar's runtime autocasts fp32 ones (`costmodel.memory.state_bytes_per_param`), and llm-foundry's
         float8 is Transformer Engine's, whose casts are priced as that recipe runs them (the stack's
-        ``float8_recipe``, `costmodel.stacks.STACKS`), and Composer's FSDP (FSDP1) uses its gathered flat
-        parameter in place where FSDP2 copies each parameter out; torchtitan is torch-native (autopar's runtime,
-        torchao's float8, FSDP2) but may compile and checkpoint per op."""
+        ``float8_recipe``, `costmodel.stacks.STACKS`), Composer's FSDP (FSDP1) uses its gathered flat
+        parameter in place where FSDP2 copies each parameter out, and Megatron-LM accumulates gradients inside its
+        weight-gradient GEMMs (``gradient_accumulation_fusion``, on unless ``--no-gradient-accumulation-fusion``);
+        torchtitan is torch-native (autopar's runtime, torchao's float8, FSDP2) but may compile and checkpoint per
+        op."""
         native = self.stack == "torch-native"
         return {"in_place_loss": not native, "gathered_column_inputs": native, "compiled": self.compiled,
                 "selective": self.selective, "autocast": native, "seq_relayout": native,
-                "float8_recipe": STACKS[self.stack].float8_recipe, "fsdp_copy_out": native}
+                "float8_recipe": STACKS[self.stack].float8_recipe, "fsdp_copy_out": native,
+                "fused_grad_accumulation": self.stack == "megatron"}
 
 
 def load_rows(path: Path = DATA) -> list[Row]:

@@ -14,6 +14,7 @@ pp group stride dp·cp·tp.
 
 from __future__ import annotations
 
+import decimal
 import difflib
 import math
 import os
@@ -625,8 +626,10 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
     dtensor = _pairs_us(ctx, value, "dtensor_overhead_us", DTENSOR_OPS, "[forward, backward]")  # (a CPU device)
     # host µs FSDP2 adds per group and per parameter tensor of each all-gather and reduce-scatter (a CPU device)
     fsdp = _pairs_us(ctx, value, "fsdp_overhead_us", FSDP_EVENTS, "[per group, per tensor]")
-    # the rate of FSDP2's copies where measured (a CPU device); absent: the device's memory bandwidth
-    copy_bw = _get(ctx, value, "fsdp_copy_GBps", float, "device", default=0.0)
+    # the rate of FSDP2's copies where measured (a CPU device); absent or 0: the device's memory bandwidth
+    copy_bw = value.get("fsdp_copy_GBps", 0.0)
+    if isinstance(copy_bw, bool) or not isinstance(copy_bw, (int, float)) or copy_bw < 0:
+        raise ctx.error(f"device.fsdp_copy_GBps must be a number ≥ 0 (0: the memory bandwidth), got {copy_bw!r}")
     reserved = None
     if "runtime_reserved_GiB" in value:  # measured: what the CUDA context and NCCL hold outside torch's allocator
         reserved = _get(ctx, value, "runtime_reserved_GiB", float, "device")
@@ -636,17 +639,16 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
     return DeviceSpec(
         name=_get(ctx, value, "name", str, "device"),
         runtime_reserved=reserved,
-        # (scaled in decimal, so that a dumped 66.9 reads back as the 66.9e12 it was)
-        peak_flops={d: float(f"{_get(ctx, peaks, d, float, 'device.peak_tflops')!r}e12") for d in peaks},
+        peak_flops={d: _decimal(_get(ctx, peaks, d, float, "device.peak_tflops"), 12) for d in peaks},
         memory_bytes=memory,
         hbm_bw=_get(ctx, value, "hbm_bw_GBps", float, "device") * GB,
         matmul_eff=curve,
         memory_eff=memory_eff,
         overlap_slowdown=float(slowdown),
-        op_overhead_s=(float(f"{overhead[0]!r}e-6"), float(f"{overhead[1]!r}e-6")),
+        op_overhead_s=(_decimal(overhead[0], -6), _decimal(overhead[1], -6)),
         dtensor_overhead_s=dtensor,
         fsdp_overhead_s=fsdp,
-        fsdp_copy_bw=float(f"{copy_bw!r}e9"),
+        fsdp_copy_bw=_decimal(copy_bw, 9),
         source=str(value.get("source", f"from {ctx.origin}")),
         **effs,
     )
@@ -660,8 +662,13 @@ def _pairs_us(ctx: _Ctx, value: dict, key: str, names: tuple[str, ...], pair: st
             or any(isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 for t in v)
             for k, v in got.items()):
         raise ctx.error(f"device.{key} must map {', '.join(names)} to {pair} microseconds ≥ 0, got {got!r}")
-    # (scaled in decimal, so that a dumped figure reads back as the one it was)
-    return {k: (float(f"{v[0]!r}e-6"), float(f"{v[1]!r}e-6")) for k, v in got.items()}
+    return {k: (_decimal(v[0], -6), _decimal(v[1], -6)) for k, v in got.items()}
+
+
+def _decimal(value: float, exponent: int) -> float:
+    """``value`` × 10**``exponent``, scaled in decimal, so that a dumped figure reads back as the one it was (66.9
+    TFLOP/s as 66.9e12, not 66.9 × 1e12), whatever notation its repr takes (1e-05 too)."""
+    return float(decimal.Decimal(repr(float(value))).scaleb(exponent))
 
 
 _CLUSTER_KEYS = ("name", "device", "gpus_per_node", "nodes", "intra", "inter", "memory_fraction", "stack",

@@ -74,6 +74,8 @@ class SyncView(Protocol):
     grad_rank: int  #: PowerSGD's rank (0 otherwise)
     autocast: bool  #: outside FSDP the module's parameters stay fp32 (`costmodel.memory.module_param_bytes`)
     fsdp_copy_out: bool  #: FSDP copies gathered parameters out of its buffer (FSDP2; `costmodel.overlap`)
+    #: the stack accumulates gradients inside the weight-gradient GEMM (`costmodel.overlap.grad_accumulation_time`)
+    fused_grad_accumulation: bool
 
     def gathered_numel(self, c: LayerCost) -> float:
         """A layer's parameters as FSDP2 gathers and reduce-scatters them: padded on every rank's shard."""

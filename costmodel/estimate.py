@@ -72,6 +72,7 @@ from costmodel.memory import (
 from costmodel.overlap import (
     dp_exposed,
     fsdp_exposed,
+    grad_accumulation_time,
     loss_sync_time,
     optimizer_part_time,
     tp_partial_bytes,
@@ -291,7 +292,8 @@ class Evaluator:
                  cache: dict | None = None, measured: tuple[dict, int] | None = None,
                  in_place_loss: bool = False, gathered_column_inputs: bool = True, compiled: bool = False,
                  selective: str | None = None, autocast: bool = True, seq_relayout: bool = True,
-                 float8_recipe: str | None = "torchao", fsdp_copy_out: bool = True) -> None:
+                 float8_recipe: str | None = "torchao", fsdp_copy_out: bool = True,
+                 fused_grad_accumulation: bool = False) -> None:
         """``cache``: optional dict shared by Evaluators of the *same* ``lg`` and ``cluster`` (e.g. a planner's
         candidates): the parameter ownership is computed once and layer costs are shared between
         configurations whose (tp, sp, mbs, precision, pp > 1) agree, the only configuration fields they depend on.
@@ -313,7 +315,9 @@ class Evaluator:
         ``fsdp_copy_out``: sharded data parallelism copies each gathered parameter out of the all-gather's buffer,
         as FSDP2 does (`costmodel.overlap.fsdp_serial_time`; False for FSDP1's flat parameter, Composer's, whose
         parameters are views into the buffer it gathers into: torch 2.13 ``FlatParamHandle._all_gather_flat_param``
-        and ``_get_unflat_views``)."""
+        and ``_get_unflat_views``); ``fused_grad_accumulation``: the stack accumulates gradients over
+        micro-batches inside its weight-gradient GEMMs (Megatron-LM's ``gradient_accumulation_fusion``), where
+        autopar's runtime adds them in memory-bound kernels (`costmodel.overlap.grad_accumulation_time`)."""
         check_config(lg, cluster, cfg, global_batch)
         if float8_recipe is not None and float8_recipe not in FLOAT8_RECIPES:
             raise ValueError(f"unknown float8 recipe {float8_recipe!r}; known: {', '.join(FLOAT8_RECIPES)}")
@@ -321,6 +325,7 @@ class Evaluator:
             selective = model_selective_policy(lg)
         self.autocast = autocast
         self.fsdp_copy_out = fsdp_copy_out
+        self.fused_grad_accumulation = fused_grad_accumulation
         # a plan that trains under torch.autocast keeps its activations at the dtypes autocast gives them (the
         # fp32 residual stream, norms' fp32 inputs, the loss's fp32 logits): priced from the model captured
         # under autocast (`LayerGraph.under_autocast`) where it can be made, else from the 16-bit capture
@@ -711,7 +716,7 @@ class Evaluator:
         pipe = self.m * t_rank[bottleneck] + phi * (sum(t_rank) - t_rank[bottleneck])
 
         # data-parallel gradient reduction and the optimizer, per rank; the slowest rank finishes the step
-        dp_exp, opt, comp_cost, mems, partial = [], [], [], [], []
+        dp_exp, opt, comp_cost, mems, partial, accumulate = [], [], [], [], [], []
         for r in range(cfg.pp):
             idx = [i for c in range(n_stages) if rank_of[c] == r for i in stages[c]]
             rc = [costs[i] for i in idx]
@@ -721,18 +726,21 @@ class Evaluator:
             dp_exp.append(exposed)
             comp_cost.append(encode)
             opt.append(optimizer_part_time(params, sum(x.param_tensors for x in rc), self, extra))
+            accumulate.append(grad_accumulation_time(params, self))
             partial.append(self.tp_partial_sync_time(rc))
             mems.append(self._rank_memory(r, rank_of, stages, costs, acs, params, extra))
         tied = [self.tied_sync_time(r) for r in range(cfg.pp)]
         loss_dp, loss_pp = loss_sync_time(self)  # the step's loss, averaged over the ranks: every rank waits for it
-        finish = [dp_exp[r] + comp_cost[r] + opt[r] + tied[r] + partial[r] + loss_dp + loss_pp for r in range(cfg.pp)]
+        finish = [dp_exp[r] + comp_cost[r] + opt[r] + tied[r] + partial[r] + accumulate[r] + loss_dp + loss_pp
+                  for r in range(cfg.pp)]
         last = max(range(cfg.pp), key=lambda r: finish[r])
         step = pipe + finish[last]
 
         b = [c for c in range(n_stages) if rank_of[c] == bottleneck]
         agg = {k: sum(parts[c][k] for c in b) for k in parts[0]}
         breakdown = {
-            "compute": self.m * agg["compute"], "recompute": self.m * agg["recompute"],
+            # (the gradients' accumulation over the micro-batches runs in their backwards: compute)
+            "compute": self.m * agg["compute"] + accumulate[last], "recompute": self.m * agg["recompute"],
             "tp_comm": self.m * agg["tp_comm"] + partial[last], "cp_comm": self.m * agg["cp_comm"],
             "pp_comm": self.m * agg["pp_comm"] + tied[last] + loss_pp,
             "dp_comm_exposed": self.m * agg["fsdp"] + dp_exp[last] + loss_dp,

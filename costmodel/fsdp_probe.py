@@ -5,21 +5,26 @@ the collective's transfer and the copies it makes (`costmodel.hardware.DeviceSpe
 
 Run in a process of its own (`costmodel.hardware.measure_cpu_device` starts one): rank 0 of a 2-rank *fake* process
 group (torch's ``fake`` backend: every collective returns at once and moves nothing), one thread, so FSDP2 takes
-its multi-rank path (a 1-rank group skips the all-gather and its copy-out: torch 2.13 ``FSDPParamGroup.unshard``)
-and what is timed is its Python and dispatch work alone. A model of ``groups`` blocks, each a chain of ``k`` tiny
-linears (16 × 16, 4 tokens: copies and arithmetic negligible), runs forward and backward plain and with
-``fully_shard`` on each block and the root, as `planner.emit.runtime` shards (ZeRO-3: resharded after forward;
-ZeRO-2: not), at k = 1 and k = 8, stepped in turn.
+its multi-rank path (a 1-rank group skips the all-gather and its copy-in: torch 2.13 ``FSDPParamGroup.unshard``)
+and what is timed is its Python and dispatch work and its copies alone. A model of ``GROUPS`` blocks, each a chain
+of ``k`` linears of one width on 4 tokens, runs forward and backward plain and with ``fully_shard`` on each block
+and the root, as `planner.emit.runtime` shards (ZeRO-3: resharded after forward; ZeRO-2: not), at each of
+``SHAPES``, all stepped in turn.
 
 Per step a ZeRO-3 group gathers twice (before forward and backward) and reduces once, a ZeRO-2 group gathers once
 and reduces once (it reshards after backward), each gather followed by its reshard. So per group, from the excess
-over the plain model of a step: ``gather = zero3 - zero2`` and ``reduce = 2 * zero2 - zero3``; their growth from
-k = 1 to k = 8 over 7 is the time per parameter tensor, the rest the time per group. Medians over ``rounds``
-after 10 warm-up rounds; each figure at least 0.
+over the plain model of a step: ``gather = zero3 - zero2`` and ``reduce = 2 * zero2 - zero3``. The root holds no
+parameter of its own here, so it is no group (``fully_shard`` makes none) and gathers nothing; its hooks, once a
+step, fall in ``reduce``, spread over the blocks (the runtime's root holds the embedding and head: a group). On the
+16-wide linears (copies and arithmetic negligible) the growth from k = 1 to k = 8 over 7 is the time per parameter
+tensor, the rest the time per group; the 384-wide blocks' excess beyond the 16-wide ones' (the same groups and
+tensors) is their copies', whose rate is the bytes `costmodel.overlap.fsdp_serial_time` counts for them
+(``STEP_BYTES``) over that time. Medians over ``rounds`` after 10 warm-up rounds; each figure at least 0.
 
-Measured here (2-vCPU VM, torch 2.13, three runs): 155-175 µs per group and 9-11 µs per tensor for a gather,
-280-300 µs per group and 15-21 µs per tensor for a reduce-scatter; ~7 s. (Each model timed alone rather than in
-turn, the per-tensor figures moved between 0 and 115 µs from one run to the next.)
+Measured here (2-vCPU VM, torch 2.13, a calibration running on the other core): 215-225 µs per group and
+13-15 µs per tensor for a gather, 285-305 µs per group and 20-24 µs per tensor for a reduce-scatter, copies at
+7.5-9.6 GB/s against ~33 GB/s for a copy between kept buffers; ~20 s. (Each model timed alone rather than in turn,
+the per-tensor figures moved between 0 and 115 µs from one run to the next.)
 """
 
 from __future__ import annotations
@@ -29,14 +34,14 @@ import json
 import statistics
 import time
 
-#: the model's blocks (each its own group); the root is one group more (without parameters)
+#: the model's blocks, each its own group (the root, without parameters, is none)
 GROUPS = 8
 #: (linears per block, their width): the per-tensor time is taken between the first two, the time per byte of
 #: FSDP2's copies between the last two
 SHAPES = ((1, 16), (8, 16), (8, 384))
 #: bytes `costmodel.overlap.fsdp_serial_time` counts per parameter element of a step here (fp32, 2 ranks, a CPU's
-#: overlap slowdown of 1): a gather's copy-out 2·4 and its copy-in 2·4/2, a reduction's copy-in 4 + 4; ZeRO-3
-#: gathers twice and reduces once, ZeRO-2 once each
+#: overlap slowdown of 1, `costmodel.hardware.CPU_OVERLAP_SLOWDOWN`): a gather's copy-out 2·4 and its copy-in
+#: 2·4/2, a reduction's copy-in 4 + 4; ZeRO-3 gathers twice and reduces once, ZeRO-2 once each
 STEP_BYTES = {"zero3": 2 * 12 + 8, "zero2": 12 + 8}
 
 
@@ -101,7 +106,7 @@ def measure(rounds: int = 100) -> dict[str, object]:
     (k1, w1), (k2, _), (k3, w3) = SHAPES
     per_group = {}
     for k, w in SHAPES[:2]:
-        zero3, zero2 = (excess[k, w, z] / (GROUPS + 1) for z in ("zero3", "zero2"))
+        zero3, zero2 = (excess[k, w, z] / GROUPS for z in ("zero3", "zero2"))
         per_group[k] = {"gather": zero3 - zero2, "reduce": 2 * zero2 - zero3}
     out: dict[str, object] = {}
     for event in ("gather", "reduce"):

@@ -404,7 +404,7 @@ def _measure_cpu_device() -> DeviceSpec:
     - fsdp_overhead_s, fsdp_copy_bw: what FSDP2 adds per group and per parameter tensor to each all-gather and
       reduce-scatter, and the rate of its copies (`_measure_fsdp_overhead`, a process of its own).
 
-    Memory = physical RAM (``os.sysconf``). ~20 s, once per machine.
+    Memory = physical RAM (``os.sysconf``). ~30 s, once per machine.
     """
     import numpy as np
     import torch  # local: importing the catalog must not import torch

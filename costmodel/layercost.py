@@ -126,6 +126,9 @@ class LayerCost:
     #: without EP (`costmodel.moe`)
     expert_shard_extra: float = 0.0
     expert_numel: float = 0.0  #: the part of ``param_numel`` that is experts (a rank's 1/ep of them)
+    #: a block: FSDP2 makes it a group of its own (`planner.emit.runtime.apply_fsdp`), where a stage's other layers
+    #: (embedding, final norm, head) share its root's group (`costmodel.overlap.fsdp_groups`)
+    block: bool = False
     #: this rank's FLOPs: forward, backward and recomputation, each node's tensor-parallel share (a replicated node,
     #: a mixture-of-experts feed-forward's without sequence parallelism, runs whole on every TP rank)
     rank_flops: float = 0.0
@@ -1161,7 +1164,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         a2a_calls=calls, a2a_count_calls=count_calls, expert_shard_extra=shard_extra,
         expert_numel=expert_numel, rank_flops=rank_fb + rank_rec, tp_partial_sizes=tuple(partial_sizes),
         cp_comm_fwd_s=cp_f, cp_comm_bwd_s=cp_b, cp_gather_bytes=cp_gather,
-        cp_scatter_bytes=cp_scatter, relayout_bytes=relayout + rec_copy,
+        cp_scatter_bytes=cp_scatter, relayout_bytes=relayout + rec_copy, block=layer.kind == "block",
     )
 
 

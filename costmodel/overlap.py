@@ -55,7 +55,7 @@ def fsdp_serial_time(costs: list[LayerCost], ev: SyncView, event: str) -> float:
     - gather: ``foreach_all_gather_copy_out`` copies each parameter out of the gathered buffer
       (``split_with_sizes_copy``, on the current stream after ``wait_for_unshard``): the gathered elements read and
       written in the parameter dtype. Its copy-in (the rank's shard into the buffer, 1/dp of that) runs on the
-      all-gather stream: it takes of the compute only what an overlapped collective takes, ``overlap_slowdown``.
+      all-gather copy-in stream: it takes of the compute only what an overlapped collective takes, ``overlap_slowdown``.
       FSDP1 (a published stack's: ``SyncView.fsdp_copy_out`` False) gathers into its flat parameter and uses
       views of it: no copy-out, and its low-precision shard cast is the copy-in's size.
     - reduce: ``foreach_reduce_scatter_copy_in`` concatenates the unsharded gradients into the reduce-scatter's
@@ -65,8 +65,9 @@ def fsdp_serial_time(costs: list[LayerCost], ev: SyncView, event: str) -> float:
       accumulation into the sharded gradient) is 1/dp of it: not priced.
 
     Both memory-bound (``DeviceSpec.fsdp_copy_rate``: ``hbm_bw × memory_eff``, or a CPU's measured rate), padded
-    as FSDP2 gathers (`SyncView.gathered_numel`); plus the device's host time per group and per parameter tensor
-    (``DeviceSpec.fsdp_overhead_s``: 0 on GPUs)."""
+    as FSDP2 gathers (`SyncView.gathered_numel`); plus the device's host time per group (`fsdp_groups`) and per
+    parameter tensor (``DeviceSpec.fsdp_overhead_s``: 0 on GPUs). Additive over blocks; a stage's other layers
+    count one group together."""
     cfg, dev = ev.cfg, ev.cluster.device
     numel = sum(ev.gathered_numel(c) for c in costs)
     pbytes = cfg.param_bytes
@@ -75,7 +76,46 @@ def fsdp_serial_time(costs: list[LayerCost], ev: SyncView, event: str) -> float:
     else:
         moved = numel * (pbytes + fsdp_reduce_dtype_bytes(cfg))
     group, tensor = dev.fsdp_overhead(event)
-    return moved / dev.fsdp_copy_rate + group * len(costs) + tensor * sum(c.param_tensors for c in costs)
+    return moved / dev.fsdp_copy_rate + group * fsdp_groups(costs) + tensor * sum(c.param_tensors for c in costs)
+
+
+def fsdp_groups(costs: list[LayerCost]) -> int:
+    """The FSDP2 groups that hold ``costs`` (one stage's or rank's layers, or all blocks of a kind): one per block,
+    and the root's, which holds the others (`planner.emit.runtime.apply_fsdp`: ``fully_shard`` on each block, then
+    on the stage's module; a root whose layers are all in blocks has no parameters and gathers nothing)."""
+    return sum(1 for c in costs if c.block) + (1 if any(not c.block for c in costs) else 0)
+
+
+def grad_accumulation_time(params: float, ev: SyncView) -> float:
+    """Per step, the memory-bound work of accumulating a rank's ``params`` unsharded gradients over its ``m``
+    micro-batches, on the computing stream (at ``hbm_bw × memory_eff``; 0 with one micro-batch):
+
+    - DDP, ZeRO-1, or any plan without FSDP (under ``no_sync``, or in pipeline stages): autograd's
+      ``AccumulateGrad`` adds each new gradient into ``.grad`` in place from the second micro-batch on, reading
+      both and writing one in the module's gradient dtype (`costmodel.memory.module_param_bytes`);
+    - FSDP (ZeRO 2/3) outside a pipeline: every micro-batch reduce-scatters, so only the rank's shards accumulate
+      (1/dp of this): not priced;
+    - FSDP inside torch's pipeline stages, whose backwards before the last run without gradient sync
+      (pipelining/stage.py): with a reduce dtype other than the parameters' (bf16 parameters, fp32 reduction)
+      the first micro-batch casts its gradients to the reduce dtype (``FSDPParam.to_accumulated_grad_if_needed``:
+      read p, write r) and every later one adds into that (``accumulate_unsharded_grad_if_needed``: read p and r,
+      write r), and the reduce-scatter's ``chunk_cat`` then reads r bytes where `fsdp_serial_time` counts p;
+      with equal dtypes autograd accumulates as above.
+
+    0 where the stack fuses the accumulation into the weight-gradient GEMM (``SyncView.fused_grad_accumulation``:
+    Megatron-LM's ``gradient_accumulation_fusion``, on by default)."""
+    cfg, m = ev.cfg, ev.m
+    if m <= 1 or ev.fused_grad_accumulation:
+        return 0.0
+    if cfg.zero >= 2 and cfg.data_ranks > 1:
+        if not cfg.fsdp_in_pipeline:
+            return 0.0
+        p, r = cfg.param_bytes, fsdp_reduce_dtype_bytes(cfg)
+        per = (p + r) + (m - 1) * (p + 2 * r) + (r - p) if p != r else (m - 1) * 3 * p
+    else:
+        per = (m - 1) * 3 * module_param_bytes(cfg, ev.autocast)
+    dev = ev.cluster.device
+    return params * per / (dev.hbm_bw * dev.memory_eff)
 
 
 def zero2_gather_time(params: float, ev: SyncView) -> float:

@@ -206,6 +206,8 @@ inter: {bw_GBps: 1.8, latency_us: 50}
     assert c.device.fsdp_overhead("gather") == pytest.approx((180e-6, 12.5e-6))
     assert c.device.fsdp_overhead("reduce") == pytest.approx((270e-6, 20e-6))
     assert c.device.fsdp_copy_rate == pytest.approx(9.7e9)
+    tiny = parse_cluster_yaml(text.replace("fsdp_copy_GBps: 9.7", "fsdp_copy_GBps: 0.00001"))  # (repr: 1e-05)
+    assert tiny.device.fsdp_copy_bw == 1e4 and parse_cluster_yaml(dump_cluster(tiny)) == tiny
     assert load_cluster("dgx-h100").device.fsdp_copy_rate == pytest.approx(3.35e12 * load_cluster(
         "dgx-h100").device.memory_eff)  # (not measured: the memory bandwidth)
     assert c.intra.call_latency_for("all_reduce") == pytest.approx(2.5e-3)
@@ -266,6 +268,11 @@ def _edit(text: str, old: str, new: str) -> str:
     ("device: h100-sxm", "device: {name: x, peak_tflops: {bf16: 1}, memory_GiB: 8, hbm_bw_GBps: 1, "
      "dtensor_overhead_us: {tp_lin: [1, 2]}}", "cluster.yaml: device.dtensor_overhead_us must map tp_linear, "
      "sp_linear, sp_norm to [forward, backward] microseconds ≥ 0, got {'tp_lin': [1, 2]}"),
+    ("device: h100-sxm", "device: {name: x, peak_tflops: {bf16: 1}, memory_GiB: 8, hbm_bw_GBps: 1, "
+     "fsdp_overhead_us: {gather: [1]}}", "cluster.yaml: device.fsdp_overhead_us must map gather, reduce to "
+     "[per group, per tensor] microseconds ≥ 0, got {'gather': [1]}"),
+    ("device: h100-sxm", "device: {name: x, peak_tflops: {bf16: 1}, memory_GiB: 8, hbm_bw_GBps: 1, "
+     "fsdp_copy_GBps: -2}", "cluster.yaml: device.fsdp_copy_GBps must be a number ≥ 0 (0: the memory bandwidth)"),
     ("nodes: 4", "nodes: 4\nmemory_fraction: 1.5", "cluster.yaml: memory_fraction must be in (0, 1]"),
     ("nodes: 4", "nodes: 4\nmemory_fraction: high", "cluster.yaml: memory_fraction must be a positive number"),
 ])

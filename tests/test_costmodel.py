@@ -12,7 +12,7 @@ import pytest
 
 from costmodel.cluster import dump_cluster, load_cluster, parse_cluster_yaml
 from costmodel.config import AC, ParallelConfig, Schedule, parse_kv
-from costmodel.estimate import ConfigError, Evaluator, estimate, even_stages
+from costmodel.estimate import ConfigError, Evaluator, estimate, even_stages, split_layers
 from costmodel.memory import (
     CUDA_CONTEXT_BYTES,
     NCCL_COMM_BYTES,
@@ -365,9 +365,9 @@ def test_communication_on_the_compute_cores_is_not_hidden(gpt):
 def test_fsdp2_copies_and_host_work_are_serial_per_gather_and_per_reduction(gpt):
     """FSDP2 works on the computing stream beside its collectives (torch 2.13 ``foreach_all_gather_copy_out`` and
     ``foreach_reduce_scatter_copy_in``): each gather copies the gathered parameters out (read and written in the
-    parameter dtype; the copy-in of the rank's shard, 1/dp of it, on the all-gather stream, costs only the
-    overlap slowdown; FSDP1 has no copy-out), each reduction concatenates the gradients into the reduce-scatter input (read in the
-    parameter dtype, written in the reduce dtype), at the device's memory bandwidth; and a CPU's host time per
+    parameter dtype; the copy-in of the rank's shard, 1/dp of it, beside the all-gather, costs only the overlap
+    slowdown; FSDP1 has no copy-out), each reduction concatenates the gradients into the reduce-scatter input (read
+    in the parameter dtype, written in the reduce dtype), at the device's memory bandwidth; and a CPU's host time per
     group and tensor (`costmodel.fsdp_probe`). Counted per step as the runtime runs them: ZeRO-3 2 gathers and 1
     reduction per micro-batch, pipelined m + 1 gathers and 1 reduction; ZeRO-2 1 gather and m reductions,
     pipelined 1 and 1; nothing under DDP."""
@@ -409,10 +409,43 @@ def test_fsdp2_copies_and_host_work_are_serial_per_gather_and_per_reduction(gpt)
         if c.pp == 1:  # (one rank: as the whole step's breakdown says)
             assert got == pytest.approx(loud.evaluate().breakdown_s["dp_comm_exposed"]
                                         - quiet.evaluate().breakdown_s["dp_comm_exposed"], rel=1e-9, abs=1e-15)
-        groups, tensors = len(rank), sum(x.param_tensors for x in rank)
+        # FSDP2's groups on the first rank: its blocks, and the root holding the embedding (and at pp = 1 the head)
+        blocks = set(split_layers(gpt)[1])
+        groups = sum(1 for i, s in enumerate(even_stages(gpt, c.pp)) if s == 0 and i in blocks) + 1
+        assert groups == len(rank) - (1 if c.pp == 1 else 0)  # (the embedding and the head share one group)
+        tensors = sum(x.param_tensors for x in rank)
         want = sum(k * (host[e][0] * groups + host[e][1] * tensors) for e, k in (("gather", gathers),
                                                                                 ("reduce", reduces)))
         assert got == pytest.approx(want, rel=1e-9, abs=1e-15), text
+
+
+def test_gradients_accumulate_in_memory_bound_kernels_where_nothing_reduces_them(gpt):
+    """Over m micro-batches a rank's unsharded gradients are accumulated on the computing stream where nothing
+    reduces them in between: autograd adds into ``.grad`` from the second micro-batch on (read both, write one:
+    3 × 4 bytes for autocast's fp32 gradients, (m − 1) times) under DDP; pipelined FSDP with bf16 parameters and
+    an fp32 reduction casts on the first (2 + 4), adds in fp32 on each later one (2 + 4 + 4), and its chunk_cat
+    reads fp32 (+2): 38 bytes at m = 4; FSDP outside a pipeline reduce-scatters every micro-batch (0); Megatron-LM
+    fuses it into its weight-gradient GEMMs (0). Charged once per rank per step, as compute."""
+    from costmodel.overlap import grad_accumulation_time
+
+    cl = _cluster(nodes=1)
+    mem_bw = cl.device.hbm_bw * cl.device.memory_eff
+    params = 1e9
+    for text, m, per in (("dp=8", 4, 36), ("dp=8,precision=fp32", 4, 36), ("dp=8", 1, 0), ("dp=8,zero=3", 4, 0),
+                         ("dp=8,zero=2", 4, 0), ("dp=4,pp=2,zero=3,schedule=1f1b", 4, 38),
+                         ("dp=4,pp=2,zero=2,schedule=1f1b,grad_compress=bf16", 4, 18),
+                         ("dp=4,pp=2,zero=3,schedule=1f1b,precision=fp32", 4, 36), ("dp=4,pp=2", 4, 36)):
+        c = cfg(text)
+        ev = Evaluator(gpt, cl, c, c.dp * c.mbs * m)
+        assert grad_accumulation_time(params, ev) == pytest.approx(params * per / mem_bw, rel=1e-12), text
+        fused = Evaluator(gpt, cl, c, c.dp * c.mbs * m, fused_grad_accumulation=True)
+        assert grad_accumulation_time(params, fused) == 0.0
+    c = cfg("dp=8")
+    ev, fused = Evaluator(gpt, cl, c, 32), Evaluator(gpt, cl, c, 32, fused_grad_accumulation=True)
+    mine, theirs = ev.evaluate(), fused.evaluate()
+    rank = sum(ev.cost(i, AC.NONE).param_numel for i in range(len(gpt.layers)))
+    assert mine.step_time_s - theirs.step_time_s == pytest.approx(rank * 36 / mem_bw, rel=1e-9)
+    assert mine.breakdown_s["compute"] - theirs.breakdown_s["compute"] == pytest.approx(rank * 36 / mem_bw, rel=1e-9)
 
 
 def test_the_step_ends_with_clipping_and_the_losss_reduction(gpt):
@@ -748,9 +781,9 @@ def test_dtensor_probe_measures_every_wrapped_op_in_a_process_of_its_own(monkeyp
 def test_fsdp_probe_measures_fsdp2_beside_its_collectives_in_a_process_of_its_own(monkeypatch):
     """`costmodel.fsdp_probe` runs torch 2.13's ``fully_shard`` (ZeRO-3 and ZeRO-2) as rank 0 of a 2-rank fake
     process group in a child process, inside a torchrun-like environment as `test_dtensor_probe_...` does: FSDP2's
-    multi-rank path with collectives that move nothing. Each event costs its group time (here ~200 µs a gather,
-    ~250 µs a reduction, against a step of ~20 µs per block), and its copies run at a positive rate below the one
-    of a plain copy (here ~9-11 GB/s against ~33: they write storage freed and allocated at every gather)."""
+    multi-rank path with collectives that move nothing. Each event costs its group time (here ~220 µs a gather,
+    ~290 µs a reduction, against a step of ~20 µs per block), and its copies run at a positive rate below the one
+    of a plain copy (here ~8-10 GB/s against ~33: they write storage freed and allocated at every gather)."""
     from costmodel.hardware import FSDP_EVENTS, _measure_fsdp_overhead
 
     monkeypatch.setenv("RANK", "0")

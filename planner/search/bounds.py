@@ -25,8 +25,9 @@ factor, s the device's overlap slowdown, T_r the per-micro-batch time of rank r,
      the forward and backward overlaps (`costmodel.overlap.fsdp_exposed`). Summed over stages, with
      Σ_c max(0, ·) ≥ max(0, Σ_c ·), the result is non-decreasing in Σ_c X_c (its slope is (1 − s)(1 − [·>0]) ≥ 0),
      so Σ_c X_c = S·(2·min ag + min rs) gives a bound; the windows are at most Σ fwd and Σ (bwd + fwd) (full
-     recomputation recomputes the forward). Plus FSDP2's serial work, exact: every layer's, additive
-     (`costmodel.overlap.fsdp_serial_time`).
+     recomputation recomputes the forward). Plus FSDP2's serial work of every layer
+     (`costmodel.overlap.fsdp_serial_time`: additive over blocks; the fixed layers counted as one group, the
+     fewest the stages can share).
 2. max_r T_r ≥ max(Σ_r T_r / p, B_int): B_int is the least bottleneck of an integral distribution of the blocks,
    each at its cheapest time, over ranks carrying their fixed parts (pre/post layers, boundary transfers) with
    ≥ v blocks each: the greedy "next block to the least loaded rank" is optimal for identical items.
@@ -38,7 +39,8 @@ factor, s the device's overlap slowdown, T_r the per-micro-batch time of rank r,
    s·min(C, W) ≥ max(s·C, L, C − (1 − s)·W) with C the gradient all-reduce under the compression option, L the least
    last bucket, plus its encode time (PowerSGD's matmuls at the curve's e_max), minimised over the options; ZeRO-1
    adds one broadcast of the parameters (one call: ≤ the per-tensor ones); ZeRO-2 the two (1 − s)·max(0, ·) + s·(·)
-   overlaps and the average rank's FSDP2 serial work; every rank its Adam step and clipping, and the loss's reductions.
+   overlaps and the average rank's FSDP2 serial work; every rank its Adam step and clipping, its gradients'
+   accumulation (affine in P_r), and the loss's reductions.
 
 Blocks of several kinds (`costmodel.estimate.block_classes`): W's relaxation is over the run's (activations, time)
 points with each kind at one mode (every per-kind mix of modes lies in their convex hull); the
@@ -77,7 +79,13 @@ from costmodel.memory import (
     runtime_reserved_bytes,
     state_bytes_at_peak,
 )
-from costmodel.overlap import fsdp_gather_share, fsdp_serial_time, loss_sync_time, optimizer_part_time
+from costmodel.overlap import (
+    fsdp_gather_share,
+    fsdp_serial_time,
+    grad_accumulation_time,
+    loss_sync_time,
+    optimizer_part_time,
+)
 from planner.search.ilp import GRAD_OPTIONS, PP_OPTIONS
 from planner.search.ilp_data import zero23_grad_option
 from profiler.graph import LayerGraph
@@ -300,7 +308,11 @@ class Bounds:
     def _serial(self, cfg: ParallelConfig, g: _Group, ev: Evaluator, event: str) -> float:
         """FSDP2's serial work of one ``event`` of every layer, for the candidate's own configuration (its reduce
         dtype: ``ev`` is shared by candidates that differ in it)."""
-        return fsdp_serial_time(g.costs, _SerialView(cfg, self.cluster, ev.gathered_numel, ev.fsdp_copy_out), event)
+        return fsdp_serial_time(g.costs, self._view(cfg, ev), event)
+
+    def _view(self, cfg: ParallelConfig, ev: Evaluator) -> _SyncView:
+        return _SyncView(cfg, self.cluster, ev.gathered_numel, ev.fsdp_copy_out, ev.m, ev.autocast,
+                         ev.fused_grad_accumulation)
 
     def _finish(self, cfg: ParallelConfig, g: _Group, ev: Evaluator, grad_opts) -> float:
         p = cfg.pp
@@ -308,7 +320,7 @@ class Bounds:
         # the average rank's clipping and optimizer step (affine in its parameters and tensors: ≤ the slowest's),
         # the loss's reductions (every rank's)
         finish = (optimizer_part_time(P, sum(c.param_tensors for c in g.costs) / p, _OptView(cfg, self.cluster))
-                  + sum(loss_sync_time(ev)))
+                  + sum(loss_sync_time(ev)) + grad_accumulation_time(P, self._view(cfg, ev)))
         pipelined = cfg.fsdp_in_pipeline
         if cfg.zero == 3 and pipelined:  # one exposed reduce-scatter of the average rank's gradients (affine: ≤ max)
             return (finish + reduce_scatter_time(P * fsdp_reduce_dtype_bytes(cfg), ev.dp_span, self.affine_cluster)
@@ -579,13 +591,17 @@ class _PerSpan(dict):
 
 
 @dataclass(frozen=True)
-class _SerialView:
-    """What `fsdp_serial_time` reads from an Evaluator."""
+class _SyncView:
+    """What `fsdp_serial_time` and `grad_accumulation_time` read from an Evaluator, for a candidate's own
+    configuration."""
 
     cfg: ParallelConfig
     cluster: Cluster
     gathered_numel: Callable
     fsdp_copy_out: bool
+    m: int
+    autocast: bool
+    fused_grad_accumulation: bool
 
 
 @dataclass(frozen=True)

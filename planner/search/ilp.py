@@ -107,6 +107,7 @@ from costmodel.memory import (
 from costmodel.overlap import (
     fsdp_gather_share,
     fsdp_serial_time,
+    grad_accumulation_time,
     loss_sync_time,
     optimizer_part_time,
     zero1_sync_time,
@@ -376,13 +377,14 @@ class Model:
         sum_ag = sum((ag(i) * self.n_kind(u, k) for k, i in enumerate(d.reps)), self.zero) + sum(ag(i) for i in fixed)
         sum_rs = sum((rs(i) * self.n_kind(u, k) for k, i in enumerate(d.reps)), self.zero) + sum(rs(i) for i in fixed)
 
-        def serial(i):  # FSDP2's work on the computing stream (costmodel.overlap.fsdp_serial_time)
-            one = [ev.cost(i, AC.NONE)]
-            return 2 * share * fsdp_serial_time(one, ev, "gather") + (
-                0.0 if d.cfg.fsdp_in_pipeline else fsdp_serial_time(one, ev, "reduce"))
+        def serial(idx):  # FSDP2's work on the computing stream (costmodel.overlap.fsdp_serial_time)
+            costs = [ev.cost(i, AC.NONE) for i in idx]
+            return 2 * share * fsdp_serial_time(costs, ev, "gather") + (
+                0.0 if d.cfg.fsdp_in_pipeline else fsdp_serial_time(costs, ev, "reduce"))
 
-        sum_serial = (sum((serial(i) * self.n_kind(u, k) for k, i in enumerate(d.reps)), self.zero)
-                      + sum(serial(i) for i in fixed))
+        # (a block is a group of its own, the stage's fixed layers one group together: `fsdp_groups`)
+        sum_serial = (sum((serial([i]) * self.n_kind(u, k) for k, i in enumerate(d.reps)), self.zero)
+                      + (serial(fixed) if fixed else 0.0))
         a_f = self._t(1) * (sum_ag - ag_first)
         a_b = self._t(1) * (sum_ag - ag_last + sum_rs - rs_first)
         fwd = self.layer_sum([u], lambda x: self._t(x.fwd_s))
@@ -409,9 +411,11 @@ class Model:
         self.dp_excess, self.dp_tail, self.dp_delta = {}, {}, {}
         for r in range(d.pp):
             # the clipping and the optimizer, and the sum over tp of the gradients TP ranks compute from their share
+            # (and the gradients' accumulation over the micro-batches, the evaluator's finish too)
             opt, _, opt_hi = self.tab(r, lambda v, r=r: self._t(
                 optimizer_part_time(self._params(r, v), self._tensors(r, v), d.ev, self._extra(r, v))
-                + d.ev.tp_partial_sync_time(_rank_layer_costs(d, r, v))))
+                + d.ev.tp_partial_sync_time(_rank_layer_costs(d, r, v))
+                + grad_accumulation_time(self._params(r, v), d.ev)))
             # the embedding group's all-reduce (first/last rank) and the loss's reductions (every rank), exposed
             fixed = self._t(d.ev.tied_sync_time(r) + sum(loss_sync_time(d.ev)))
             opt, opt_hi = opt + fixed, opt_hi + fixed
