@@ -48,9 +48,9 @@ SCALAR_BYTES = 4
 
 
 def fsdp_serial_time(costs: list[LayerCost], ev: SyncView, event: str) -> float:
-    """Seconds one ``event`` (``gather`` or ``reduce``: `costmodel.hardware.FSDP_EVENTS`) of each of ``costs``' FSDP2
-    groups (a layer each, as the collectives count them) keeps the computing stream busy besides the collective
-    (torch 2.13, fsdp/_fully_shard/_fsdp_collectives.py):
+    """Seconds one ``event`` (``gather`` or ``reduce``: `costmodel.hardware.FSDP_EVENTS`) of each FSDP2 group holding
+    ``costs`` (`fsdp_groups`) keeps the computing stream busy besides the collective (torch 2.13,
+    fsdp/_fully_shard/_fsdp_collectives.py):
 
     - gather: ``foreach_all_gather_copy_out`` copies each parameter out of the gathered buffer
       (``split_with_sizes_copy``, on the current stream after ``wait_for_unshard``): the gathered elements read and
