@@ -83,22 +83,10 @@ class Row:
 
     @property
     def evaluator_options(self) -> dict:
-        """How the row's stack computes, where it differs from autopar's runtime: Megatron-LM's vocab-parallel
-        cross entropy and llm-foundry's fused one compute the loss gradient in place, neither saves a
-        column-parallel linear's whole input, Megatron-LM's sequence-first activations need no copy around its
-        sequence-parallel collectives, Megatron-LM keeps 16-bit parameters beside fp32 master weights
-        where autopar's runtime autocasts fp32 ones (`costmodel.memory.state_bytes_per_param`), and llm-foundry's
-        float8 is Transformer Engine's, whose casts are priced as that recipe runs them (the stack's
-        ``float8_recipe``, `costmodel.stacks.STACKS`), Composer's FSDP (FSDP1) uses its gathered flat
-        parameter in place where FSDP2 copies each parameter out, and Megatron-LM accumulates gradients inside its
-        weight-gradient GEMMs (``gradient_accumulation_fusion``, on unless ``--no-gradient-accumulation-fusion``);
-        torchtitan is torch-native (autopar's runtime, torchao's float8, FSDP2) but may compile and checkpoint per
-        op."""
-        native = self.stack == "torch-native"
-        return {"in_place_loss": not native, "gathered_column_inputs": native, "compiled": self.compiled,
-                "selective": self.selective, "autocast": native, "seq_relayout": native,
-                "float8_recipe": STACKS[self.stack].float8_recipe, "fsdp_copy_out": native,
-                "fused_grad_accumulation": self.stack == "megatron"}
+        """How the row's stack computes where it differs from autopar's runtime (`costmodel.stacks.Stack.
+        runtime_options`), and the row's own compilation and selective checkpointing (torchtitan may compile and
+        checkpoint per op)."""
+        return STACKS[self.stack].runtime_options() | {"compiled": self.compiled, "selective": self.selective}
 
 
 def load_rows(path: Path = DATA) -> list[Row]:

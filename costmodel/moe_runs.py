@@ -26,6 +26,7 @@ from importlib import resources
 
 from costmodel.cluster import load_cluster
 from costmodel.config import ParallelConfig
+from costmodel.stacks import STACKS
 
 #: GPT-OSS-120B as published (moe_runs.json "architectures": NeMo's GPTOSSConfig120B; Megatron-Bridge's perf
 #: recipes use vocab 128256 where the table does not say otherwise)
@@ -83,8 +84,10 @@ def predict(rows: list[MoERow] | None = None, stack: str = "megatron") -> list[t
         if key not in graphs:
             graphs[key] = profile_model(row.model, seq=row.seq)
         cluster = load_cluster(f"dgx-h100:nodes={row.nodes},stack={stack}")
-        # Megatron-Core's distributed optimizer: 16-bit parameters beside fp32 master shards, gathered in 16 bits
-        est = Evaluator(graphs[key], cluster, row.config, row.global_batch, autocast=False).evaluate()
+        # as the stack computes (`costmodel.stacks.Stack.runtime_options`; Megatron-Core's distributed optimizer:
+        # 16-bit parameters beside fp32 master shards, gathered in 16 bits; its fused gradient accumulation)
+        est = Evaluator(graphs[key], cluster, row.config, row.global_batch,
+                        **STACKS[stack].runtime_options()).evaluate()
         out.append((row, est.tflops_per_gpu_model))
     return out
 

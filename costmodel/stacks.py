@@ -36,6 +36,22 @@ class Stack:
     #: float8 rows are priced with, so that its fitted ``fp8_eff`` is the float8 GEMMs' own
     float8_recipe: str = "torchao"
 
+    def runtime_options(self) -> dict:
+        """How the stack's code computes where it differs from autopar's runtime, as `costmodel.estimate.Evaluator`
+        options: what a published run of it is priced with (`costmodel.calibrate.Row`, `costmodel.moe_runs`);
+        autopar's own plans never are. Megatron-LM's vocab-parallel cross entropy and llm-foundry's fused one
+        compute the loss gradient in place; neither saves a column-parallel linear's whole input; Megatron-LM's
+        sequence-first activations need no copy around its sequence-parallel collectives; Megatron-LM keeps 16-bit
+        parameters beside fp32 master weights where autopar's runtime autocasts fp32 ones
+        (`costmodel.memory.state_bytes_per_param`); Composer's FSDP (FSDP1) computes on views of its gathered flat
+        parameter where FSDP2 copies each parameter out; Megatron-LM accumulates gradients inside its
+        weight-gradient GEMMs (``gradient_accumulation_fusion``, on unless ``--no-gradient-accumulation-fusion``);
+        each prices the casts of its own float8 recipe. torchtitan is torch-native: autopar's runtime."""
+        native = self.name == "torch-native"
+        return {"in_place_loss": not native, "gathered_column_inputs": native, "autocast": native,
+                "seq_relayout": native, "float8_recipe": self.float8_recipe, "fsdp_copy_out": native,
+                "fused_grad_accumulation": self.name == "megatron"}
+
 
 STACKS = {
     "torch-native": Stack(

@@ -138,11 +138,13 @@ def test_a_bad_moe_imbalance_is_refused():
 
 def test_published_mixtral_rows_held_at_the_level_reached():
     """Megatron-LM's Mixtral 8x7B on 64 H100 (tp 1, pp 4, vpp 8, ep 8, dp 16): 438 / 468 model TFLOP/s per GPU
-    published (MCore v0.8 / v0.9); predicted 341 under the megatron stack (−22.2 %, −27.2 %; MAPE 24.7 %:
-    `python -m costmodel.moe_runs`). When expert parallelism was first costed it was 348 (MAPE 23.0 %). Reading each
-    weight once per micro-batch, not once per sequence, raised it to 360 with the H100 constants of then; the refit
-    that followed (these rows are not in it) lowered the H100 kind's memory efficiency from 0.583 to 0.461, at the
-    A100's achieved bandwidth, which takes it to 341."""
+    published (MCore v0.8 / v0.9); predicted 342 under the megatron stack as that stack computes
+    (`costmodel.stacks.Stack.runtime_options`: −21.8 %, −26.8 %; MAPE 24.3 %: `python -m costmodel.moe_runs`). When
+    expert parallelism was first costed it was 348 (MAPE 23.0 %). Reading each weight once per micro-batch, not once
+    per sequence, raised it to 360 with the H100 constants of then; the refit that followed (these rows are not in
+    it) lowered the H100 kind's memory efficiency from 0.583 to 0.461, at the A100's achieved bandwidth, which took
+    it to 341. Priced with autopar's runtime's gradient accumulation over its micro-batches (Megatron-LM
+    fuses it into the weight-gradient GEMMs) it read 333 (MAPE 26.3 %): the stack's options had not reached here."""
     from costmodel.moe_runs import predict, usable_rows
 
     rows = usable_rows()
