@@ -440,7 +440,7 @@ def table4(file=sys.stdout) -> list[tuple[str, float, float, float, float]]:
         c = r["config"]
         ac = {"none": AC.NONE, "full": AC.FULL, "selective": AC.SELECTIVE}[c["recompute"]]
         cfg = ParallelConfig(tp=8, mbs=4, sp=bool(c["sp"]), ac=ac)
-        ev = Evaluator(lg, cluster, cfg, 4, autocast=False)  # (Megatron-LM: fp16 parameters, no autocast)
+        ev = Evaluator(lg, cluster, cfg, 4, **STACKS["megatron"].runtime_options())  # (as Megatron-LM computes)
         block = next(i for i, layer in enumerate(lg.layers) if layer.kind == "block")
         lc = ev.cost(block, ac)
         fwd = (lc.fwd_s + lc.tp_comm_fwd_s) * 1e3
