@@ -1,5 +1,5 @@
-"""FSDP2's host time on this CPU: what a ``fully_shard`` group pays per all-gather and per reduce-scatter besides
-the collective's transfer and the copies it makes (`costmodel.hardware.DeviceSpec.fsdp_overhead_s`).
+"""FSDP2's host time and copy rate on this CPU: what a ``fully_shard`` group pays per all-gather and per
+reduce-scatter besides the collective's transfer (`costmodel.hardware.DeviceSpec.fsdp_overhead_s`, ``fsdp_copy_bw``).
 
     python -m costmodel.fsdp_probe [--rounds 100]     # prints the figures as JSON
 
