@@ -79,6 +79,28 @@ def fsdp_serial_time(costs: list[LayerCost], ev: SyncView, event: str) -> float:
     return moved / dev.fsdp_copy_rate + group * fsdp_groups(costs) + tensor * sum(c.param_tensors for c in costs)
 
 
+def fsdp_events(cfg, m: int) -> dict[str, tuple[float, float]]:
+    """(gathers, reductions) each FSDP2 group does per ``micro_batch`` (charged in its stage's time) and per
+    ``step`` (after the pipeline): ZeRO-3 gathers 2·`fsdp_gather_share` times a micro-batch and reduces every
+    micro-batch, or pipelined once a step; ZeRO-2 gathers once a step and reduces m times (pipelined once). None
+    without FSDP or over one rank. What the evaluator, the ILP and the bounds charge `fsdp_serial_time` for."""
+    none = (0.0, 0.0)
+    if cfg.zero < 2 or cfg.data_ranks == 1:
+        return {"micro_batch": none, "step": none}
+    pipelined = cfg.fsdp_in_pipeline
+    if cfg.zero == 3:
+        return {"micro_batch": (2 * fsdp_gather_share(cfg, m), 0.0 if pipelined else 1.0),
+                "step": (0.0, 1.0 if pipelined else 0.0)}
+    return {"micro_batch": none, "step": (1.0, 1.0 if pipelined else float(m))}
+
+
+def fsdp_serial(costs: list[LayerCost], ev: SyncView, per: str) -> float:
+    """`fsdp_serial_time` of ``costs``' groups for their `fsdp_events` ``per`` micro-batch or step."""
+    gathers, reductions = fsdp_events(ev.cfg, ev.m)[per]
+    return ((gathers * fsdp_serial_time(costs, ev, "gather") if gathers else 0.0)
+            + (reductions * fsdp_serial_time(costs, ev, "reduce") if reductions else 0.0))
+
+
 def fsdp_groups(costs: list[LayerCost]) -> int:
     """The FSDP2 groups that hold ``costs`` (one stage's or rank's layers, or all blocks of a kind): one per block,
     and the root's, which holds the others (`planner.emit.runtime.apply_fsdp`: ``fully_shard`` on each block, then
@@ -160,7 +182,7 @@ def dp_exposed(rank_costs: list[LayerCost], ev: SyncView) -> tuple[float, float]
         if not pipelined:
             return 0.0, 0.0
         rs = reduce_scatter_time(gathered * fsdp_reduce_dtype_bytes(cfg), span, cluster)
-        return rs + fsdp_serial_time(rank_costs, ev, "reduce"), 0.0
+        return rs + fsdp_serial(rank_costs, ev, "step"), 0.0
     if cfg.zero == 2:
         # every micro-batch reduce-scatters its gradients under its own backward (gradients stay sharded), or,
         # pipelined, once after the last backward, hidden by nothing; the once-per-step all-gather hides under the
@@ -170,9 +192,7 @@ def dp_exposed(rank_costs: list[LayerCost], ev: SyncView) -> tuple[float, float]
         fwd = sum(c.fwd_s for c in rank_costs)
         e1, s1 = (rs, 0.0) if pipelined else _hidden(rs, window, slow)
         e2, s2 = _hidden(ag, fwd, slow)
-        serial = (fsdp_serial_time(rank_costs, ev, "gather")
-                  + (1 if pipelined else ev.m) * fsdp_serial_time(rank_costs, ev, "reduce"))
-        return (1 if pipelined else ev.m) * (e1 + s1) + e2 + s2 + serial, 0.0
+        return (1 if pipelined else ev.m) * (e1 + s1) + e2 + s2 + fsdp_serial(rank_costs, ev, "step"), 0.0
     comm, last, encode = compressed_grad_comm(rank_costs, params, first, ev)
     exposed, slowdown = _hidden(comm, window, slow)
     exposed = max(exposed, last) + slowdown
@@ -207,10 +227,8 @@ def fsdp_exposed(stage_costs: list[LayerCost], ev: SyncView) -> float:
     bwd = sum(c.bwd_s + c.recompute_s for c in stage_costs)
     e_f, s_f = _hidden(sum(ag[1:]), fwd, slow)
     e_b, s_b = _hidden(sum(ag[:-1]) + sum(rs[1:]), bwd, slow)
-    # what FSDP2 does on the computing stream (`fsdp_serial_time`): 2·share gathers, a reduction unless pipelined
-    serial = 2 * share * fsdp_serial_time(stage_costs, ev, "gather") + (
-        0.0 if ev.cfg.fsdp_in_pipeline else fsdp_serial_time(stage_costs, ev, "reduce"))
-    return ag[0] + e_f + s_f + ag[-1] + e_b + s_b + rs[0] + serial
+    # and what FSDP2 does on the computing stream (`fsdp_serial`)
+    return ag[0] + e_f + s_f + ag[-1] + e_b + s_b + rs[0] + fsdp_serial(stage_costs, ev, "micro_batch")
 
 
 def optimizer_time(params: float, ev: SyncView, extra: float = 0.0) -> float:

@@ -26,7 +26,7 @@ factor, s the device's overlap slowdown, T_r the per-micro-batch time of rank r,
      Σ_c max(0, ·) ≥ max(0, Σ_c ·), the result is non-decreasing in Σ_c X_c (its slope is (1 − s)(1 − [·>0]) ≥ 0),
      so Σ_c X_c = S·(2·min ag + min rs) gives a bound; the windows are at most Σ fwd and Σ (bwd + fwd) (full
      recomputation recomputes the forward). Plus FSDP2's serial work of every layer
-     (`costmodel.overlap.fsdp_serial_time`: additive over blocks; the fixed layers counted as one group, the
+     (`costmodel.overlap.fsdp_serial`: additive over blocks; the fixed layers counted as one group, the
      fewest the stages can share).
 2. max_r T_r ≥ max(Σ_r T_r / p, B_int): B_int is the least bottleneck of an integral distribution of the blocks,
    each at its cheapest time, over ranks carrying their fixed parts (pre/post layers, boundary transfers) with
@@ -81,7 +81,7 @@ from costmodel.memory import (
 )
 from costmodel.overlap import (
     fsdp_gather_share,
-    fsdp_serial_time,
+    fsdp_serial,
     grad_accumulation_time,
     loss_sync_time,
     optimizer_part_time,
@@ -300,15 +300,14 @@ class Bounds:
         xf, xl, xr = S * min(ag), S * min(ag), S * min(rs)
         fwd_excess = max(0.0, sum(ag) - xf - g.fwd)
         bwd_excess = max(0.0, sum(ag) - xl + sum(rs) - xr - (g.bwd + g.fwd))
-        # FSDP2's serial work, summed over every layer (`costmodel.overlap.fsdp_serial_time`: additive over layers)
-        serial = 2 * share * self._serial(cfg, g, ev, "gather") + (
-            0.0 if cfg.fsdp_in_pipeline else self._serial(cfg, g, ev, "reduce"))
-        return (1 - sl) * (xf + xl + xr + fwd_excess + bwd_excess) + sl * (2 * sum(ag) + sum(rs)) + serial
+        # FSDP2's serial work, summed over every layer (`costmodel.overlap.fsdp_serial`: additive over layers)
+        return ((1 - sl) * (xf + xl + xr + fwd_excess + bwd_excess) + sl * (2 * sum(ag) + sum(rs))
+                + self._serial(cfg, g, ev, "micro_batch"))
 
-    def _serial(self, cfg: ParallelConfig, g: _Group, ev: Evaluator, event: str) -> float:
-        """FSDP2's serial work of one ``event`` of every layer, for the candidate's own configuration (its reduce
-        dtype: ``ev`` is shared by candidates that differ in it)."""
-        return fsdp_serial_time(g.costs, self._view(cfg, ev), event)
+    def _serial(self, cfg: ParallelConfig, g: _Group, ev: Evaluator, per: str) -> float:
+        """FSDP2's serial work of every layer ``per`` micro-batch or step, for the candidate's own configuration
+        (its reduce dtype: ``ev`` is shared by candidates that differ in it)."""
+        return fsdp_serial(g.costs, self._view(cfg, ev), per)
 
     def _view(self, cfg: ParallelConfig, ev: Evaluator) -> _SyncView:
         return _SyncView(cfg, self.cluster, ev.gathered_numel, ev.fsdp_copy_out, ev.m, ev.autocast,
@@ -324,7 +323,7 @@ class Bounds:
         pipelined = cfg.fsdp_in_pipeline
         if cfg.zero == 3 and pipelined:  # one exposed reduce-scatter of the average rank's gradients (affine: ≤ max)
             return (finish + reduce_scatter_time(P * fsdp_reduce_dtype_bytes(cfg), ev.dp_span, self.affine_cluster)
-                    + self._serial(cfg, g, ev, "reduce") / p)
+                    + self._serial(cfg, g, ev, "step") / p)
         if cfg.data_ranks == 1 or cfg.zero == 3:
             return finish
         span, cl, sl = ev.dp_span, self.affine_cluster, self.cluster.device.overlap_slowdown
@@ -334,8 +333,8 @@ class Bounds:
             rs = reduce_scatter_time(P * fsdp_reduce_dtype_bytes(cfg), span, cl)
             ag = all_gather_time(P * pbytes, span, cl)
             # the average rank's serial work (additive over layers: ≤ the slowest's)
+            finish += self._serial(cfg, g, ev, "step") / p
             m = 1 if pipelined else ev.m  # reduce-scatters per step
-            finish += (self._serial(cfg, g, ev, "gather") + m * self._serial(cfg, g, ev, "reduce")) / p
             if pipelined:  # one reduce-scatter after the pipeline, hidden by nothing
                 return finish + rs + (1 - sl) * max(0.0, ag - fw) + sl * ag
             return finish + (1 - sl) * (m * max(0.0, rs - wb) + max(0.0, ag - fw)) + sl * (m * rs + ag)
@@ -592,7 +591,7 @@ class _PerSpan(dict):
 
 @dataclass(frozen=True)
 class _SyncView:
-    """What `fsdp_serial_time` and `grad_accumulation_time` read from an Evaluator, for a candidate's own
+    """What `fsdp_serial` and `grad_accumulation_time` read from an Evaluator, for a candidate's own
     configuration."""
 
     cfg: ParallelConfig

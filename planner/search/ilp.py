@@ -43,7 +43,7 @@ Constraint families, one function each:
 3. `add_stage_times`: T_c = Σ layer t + [c > 0]·p2p(chosen pp compression) + fsdp_c. Under ZeRO-3 fsdp_c =
    ag_first + ag_last + rs_first + (1 − s)·E_f + s·A_f + (1 − s)·E_b + s·A_b + Σ serial with E ≥ A − window, E ≥ 0
    (`costmodel.overlap.fsdp_exposed`; s = overlap_slowdown; serial: FSDP2's copies and host work,
-   `costmodel.overlap.fsdp_serial_time`, linear in the blocks). max(0, A − W) + s·min(A, W) = (1 − s)·max(0, A − W)
+   `costmodel.overlap.fsdp_serial`, linear in the blocks). max(0, A − W) + s·min(A, W) = (1 − s)·max(0, A − W)
    + s·A, and 1 − s > 0, so the concave min needs no binary: the epigraph is tight at the optimum.
 4. `add_bottleneck`: bottleneck ≥ T_r = Σ_{c≡r} T_c.
 5. `add_finish`: finish ≥ dp_exposed_r + encode_r + optimizer_r (with the clipping) + the loss's reductions for every
@@ -106,7 +106,7 @@ from costmodel.memory import (
 )
 from costmodel.overlap import (
     fsdp_gather_share,
-    fsdp_serial_time,
+    fsdp_serial,
     grad_accumulation_time,
     loss_sync_time,
     optimizer_part_time,
@@ -377,10 +377,8 @@ class Model:
         sum_ag = sum((ag(i) * self.n_kind(u, k) for k, i in enumerate(d.reps)), self.zero) + sum(ag(i) for i in fixed)
         sum_rs = sum((rs(i) * self.n_kind(u, k) for k, i in enumerate(d.reps)), self.zero) + sum(rs(i) for i in fixed)
 
-        def serial(idx):  # FSDP2's work on the computing stream (costmodel.overlap.fsdp_serial_time)
-            costs = [ev.cost(i, AC.NONE) for i in idx]
-            return 2 * share * fsdp_serial_time(costs, ev, "gather") + (
-                0.0 if d.cfg.fsdp_in_pipeline else fsdp_serial_time(costs, ev, "reduce"))
+        def serial(idx):  # FSDP2's work on the computing stream (costmodel.overlap.fsdp_serial)
+            return fsdp_serial([ev.cost(i, AC.NONE) for i in idx], ev, "micro_batch")
 
         # (a block is a group of its own, the stage's fixed layers one group together: `fsdp_groups`)
         sum_serial = (sum((serial([i]) * self.n_kind(u, k) for k, i in enumerate(d.reps)), self.zero)
@@ -424,7 +422,7 @@ class Model:
             elif d.cfg.zero == 3:  # pipelined: one reduce-scatter after the last backward, nothing hides it
                 rs, _, _ = self.tab(r, lambda v, r=r: self._t(reduce_scatter_time(
                     self._gathered(r, v) * fsdp_reduce_dtype_bytes(d.cfg), d.ev.dp_span, d.ev.cluster)
-                    + fsdp_serial_time(_rank_layer_costs(d, r, v), d.ev, "reduce")))
+                    + fsdp_serial(_rank_layer_costs(d, r, v), d.ev, "step")))
                 s.Add(self.finish >= opt + rs)
             elif d.cfg.zero == 2:
                 s.Add(self.finish >= opt + self._zero2(r))
@@ -471,13 +469,8 @@ class Model:
         rs, _, _ = self.tab(r, lambda v: self._t(reduce_scatter_time(
             self._gathered(r, v) * fsdp_reduce_dtype_bytes(d.cfg), span, cl)))
         ag, _, _ = self.tab(r, lambda v: self._t(zero2_gather_time(self._gathered(r, v), ev)))
-        once = 1 if d.cfg.fsdp_in_pipeline else d.m  # reductions per step
-
-        def serial(v):  # FSDP2's work on the computing stream (costmodel.overlap.fsdp_serial_time)
-            costs = _rank_layer_costs(d, r, v)
-            return self._t(fsdp_serial_time(costs, ev, "gather") + once * fsdp_serial_time(costs, ev, "reduce"))
-
-        ser, _, _ = self.tab(r, serial)
+        # FSDP2's work on the computing stream (costmodel.overlap.fsdp_serial)
+        ser, _, _ = self.tab(r, lambda v: self._t(fsdp_serial(_rank_layer_costs(d, r, v), ev, "step")))
         e1 = self.dp_excess[r, "rs"] = s.NumVar(0, self.inf, f"zero2_excess[{r},rs]")
         e2 = self.dp_excess[r, "ag"] = s.NumVar(0, self.inf, f"zero2_excess[{r},ag]")
         s.Add(e2 >= ag - self._window(r, lambda x: self._t(x.fwd_s)))
