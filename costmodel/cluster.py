@@ -582,7 +582,7 @@ def _parse_curve(ctx: _Ctx, where: str, data: Mapping[str, Any]) -> SizeCurve:
 
 _DEVICE_KEYS = ("name", "peak_tflops", "memory_GiB", "memory_GB", "hbm_bw_GBps", "matmul_eff", "memory_eff",
                 "attention_eff", "fp8_eff", "overlap_slowdown", "op_overhead_us", "dtensor_overhead_us",
-                "fsdp_overhead_us", "fsdp_copy_GBps", "runtime_reserved_GiB", "source")
+                "dtensor_us_per_MB", "fsdp_overhead_us", "fsdp_copy_GBps", "runtime_reserved_GiB", "source")
 
 
 def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
@@ -624,6 +624,9 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
             or any(isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 for t in overhead)):
         raise ctx.error(f"device.op_overhead_us must be [forward, backward] microseconds ≥ 0, got {overhead!r}")
     dtensor = _pairs_us(ctx, value, "dtensor_overhead_us", DTENSOR_OPS, "[forward, backward]")  # (a CPU device)
+    # and per MB (1e6 bytes) the op's forward reads and writes on the rank (a CPU device)
+    dtensor_byte = _pairs_us(ctx, value, "dtensor_us_per_MB", DTENSOR_OPS, "[forward, backward]", per="per MB",
+                             exponent=-12)
     # host µs FSDP2 adds per group and per parameter tensor of each all-gather and reduce-scatter (a CPU device)
     fsdp = _pairs_us(ctx, value, "fsdp_overhead_us", FSDP_EVENTS, "[per group, per tensor]")
     # the rate of FSDP2's copies where measured (a CPU device); absent or 0: the device's memory bandwidth
@@ -647,6 +650,7 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
         overlap_slowdown=float(slowdown),
         op_overhead_s=(_decimal(overhead[0], -6), _decimal(overhead[1], -6)),
         dtensor_overhead_s=dtensor,
+        dtensor_byte_s=dtensor_byte,
         fsdp_overhead_s=fsdp,
         fsdp_copy_bw=_decimal(copy_bw, 9),
         source=str(value.get("source", f"from {ctx.origin}")),
@@ -654,15 +658,18 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
     )
 
 
-def _pairs_us(ctx: _Ctx, value: dict, key: str, names: tuple[str, ...], pair: str) -> dict[str, tuple[float, float]]:
-    """A device's ``key``: a mapping of some of ``names`` to a ``pair`` of microseconds ≥ 0, in seconds."""
+def _pairs_us(ctx: _Ctx, value: dict, key: str, names: tuple[str, ...], pair: str, *, per: str = "",
+              exponent: int = -6) -> dict[str, tuple[float, float]]:
+    """A device's ``key``: a mapping of some of ``names`` to a ``pair`` of microseconds (``per`` something) ≥ 0, in
+    seconds (per its unit): each figure × 10**``exponent``."""
     got = value.get(key, {})
     if not isinstance(got, dict) or any(
             k not in names or not isinstance(v, list) or len(v) != 2
             or any(isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 for t in v)
             for k, v in got.items()):
-        raise ctx.error(f"device.{key} must map {', '.join(names)} to {pair} microseconds ≥ 0, got {got!r}")
-    return {k: (_decimal(v[0], -6), _decimal(v[1], -6)) for k, v in got.items()}
+        raise ctx.error(f"device.{key} must map {', '.join(names)} to {pair} microseconds{' ' + per if per else ''} "
+                        f"≥ 0, got {got!r}")
+    return {k: (_decimal(v[0], exponent), _decimal(v[1], exponent)) for k, v in got.items()}
 
 
 def _decimal(value: float, exponent: int) -> float:
@@ -782,6 +789,8 @@ def _dump_device(device: DeviceSpec, stack: str | None = None) -> str | dict[str
         **({"op_overhead_us": [_round12(t / US) for t in device.op_overhead_s]} if any(device.op_overhead_s) else {}),
         **({"dtensor_overhead_us": {k: [_round12(t / US) for t in v] for k, v in device.dtensor_overhead_s.items()}}
            if device.dtensor_overhead_s else {}),
+        **({"dtensor_us_per_MB": {k: [_round12(t * 1e12) for t in v] for k, v in device.dtensor_byte_s.items()}}
+           if device.dtensor_byte_s else {}),
         **({"fsdp_overhead_us": {k: [_round12(t / US) for t in v] for k, v in device.fsdp_overhead_s.items()}}
            if device.fsdp_overhead_s else {}),
         **({"fsdp_copy_GBps": _round12(device.fsdp_copy_bw / GB)} if device.fsdp_copy_bw else {}),

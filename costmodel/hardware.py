@@ -120,6 +120,10 @@ class DeviceSpec:
     #: the wrapping of inputs and outputs, in Python on the thread that then runs the op (`costmodel.dtensor_probe`).
     #: Empty (0) on GPUs, where it overlaps the kernels as ``op_overhead_s`` does
     dtensor_overhead_s: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    #: seconds DTensor adds besides, (forward, backward), per byte the op's forward reads and writes on the rank, by
+    #: the same keys: measured on a CPU to grow with the op's data (the ops beside DTensor's run slower, and its
+    #: redistributions' functional collectives copy their inputs: `costmodel.dtensor_probe`). Empty (0) on GPUs
+    dtensor_byte_s: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     #: host seconds FSDP2 adds per ``FSDP_EVENTS`` event of a ``fully_shard`` group, (per group, per parameter
     #: tensor of the group): its hooks, the bookkeeping of each parameter's sharded and unsharded views, the
     #: gradients' wrapping, in Python on the thread that then computes (`costmodel.fsdp_probe`), on top of the
@@ -161,12 +165,13 @@ class DeviceSpec:
             raise ValueError(f"device {self.name!r}: op_overhead_s must be (forward, backward) seconds ≥ 0, "
                              f"got {self.op_overhead_s!r}")
         object.__setattr__(self, "op_overhead_s", tuple(float(t) for t in self.op_overhead_s))
-        for key, pair in self.dtensor_overhead_s.items():
-            if key not in DTENSOR_OPS or len(pair) != 2 or not all(t >= 0 for t in pair):
-                raise ValueError(f"device {self.name!r}: dtensor_overhead_s maps {', '.join(DTENSOR_OPS)} to "
-                                 f"(forward, backward) seconds ≥ 0, got {key!r}: {pair!r}")
-        object.__setattr__(self, "dtensor_overhead_s", MappingProxyType(
-            {k: tuple(float(t) for t in v) for k, v in self.dtensor_overhead_s.items()}))
+        for name, unit in (("dtensor_overhead_s", "seconds"), ("dtensor_byte_s", "seconds per byte")):
+            for key, pair in getattr(self, name).items():
+                if key not in DTENSOR_OPS or len(pair) != 2 or not all(t >= 0 for t in pair):
+                    raise ValueError(f"device {self.name!r}: {name} maps {', '.join(DTENSOR_OPS)} to "
+                                     f"(forward, backward) {unit} ≥ 0, got {key!r}: {pair!r}")
+            object.__setattr__(self, name, MappingProxyType(
+                {k: tuple(float(t) for t in v) for k, v in getattr(self, name).items()}))
         for key, pair in self.fsdp_overhead_s.items():
             if key not in FSDP_EVENTS or len(pair) != 2 or not all(t >= 0 for t in pair):
                 raise ValueError(f"device {self.name!r}: fsdp_overhead_s maps {', '.join(FSDP_EVENTS)} to "
@@ -183,12 +188,16 @@ class DeviceSpec:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes, self.hbm_bw,
                      self.matmul_eff, self.memory_eff, self.attention_eff, self.fp8_eff, self.overlap_slowdown,
                      self.op_overhead_s, tuple(sorted(self.dtensor_overhead_s.items())),
+                     tuple(sorted(self.dtensor_byte_s.items())),
                      tuple(sorted(self.fsdp_overhead_s.items())), self.fsdp_copy_bw, self.runtime_reserved,
                      self.source))
 
-    def dtensor_overhead(self, op: str) -> tuple[float, float]:
-        """(forward, backward) host seconds DTensor adds to one ``op`` (a ``DTENSOR_OPS`` key); 0 if unmeasured."""
-        return self.dtensor_overhead_s.get(op, (0.0, 0.0))
+    def dtensor_overhead(self, op: str, nbytes: float = 0.0) -> tuple[float, float]:
+        """(forward, backward) seconds DTensor adds to one ``op`` (a ``DTENSOR_OPS`` key) whose forward reads and
+        writes ``nbytes`` on the rank: per op plus per byte; 0 if unmeasured."""
+        fixed = self.dtensor_overhead_s.get(op, (0.0, 0.0))
+        per = self.dtensor_byte_s.get(op, (0.0, 0.0))
+        return fixed[0] + per[0] * nbytes, fixed[1] + per[1] * nbytes
 
     def fsdp_overhead(self, event: str) -> tuple[float, float]:
         """(per group, per parameter tensor) host seconds FSDP2 adds to one ``event`` (a ``FSDP_EVENTS`` key) of a
@@ -320,7 +329,7 @@ CPU_OVERLAP_SLOWDOWN = 1.0
 
 
 #: Version of the measurement below; a cached device measured by another version is measured again.
-_CPU_MEASURE_VERSION = 4
+_CPU_MEASURE_VERSION = 5
 
 
 @functools.lru_cache(maxsize=1)
@@ -336,6 +345,7 @@ def measure_cpu_device() -> DeviceSpec:
             curve = EfficiencyCurve(**d.pop("matmul_eff"))
             d["op_overhead_s"] = tuple(d["op_overhead_s"])
             d["dtensor_overhead_s"] = {k: tuple(v) for k, v in d["dtensor_overhead_s"].items()}
+            d["dtensor_byte_s"] = {k: tuple(v) for k, v in d["dtensor_byte_s"].items()}
             d["fsdp_overhead_s"] = {k: tuple(v) for k, v in d["fsdp_overhead_s"].items()}
             return DeviceSpec(**d, matmul_eff=curve, overlap_slowdown=CPU_OVERLAP_SLOWDOWN)
     dev = _measure_cpu_device()
@@ -345,6 +355,7 @@ def measure_cpu_device() -> DeviceSpec:
                                "memory_bytes": dev.memory_bytes, "hbm_bw": dev.hbm_bw, "memory_eff": dev.memory_eff,
                                "attention_eff": dev.attention_eff, "op_overhead_s": list(dev.op_overhead_s),
                                "dtensor_overhead_s": {k: list(v) for k, v in dev.dtensor_overhead_s.items()},
+                               "dtensor_byte_s": {k: list(v) for k, v in dev.dtensor_byte_s.items()},
                                "fsdp_overhead_s": {k: list(v) for k, v in dev.fsdp_overhead_s.items()},
                                "fsdp_copy_bw": dev.fsdp_copy_bw,
                                "source": dev.source,
@@ -399,8 +410,8 @@ def _measure_cpu_device() -> DeviceSpec:
       torch's counter counts it: 3·4·h·s²·d) over the peak at that size's matmul efficiency, at most 1;
     - op_overhead_s: a chain of tiny ops (mul, add, transpose, matmul, SiLU on 4×4 tensors, autograd on), the
       forward's and the backward's time per op: what a step pays per op besides its arithmetic;
-    - dtensor_overhead_s: what DTensor adds per tensor-parallel linear and per sequence-parallel norm
-      (`_measure_dtensor_overhead`, a process of its own);
+    - dtensor_overhead_s, dtensor_byte_s: what DTensor adds per tensor-parallel linear and per sequence-parallel
+      norm, per op and per byte of its data (`_measure_dtensor_overhead`, a process of its own);
     - fsdp_overhead_s, fsdp_copy_bw: what FSDP2 adds per group and per parameter tensor to each all-gather and
       reduce-scatter, and the rate of its copies (`_measure_fsdp_overhead`, a process of its own).
 
@@ -467,7 +478,7 @@ def _measure_cpu_device() -> DeviceSpec:
     finally:
         torch.set_num_threads(threads)
 
-    dtensor, probe = _measure_dtensor_overhead()
+    dtensor, dtensor_byte, probe = _measure_dtensor_overhead()
     fsdp, copy_bw, fsdp_probe = _measure_fsdp_overhead()
     ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     return DeviceSpec(
@@ -480,6 +491,7 @@ def _measure_cpu_device() -> DeviceSpec:
         attention_eff=attention_eff,
         op_overhead_s=overhead,
         dtensor_overhead_s=dtensor,
+        dtensor_byte_s=dtensor_byte,
         fsdp_overhead_s=fsdp,
         fsdp_copy_bw=copy_bw,
         overlap_slowdown=CPU_OVERLAP_SLOWDOWN,
@@ -488,12 +500,16 @@ def _measure_cpu_device() -> DeviceSpec:
     )
 
 
-def _measure_dtensor_overhead() -> tuple[dict[str, tuple[float, float]], str]:
-    """DTensor's host time per tensor-parallel op (`costmodel.dtensor_probe`), measured in a process of its own: it
-    needs a process group, which the planner's process must not get. (figures, what the device's source says of
-    them); a probe that cannot run (no loopback for gloo) leaves them 0 and says why."""
-    return _probe("costmodel.dtensor_probe", DTENSOR_OPS, "DTensor overhead",
-                  "DTensor overhead per tensor-parallel op: `costmodel.dtensor_probe`, a 1-rank gloo process")
+def _measure_dtensor_overhead() -> tuple[dict[str, tuple[float, float]], dict[str, tuple[float, float]], str]:
+    """DTensor's time per tensor-parallel op and per byte of its data (`costmodel.dtensor_probe`), measured in a
+    process of its own: it needs a process group, which the planner's process must not get. (per op, per byte,
+    what the device's source says of them); a probe that cannot run leaves them 0 and says why."""
+    byte_keys = tuple(f"{op}_byte" for op in DTENSOR_OPS)
+    figures, says = _probe("costmodel.dtensor_probe", DTENSOR_OPS + byte_keys, "DTensor overhead",
+                           "DTensor overhead per tensor-parallel op and per byte of its data: "
+                           "`costmodel.dtensor_probe`, a 2-rank fake process group")
+    per_byte = {op: figures.pop(f"{op}_byte") for op in DTENSOR_OPS if f"{op}_byte" in figures}
+    return figures, per_byte, says
 
 
 def _measure_fsdp_overhead() -> tuple[dict[str, tuple[float, float]], float, str]:

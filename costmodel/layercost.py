@@ -38,7 +38,9 @@ Every captured op also pays the device's ``op_overhead_s`` in its forward and in
 that dispatches an op runs it too (measured per machine, `costmodel.hardware._measure_cpu_device`); 0 on GPUs.
 Under tensor parallelism the ops the runtime runs as DTensors (`dtensor_ops`: the split linears, and the norms of
 sequence parallelism) also pay the device's ``dtensor_overhead_s`` (sharding propagation and wrapping, in Python:
-~200-400 µs per op on this VM's CPU against ~5 µs for a plain op; 0 on GPUs), and so does a recomputation of them.
+~200-400 µs per op on this VM's CPU against ~5 µs for a plain op) and ``dtensor_byte_s`` per byte the op's forward
+moves on the rank (`dtensor_bytes`; ~0.08-0.24 ns/B here: a linear of 8×128 tokens, 2.9 MB, 0.2-0.7 ms more each
+way); 0 on GPUs; and so does a recomputation of them.
 
 A measured profile (`profiler.measure` on the cluster's device) replaces the roofline's absolute level layer by
 layer: the measured forward and backward at the measured batch, times the roofline's ratio between the
@@ -56,6 +58,7 @@ Activation checkpointing (Korthikanti et al. 2022 Table 2 and §5):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import cache
@@ -535,6 +538,23 @@ def dtensor_ops(layer: Layer, ctx: CostContext, tp_layer: bool) -> dict[str, str
     return out
 
 
+def dtensor_bytes(n: NodeInfo, op: str, ctx: CostContext) -> float:
+    """Bytes DTensor's op ``n`` (its `dtensor_ops` kind ``op``) reads and writes forward on a tensor-parallel rank, as
+    `costmodel.dtensor_probe` counts them for the device's per-byte figure (``DeviceSpec.dtensor_byte_s``): a
+    linear's input, weight and output, each its rank's part (a column-parallel or vocabulary linear reads its whole
+    input, under sequence parallelism the gathered sequence, and writes its slice of the features; a row-parallel
+    one reads its slice and writes whole partial sums; the weight is split either way); a sequence-parallel norm's
+    input and output, the rank's slice of the sequence. At the training dtype (the capture's times ``act_scale``)."""
+    x = n.input_shapes[0]
+    elem = dtype_bytes(n.input_dtypes[0]) * ctx.act_scale
+    tokens = math.prod(x[:-1]) * ctx.scale  # (the rank's micro-batch; a context-parallel rank's share of the tokens)
+    if op == "sp_norm":
+        return 2.0 * tokens * x[-1] / ctx.tp * elem
+    w_out, w_in = n.input_shapes[1]
+    width = w_in / ctx.tp + w_out if n.tp_role == "row" else w_in + w_out / ctx.tp
+    return (tokens * width + w_in * w_out / ctx.tp) * elem
+
+
 def _tp_comm(layer: Layer) -> tuple[float, float, int, int]:
     """(forward, backward) all-reduce payload bytes of one micro-batch at the captured batch, and how many
     all-reduces carry each: one per row-parallel output, per distinct column-parallel input, per vocabulary op."""
@@ -970,7 +990,8 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         # torch's counter charges a rank's two chunks of attention (2·cp + 1)·c² score blocks, not S²/cp
         counted = (2 * cp + 1) / (4 * cp) if attn and cp > 1 else 1.0
         rank_fb += (n.fwd_flops + n.bwd_flops) * k * f * counted
-        d_f, d_b = ctx.cluster.device.dtensor_overhead(wrapped[n.name]) if n.name in wrapped else (0.0, 0.0)
+        d_f, d_b = (ctx.cluster.device.dtensor_overhead(wrapped[n.name], dtensor_bytes(n, wrapped[n.name], ctx))
+                    if n.name in wrapped else (0.0, 0.0))
         dt_f += d_f
         dt_b += d_b
         dt_rec_full += d_f if j < stop else 0.0

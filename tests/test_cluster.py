@@ -187,12 +187,13 @@ inter: {bw_GBps: 12.5, latency_us: 10}
 
 
 def test_call_latency_and_op_overhead_round_trip():
-    """A link's per-call latency (its own and per kind), a device's per-op host overhead and FSDP2's (per group and
-    tensor, and its copies' rate) are read in µs (GB/s) and written back."""
+    """A link's per-call latency (its own and per kind), a device's per-op host overhead, DTensor's (per op and per
+    MB of its data) and FSDP2's (per group and tensor, and its copies' rate) are read in µs (GB/s) and written
+    back."""
     text = """\
 name: cpu-like
 device: {name: mycpu, peak_tflops: {fp32: 0.07}, memory_GiB: 24, hbm_bw_GBps: 20, op_overhead_us: [2.5, 4],
-         dtensor_overhead_us: {tp_linear: [200, 330], sp_norm: [190, 350]},
+         dtensor_overhead_us: {tp_linear: [200, 330], sp_norm: [190, 350]}, dtensor_us_per_MB: {tp_linear: [150, 0.2]},
          fsdp_overhead_us: {gather: [180, 12.5], reduce: [270, 20]}, fsdp_copy_GBps: 9.7}
 gpus_per_node: 2
 nodes: 1
@@ -203,6 +204,10 @@ inter: {bw_GBps: 1.8, latency_us: 50}
     assert c.device.op_overhead_s == pytest.approx((2.5e-6, 4e-6))
     assert c.device.dtensor_overhead("tp_linear") == pytest.approx((200e-6, 330e-6))
     assert c.device.dtensor_overhead("sp_linear") == (0.0, 0.0)  # (not given: not charged)
+    assert c.device.dtensor_overhead("tp_linear", 2e6) == pytest.approx((200e-6 + 300e-6, 330e-6 + 0.4e-6))
+    assert c.device.dtensor_overhead("sp_norm", 2e6) == pytest.approx((190e-6, 350e-6))  # (no per-byte figure)
+    assert c.device.dtensor_byte_s["tp_linear"] == (150e-12, 0.2e-12)
+    assert parse_cluster_yaml(dump_cluster(c)) == c
     assert c.device.fsdp_overhead("gather") == pytest.approx((180e-6, 12.5e-6))
     assert c.device.fsdp_overhead("reduce") == pytest.approx((270e-6, 20e-6))
     assert c.device.fsdp_copy_rate == pytest.approx(9.7e9)
@@ -268,6 +273,9 @@ def _edit(text: str, old: str, new: str) -> str:
     ("device: h100-sxm", "device: {name: x, peak_tflops: {bf16: 1}, memory_GiB: 8, hbm_bw_GBps: 1, "
      "dtensor_overhead_us: {tp_lin: [1, 2]}}", "cluster.yaml: device.dtensor_overhead_us must map tp_linear, "
      "sp_linear, sp_norm to [forward, backward] microseconds ≥ 0, got {'tp_lin': [1, 2]}"),
+    ("device: h100-sxm", "device: {name: x, peak_tflops: {bf16: 1}, memory_GiB: 8, hbm_bw_GBps: 1, "
+     "dtensor_us_per_MB: {sp_norm: [1, -2]}}", "cluster.yaml: device.dtensor_us_per_MB must map tp_linear, "
+     "sp_linear, sp_norm to [forward, backward] microseconds per MB ≥ 0, got {'sp_norm': [1, -2]}"),
     ("device: h100-sxm", "device: {name: x, peak_tflops: {bf16: 1}, memory_GiB: 8, hbm_bw_GBps: 1, "
      "fsdp_overhead_us: {gather: [1]}}", "cluster.yaml: device.fsdp_overhead_us must map gather, reduce to "
      "[per group, per tensor] microseconds ≥ 0, got {'gather': [1]}"),

@@ -721,15 +721,23 @@ def test_dtensor_overhead_is_charged_per_tensor_parallel_linear_and_per_norm_mod
     each of a Llama block's 7 column/row-parallel linears in both passes (``sp_linear`` under sequence
     parallelism), on each of its 2 norms under sequence parallelism (an RMSNorm is several captured ops but one
     ``SequenceParallel`` module), on the vocabulary-parallel head's linear, and again on what full checkpointing
-    recomputes; never without tensor parallelism, and never on a GPU (empty: 0)."""
+    recomputes; never without tensor parallelism, and never on a GPU (empty: 0). Per op, and per byte its forward
+    reads and writes on the rank (`dtensor_bytes`, in closed form below: the probe's count)."""
     from costmodel.cluster import group_span
-    from costmodel.layercost import CostContext, dtensor_ops, is_tp_layer, layer_cost, owned_params
+    from costmodel.layercost import CostContext, dtensor_bytes, dtensor_ops, is_tp_layer, layer_cost, owned_params
 
     lg = profile_model("llama:layers=2,hidden=256,heads=8,kv_heads=4,ffn=704,vocab=1024,seq=128")
     cl = _cluster()
     assert not cl.device.dtensor_overhead_s and load_cluster("dgx-h100").device.dtensor_overhead("tp_linear") == (0, 0)
     figures = {"tp_linear": (2e-4, 3e-4), "sp_linear": (2.5e-4, 3.5e-4), "sp_norm": (1.9e-4, 3.6e-4)}
-    busy = dataclasses.replace(cl, device=dataclasses.replace(cl.device, dtensor_overhead_s=figures))
+    per_byte = {"tp_linear": (1.5e-10, 2e-10), "sp_linear": (1.5e-10, 2e-10), "sp_norm": (5e-11, 8e-11)}
+    busy = dataclasses.replace(cl, device=dataclasses.replace(cl.device, dtensor_overhead_s=figures,
+                                                              dtensor_byte_s=per_byte))
+    # the probe's count, bf16, 2 sequences of 128 tokens on a rank of tp = 2: (tokens·(in + out) + weight) · 2 bytes
+    tokens = 2 * 128
+    closed = {"column": lambda i, o: (tokens * (i + o / 2) + i * o / 2) * 2,  # whole input, half the features
+              "vocab": lambda i, o: (tokens * (i + o / 2) + i * o / 2) * 2,
+              "row": lambda i, o: (tokens * (i / 2 + o) + i * o / 2) * 2}  # half the input, whole partial sums
     owned = owned_params(lg)
     span = group_span(cl, 2, 1)
     head = next(lay for lay in lg.layers if lay.kind == "head")
@@ -741,10 +749,23 @@ def test_dtensor_overhead_is_charged_per_tensor_parallel_linear_and_per_norm_mod
             n_lin, n_norm = (linears, norms if sp else 0) if tp > 1 else (0, 0)
             base, more = (layer_cost(layer, AC.FULL, dataclasses.replace(ctx, cluster=c), owned.get(layer.name, ()))
                           for c in (cl, busy))
-            assert sorted(dtensor_ops(layer, ctx, is_tp_layer(layer)).values()) == sorted(
-                [kind] * n_lin + ["sp_norm"] * n_norm)
+            wrapped = dtensor_ops(layer, ctx, is_tp_layer(layer))
+            assert sorted(wrapped.values()) == sorted([kind] * n_lin + ["sp_norm"] * n_norm)
+            nbytes = {"linear": 0.0, "norm": 0.0}
+            for n in layer.nodes:
+                if n.name in wrapped and wrapped[n.name] == "sp_norm":  # its input and output, half the sequence
+                    nbytes["norm"] += 2 * tokens // 2 * 256 * 2
+                    assert dtensor_bytes(n, "sp_norm", ctx) == 2 * tokens // 2 * 256 * 2
+                elif n.name in wrapped:
+                    w_out, w_in = n.input_shapes[1]
+                    nbytes["linear"] += closed[n.tp_role](w_in, w_out)
+            if layer.kind == "block" and tp > 1:  # q, k, v, o, gate, up, down of hidden 256, 4 kv heads of 32
+                shapes = [("column", 256, 256), ("column", 256, 128), ("column", 256, 128), ("row", 256, 256),
+                          ("column", 256, 704), ("column", 256, 704), ("row", 704, 256)]
+                assert nbytes["linear"] == sum(closed[role](i, o) for role, i, o in shapes)
             for i, (got_base, got_more) in enumerate(((base.fwd_s, more.fwd_s), (base.bwd_s, more.bwd_s))):
-                want = n_lin * figures[kind][i] + n_norm * figures["sp_norm"][i]
+                want = (n_lin * figures[kind][i] + n_norm * figures["sp_norm"][i]
+                        + per_byte[kind][i] * nbytes["linear"] + per_byte["sp_norm"][i] * nbytes["norm"])
                 assert got_more - got_base == pytest.approx(want, rel=1e-9, abs=1e-15)
             # full checkpointing repeats the forward's share of what it recomputes (at most all of it)
             assert 0 <= more.recompute_s - base.recompute_s <= more.fwd_s - base.fwd_s + 1e-15
@@ -753,11 +774,12 @@ def test_dtensor_overhead_is_charged_per_tensor_parallel_linear_and_per_norm_mod
 
 
 def test_dtensor_probe_measures_every_wrapped_op_in_a_process_of_its_own(monkeypatch):
-    """`costmodel.dtensor_probe` runs torch 2.13's parallel styles on a 1-rank gloo mesh in a child process (the
-    planner's process gets no process group) and finds each DTensor op slower than its plain op: here ~200-400 µs
-    per op against a few µs, so a positive figure for each of the three, each both ways. It runs as it would inside
-    a torchrun rank (`auto_parallelize` plans there): with the launcher's variables set, an `init_method` probe
-    joined the agent's store and waited for a 2-rank world until its 300 s timeout."""
+    """`costmodel.dtensor_probe` runs torch 2.13's parallel styles as rank 0 of a 2-rank fake process group in a
+    child process (the planner's process gets no process group) and finds each DTensor op slower than its plain op:
+    here ~200-500 µs per op against a few µs, so a positive figure for each of the three, each both ways, and a
+    figure per byte for each (≥ 0: here ~0.05-0.2 ns/B). It runs as it would inside a torchrun rank
+    (`auto_parallelize` plans there): with the launcher's variables set, an `init_method` probe joined the agent's
+    store and waited for a 2-rank world until its 300 s timeout."""
     import socket
 
     import torch.distributed as dist
@@ -772,9 +794,10 @@ def test_dtensor_probe_measures_every_wrapped_op_in_a_process_of_its_own(monkeyp
                  "TORCHELASTIC_RUN_ID": "probe-test"}.items():
         monkeypatch.setenv(k, v)
 
-    figures, note = _measure_dtensor_overhead()
-    assert set(figures) == set(DTENSOR_OPS), note
+    figures, per_byte, note = _measure_dtensor_overhead()
+    assert set(figures) == set(DTENSOR_OPS) == set(per_byte), note
     assert all(t > 1e-5 for pair in figures.values() for t in pair), figures
+    assert all(0 <= t < 1e-8 for pair in per_byte.values() for t in pair), per_byte
     assert not dist.is_initialized()
 
 
