@@ -16,21 +16,23 @@ VM's speed drifts by tens of per cent within minutes), and the figures are media
 
 At two sizes: tiny tensors (hidden 16, ffn 32, 2×8 tokens: arithmetic negligible) give the time per op; a
 cpu-local model's (hidden 256, ffn 704, 8×128 tokens) gives how the extra time grows with the op's data, per byte
-its forward reads and writes on the rank (`linear_bytes`, `norm_bytes`; `costmodel.layercost.dtensor_bytes` counts
-the same for a planned model's ops). It grows: interleaved with its plain twin, a linear's extra time went from
-~0.3/0.4 ms (forward/backward) at 16 tokens to ~0.5/0.65 at 256, ~0.8-1.3/1.0-1.5 at 1024 and ~1.5/1.6 at 2048
-(hidden 256), while DTensor's Python work per op does not depend on the data. Profiled, the memory-bound ops beside
-the DTensor ops (SiLU, the gate product, their backward) run slower inside the tensor-parallel layer than the same
-ops on the same shapes in the plain one (not page faults: the same with glibc's mmap and trim thresholds raised, and
-no faults counted), and each redistribution's functional collective copies its input; the per-byte figure prices
-what is measured, not its mechanism. The linear's per-byte figure is measured without sequence parallelism, whose
-redistributions also re-lay out the sequence (copies `costmodel.layercost.seq_relayout_bytes` prices apart), and
-applied to both.
+of activations its forward reads and writes on the rank (`linear_bytes`, `norm_bytes`: inputs and outputs, not
+weights; `costmodel.layercost.dtensor_bytes` counts the same for a planned model's ops). It grows: interleaved with its
+plain twin, a linear's extra time went from ~0.3/0.4 ms (forward/backward) at 16 tokens to ~0.5/0.65 at 256,
+~0.8-1.3/1.0-1.5 at 1024 and ~1.5/1.6 at 2048 (hidden 256), while DTensor's Python work per op does not depend on the
+data. Profiled, the memory-bound ops beside the DTensor ops (SiLU, the gate product, their backward) run slower inside
+the tensor-parallel layer than the same ops on the same shapes in the plain one (not page faults: the same with glibc's
+mmap and trim thresholds raised, and no faults counted), and each redistribution's functional collective copies its
+input; the per-byte figure prices what is measured, not its mechanism. The linear's per-byte figure is measured without
+sequence parallelism, whose redistributions also re-lay out the sequence (copies
+`costmodel.layercost.seq_relayout_bytes` prices apart), and applied to both. The figure per op is the line's intercept:
+the small size's extra time less its bytes at that slope.
 
-Extra time per linear: a third of the MLP's difference from its plain twin (the input conversion shared by the
-module's linears spread over them); per norm, the difference. Measured here (2-vCPU VM, torch 2.13, five runs):
-~270-390/350-470 µs forward/backward per linear plus ~80-240 µs per MB of its data (a cpu-local linear of 8×128
-tokens moves ~2.9 MB); ~190-220/365-420 µs per norm plus ~50-480 µs per MB. The spread is this VM's.
+Extra time per linear: a third of the MLP's difference from its plain twin (the input conversion shared by the module's
+linears spread over them); per norm, the difference. Measured here (2-vCPU VM, torch 2.13, six runs): ~340-520/410-700
+µs forward/backward per linear plus ~130-410/200-760 µs per MB of its activations (a cpu-local linear of 8×128 tokens
+moves ~2.5 MB: 0.3-1.9 ms more each way); ~230-320/440-700 µs per norm plus ~200-310/140-460 µs per MB. The spread is
+this VM's: the per-byte figure is the difference of two ~10 ms medians.
 """
 
 from __future__ import annotations
@@ -112,10 +114,10 @@ def _timed(variants: dict, rounds: int) -> dict[str, tuple[float, float]]:
 
 
 def linear_bytes(size) -> float:
-    """Bytes one of the MLP's linears reads and writes forward on a rank, on average: its input, weight and output
-    (gate/up: hidden in, ffn/2 out; down: the reverse), fp32."""
+    """Activation bytes one of the MLP's linears reads and writes forward on a rank: its input and output (gate/up:
+    hidden in, ffn/2 out; down: the reverse), fp32."""
     b, s, hidden, ffn = size
-    return FP32 * (b * s * (hidden + ffn / WORLD) + hidden * ffn / WORLD)
+    return FP32 * b * s * (hidden + ffn / WORLD)
 
 
 def norm_bytes(size) -> float:
@@ -137,7 +139,7 @@ def measure(rounds: int = 100) -> dict[str, tuple[float, float]]:
     mesh = init_device_mesh("cpu", (WORLD,))
     out: dict[str, tuple[float, float]] = {}
     extra = {}
-    for tag, size, n in (("small", SMALL, rounds), ("large", LARGE, max(5, rounds // 5))):
+    for tag, size, n in (("small", SMALL, rounds), ("large", LARGE, max(5, rounds // 2))):
         med = _timed(_variants(size, mesh), n)
         out.update({f"{name}@{tag}": t for name, t in med.items()})
         extra[tag] = {
@@ -145,14 +147,14 @@ def measure(rounds: int = 100) -> dict[str, tuple[float, float]]:
             "sp_linear": tuple((t - p) / 3 for t, p in zip(med["mlp_sp"], med["mlp"])),
             "sp_norm": tuple(t - p for t, p in zip(med["norm_sp"], med["norm"])),
         }
-    for op in ("tp_linear", "sp_linear", "sp_norm"):
-        out[op] = tuple(max(0.0, t) for t in extra["small"][op])
-    def per_byte(op: str, nbytes) -> tuple[float, float]:
+    # per op and per byte: the line through the two sizes (the linear's slope from tensor parallelism alone, for both)
+    for op, slope_of, nbytes in (("tp_linear", "tp_linear", linear_bytes), ("sp_linear", "tp_linear", linear_bytes),
+                                 ("sp_norm", "sp_norm", norm_bytes)):
         span = nbytes(LARGE) - nbytes(SMALL)
-        return tuple(max(0.0, (big - small) / span) for big, small in zip(extra["large"][op], extra["small"][op]))
-
-    out["tp_linear_byte"] = out["sp_linear_byte"] = per_byte("tp_linear", linear_bytes)
-    out["sp_norm_byte"] = per_byte("sp_norm", norm_bytes)
+        slope = tuple(max(0.0, (big - small) / span) for big, small in zip(extra["large"][slope_of],
+                                                                             extra["small"][slope_of]))
+        out[f"{op}_byte"] = slope
+        out[op] = tuple(max(0.0, t - k * nbytes(SMALL)) for t, k in zip(extra["small"][op], slope))
     return out
 
 

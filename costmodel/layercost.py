@@ -39,8 +39,8 @@ that dispatches an op runs it too (measured per machine, `costmodel.hardware._me
 Under tensor parallelism the ops the runtime runs as DTensors (`dtensor_ops`: the split linears, and the norms of
 sequence parallelism) also pay the device's ``dtensor_overhead_s`` (sharding propagation and wrapping, in Python:
 ~200-400 µs per op on this VM's CPU against ~5 µs for a plain op) and ``dtensor_byte_s`` per byte the op's forward
-moves on the rank (`dtensor_bytes`; ~0.08-0.24 ns/B here: a linear of 8×128 tokens, 2.9 MB, 0.2-0.7 ms more each
-way); 0 on GPUs; and so does a recomputation of them.
+moves on the rank (`dtensor_bytes`: activations, ~0.13-0.76 ns/B here; a linear of 8×128 tokens moves 2.5 MB, 0.3-1.9
+ms more each way); 0 on GPUs; and so does a recomputation of them.
 
 A measured profile (`profiler.measure` on the cluster's device) replaces the roofline's absolute level layer by
 layer: the measured forward and backward at the measured batch, times the roofline's ratio between the
@@ -71,6 +71,7 @@ from profiler.graph import Layer, LayerGraph, NodeInfo, ParamInfo
 
 _BYTES = {"bf16": 2, "fp16": 2, "fp8": 2, "fp32": 4, "float32": 4, "bfloat16": 2, "float16": 2}
 _SHARDED_ROLES = ("column", "row", "sharded", "vocab")
+LINEAR = "aten.linear.default"  #: how the capture records an ``nn.Linear``, the module the TP runtime splits
 
 
 def dtype_bytes(name: str) -> int:
@@ -317,7 +318,7 @@ def _weight_traffic(n: NodeInfo, ctx: CostContext, numel: Mapping[str, int]) -> 
         return n.fwd_bytes * ctx.act_scale, n.bwd_bytes * ctx.act_scale
     names = list(dict.fromkeys(n.params))
     w = float(sum(numel.get(p, 0) for p in names))
-    if any(p not in numel for p in names) and n.op == "aten.linear.default" and len(n.input_shapes) > 1:
+    if any(p not in numel for p in names) and n.op == LINEAR and len(n.input_shapes) > 1:
         w = float(sum(_prod(s) for s in n.input_shapes[1:]))  # (a tied weight: the linear's weight and bias)
     compute = 4 if ctx.precision == "fp32" else 2  # (a plain capture's bytes are rescaled to the plan's dtypes)
     if n.kind == "matmul":
@@ -347,7 +348,7 @@ def is_float8_linear(n: NodeInfo, layer: Layer) -> bool:
     multiple of 16 (``torch._scaled_mm``'s requirement, as torchtitan's converter filters them); torchtitan's
     Llama 3 configs leave the output projection out (``filter_fqns = ["output"]``), and the same rule decides
     which sequence-parallel all-gathers move float8 (`gather_scale`)."""
-    return (layer.kind == "block" and n.kind == "matmul" and n.op == "aten.linear.default"
+    return (layer.kind == "block" and n.kind == "matmul" and n.op == LINEAR
             and n.module_type == "Linear" and len(n.input_shapes) > 1
             and all(d % 16 == 0 for d in n.input_shapes[1]))
 
@@ -511,7 +512,8 @@ def is_tp_layer(layer: Layer) -> bool:
 def dtensor_ops(layer: Layer, ctx: CostContext, tp_layer: bool) -> dict[str, str]:
     """The captured nodes the tensor-parallel runtime runs as DTensor ops, each with its `DTENSOR_OPS` kind: a
     block's column- and row-parallel linears (``ColwiseParallel``/``RowwiseParallel``: ``tp_linear``, or
-    ``sp_linear`` under sequence parallelism) and the vocabulary-parallel head's linear (``tp_linear``); under
+    ``sp_linear`` under sequence parallelism) and the vocabulary-parallel head's linear (``tp_linear``), each an
+    ``nn.Linear`` (``aten.linear``: the only module `planner.emit.config` splits); under
     sequence parallelism a block's norms (``SequenceParallel`` on the block's children named norms by their class,
     as `planner.emit.config` picks them) once each, on the norm's first node: a norm is several captured ops but
     one DTensor module. The vocabulary-parallel embedding (a lookup of this rank's rows, not a DTensor op) has
@@ -521,7 +523,7 @@ def dtensor_ops(layer: Layer, ctx: CostContext, tp_layer: bool) -> dict[str, str
     out = {}
     if layer.kind == "head":
         for n in layer.nodes:
-            if n.tp_role == "vocab" and n.kind == "matmul" and n.params:
+            if n.tp_role == "vocab" and n.op == LINEAR and n.params:
                 out[n.name] = "tp_linear"
         return out
     if layer.kind != "block":
@@ -529,7 +531,7 @@ def dtensor_ops(layer: Layer, ctx: CostContext, tp_layer: bool) -> dict[str, str
     linear = "sp_linear" if ctx.sp else "tp_linear"
     norms: set[str] = set()
     for n in layer.nodes:
-        if n.tp_role in ("column", "row") and n.kind == "matmul" and n.params:
+        if n.tp_role in ("column", "row") and n.op == LINEAR and n.params:
             out[n.name] = linear
         elif (ctx.sp and n.module_path.startswith(layer.name + ".") and "." not in n.module_path[len(layer.name) + 1:]
               and "norm" in n.module_type.lower() and n.module_path not in norms):
@@ -539,20 +541,21 @@ def dtensor_ops(layer: Layer, ctx: CostContext, tp_layer: bool) -> dict[str, str
 
 
 def dtensor_bytes(n: NodeInfo, op: str, ctx: CostContext) -> float:
-    """Bytes DTensor's op ``n`` (its `dtensor_ops` kind ``op``) reads and writes forward on a tensor-parallel rank, as
-    `costmodel.dtensor_probe` counts them for the device's per-byte figure (``DeviceSpec.dtensor_byte_s``): a
-    linear's input, weight and output, each its rank's part (a column-parallel or vocabulary linear reads its whole
-    input, under sequence parallelism the gathered sequence, and writes its slice of the features; a row-parallel
-    one reads its slice and writes whole partial sums; the weight is split either way); a sequence-parallel norm's
-    input and output, the rank's slice of the sequence. At the training dtype (the capture's times ``act_scale``)."""
+    """Activation bytes DTensor's op ``n`` (its `dtensor_ops` kind ``op``) reads and writes forward on a
+    tensor-parallel rank, as `costmodel.dtensor_probe` counts them for the device's per-byte figure
+    (``DeviceSpec.dtensor_byte_s``): a linear's input and output, each its rank's part (a column-parallel or
+    vocabulary linear reads its whole input, under sequence parallelism the gathered sequence, and writes its slice
+    of the features; a row-parallel one reads its slice and writes whole partial sums); a sequence-parallel norm's
+    input and output, the rank's slice of the sequence. Not the weights: what grows is the work on the tokens (the
+    ops beside, the redistributions' copies). At the training dtype (the capture's times ``act_scale``). A linear is
+    ``aten.linear(x, W[out, in])``, the only op `dtensor_ops` wraps as one."""
     x = n.input_shapes[0]
     elem = dtype_bytes(n.input_dtypes[0]) * ctx.act_scale
     tokens = math.prod(x[:-1]) * ctx.scale  # (the rank's micro-batch; a context-parallel rank's share of the tokens)
     if op == "sp_norm":
         return 2.0 * tokens * x[-1] / ctx.tp * elem
     w_out, w_in = n.input_shapes[1]
-    width = w_in / ctx.tp + w_out if n.tp_role == "row" else w_in + w_out / ctx.tp
-    return (tokens * width + w_in * w_out / ctx.tp) * elem
+    return tokens * (w_in / ctx.tp + w_out if n.tp_role == "row" else w_in + w_out / ctx.tp) * elem
 
 
 def _tp_comm(layer: Layer) -> tuple[float, float, int, int]:
