@@ -139,7 +139,7 @@ class ParallelConfig:
                 "seq": seq or arch.get("seq"), "heads": arch.get("heads"), "kv_heads": arch.get("kv_heads"),
                 # the experts the runtime can split (the capture's `profiler.experts` rule), not the cost model's
                 "ep": self.ep, "experts": arch.get("ep_experts", 0), "expert_dim1": arch.get("ep_dim1"),
-                "tp_unsplit": arch.get("tp_unsplit", ""),
+                "tp_unsplit": arch.get("tp_unsplit", ""), "tp_split": arch.get("tp_split", ""),
                 # whether tensor and sequence parallelism can run its blocks (`tensor_parallel_problems`)
                 "tp_forward": arch.get("tp_forward") or {}, "sp_layout": arch.get("sp_layout", ""),
                 # whether the runtime can split the model's sequence (`profiler.layers.context_parallel_ready`)

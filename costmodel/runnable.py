@@ -27,7 +27,9 @@ This module imports nothing but the standard library: the emitter copies it into
 ``selective_ac`` (any block under selective AC), ``ep`` (expert-parallel degree, default 1), ``experts`` (experts
 per MoE layer; None or 0: not a MoE model the runtime can split), ``expert_dim1`` (the gcd of the expert weights'
 second dimensions; None: unknown) and ``tp_unsplit`` (a linear tensor parallelism cannot run,
-`profiler.layers.tp_unsplit_linears`; empty: none), ``tp_forward`` (why tensor parallelism cannot run the blocks, per
+`profiler.layers.tp_unsplit_linears`; empty: none), ``tp_split`` (why tensor parallelism cannot split the blocks:
+one without a column- and row-parallel ``nn.Linear`` pair, `profiler.layers.tp_split_problem`; empty: it can),
+``tp_forward`` (why tensor parallelism cannot run the blocks, per
 degree as a string, `profiler.layers.tensor_parallel_problems`; a degree not in it: it can, or not judged) and
 ``sp_layout`` (why sequence parallelism cannot; empty: it can), ``cp``
 (context-parallel degree, default 1) and ``cp_ready`` (the model's attention and positions can be split over the
@@ -157,6 +159,8 @@ def problems(facts: dict) -> list:
     if zero == 1 and tp > 1 and ranks > 1:
         out.append("zero=1 with tp>1 is not supported yet (ZeroRedundancyOptimizer takes no DTensor parameters); "
                    "re-plan with --fix zero=2 or tp=1")
+    if tp > 1 and f.get("tp_split"):  # (`profiler.layers.tp_split_problem`)
+        out.append(f"tp={tp} cannot run: {f['tp_split']}")
     if tp > 1 and f.get("tp_unsplit"):
         out.append(f"tp={tp} cannot run {f['tp_unsplit']}: a linear beside the column-parallel ones whose name has no "
                    "tensor-parallel layout (multi-head latent attention's projections have none yet); re-plan with "

@@ -22,6 +22,7 @@ from profiler.layers import (
     has_attention_core,
     pipeline_split_problem,
     tensor_parallel_problems,
+    tp_split_problem,
     tp_unsplit_linears,
 )
 from profiler.zoo.hf import masks_as_trained
@@ -143,7 +144,8 @@ def runnable_facts(model: torch.nn.Module, container: str, input_ids, *, user_co
     and the emitter and the runtime refuse the others with: the same for a captured spec (`profile_model`) and a
     module given to `auto_parallelize` (`planner.search.outer.plan_for_module`; one with real weights is run as a
     meta copy, `profiler.layers.meta_copy`). How many experts expert parallelism can split (0: none;
-    `profiler.experts`), a linear tensor parallelism cannot run (`profiler.layers.tp_unsplit_linears`), whether
+    `profiler.experts`), a linear tensor parallelism cannot run (`profiler.layers.tp_unsplit_linears`), blocks it
+    cannot split (`profiler.layers.tp_split_problem`), whether
     its sequence can be split (`profiler.layers.context_parallel_ready`), whether the runtime can cut it into
     pipeline stages (`profiler.layers.pipeline_split_problem`), and for the user's own code (``user_code``: a
     ``file.py`` model or a module; the zoo's and Hugging Face's follow the contract by construction) whether the
@@ -157,6 +159,7 @@ def runnable_facts(model: torch.nn.Module, container: str, input_ids, *, user_co
         out["ep_experts"], out["ep_dim1"] = 0, 0
     unsplit = tp_unsplit_linears(model)
     out["tp_unsplit"] = unsplit[0] if unsplit else ""
+    out["tp_split"] = tp_split_problem(model, container)
     out["cp_ready"] = context_parallel_ready(model)
     out["forward"] = forward_problem(model, input_ids) if user_code else ""
     out["tp_forward"], out["sp_layout"] = (tensor_parallel_problems(model, container, input_ids) if user_code

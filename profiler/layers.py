@@ -25,11 +25,12 @@ from torch import nn
 
 from profiler.graph import Layer, LayerGraph, ModelGraph, NodeInfo
 
-#: Linear names split column-wise (zoo: wq/wk/wv/w1/w3; Llama-style HF: *_proj; BERT: query/key/value).
-#: GPT-2: c_attn (fused q/k/v), c_fc.
+#: Linear names split column-wise (zoo: wq/wk/wv/w1/w3; Llama-style HF: *_proj; BERT: query/key/value). The runtime
+#: splits ``nn.Linear`` layers only (`tp_layout`): Hugging Face GPT-2's c_attn (fused q/k/v), c_fc and c_proj are
+#: ``Conv1D`` modules, which it leaves whole, so GPT-2 gets no tensor parallelism (`tp_split_problem`).
 COLUMN_NAMES = ("wq", "wk", "wv", "w1", "w3", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
                 "query", "key", "value", "fc1", "intermediate.dense", "c_attn", "c_fc")
-#: Linear names split row-wise (GPT-2: c_proj, in attention and MLP).
+#: Linear names split row-wise.
 ROW_NAMES = ("wo", "w2", "o_proj", "down_proj", "out_proj", "fc2", "attention.output.dense", "output.dense",
              "c_proj")
 
@@ -56,8 +57,46 @@ def find_block_container(graph: ModelGraph) -> str:
     return next(c for c, k in counts.items() if k == best)
 
 
+#: how the capture records an ``nn.Linear`` (``F.linear``): the only op the runtime's tensor parallelism splits
+LINEAR_OP = "aten.linear.default"
+
+
 def _matches(path: str, names: tuple[str, ...]) -> bool:
     return any(path == n or path.endswith("." + n) for n in names)
+
+
+def tp_layout(block: nn.Module) -> dict[str, str]:
+    """``{relative linear name: "colwise" | "rowwise"}`` for one block, by module name: the ``nn.Linear`` layers
+    tensor parallelism splits (`planner.emit.runtime.apply_tp`). One rule for the capture (`tp_split_problem`, the
+    arch fact ``tp_split``) and the emitter."""
+    layout = {}
+    for name, module in block.named_modules():
+        if isinstance(module, nn.Linear):
+            if _matches(name, COLUMN_NAMES):
+                layout[name] = "colwise"
+            elif _matches(name, ROW_NAMES):
+                layout[name] = "rowwise"
+    return layout
+
+
+def tp_split_problem(model: nn.Module, container: str) -> str:
+    """Why tensor parallelism cannot split ``model``'s blocks (the list at ``container``): a block without both a
+    column- and a row-parallel ``nn.Linear`` by name (`tp_layout`), which the runtime needs to split it; "" when
+    every block has them (or the model has no block list: judged elsewhere). The arch fact ``tp_split``, judged by
+    `costmodel.runnable.problems` for the search and the emitter."""
+    blocks = model.get_submodule(container) if container else None
+    if blocks is None:
+        return ""
+    for i, block in enumerate(blocks):
+        kinds = set(tp_layout(block).values())
+        if kinds != {"colwise", "rowwise"}:
+            named = [f"{rel} ({type(m).__name__})" for rel, m in block.named_modules() if rel
+                     and not isinstance(m, nn.Linear) and (_matches(rel, COLUMN_NAMES) or _matches(rel, ROW_NAMES))]
+            why = f"; {', '.join(named[:3])} {'is' if len(named) == 1 else 'are'} not nn.Linear" if named else ""
+            return (f"block {container}.{i} holds no pair of column- and row-parallel nn.Linear layers by name "
+                    f"(the runtime splits nn.Linear layers named {COLUMN_NAMES[0]}/{ROW_NAMES[0]}, q_proj/o_proj, …"
+                    f"{why}); re-plan with --fix tp=1")
+    return ""
 
 
 def _attend_modules(module: nn.Module) -> dict[str, nn.Module]:
@@ -399,7 +438,7 @@ def _linear_role(node: NodeInfo) -> str | None:
     ``nn.Linear`` layers `planner.emit.config.tp_layout` names), so they run whole, or on the sequence slice under
     sequence parallelism, like any replicated node (`autopar check` traced 59 % less TP traffic than a column/row
     costing of the experts charged)."""
-    if node.kind != "matmul" or not node.params:
+    if node.kind != "matmul" or not node.params or node.op != LINEAR_OP:  # (an nn.Linear: `tp_layout`)
         return None
     if _matches(node.module_path, COLUMN_NAMES):
         return "column"

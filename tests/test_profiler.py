@@ -179,7 +179,10 @@ def test_hf_models_group_into_embed_blocks_head(name):
     assert sum(layer.param_numel for layer in lg.layers) == lg.model.num_params  # tied weights counted once
     assert all(b.fwd_flops > 0 and b.bwd_flops > b.fwd_flops and b.saved_bytes > 0 for b in lg.blocks)
     roles = {n.tp_role for b in lg.blocks for n in b.nodes}
-    assert {"column", "row", "sharded", "replicated"} <= roles
+    if name == "gpt2":  # its projections are Conv1D, which tensor parallelism leaves whole (test_runnable)
+        assert roles == {"none"}
+    else:
+        assert {"column", "row", "sharded", "replicated"} <= roles
 
 
 _HF_SMALL = ("num_hidden_layers=8,hidden_size=64,intermediate_size=128,num_attention_heads=4,num_key_value_heads=2,"

@@ -42,6 +42,8 @@ def test_each_rule_names_the_fix():
         # its weight pass recomputes a fully checkpointed block once per parameter group (traced 2.5x the FLOPs)
         "activation checkpointing with the zero-bubble schedule": facts(pp=2, schedule="zb", checkpointed=True),
         "tp=2 cannot run layers.0.attn.kv_b_proj": facts(tp=2, tp_unsplit="layers.0.attn.kv_b_proj"),
+        "tp=2 cannot run: block h.0 holds no pair": facts(tp=2, tp_split="block h.0 holds no pair …; re-plan with "
+                                                                    "--fix tp=1"),
         "does not divide heads=6": facts(tp=4, heads=6),
         "sequence parallel needs seq=30": facts(tp=4, sp=True, seq=30),
         "needs at least 4 micro-batches": facts(pp=4, micro_batches=2),
@@ -178,6 +180,28 @@ def test_pinned_unrunnable_fix_says_why(odd_seq):
         search(odd_seq, cluster, 16, fix={"zero": 1, "tp": 4}, progress=False)
     with pytest.raises(NoPlanFits, match="micro-batches"):
         search(odd_seq, cluster, 16, fix={"pp": 4, "dp": 2, "mbs": 4}, progress=False)
+
+
+def test_tensor_parallelism_splits_nn_linear_layers_only():
+    """Hugging Face GPT-2's projections are ``Conv1D`` modules named as column/row linears (c_attn, c_fc, c_proj),
+    which the runtime's layout (`profiler.layers.tp_layout`: ``nn.Linear`` only) leaves whole: the search offered
+    tp = 2 (pinned) and the emitter refused the plan. The capture gives them no tensor-parallel roles (they are
+    ``aten.addmm``, not ``aten.linear``), the arch fact ``tp_split`` says why, and a pinned tp says so."""
+    from costmodel.layercost import is_tp_layer
+    from profiler.layers import tp_layout, tp_split_problem
+
+    spec = "hf:gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=128,n_positions=64"
+    lg = profile_model(spec)
+    assert not any(is_tp_layer(layer) for layer in lg.blocks)
+    model, _ = resolve_model(spec).build(device="meta")
+    why = tp_split_problem(model, lg.block_container)
+    assert lg.model.arch["tp_split"] == why and "attn.c_attn (Conv1D)" in why and "--fix tp=1" in why
+    with pytest.raises(NoPlanFits, match=r"tp=2.*c_attn \(Conv1D\)"):
+        search(lg, load_cluster("dgx-h100:nodes=1"), 16, fix={"tp": 2}, progress=False)
+    llama, _ = resolve_model("llama-tiny").build(device="meta")
+    assert tp_split_problem(llama, "layers") == "" and set(tp_layout(llama.layers[0]).values()) == {"colwise",
+                                                                                                       "rowwise"}
+    assert all(is_tp_layer(layer) for layer in profile_model("llama-tiny").blocks)
 
 
 def test_emitter_refuses_an_unrunnable_plan():

@@ -1,8 +1,8 @@
 """From a `Plan` and the model's module tree to the literal dict ``PLAN`` that `planner.emit.runtime` applies.
 
 Both the emitted script (as a literal) and `auto_parallelize` (in-process) use this dict, so the two paths apply
-the same decisions. The tensor-parallel layout comes from the module names in `profiler.layers` (`COLUMN_NAMES`,
-`ROW_NAMES`), the same the cost model reads.
+the same decisions. The tensor-parallel layout is `profiler.layers.tp_layout` (``nn.Linear`` layers by the names in
+`COLUMN_NAMES`, `ROW_NAMES`), the rule the capture, the cost model and the search read.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from planner.emit.runtime import attention_modules, selective_of
 from planner.plan import AC, Plan, parse_grad_compress
 from profiler.experts import expert_modules
 from profiler.layers import (
-    COLUMN_NAMES,
-    ROW_NAMES,
     context_parallel_ready,
     forward_problem,
     pipeline_split_problem,
     tensor_parallel_problems,
+    tp_layout,
+    tp_split_problem,
     tp_unsplit_linears,
 )
 from profiler.zoo.hf import HFCausalLMLoss
@@ -34,10 +34,6 @@ CPU_META_BYTES = 2 * 2**30
 are initialised on the meta device."""
 
 
-def _matches(path: str, names: tuple[str, ...]) -> bool:
-    return any(path == n or path.endswith("." + n) for n in names)
-
-
 def block_container(plan: Plan) -> str:
     """The ModuleList holding the blocks, from the plan's layer names (``layers.3`` → ``layers``)."""
     blocks = [lay.name for lay in plan.layers if lay.name not in ("embed", "head")]
@@ -47,18 +43,6 @@ def block_container(plan: Plan) -> str:
     if len(containers) != 1 or "" in containers:
         raise ValueError(f"plan layers {blocks[:3]}… are not numbered children of one module list; re-plan")
     return containers.pop()
-
-
-def tp_layout(block: nn.Module) -> dict[str, str]:
-    """``{relative linear name: "colwise" | "rowwise"}`` for one block, by module name."""
-    layout = {}
-    for name, module in block.named_modules():
-        if isinstance(module, nn.Linear):
-            if _matches(name, COLUMN_NAMES):
-                layout[name] = "colwise"
-            elif _matches(name, ROW_NAMES):
-                layout[name] = "rowwise"
-    return layout
 
 
 def vocab_modules(model: nn.Module, container: str) -> dict:
@@ -242,6 +226,7 @@ def runtime_config(plan: Plan, model: nn.Module, *, seed: int = 0, optimizer: st
                     "ep": c.ep, "experts": experts["experts"],
                     "expert_dim1": experts["expert_dim1"],
                     "tp_unsplit": next(iter(tp_unsplit_linears(model)), ""), "tp_forward": tp_forward,
+                    "tp_split": tp_split_problem(model, container),
                     "sp_layout": sp_layout,
                     "cp_ready": context_parallel_ready(model), "pp_split": "", "forward": ""})  # (judged above)
     if why:
@@ -274,9 +259,7 @@ def _mfu_rate(plan: Plan) -> float | None:
 
 
 def _check_tp(plan: Plan, block: nn.Module, layout: dict[str, str]) -> None:
-    tp = plan.config.tp
-    if "colwise" not in layout.values() or "rowwise" not in layout.values():
-        raise ValueError(f"tp={tp}: no column/row linear pair found in {plan.model}'s blocks by name; plan tp=1")
+    tp = plan.config.tp  # (a block without a column/row pair: the rules' ``tp_split``, `tp_split_problem`)
     for rel, kind in layout.items():
         linear = block.get_submodule(rel)
         width = linear.out_features if kind == "colwise" else linear.in_features

@@ -136,7 +136,13 @@ def candidates(lg: LayerGraph, cluster: Cluster, global_batch: int, fix: dict, *
     precision = fix.get("precision", "bf16" if "bf16" in cluster.device.peak_flops else "fp32")
     out = []
     for tp in _divisors(world):
-        if tp > 1 and (not tp_ok or any(arch.get(k) and arch[k] % tp for k in ("heads", "kv_heads"))):
+        if tp > 1 and not tp_ok:
+            if refused is not None and "tp" in fix and _norm(fix["tp"]) == tp:  # (say why a pinned tp is out)
+                refused.append((ParallelConfig(dp=world // tp, tp=tp, precision=precision), arch.get("tp_split") or (
+                    "no block holds column- and row-parallel linears by name (`profiler.layers`); re-plan with "
+                    "--fix tp=1")))
+            continue
+        if tp > 1 and any(arch.get(k) and arch[k] % tp for k in ("heads", "kv_heads")):
             continue
         if (tp > gpn) != cross_node_tp:
             continue

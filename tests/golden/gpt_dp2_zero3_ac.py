@@ -406,6 +406,8 @@ def problems(facts: dict) -> list:
             "zero=1 with tp>1 is not supported yet (ZeroRedundancyOptimizer takes no DTensor parameters); "
             "re-plan with --fix zero=2 or tp=1"
         )
+    if tp > 1 and f.get("tp_split"):  # (`profiler.layers.tp_split_problem`)
+        out.append(f"tp={tp} cannot run: {f['tp_split']}")
     if tp > 1 and f.get("tp_unsplit"):
         out.append(
             f"tp={tp} cannot run {f['tp_unsplit']}: a linear beside the column-parallel ones whose name has no "
