@@ -624,7 +624,7 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
             or any(isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 for t in overhead)):
         raise ctx.error(f"device.op_overhead_us must be [forward, backward] microseconds ≥ 0, got {overhead!r}")
     dtensor = _pairs_us(ctx, value, "dtensor_overhead_us", DTENSOR_OPS, "[forward, backward]")  # (a CPU device)
-    # and per MB (1e6 bytes) the op's forward reads and writes on the rank (a CPU device)
+    # and per MB (1e6 bytes) of activations the op's forward reads and writes on the rank (a CPU device)
     dtensor_byte = _pairs_us(ctx, value, "dtensor_us_per_MB", DTENSOR_OPS, "[forward, backward]", per="per MB",
                              exponent=-12)
     # host µs FSDP2 adds per group and per parameter tensor of each all-gather and reduce-scatter (a CPU device)

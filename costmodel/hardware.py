@@ -120,9 +120,10 @@ class DeviceSpec:
     #: the wrapping of inputs and outputs, in Python on the thread that then runs the op (`costmodel.dtensor_probe`).
     #: Empty (0) on GPUs, where it overlaps the kernels as ``op_overhead_s`` does
     dtensor_overhead_s: Mapping[str, tuple[float, float]] = field(default_factory=dict)
-    #: seconds DTensor adds besides, (forward, backward), per byte the op's forward reads and writes on the rank, by
-    #: the same keys: measured on a CPU to grow with the op's data (the ops beside DTensor's run slower, and its
-    #: redistributions' functional collectives copy their inputs: `costmodel.dtensor_probe`). Empty (0) on GPUs
+    #: seconds DTensor adds besides, (forward, backward), per byte of activations the op's forward reads and writes
+    #: on the rank (`costmodel.layercost.dtensor_bytes`), by the same keys: measured on a CPU to grow with the op's
+    #: data (the ops beside DTensor's run slower, and its redistributions' functional collectives copy their inputs:
+    #: `costmodel.dtensor_probe`). Empty (0) on GPUs
     dtensor_byte_s: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     #: host seconds FSDP2 adds per ``FSDP_EVENTS`` event of a ``fully_shard`` group, (per group, per parameter
     #: tensor of the group): its hooks, the bookkeeping of each parameter's sharded and unsharded views, the
@@ -194,7 +195,7 @@ class DeviceSpec:
 
     def dtensor_overhead(self, op: str, nbytes: float = 0.0) -> tuple[float, float]:
         """(forward, backward) seconds DTensor adds to one ``op`` (a ``DTENSOR_OPS`` key) whose forward reads and
-        writes ``nbytes`` on the rank: per op plus per byte; 0 if unmeasured."""
+        writes ``nbytes`` of activations on the rank: per op plus per byte; 0 if unmeasured."""
         fixed = self.dtensor_overhead_s.get(op, (0.0, 0.0))
         per = self.dtensor_byte_s.get(op, (0.0, 0.0))
         return fixed[0] + per[0] * nbytes, fixed[1] + per[1] * nbytes

@@ -67,11 +67,10 @@ from costmodel.cluster import Cluster, GroupSpan
 from costmodel.collectives import all_gather_time, all_reduce_time, all_to_all_time, reduce_scatter_time
 from costmodel.config import AC
 from costmodel.moe import COUNT_BYTES, a2a_calls, is_expert_param, moe_modules
-from profiler.graph import Layer, LayerGraph, NodeInfo, ParamInfo
+from profiler.graph import LINEAR_OP, Layer, LayerGraph, NodeInfo, ParamInfo
 
 _BYTES = {"bf16": 2, "fp16": 2, "fp8": 2, "fp32": 4, "float32": 4, "bfloat16": 2, "float16": 2}
 _SHARDED_ROLES = ("column", "row", "sharded", "vocab")
-LINEAR = "aten.linear.default"  #: how the capture records an ``nn.Linear``, the module the TP runtime splits
 
 
 def dtype_bytes(name: str) -> int:
@@ -318,7 +317,7 @@ def _weight_traffic(n: NodeInfo, ctx: CostContext, numel: Mapping[str, int]) -> 
         return n.fwd_bytes * ctx.act_scale, n.bwd_bytes * ctx.act_scale
     names = list(dict.fromkeys(n.params))
     w = float(sum(numel.get(p, 0) for p in names))
-    if any(p not in numel for p in names) and n.op == LINEAR and len(n.input_shapes) > 1:
+    if any(p not in numel for p in names) and n.op == LINEAR_OP and len(n.input_shapes) > 1:
         w = float(sum(_prod(s) for s in n.input_shapes[1:]))  # (a tied weight: the linear's weight and bias)
     compute = 4 if ctx.precision == "fp32" else 2  # (a plain capture's bytes are rescaled to the plan's dtypes)
     if n.kind == "matmul":
@@ -348,7 +347,7 @@ def is_float8_linear(n: NodeInfo, layer: Layer) -> bool:
     multiple of 16 (``torch._scaled_mm``'s requirement, as torchtitan's converter filters them); torchtitan's
     Llama 3 configs leave the output projection out (``filter_fqns = ["output"]``), and the same rule decides
     which sequence-parallel all-gathers move float8 (`gather_scale`)."""
-    return (layer.kind == "block" and n.kind == "matmul" and n.op == LINEAR
+    return (layer.kind == "block" and n.kind == "matmul" and n.op == LINEAR_OP
             and n.module_type == "Linear" and len(n.input_shapes) > 1
             and all(d % 16 == 0 for d in n.input_shapes[1]))
 
@@ -523,7 +522,7 @@ def dtensor_ops(layer: Layer, ctx: CostContext, tp_layer: bool) -> dict[str, str
     out = {}
     if layer.kind == "head":
         for n in layer.nodes:
-            if n.tp_role == "vocab" and n.op == LINEAR and n.params:
+            if n.tp_role == "vocab" and n.op == LINEAR_OP and n.params:
                 out[n.name] = "tp_linear"
         return out
     if layer.kind != "block":
@@ -531,7 +530,7 @@ def dtensor_ops(layer: Layer, ctx: CostContext, tp_layer: bool) -> dict[str, str
     linear = "sp_linear" if ctx.sp else "tp_linear"
     norms: set[str] = set()
     for n in layer.nodes:
-        if n.tp_role in ("column", "row") and n.op == LINEAR and n.params:
+        if n.tp_role in ("column", "row") and n.op == LINEAR_OP and n.params:
             out[n.name] = linear
         elif (ctx.sp and n.module_path.startswith(layer.name + ".") and "." not in n.module_path[len(layer.name) + 1:]
               and "norm" in n.module_type.lower() and n.module_path not in norms):

@@ -39,6 +39,11 @@ def attention_scores(shape, batch: int, seq: int) -> bool:
     return lead != batch
 
 
+#: how the capture records an ``nn.Linear`` (``F.linear``): the only op the runtime's tensor parallelism splits
+#: (`profiler.layers.tp_layout`)
+LINEAR_OP = "aten.linear.default"
+
+
 @dataclass(frozen=True, kw_only=True)
 class NodeInfo:
     """One operation of the captured forward graph, with its forward and backward costs."""

@@ -23,7 +23,7 @@ from collections import Counter
 
 from torch import nn
 
-from profiler.graph import Layer, LayerGraph, ModelGraph, NodeInfo
+from profiler.graph import LINEAR_OP, Layer, LayerGraph, ModelGraph, NodeInfo
 
 #: Linear names split column-wise (zoo: wq/wk/wv/w1/w3; Llama-style HF: *_proj; BERT: query/key/value). The runtime
 #: splits ``nn.Linear`` layers only (`tp_layout`): Hugging Face GPT-2's c_attn (fused q/k/v), c_fc and c_proj are
@@ -55,10 +55,6 @@ def find_block_container(graph: ModelGraph) -> str:
         return ""
     best = max(counts.values())
     return next(c for c, k in counts.items() if k == best)
-
-
-#: how the capture records an ``nn.Linear`` (``F.linear``): the only op the runtime's tensor parallelism splits
-LINEAR_OP = "aten.linear.default"
 
 
 def _matches(path: str, names: tuple[str, ...]) -> bool:

@@ -1463,14 +1463,14 @@ def reduce_partial_dtensor_grads(par: Parallel) -> None:
     share a mesh and placements summed over each Partial mesh dimension's group in buckets (`allreduce_in_buckets`),
     one all-reduce per bucket as the cost model prices them (`costmodel.overlap.tp_partial_grads`), where
     ``redistribute`` makes one per tensor (on gloo, 8 calls a step for 4 blocks' norms: ~15 ms on cpu-local). The
-    same sums as ``redistribute``'s; other reductions (avg, max) are left to it (`clip_grad_norm` redistributes
-    what is still Partial)."""
+    same sums as ``redistribute``'s; other reductions (avg, max, a norm's) are left to it (`clip_grad_norm`
+    redistributes what is still Partial)."""
     by_layout: dict = {}
     for part in par.parts:
         for p in part.parameters():
             g = p.grad
             if (isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements)
-                    and all(pl.reduce_op == "sum" for pl in g.placements if pl.is_partial())):
+                    and all(type(pl) is Partial and pl.reduce_op == "sum" for pl in g.placements if pl.is_partial())):
                 by_layout.setdefault((g.device_mesh, tuple(g.placements)), {})[id(p)] = p
     for (mesh, placements), params in by_layout.items():
         params = list(params.values())
