@@ -129,9 +129,10 @@ def norm_bytes(size) -> float:
 
 def measure(rounds: int = 100) -> dict[str, tuple[float, float]]:
     """The probe's figures in seconds, (forward, backward), from rank 0 of an initialised 2-rank process group:
-    ``tp_linear``, ``sp_linear``, ``sp_norm`` (extra time per op, at the small size), and ``{op}_byte`` for each
-    (extra time per byte of the op's forward data, from the large size: `linear_bytes`, `norm_bytes`), each ≥ 0;
-    and the medians behind them, ``{variant}@small`` / ``{variant}@large``."""
+    ``{op}_byte`` for ``tp_linear``, ``sp_linear``, ``sp_norm`` (extra time per byte of activations the op's forward
+    reads and writes, `linear_bytes`, `norm_bytes`: the slope between the two sizes) and ``{op}`` (extra time per
+    op: the small size's less its bytes at that slope), each ≥ 0; and the medians behind them,
+    ``{variant}@small`` / ``{variant}@large``."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
