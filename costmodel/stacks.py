@@ -35,6 +35,12 @@ class Stack:
     #: the float8 recipe its float8 training runs (`costmodel.layercost.FLOAT8_RECIPES`), whose casts its published
     #: float8 rows are priced with, so that its fitted ``fp8_eff`` is the float8 GEMMs' own
     float8_recipe: str = "torchao"
+    #: whether its code is autopar's runtime (FSDP2, DTensor, autocast over fp32 parameters, torch's loss): the
+    #: other stacks differ from it as `runtime_options` lists
+    autopar_runtime: bool = False
+    #: whether it accumulates gradients inside its weight-gradient GEMMs (Megatron-LM's
+    #: ``gradient_accumulation_fusion``, on unless ``--no-gradient-accumulation-fusion``)
+    fused_grad_accumulation: bool = False
 
     def runtime_options(self) -> dict:
         """How the stack's code computes where it differs from autopar's runtime, as `costmodel.estimate.Evaluator`
@@ -45,12 +51,12 @@ class Stack:
         parameters beside fp32 master weights where autopar's runtime autocasts fp32 ones
         (`costmodel.memory.state_bytes_per_param`); Composer's FSDP (FSDP1) computes on views of its gathered flat
         parameter where FSDP2 copies each parameter out; Megatron-LM accumulates gradients inside its
-        weight-gradient GEMMs (``gradient_accumulation_fusion``, on unless ``--no-gradient-accumulation-fusion``);
-        each prices the casts of its own float8 recipe. torchtitan is torch-native: autopar's runtime."""
-        native = self.name == "torch-native"
+        weight-gradient GEMMs (``fused_grad_accumulation``); each prices the casts of its own float8 recipe.
+        torchtitan is torch-native: autopar's runtime."""
+        native = self.autopar_runtime
         return {"in_place_loss": not native, "gathered_column_inputs": native, "autocast": native,
                 "seq_relayout": native, "float8_recipe": self.float8_recipe, "fsdp_copy_out": native,
-                "fused_grad_accumulation": self.name == "megatron"}
+                "fused_grad_accumulation": self.fused_grad_accumulation}
 
 
 STACKS = {
@@ -60,10 +66,10 @@ STACKS = {
         "torch.compile per block when asked",
         "torchtitan's published Llama 3.1 runs on H100 (pytorch/torchtitan benchmarks/"
         "llama3_h100_202412_torchtitan.md Tables 1, 3, 4; asyncTP_llama3_h100_2025-06_torchtitan.md, vanilla TP "
-        "columns, bf16 and float8 tensorwise)"),
+        "columns, bf16 and float8 tensorwise)", autopar_runtime=True),
     "megatron": Stack(
         "megatron", "Megatron-LM (2022): tensor, sequence and pipeline parallelism with interleaving",
-        "Korthikanti et al. 2022 Table 5 (A100)", float8_recipe="transformer-engine"),
+        "Korthikanti et al. 2022 Table 5 (A100)", float8_recipe="transformer-engine", fused_grad_accumulation=True),
     "composer": Stack(
         "composer", "MosaicML Composer / llm-foundry: PyTorch FSDP with FlashAttention and fused cross entropy",
         "llm-foundry's MPT benchmarks (A100 40/80 GB, H100)",
