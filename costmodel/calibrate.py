@@ -2,7 +2,8 @@
 
     python -m costmodel.calibrate            # fit, write costmodel/data/fitted.yaml, print the tables
     python -m costmodel.calibrate --check    # no fit: print the tables with the constants in fitted.yaml
-    python -m costmodel.calibrate --cv       # leave-one-table-out and anchored cross-validation (no file written)
+    python -m costmodel.calibrate --cv       # leave-one-table-out and anchored cross-validation (no file written;
+                                             # --jobs 3 fits the three tables at once)
     python -m costmodel.calibrate --cp       # torchtitan's context-parallel rows, predicted (never fitted)
 
 Data: costmodel/data/published_runs.json, a copy of shared/calibration/published_runs.json (each record: source,
@@ -80,6 +81,9 @@ class Row:
     compiled: bool = False  #: torch.compile on the blocks (torchtitan)
     #: what its selective checkpointing keeps (`costmodel.layercost.CostContext.selective`)
     selective: str = "attention-core"
+    #: the published table it is a row of (`table_of`): a source's tables differ by hardware, software version
+    #: and benchmark script (llm-foundry's A100 40 GB table is older than its H100 ones)
+    table: str = ""
 
     @property
     def evaluator_options(self) -> dict:
@@ -104,7 +108,7 @@ def load_rows(path: Path = DATA) -> list[Row]:
             n = c["t"] * c["p"] * c["d"]
             rows.append(Row(id=rid, source="korthikanti", kind="a100", model=spec,
                             cluster=f"dgx-a100-80g:nodes={n // 8}", config=cfg, global_batch=c["global_batch"],
-                            measured_step_s=meas["step_time_s"]))
+                            measured_step_s=meas["step_time_s"], table=table_of(r)))
         elif rid.startswith("llmfoundry_"):
             gpu = r["cluster"]["gpu"]
             if gpu not in PRESET:
@@ -120,10 +124,21 @@ def load_rows(path: Path = DATA) -> list[Row]:
             step = gb * m["seq"] / meas["tokens_per_s"]
             rows.append(Row(id=rid, source="llm-foundry", kind=KIND_OF_GPU[gpu], model=spec,
                             cluster=f"{PRESET[gpu]}:nodes={max(1, n // 8)}", config=cfg, global_batch=gb,
-                            measured_step_s=step, stack="composer"))
+                            measured_step_s=step, stack="composer", table=table_of(r)))
         elif rid.startswith("torchtitan_") and (row := _torchtitan_row(r)) is not None:
             rows.append(row)
     return rows
+
+
+def table_of(record: dict) -> str:
+    """The published table a record is a row of: Korthikanti's Table 5 (both its columns: one table, one run of
+    Megatron-LM), llm-foundry's README tables by heading, torchtitan's by file and table."""
+    src = record["source"]
+    if record["id"].startswith("korthikanti22_t5_"):
+        return "Korthikanti et al. 2022, Table 5"
+    if record["id"].startswith("llmfoundry_"):
+        return "llm-foundry " + src["table"].removeprefix("MPT Training Benchmarks > ")
+    return f"torchtitan {Path(src['path']).stem}" + (f", {src['table']}" if src.get("table") else "")
 
 
 def context_parallel_rows(path: Path = DATA) -> list[Row]:
@@ -157,7 +172,8 @@ def _torchtitan_row(r: dict, context: bool = False) -> Row | None:
     compiled = bool(c.get("compile")) or "compile" in c.get("techniques", "")
     return Row(id=rid, source="torchtitan", kind="h100", model=spec, cluster=f"grand-teton:nodes={max(1, n // 8)}",
                config=cfg, global_batch=gb, measured_step_s=gb * m["seq"] / (tps * n), stack="torch-native",
-               compiled=compiled, selective="every-other-matmul" if selective else "attention-core")
+               compiled=compiled, selective="every-other-matmul" if selective else "attention-core",
+               table=table_of(r))
 
 
 @cache
@@ -330,6 +346,10 @@ def matmul_floor(e_max: float, slower: Constants, peak_ratio: float) -> float:
     return slower.f_half * peak_ratio * e_max / slower.e_max
 
 
+#: (rows' ids, floor, kept) → `fit`'s result while cross-validation runs (`cross_validate`): folds share the fits
+#: whose rows none of them leaves out; None otherwise (every fit runs)
+_FITTED: dict | None = None
+
 #: differential evolution's budget (`fit`): generations and population per parameter
 DE_GENERATIONS, DE_POPULATION = 40, 12
 
@@ -347,6 +367,9 @@ def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None,
     a refit is monotone."""
     from scipy.optimize import differential_evolution, minimize
 
+    memo = (tuple(r.id for r in rows), floor, kept)
+    if _FITTED is not None and memo in _FITTED:
+        return _FITTED[memo]
     start = kept or PRIOR
     held = {name: getattr(start, name) for name in unidentified(rows, start)}
     bounds = [(-6.0, 6.0)] * (len(_PARAMS) - len(held))  # logits: 0.25 % … 99.75 % of each constant's range
@@ -363,7 +386,10 @@ def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None,
     res = differential_evolution(objective, bounds, x0=x0, seed=0, maxiter=DE_GENERATIONS, popsize=DE_POPULATION,
                                  tol=1e-6, init="sobol", polish=False)
     res = minimize(objective, res.x, method="Nelder-Mead", options={"maxiter": 800, "xatol": 1e-4, "fatol": 1e-6})
-    return _unpack(res.x, floor, held), float(res.fun)
+    out = _unpack(res.x, floor, held), float(res.fun)
+    if _FITTED is not None:
+        _FITTED[memo] = out
+    return out
 
 
 #: device kinds in increasing bf16 peak, each with a catalogue device: a faster kind's curve is kept above the
@@ -477,16 +503,21 @@ def _source(rows: list[Row], err: float, floored: bool) -> str:
                                                      if floored else ""))
 
 
-def fit_all(rows: list[Row], only: str | None = None, warm: bool = True) -> tuple[dict, dict]:
+def fit_all(rows: list[Row], only: str | None = None, warm: bool = True,
+            kinds: Iterable[str] | None = None) -> tuple[dict, dict]:
     """Each device kind's constants on its rows of `BASE_STACKS`, then each other stack's per kind on its own rows
     (both under the slower kinds' floor). ``only``: ``KIND`` refits that kind's own constants, ``STACK`` that
     stack's; everything else keeps fitted.yaml's. ``warm``: each fit also starts from fitted.yaml's constants, so
     a refit on the same rows never makes them worse (`fit`); cross-validation fits cold, since those constants
-    have seen the rows it holds out."""
+    have seen the rows it holds out. ``kinds``: fit these device kinds only (their floors, the slower kinds of
+    `KIND_ORDER`, must be among them); the others get no entry."""
     kept = fitted()
     fits: dict = {}
     stacks: dict = {}
     order = {kind: i for i, (kind, _) in enumerate(KIND_ORDER)}
+    if kinds is not None:
+        kinds = set(kinds)
+        rows = [r for r in rows if r.kind in kinds]
     for kind in sorted({r.kind for r in rows}, key=lambda k: order.get(k, len(order))):
         kr = [r for r in rows if r.kind == kind and r.stack in BASE_STACKS]
         if only and only != kind and kind in kept:
@@ -514,13 +545,32 @@ def fit_all(rows: list[Row], only: str | None = None, warm: bool = True) -> tupl
 ANCHORS = 8
 
 
-def _fits_without(rows: list[Row], held: str) -> dict[tuple[str, str], Constants]:
-    """(kind, stack) → constants fitted on every row but those of source ``held``, as `fit_all` fits them (a kind's
-    own on its Megatron and Composer rows, a stack's on its own rows; one with no rows left takes its kind's)."""
-    base, stacks = fit_all([r for r in rows if r.source != held], warm=False)
+def _needed_kinds(kinds: Iterable[str]) -> set[str]:
+    """``kinds`` and every kind slower than one of them in `KIND_ORDER`: what fitting them needs (their floors)."""
+    order = [kind for kind, _ in KIND_ORDER]
+    out = set(kinds)
+    for kind in list(out):
+        if kind in order:
+            out.update(order[:order.index(kind)])
+    return out
+
+
+#: what `cross_validate` leaves out in turn: a source (its stack: Megatron-LM, Composer, torch-native) or one
+#: published table (`Row.table`)
+FOLDS = {"source": lambda r: r.source, "table": lambda r: r.table}
+
+
+def _fits_without(rows: list[Row], table: list[Row]) -> dict[tuple[str, str], Constants]:
+    """(kind, stack) → constants fitted on every row but those of ``table``, as `fit_all` fits them (a kind's own
+    on its Megatron and Composer rows, a stack's on its own rows; one with no rows left takes its kind's), for each
+    (kind, stack) of ``table``'s rows. Only the kinds those rows run on are fitted, and the slower kinds their
+    floors come from (`_needed_kinds`): Korthikanti's A100 rows need no H100 fit."""
+    held = {r.id for r in table}
+    base, stacks = fit_all([r for r in rows if r.id not in held], warm=False,
+                           kinds=_needed_kinds(r.kind for r in table))
     own = {(kind, stack): k for stack, kinds in stacks.items() for kind, (k, _, _) in kinds.items()}
     out = {}
-    for kind, stack in {(r.kind, r.stack) for r in rows}:
+    for kind, stack in {(r.kind, r.stack) for r in table}:
         # a stack's own, else the kind's, else (the kind's rows all held out) another stack's on that kind
         others = [k for (kd, _), k in sorted(own.items()) if kd == kind]
         out[kind, stack] = own.get((kind, stack)) or (base[kind][0] if kind in base else others[0])
@@ -538,25 +588,103 @@ def _anchored(row: Row, k: Constants) -> Constants:
     return dataclasses.replace(k, e_max=float(res.x))
 
 
-def cross_validate(rows: list[Row], file=sys.stdout) -> dict[str, dict[str, float]]:
-    """Leave-one-table-out (each source predicted with constants fitted on the others) and anchored (each source's
-    rows predicted from constants fitted without it, moved by one of its rows, `_anchored`; `ANCHORS` anchors per
-    table): the mean absolute error per source of each, printed and returned."""
+def _fold(rows: list[Row], table: list[Row]) -> dict[str, float]:
+    """One fold of `cross_validate`: ``table``'s rows left out of the fit, then anchored (each row's relative
+    error left out under ``left_out_errors``)."""
+    ks = _fits_without(rows, table)
+    errors = {r.id: predict(r, ks[r.kind, r.stack]).step_time_s / r.measured_step_s - 1 for r in table}
+    loto = [abs(e) for e in errors.values()]
+    step = max(1, len(table) // ANCHORS)
+    anchored = []
+    for a in table[::step][:ANCHORS]:
+        k = _anchored(a, ks[a.kind, a.stack])
+        rest = [r for r in table if r is not a and r.kind == a.kind]
+        anchored += [abs(predict(r, k).step_time_s / r.measured_step_s - 1) for r in rest]
+    return {"rows": len(table), "leave_one_table_out": sum(loto) / len(loto),
+            "anchored": sum(anchored) / len(anchored) if anchored else float("nan"), "left_out_errors": errors}
+
+
+class _Prefixed:
+    """A text stream that writes each line to ``out`` behind ``prefix`` (a fold's progress, among the others')."""
+
+    def __init__(self, out, prefix: str):
+        self.out, self.prefix, self.at_start = out, prefix, True
+
+    def write(self, text: str) -> int:
+        for piece in text.splitlines(keepends=True):
+            self.out.write((self.prefix if self.at_start else "") + piece)
+            self.at_start = piece.endswith("\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def _in_worker(task: Callable, name: str, memo: dict, *args):
+    """Run ``task(*args)`` in a cross-validation worker, its progress behind ``[name]``, with ``memo``'s fits known;
+    return its result and the fits it made."""
+    import contextlib
+
+    global _FITTED
+    _FITTED = dict(memo)
+    with contextlib.redirect_stdout(_Prefixed(sys.stdout, f"[{name}] ")):
+        return task(*args), dict(_FITTED)
+
+
+def _prefit() -> None:
+    fit_all(load_rows(), warm=False)
+
+
+def _fold_of(by: str, held: str) -> dict[str, float]:
+    rows = load_rows()
+    return _fold(rows, [r for r in rows if FOLDS[by](r) == held])
+
+
+def cross_validate(rows: list[Row], file=sys.stdout, jobs: int = 1, by: str = "source") -> dict[str, dict[str, float]]:
+    """Leave-one-out by source (``by="source"``: each stack's rows predicted with constants fitted on the others)
+    or by published table (``"table"``), and anchored (each left-out group's rows predicted from those constants
+    moved by one of its rows, `_anchored`; `ANCHORS` anchors per group): the mean absolute error of each per
+    group, printed and returned. ``jobs`` > 1 runs that many folds at once, each in a process of its own, on the
+    published rows (`load_rows`): first, beside the folds that cannot use them, the cold fits on every row, which
+    the folds that leave none of a kind's rows out share (`_FITTED`)."""
+    key = FOLDS[by]
+    groups = sorted({key(r) for r in rows})
     out: dict[str, dict[str, float]] = {}
-    for held in sorted({r.source for r in rows}):
-        ks = _fits_without(rows, held)
-        table = [r for r in rows if r.source == held]
-        loto = [abs(predict(r, ks[r.kind, r.stack]).step_time_s / r.measured_step_s - 1) for r in table]
-        step = max(1, len(table) // ANCHORS)
-        anchored = []
-        for a in table[::step][:ANCHORS]:
-            k = _anchored(a, ks[a.kind, a.stack])
-            rest = [r for r in table if r is not a and r.kind == a.kind]
-            anchored += [abs(predict(r, k).step_time_s / r.measured_step_s - 1) for r in rest]
-        out[held] = {"rows": len(table), "leave_one_table_out": sum(loto) / len(loto),
-                     "anchored": sum(anchored) / len(anchored) if anchored else float("nan")}
-        print(f"{held}: {len(table)} rows; left out of the fit: mean abs error {out[held]['leave_one_table_out']:.1%}; "
-              f"anchored on one of its rows: {out[held]['anchored']:.1%}", file=file, flush=True)
+
+    def show(held: str) -> None:
+        print(f"{held}: {out[held]['rows']} rows; left out of the fit: mean abs error "
+              f"{out[held]['leave_one_table_out']:.1%}; anchored on one of its rows: {out[held]['anchored']:.1%}",
+              file=file, flush=True)
+
+    global _FITTED
+    if jobs <= 1:
+        _FITTED = {}
+        try:
+            for held in groups:
+                out[held] = _fold(rows, [r for r in rows if key(r) == held])
+                show(held)
+        finally:
+            _FITTED = None
+        return out
+    import concurrent.futures
+    import multiprocessing
+
+    if rows != load_rows():
+        raise ValueError("cross_validate(jobs > 1) refits the published rows (load_rows) in its workers; "
+                         "pass jobs=1 for other rows")
+    slowest = KIND_ORDER[0][0]
+    # a fold that leaves out rows of the slowest kind refits it, and so every faster kind: it shares no fit
+    alone = [g for g in groups if any(key(r) == g and r.kind == slowest for r in rows)]
+    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(groups) + 1),
+                                                mp_context=multiprocessing.get_context("spawn")) as pool:
+        pre = pool.submit(_in_worker, _prefit, "fits on every row", {})
+        pending = {pool.submit(_in_worker, _fold_of, held, {}, by, held): held for held in alone}
+        _, memo = pre.result()
+        pending |= {pool.submit(_in_worker, _fold_of, held, memo, by, held): held
+                    for held in groups if held not in alone}
+        for done in concurrent.futures.as_completed(pending):  # (each printed as it ends)
+            out[pending[done]] = done.result()[0]
+            show(pending[done])
     return out
 
 
@@ -568,6 +696,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cv", action="store_true",
                     help="cross-validate instead: each table predicted by constants fitted without it, and anchored "
                          "on one of its rows (minutes)")
+    ap.add_argument("--by", choices=sorted(FOLDS), default="source",
+                    help="with --cv: leave out one source (its stack) at a time, or one published table")
+    ap.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="with --cv: run N folds at once, a process each (default 1)")
     ap.add_argument("--cp", action="store_true",
                     help="predict torchtitan's context-parallel rows with the constants in fitted.yaml (no fit)")
     args = ap.parse_args(argv)
@@ -576,7 +708,7 @@ def main(argv=None) -> int:
         return 0
     rows = load_rows()
     if args.cv:
-        cross_validate(rows)
+        cross_validate(rows, jobs=args.jobs, by=args.by)
         return 0
     if not args.check:
         fits, stacks = fit_all(rows, args.only)

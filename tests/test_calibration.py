@@ -243,3 +243,67 @@ def test_a_constant_no_row_depends_on_is_held_where_it_was(monkeypatch):
     assert (cold.attention_eff, cold.overlap_slowdown, cold.fp8_eff) == (
         calibrate.PRIOR.attention_eff, calibrate.PRIOR.overlap_slowdown, calibrate.PRIOR.fp8_eff)
     assert (warm.attention_eff, warm.overlap_slowdown, warm.fp8_eff) == (0.6, 0.3, 0.9)
+
+
+def test_a_cross_validation_fold_fits_only_the_kinds_its_table_runs_on(monkeypatch):
+    """`calibrate._fits_without`: leaving out Korthikanti's A100 rows refits the A100 alone (no H100 fit, no
+    torch-native one); leaving out torchtitan's H100 rows fits the A100 too, for the H100's floor; every (kind,
+    stack) of the held rows gets constants."""
+    from costmodel.stacks import fitted
+
+    kept = calibrate._kept(fitted()["a100"])
+    fitted_on = []
+
+    def fake_fit(rows, floor=None, kept_=None):
+        fitted_on.append({(r.kind, r.stack) for r in rows})
+        return kept, 0.0
+
+    monkeypatch.setattr(calibrate, "fit", fake_fit)
+    rows = calibrate.load_rows()
+    ks = calibrate._fits_without(rows, [r for r in rows if r.source == "korthikanti"])
+    assert fitted_on == [{("a100", "composer")}] and set(ks) == {("a100", "megatron")}
+    fitted_on.clear()
+    ks = calibrate._fits_without(rows, [r for r in rows if r.source == "torchtitan"])
+    assert fitted_on == [{("a100", "megatron"), ("a100", "composer")}, {("h100", "composer")}]
+    assert set(ks) == {("h100", "torch-native")}
+    assert calibrate._needed_kinds(["h100"]) == {"a100", "h100"} and calibrate._needed_kinds(["a100"]) == {"a100"}
+
+
+def test_cross_validation_by_published_table_shares_the_fits_no_fold_changes(monkeypatch):
+    """`cross_validate(by="table")` leaves out one published table at a time; a fit whose rows several folds
+    leave whole (the A100's, for every H100 table) runs once. Counted with the optimisers replaced by their
+    starting points, on two rows of each of six tables: 9 fits where fold by fold would make 14."""
+    import io
+    import types
+
+    import scipy.optimize
+
+    runs = []
+
+    def fake_de(f, bounds, **_):
+        runs.append(len(bounds))
+        return types.SimpleNamespace(x=[(lo + hi) / 2 for lo, hi in bounds])
+
+    monkeypatch.setattr(scipy.optimize, "differential_evolution", fake_de)
+    monkeypatch.setattr(scipy.optimize, "minimize",
+                        lambda f, x, **_: types.SimpleNamespace(x=x, fun=f(x)))
+    rows, per_table = [], {}
+    for r in calibrate.load_rows():
+        if per_table.get(r.table, 0) < 2 and "FP8" not in r.table and "40GB" not in r.table and (
+                "Table" not in r.table or "Table 1" in r.table or "Korthikanti" in r.table):
+            per_table[r.table] = per_table.get(r.table, 0) + 1
+            rows.append(r)
+    assert len(per_table) == 6
+    out = calibrate.cross_validate(rows, file=io.StringIO(), by="table")
+    assert set(out) == set(per_table) and all(v["rows"] == 2 for v in out.values())
+    assert len(runs) == 9 and calibrate._FITTED is None
+
+
+def test_cross_validation_folds_in_parallel_report_each_line_of_progress_behind_their_table():
+    import io
+
+    out = io.StringIO()
+    stream = calibrate._Prefixed(out, "[t] ")
+    stream.write("a100: objective")
+    stream.write(" 1%\nh100: objective 2%\n")
+    assert out.getvalue() == "[t] a100: objective 1%\n[t] h100: objective 2%\n"
