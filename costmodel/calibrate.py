@@ -620,6 +620,10 @@ class _Prefixed:
         self.out.flush()
 
 
+#: how `cross_validate`'s workers start: a fresh interpreter each (torch's state is not forked)
+_START_METHOD = "spawn"
+
+
 def _in_worker(task: Callable, name: str, memo: dict, *args):
     """Run ``task(*args)`` in a cross-validation worker, its progress behind ``[name]``, with ``memo``'s fits known;
     return its result and the fits it made."""
@@ -631,12 +635,16 @@ def _in_worker(task: Callable, name: str, memo: dict, *args):
         return task(*args), dict(_FITTED)
 
 
-def _prefit() -> None:
-    fit_all(load_rows(), warm=False)
+def _published(ids: frozenset[str]) -> list[Row]:
+    return [r for r in load_rows() if r.id in ids]
 
 
-def _fold_of(by: str, held: str) -> dict[str, float]:
-    rows = load_rows()
+def _prefit(ids: frozenset[str]) -> None:
+    fit_all(_published(ids), warm=False)
+
+
+def _fold_of(by: str, held: str, ids: frozenset[str]) -> dict[str, float]:
+    rows = _published(ids)
     return _fold(rows, [r for r in rows if FOLDS[by](r) == held])
 
 
@@ -644,9 +652,9 @@ def cross_validate(rows: list[Row], file=sys.stdout, jobs: int = 1, by: str = "s
     """Leave-one-out by source (``by="source"``: each stack's rows predicted with constants fitted on the others)
     or by published table (``"table"``), and anchored (each left-out group's rows predicted from those constants
     moved by one of its rows, `_anchored`; `ANCHORS` anchors per group): the mean absolute error of each per
-    group, printed and returned. ``jobs`` > 1 runs that many folds at once, each in a process of its own, on the
-    published rows (`load_rows`): first, beside the folds that cannot use them, the cold fits on every row, which
-    the folds that leave none of a kind's rows out share (`_FITTED`)."""
+    group, printed and returned. ``jobs`` > 1 runs that many folds at once, each in a process of its own (``rows``
+    then some of the published ones, `load_rows`): first, beside the folds that cannot use them, the cold fits on
+    every row, which the folds that leave none of a kind's rows out share (`_FITTED`)."""
     key = FOLDS[by]
     groups = sorted({key(r) for r in rows})
     out: dict[str, dict[str, float]] = {}
@@ -669,22 +677,29 @@ def cross_validate(rows: list[Row], file=sys.stdout, jobs: int = 1, by: str = "s
     import concurrent.futures
     import multiprocessing
 
-    if rows != load_rows():
-        raise ValueError("cross_validate(jobs > 1) refits the published rows (load_rows) in its workers; "
-                         "pass jobs=1 for other rows")
+    ids = frozenset(r.id for r in rows)
+    if _published(ids) != rows:
+        raise ValueError("cross_validate(jobs > 1) reads its rows in its workers from the published ones "
+                         "(load_rows), in their order; pass jobs=1 for other rows")
     slowest = KIND_ORDER[0][0]
     # a fold that leaves out rows of the slowest kind refits it, and so every faster kind: it shares no fit
     alone = [g for g in groups if any(key(r) == g and r.kind == slowest for r in rows)]
     with concurrent.futures.ProcessPoolExecutor(min(jobs, len(groups) + 1),
-                                                mp_context=multiprocessing.get_context("spawn")) as pool:
-        pre = pool.submit(_in_worker, _prefit, "fits on every row", {})
-        pending = {pool.submit(_in_worker, _fold_of, held, {}, by, held): held for held in alone}
-        _, memo = pre.result()
-        pending |= {pool.submit(_in_worker, _fold_of, held, memo, by, held): held
-                    for held in groups if held not in alone}
-        for done in concurrent.futures.as_completed(pending):  # (each printed as it ends)
-            out[pending[done]] = done.result()[0]
-            show(pending[done])
+                                                mp_context=multiprocessing.get_context(_START_METHOD)) as pool:
+        pre = pool.submit(_in_worker, _prefit, "fits on every row", {}, ids)
+        pending = {pool.submit(_in_worker, _fold_of, held, {}, by, held, ids): held for held in alone}
+        pending[pre] = None
+        while pending:  # (each fold printed as it ends; the others submitted once the fits they share exist)
+            done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                held = pending.pop(future)
+                result, memo = future.result()
+                if held is None:
+                    pending |= {pool.submit(_in_worker, _fold_of, g, memo, by, g, ids): g
+                                for g in groups if g not in alone}
+                else:
+                    out[held] = result
+                    show(held)
     return out
 
 

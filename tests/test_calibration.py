@@ -299,6 +299,33 @@ def test_cross_validation_by_published_table_shares_the_fits_no_fold_changes(mon
     assert len(runs) == 9 and calibrate._FITTED is None
 
 
+def test_cross_validation_in_parallel_gives_the_sequential_result(monkeypatch):
+    """`cross_validate(jobs=2)`: the folds in worker processes, the H100 fold after the fits on every row it
+    shares, give what one process gives, fold by fold (optimisers replaced by their starting points, the workers
+    forked so that they run the replacements)."""
+    import io
+    import types
+
+    import scipy.optimize
+
+    monkeypatch.setattr(scipy.optimize, "differential_evolution",
+                        lambda f, bounds, **_: types.SimpleNamespace(x=[(lo + hi) / 2 for lo, hi in bounds]))
+    monkeypatch.setattr(scipy.optimize, "minimize", lambda f, x, **_: types.SimpleNamespace(x=x, fun=f(x)))
+    monkeypatch.setattr(calibrate, "_START_METHOD", "fork")
+    rows, per_table = [], {}
+    for r in calibrate.load_rows():  # two rows of each published table
+        if per_table.get(r.table, 0) < 2:
+            per_table[r.table] = per_table.get(r.table, 0) + 1
+            rows.append(r)
+    text = io.StringIO()
+    parallel = calibrate.cross_validate(rows, file=text, jobs=2)
+    assert parallel == calibrate.cross_validate(rows, file=io.StringIO(), jobs=1)
+    assert sorted(parallel) == ["korthikanti", "llm-foundry", "torchtitan"]
+    assert sorted(line.split(":")[0] for line in text.getvalue().splitlines()) == sorted(parallel)
+    with pytest.raises(ValueError, match="published"):
+        calibrate.cross_validate(rows[::-1], jobs=2)
+
+
 def test_cross_validation_folds_in_parallel_report_each_line_of_progress_behind_their_table():
     import io
 
