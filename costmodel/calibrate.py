@@ -2,8 +2,8 @@
 
     python -m costmodel.calibrate            # fit, write costmodel/data/fitted.yaml, print the tables
     python -m costmodel.calibrate --check    # no fit: print the tables with the constants in fitted.yaml
-    python -m costmodel.calibrate --cv       # leave-one-table-out and anchored cross-validation (no file written;
-                                             # --jobs 3 fits the three tables at once)
+    python -m costmodel.calibrate --cv       # leave-one-source-out and anchored cross-validation (no file written;
+                                             # --by table: one published table at a time; --jobs N: N folds at once)
     python -m costmodel.calibrate --cp       # torchtitan's context-parallel rows, predicted (never fitted)
 
 Data: costmodel/data/published_runs.json, a copy of shared/calibration/published_runs.json (each record: source,
@@ -709,8 +709,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="refit this device kind's (a100, h100) or this stack's (torch-native) constants "
                                    "only; the others keep fitted.yaml's")
     ap.add_argument("--cv", action="store_true",
-                    help="cross-validate instead: each table predicted by constants fitted without it, and anchored "
-                         "on one of its rows (minutes)")
+                    help="cross-validate instead: each source (or --by table, each published table) predicted by "
+                         "constants fitted without it, and anchored on one of its rows (40 min with --jobs 3 here)")
     ap.add_argument("--by", choices=sorted(FOLDS), default="source",
                     help="with --cv: leave out one source (its stack) at a time, or one published table")
     ap.add_argument("--jobs", type=int, default=1, metavar="N",
