@@ -3,7 +3,7 @@
     python -m costmodel.calibrate            # fit, write costmodel/data/fitted.yaml, print the tables
     python -m costmodel.calibrate --check    # no fit: print the tables with the constants in fitted.yaml
     python -m costmodel.calibrate --cv       # leave-one-source-out and anchored cross-validation (no file written;
-                                             # --by table: one published table at a time; --jobs N: N folds at once)
+                                             # --by table: one published table at a time; --jobs N: N processes)
     python -m costmodel.calibrate --cp       # torchtitan's context-parallel rows, predicted (never fitted)
 
 Data: costmodel/data/published_runs.json, a copy of shared/calibration/published_runs.json (each record: source,
@@ -588,7 +588,7 @@ def _anchored(row: Row, k: Constants) -> Constants:
     return dataclasses.replace(k, e_max=float(res.x))
 
 
-def _fold(rows: list[Row], table: list[Row]) -> dict[str, float]:
+def _fold(rows: list[Row], table: list[Row]) -> dict:
     """One fold of `cross_validate`: ``table``'s rows left out of the fit, then anchored (each row's relative
     error left out under ``left_out_errors``)."""
     ks = _fits_without(rows, table)
@@ -605,10 +605,14 @@ def _fold(rows: list[Row], table: list[Row]) -> dict[str, float]:
 
 
 class _Prefixed:
-    """A text stream that writes each line to ``out`` behind ``prefix`` (a fold's progress, among the others')."""
+    """A text stream that writes each line to ``out`` behind ``prefix`` (a fold's progress, among the others');
+    anything else it is asked (``encoding``, ``isatty``) is ``out``'s."""
 
     def __init__(self, out, prefix: str):
         self.out, self.prefix, self.at_start = out, prefix, True
+
+    def __getattr__(self, name: str):
+        return getattr(self.out, name)
 
     def write(self, text: str) -> int:
         for piece in text.splitlines(keepends=True):
@@ -643,18 +647,21 @@ def _prefit(ids: frozenset[str]) -> None:
     fit_all(_published(ids), warm=False)
 
 
-def _fold_of(by: str, held: str, ids: frozenset[str]) -> dict[str, float]:
+def _fold_of(by: str, held: str, ids: frozenset[str]) -> dict:
     rows = _published(ids)
     return _fold(rows, [r for r in rows if FOLDS[by](r) == held])
 
 
-def cross_validate(rows: list[Row], file=sys.stdout, jobs: int = 1, by: str = "source") -> dict[str, dict[str, float]]:
+def cross_validate(rows: list[Row], file=sys.stdout, jobs: int = 1, by: str = "source") -> dict[str, dict]:
     """Leave-one-out by source (``by="source"``: each stack's rows predicted with constants fitted on the others)
     or by published table (``"table"``), and anchored (each left-out group's rows predicted from those constants
     moved by one of its rows, `_anchored`; `ANCHORS` anchors per group): the mean absolute error of each per
-    group, printed and returned. ``jobs`` > 1 runs that many folds at once, each in a process of its own (``rows``
-    then some of the published ones, `load_rows`): first, beside the folds that cannot use them, the cold fits on
-    every row, which the folds that leave none of a kind's rows out share (`_FITTED`)."""
+    group, printed and returned (with each fold's `_fold` ``left_out_errors``). ``jobs`` > 1 runs that many
+    processes: first, beside the folds that cannot use them, the cold fits on every row, which the folds that
+    leave none of a kind's rows out share (`_FITTED`), then a fold each. The workers read ``rows`` from the
+    published ones (`load_rows`) and run this module as it is on disk: a caller's changes to it (the fit's budget,
+    `ANCHORS`) reach ``jobs=1`` only. A fold that fails cancels those not started yet; its error is raised when
+    the running ones end."""
     key = FOLDS[by]
     groups = sorted({key(r) for r in rows})
     out: dict[str, dict[str, float]] = {}
@@ -684,23 +691,27 @@ def cross_validate(rows: list[Row], file=sys.stdout, jobs: int = 1, by: str = "s
     slowest = KIND_ORDER[0][0]
     # a fold that leaves out rows of the slowest kind refits it, and so every faster kind: it shares no fit
     alone = [g for g in groups if any(key(r) == g and r.kind == slowest for r in rows)]
-    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(groups) + 1),
+    waiting = [g for g in groups if g not in alone]
+    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(groups) + bool(waiting)),
                                                 mp_context=multiprocessing.get_context(_START_METHOD)) as pool:
-        pre = pool.submit(_in_worker, _prefit, "fits on every row", {}, ids)
         pending = {pool.submit(_in_worker, _fold_of, held, {}, by, held, ids): held for held in alone}
-        pending[pre] = None
-        while pending:  # (each fold printed as it ends; the others submitted once the fits they share exist)
-            done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in done:
-                held = pending.pop(future)
-                result, memo = future.result()
-                if held is None:
-                    pending |= {pool.submit(_in_worker, _fold_of, g, memo, by, g, ids): g
-                                for g in groups if g not in alone}
-                else:
-                    out[held] = result
-                    show(held)
-    return out
+        if waiting:
+            pending[pool.submit(_in_worker, _prefit, "fits on every row", {}, ids)] = None
+        try:
+            while pending:  # (each fold printed as it ends; the others submitted once the fits they share exist)
+                done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in done:
+                    held = pending.pop(future)
+                    result, memo = future.result()
+                    if held is None:
+                        pending |= {pool.submit(_in_worker, _fold_of, g, memo, by, g, ids): g for g in waiting}
+                    else:
+                        out[held] = result
+                        show(held)
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+    return {g: out[g] for g in groups}
 
 
 def main(argv=None) -> int:
@@ -714,7 +725,8 @@ def main(argv=None) -> int:
     ap.add_argument("--by", choices=sorted(FOLDS), default="source",
                     help="with --cv: leave out one source (its stack) at a time, or one published table")
     ap.add_argument("--jobs", type=int, default=1, metavar="N",
-                    help="with --cv: run N folds at once, a process each (default 1)")
+                    help="with --cv: N processes, a fold each (one first fits every row, for the folds that share "
+                         "those fits; default 1)")
     ap.add_argument("--cp", action="store_true",
                     help="predict torchtitan's context-parallel rows with the constants in fitted.yaml (no fit)")
     args = ap.parse_args(argv)

@@ -299,6 +299,34 @@ def test_cross_validation_by_published_table_shares_the_fits_no_fold_changes(mon
     assert len(runs) == 9 and calibrate._FITTED is None
 
 
+def test_shared_fits_are_the_fits_each_fold_would_make_alone(monkeypatch):
+    """`calibrate._FITTED`: with the fits shared, every table's fold gets the constants a fold computing everything
+    itself (the memo off) gets; a fit under another floor is another fit (optimisers replaced by their starting
+    points, which move with the floor)."""
+    import dataclasses
+    import types
+
+    import scipy.optimize
+
+    monkeypatch.setattr(scipy.optimize, "differential_evolution",
+                        lambda f, bounds, **_: types.SimpleNamespace(x=[(lo + hi) / 2 + 0.3 for lo, hi in bounds]))
+    monkeypatch.setattr(scipy.optimize, "minimize", lambda f, x, **_: types.SimpleNamespace(x=x, fun=f(x)))
+    rows, per_table = [], {}
+    for r in calibrate.load_rows():
+        if per_table.get(r.table, 0) < 2:
+            per_table[r.table] = per_table.get(r.table, 0) + 1
+            rows.append(r)
+    alone = {t: calibrate._fits_without(rows, [r for r in rows if r.table == t]) for t in per_table}
+    monkeypatch.setattr(calibrate, "_FITTED", {})
+    shared = {t: calibrate._fits_without(rows, [r for r in rows if r.table == t]) for t in per_table}
+    assert shared == alone and len(calibrate._FITTED) < 2 * len(per_table)
+    h100 = [r for r in rows if r.kind == "h100" and r.stack == "composer"]
+    a100 = calibrate._kept(calibrate.fitted()["a100"])
+    floor = calibrate._floor(1, {"a100": (a100, "", [])})
+    other = (dataclasses.replace(floor[0], e_max=floor[0].e_max / 2), *floor[1:])
+    assert calibrate.fit(h100, floor) != calibrate.fit(h100, other)
+
+
 def test_cross_validation_in_parallel_gives_the_sequential_result(monkeypatch):
     """`cross_validate(jobs=2)`: the folds in worker processes, the H100 fold after the fits on every row it
     shares, give what one process gives, fold by fold (optimisers replaced by their starting points, the workers
