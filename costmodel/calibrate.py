@@ -42,6 +42,7 @@ of the 22B model) is predicted, not fitted, and printed as a check.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime as _dt
 import json
@@ -620,23 +621,27 @@ class _Prefixed:
             self.at_start = piece.endswith("\n")
         return len(text)
 
-    def flush(self) -> None:
-        self.out.flush()
-
 
 #: how `cross_validate`'s workers start: a fresh interpreter each (torch's state is not forked)
 _START_METHOD = "spawn"
 
 
+@contextlib.contextmanager
+def _sharing_fits(memo: dict):
+    """`fit` returns what ``memo`` holds for its inputs, and adds what it fits to it, until the block ends."""
+    global _FITTED
+    _FITTED = memo
+    try:
+        yield memo
+    finally:
+        _FITTED = None
+
+
 def _in_worker(task: Callable, name: str, memo: dict, *args):
     """Run ``task(*args)`` in a cross-validation worker, its progress behind ``[name]``, with ``memo``'s fits known;
-    return its result and the fits it made."""
-    import contextlib
-
-    global _FITTED
-    _FITTED = dict(memo)
-    with contextlib.redirect_stdout(_Prefixed(sys.stdout, f"[{name}] ")):
-        return task(*args), dict(_FITTED)
+    return its result and the fits known after it."""
+    with _sharing_fits(dict(memo)) as fits, contextlib.redirect_stdout(_Prefixed(sys.stdout, f"[{name}] ")):
+        return task(*args), fits
 
 
 def _published(ids: frozenset[str]) -> list[Row]:
@@ -671,15 +676,11 @@ def cross_validate(rows: list[Row], file=sys.stdout, jobs: int = 1, by: str = "s
               f"{out[held]['leave_one_table_out']:.1%}; anchored on one of its rows: {out[held]['anchored']:.1%}",
               file=file, flush=True)
 
-    global _FITTED
     if jobs <= 1:
-        _FITTED = {}
-        try:
+        with _sharing_fits({}):
             for held in groups:
                 out[held] = _fold(rows, [r for r in rows if key(r) == held])
                 show(held)
-        finally:
-            _FITTED = None
         return out
     import concurrent.futures
     import multiprocessing

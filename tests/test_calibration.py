@@ -269,30 +269,44 @@ def test_a_cross_validation_fold_fits_only_the_kinds_its_table_runs_on(monkeypat
     assert calibrate._needed_kinds(["h100"]) == {"a100", "h100"} and calibrate._needed_kinds(["a100"]) == {"a100"}
 
 
-def test_cross_validation_by_published_table_shares_the_fits_no_fold_changes(monkeypatch):
-    """`cross_validate(by="table")` leaves out one published table at a time; a fit whose rows several folds
-    leave whole (the A100's, for every H100 table) runs once. Counted with the optimisers replaced by their
-    starting points, on two rows of each of six tables: 9 fits where fold by fold would make 14."""
-    import io
+def _optimisers_at_their_start(monkeypatch, shift: float = 0.0) -> list:
+    """Replace `calibrate.fit`'s optimisers by their starting points (differential evolution: the middle of its
+    bounds, plus ``shift``; Nelder-Mead: where it starts); return the parameter count of each differential evolution
+    run, as they happen."""
     import types
 
     import scipy.optimize
 
     runs = []
 
-    def fake_de(f, bounds, **_):
+    def start(f, bounds, **_):
         runs.append(len(bounds))
-        return types.SimpleNamespace(x=[(lo + hi) / 2 for lo, hi in bounds])
+        return types.SimpleNamespace(x=[(lo + hi) / 2 + shift for lo, hi in bounds])
 
-    monkeypatch.setattr(scipy.optimize, "differential_evolution", fake_de)
-    monkeypatch.setattr(scipy.optimize, "minimize",
-                        lambda f, x, **_: types.SimpleNamespace(x=x, fun=f(x)))
+    monkeypatch.setattr(scipy.optimize, "differential_evolution", start)
+    monkeypatch.setattr(scipy.optimize, "minimize", lambda f, x, **_: types.SimpleNamespace(x=x, fun=f(x)))
+    return runs
+
+
+def _two_rows_of_each_table(keep=lambda table: True) -> tuple[list, dict]:
+    """The first two published rows of each table ``keep`` accepts, and the rows taken per table."""
     rows, per_table = [], {}
     for r in calibrate.load_rows():
-        if per_table.get(r.table, 0) < 2 and "FP8" not in r.table and "40GB" not in r.table and (
-                "Table" not in r.table or "Table 1" in r.table or "Korthikanti" in r.table):
+        if per_table.get(r.table, 0) < 2 and keep(r.table):
             per_table[r.table] = per_table.get(r.table, 0) + 1
             rows.append(r)
+    return rows, per_table
+
+
+def test_cross_validation_by_published_table_shares_the_fits_no_fold_changes(monkeypatch):
+    """`cross_validate(by="table")` leaves out one published table at a time; a fit whose rows several folds
+    leave whole (the A100's, for every H100 table) runs once. Counted with the optimisers replaced by their
+    starting points, on two rows of each of six tables: 9 fits where fold by fold would make 14."""
+    import io
+
+    runs = _optimisers_at_their_start(monkeypatch)
+    rows, per_table = _two_rows_of_each_table(lambda t: "FP8" not in t and "40GB" not in t and (
+        "Table" not in t or "Table 1" in t or "Korthikanti" in t))
     assert len(per_table) == 6
     out = calibrate.cross_validate(rows, file=io.StringIO(), by="table")
     assert set(out) == set(per_table) and all(v["rows"] == 2 for v in out.values())
@@ -304,18 +318,9 @@ def test_shared_fits_are_the_fits_each_fold_would_make_alone(monkeypatch):
     itself (the memo off) gets; a fit under another floor is another fit (optimisers replaced by their starting
     points, which move with the floor)."""
     import dataclasses
-    import types
 
-    import scipy.optimize
-
-    monkeypatch.setattr(scipy.optimize, "differential_evolution",
-                        lambda f, bounds, **_: types.SimpleNamespace(x=[(lo + hi) / 2 + 0.3 for lo, hi in bounds]))
-    monkeypatch.setattr(scipy.optimize, "minimize", lambda f, x, **_: types.SimpleNamespace(x=x, fun=f(x)))
-    rows, per_table = [], {}
-    for r in calibrate.load_rows():
-        if per_table.get(r.table, 0) < 2:
-            per_table[r.table] = per_table.get(r.table, 0) + 1
-            rows.append(r)
+    _optimisers_at_their_start(monkeypatch, shift=0.3)
+    rows, per_table = _two_rows_of_each_table()
     alone = {t: calibrate._fits_without(rows, [r for r in rows if r.table == t]) for t in per_table}
     monkeypatch.setattr(calibrate, "_FITTED", {})
     shared = {t: calibrate._fits_without(rows, [r for r in rows if r.table == t]) for t in per_table}
@@ -332,19 +337,10 @@ def test_cross_validation_in_parallel_gives_the_sequential_result(monkeypatch):
     shares, give what one process gives, fold by fold (optimisers replaced by their starting points, the workers
     forked so that they run the replacements)."""
     import io
-    import types
 
-    import scipy.optimize
-
-    monkeypatch.setattr(scipy.optimize, "differential_evolution",
-                        lambda f, bounds, **_: types.SimpleNamespace(x=[(lo + hi) / 2 for lo, hi in bounds]))
-    monkeypatch.setattr(scipy.optimize, "minimize", lambda f, x, **_: types.SimpleNamespace(x=x, fun=f(x)))
+    _optimisers_at_their_start(monkeypatch)
     monkeypatch.setattr(calibrate, "_START_METHOD", "fork")
-    rows, per_table = [], {}
-    for r in calibrate.load_rows():  # two rows of each published table
-        if per_table.get(r.table, 0) < 2:
-            per_table[r.table] = per_table.get(r.table, 0) + 1
-            rows.append(r)
+    rows, _ = _two_rows_of_each_table()
     text = io.StringIO()
     parallel = calibrate.cross_validate(rows, file=text, jobs=2)
     assert parallel == calibrate.cross_validate(rows, file=io.StringIO(), jobs=1)
