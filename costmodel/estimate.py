@@ -14,7 +14,8 @@ Composition (all per optimizer step; m = global_batch / (dp · mbs) micro-batche
    §3.1). With p = 1 the step is m · T.
 3. Data-parallel gradient reduction after the last micro-batch overlaps that micro-batch's backward
    (`costmodel.overlap.dp_exposed`); the slowest rank's exposed part is added, then the gradient clipping and the
-   optimizer step (memory-bound, `optimizer_part_time`) and the loss's reduction
+   optimizer step (memory-bound, `optimizer_part_time`; under ZeRO-1 with its parameter broadcasts,
+   `zero1_sync_time`) and the loss's reduction
    (`loss_sync_time`).
 
 The same composition is what the planner's ILP linearises (planner/search/ilp.py); `evaluate` is its reference.
@@ -77,6 +78,7 @@ from costmodel.overlap import (
     optimizer_part_time,
     tp_partial_bytes,
     tp_partial_grads,
+    zero1_sync_time,
 )
 from costmodel.runnable import selective_policy
 from profiler.graph import LayerGraph
@@ -725,7 +727,9 @@ class Evaluator:
             exposed, encode = dp_exposed(rc, self)
             dp_exp.append(exposed)
             comp_cost.append(encode)
-            opt.append(optimizer_part_time(params, sum(x.param_tensors for x in rc), self, extra))
+            # (ZeRO-1's parameter broadcasts run inside the optimizer's step: its part of the breakdown)
+            opt.append(optimizer_part_time(params, sum(x.param_tensors for x in rc), self, extra)
+                       + zero1_sync_time(rc, self))
             accumulate.append(grad_accumulation_time(params, self))
             partial.append(self.tp_partial_sync_time(rc))
             mems.append(self._rank_memory(r, rank_of, stages, costs, acs, params, extra))

@@ -6,8 +6,8 @@
   when the backward ends. Where the runtime cannot use DDP's hooks (tensor-parallel DTensor parameters, the
   zero-bubble schedule's hand-written weight gradients: `costmodel.runnable.post_step_allreduce`) it all-reduces
   after the backward, and all of it is exposed. ZeRO-1 (torch's ZeroRedundancyOptimizer) then broadcasts the
-  updated parameters from their owners, one broadcast per parameter tensor, issued together and then waited on
-  (exposed).
+  updated parameters from their owners inside its ``step()``, one broadcast per parameter tensor, issued together
+  and then waited on (exposed, and part of the step's ``optimizer`` time: `zero1_sync_time`).
 - ZeRO-2 (FSDP2 without resharding after forward): gradients are reduce-scattered every micro-batch under that
   micro-batch's backward (so they stay sharded through gradient accumulation); parameters are all-gathered once
   per step under the first forward.
@@ -152,7 +152,11 @@ def zero1_sync_time(rank_costs: list[LayerCost], ev: SyncView) -> float:
     broadcast of its tensor (the rank's tensors taken as equal: its parameters over their count) with its call
     latency. The module's parameters, fp32 under autocast (`costmodel.memory.module_param_bytes`). On cpu-local
     (2 gloo ranks, the validate model's 39 fp32 tensors, 13.9 MB, after compute) this prices 12.6 ms where the
-    runtime's pattern took 17.5 ms (median of 15; q0.1 9.2 ms); the all-gathers it was priced as before, 68 ms."""
+    runtime's pattern took 17.5 ms (median of 15; q0.1 9.2 ms); the all-gathers it was priced as before, 68 ms.
+    They run inside ``step()``, so the breakdown's ``optimizer`` part holds them (`costmodel.estimate.Evaluator`), as
+    `autopar validate` measures that phase (the optimizer's step hooks); 0 but under ZeRO-1 on > 1 data rank."""
+    if ev.cfg.zero != 1:
+        return 0.0
     params = sum(c.param_numel for c in rank_costs)
     n = max(1, sum(c.param_tensors for c in rank_costs))
     pbytes = module_param_bytes(ev.cfg, ev.autocast)
@@ -165,7 +169,8 @@ def _hidden(comm: float, window: float, slowdown: float) -> tuple[float, float]:
 
 
 def dp_exposed(rank_costs: list[LayerCost], ev: SyncView) -> tuple[float, float]:
-    """(exposed data-parallel communication after the last backward, compression encode/decode) of one rank."""
+    """(exposed data-parallel communication after the last backward, compression encode/decode) of one rank.
+    ZeRO-1's parameter broadcasts come after the optimizer step, inside it: `zero1_sync_time`."""
     cfg = ev.cfg
     if cfg.data_ranks == 1 or not rank_costs:
         return 0.0, 0.0
@@ -195,10 +200,7 @@ def dp_exposed(rank_costs: list[LayerCost], ev: SyncView) -> tuple[float, float]
         return (1 if pipelined else ev.m) * (e1 + s1) + e2 + s2 + fsdp_serial(rank_costs, ev, "step"), 0.0
     comm, last, encode = compressed_grad_comm(rank_costs, params, first, ev)
     exposed, slowdown = _hidden(comm, window, slow)
-    exposed = max(exposed, last) + slowdown
-    if cfg.zero == 1:
-        exposed += zero1_sync_time(rank_costs, ev)
-    return exposed, encode
+    return max(exposed, last) + slowdown, encode
 
 
 def fsdp_gather_share(cfg, m: int) -> float:

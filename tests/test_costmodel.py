@@ -452,11 +452,11 @@ def test_the_step_ends_with_clipping_and_the_losss_reduction(gpt):
     """What the runtime's step runs after the backward besides Adam (`planner.emit.train`): the gradient clipping
     reads every local fp32 gradient element for its norm and scales it in place (12 bytes each, at the device's
     memory bandwidth), all-reduces the squared norm over every rank, and the loss is all-reduced over the
-    data-parallel group at the end; the ``optimizer`` part holds the clipping, ``dp_comm_exposed`` the loss's
-    reduction. Under ZeRO 2/3 the gradients are FSDP's shards, 1/dp of them."""
+    data-parallel group at the end; the ``optimizer`` part holds the clipping (and ZeRO-1's broadcasts),
+    ``dp_comm_exposed`` the loss's reduction. Under ZeRO 2/3 the gradients are FSDP's shards, 1/dp of them."""
     from costmodel.cluster import group_span
     from costmodel.collectives import all_reduce_time
-    from costmodel.overlap import clip_time, loss_sync_time, optimizer_time
+    from costmodel.overlap import clip_time, loss_sync_time, optimizer_time, zero1_sync_time
 
     cl = _cluster(nodes=2)
     mem_bw = cl.device.hbm_bw * cl.device.memory_eff
@@ -473,7 +473,10 @@ def test_the_step_ends_with_clipping_and_the_losss_reduction(gpt):
         assert loss_dp == pytest.approx(all_reduce_time(4, ev.dp_span, cl), rel=1e-12) and loss_dp > 0
         assert (loss_pp > 0) == (c.pp > 1)
         if c.pp == 1:
-            assert est.breakdown_s["optimizer"] == pytest.approx(optimizer_time(params, ev) + clip, rel=1e-12)
+            # (ZeRO-1's parameter broadcasts run in its optimizer's step: test_zero1_broadcasts_are_part_of_…)
+            broadcasts = zero1_sync_time([ev.cost(i, AC.NONE) for i in range(len(gpt.layers))], ev)
+            assert est.breakdown_s["optimizer"] == pytest.approx(optimizer_time(params, ev) + clip + broadcasts,
+                                                                 rel=1e-12)
     # on a CPU every op also pays its host time: 2 per parameter tensor
     cpu = load_cluster("cpu-local")
     ev = Evaluator(gpt, cpu, cfg("dp=2"), 4)
@@ -496,6 +499,26 @@ def test_zero1_broadcasts_each_tensor(gpt):
         params, n = sum(c.param_numel for c in costs), sum(c.param_tensors for c in costs)
         ring = n * broadcast_time(params * 4 / n, ev.dp_span, cl)  # fp32 module parameters under autocast
         assert zero1_sync_time(costs, ev) == pytest.approx(ring + n * cluster.intra.call_latency, rel=1e-12)
+
+
+def test_zero1_broadcasts_are_part_of_the_optimizer_step(gpt):
+    """ZeroRedundancyOptimizer broadcasts inside its ``step()``, which `autopar validate` times as the optimizer
+    phase: the breakdown's ``optimizer`` holds them, ``dp_comm_exposed`` is DDP's gradient reduction alone (as
+    under ZeRO-0), and the step time is unchanged by where they are reported."""
+    from costmodel.overlap import optimizer_part_time, zero1_sync_time
+
+    cl = _cluster()
+    plain, zero1 = (Evaluator(gpt, cl, cfg(f"dp=8,zero={z},precision=bf16"), 64) for z in (0, 1))
+    costs = [zero1.cost(i, AC.NONE) for i in range(len(gpt.layers))]
+    params, tensors = sum(c.param_numel for c in costs), sum(c.param_tensors for c in costs)
+    broadcasts = zero1_sync_time(costs, zero1)
+    assert broadcasts > 0 and zero1_sync_time(costs, plain) == 0.0
+    got, ddp = zero1.evaluate(), plain.evaluate()
+    assert got.breakdown_s["dp_comm_exposed"] == pytest.approx(ddp.breakdown_s["dp_comm_exposed"], rel=1e-12)
+    assert got.breakdown_s["optimizer"] == pytest.approx(
+        optimizer_part_time(params, tensors, zero1) + broadcasts, rel=1e-12)
+    assert got.step_time_s - ddp.step_time_s == pytest.approx(
+        got.breakdown_s["optimizer"] - ddp.breakdown_s["optimizer"], rel=1e-9)
 
 
 def test_tensor_parallel_across_nodes_is_slower(gpt):

@@ -54,8 +54,8 @@ def _fake_measurement(name: str, parts: dict) -> Measurement:
 BIG = "llama:layers=2,hidden=512,heads=8,kv_heads=4,ffn=1408,vocab=8192,seq=256"
 #: ZeRO stages and micro-batch counts that weigh all-gather against reduce-scatter differently
 SEPARATE = ["dp=2,zero=1", "dp=2,zero=2", "dp=2,zero=3,mbs=4"]
-TRUTH = Scales(flops=0.5, memory=0.5,
-               latency=(("all_reduce", 4.0), ("all_gather", 4.0), ("reduce_scatter", 4.0), ("send_recv", 4.0)))
+TRUTH = Scales(flops=0.5, memory=0.5, latency=(("all_reduce", 4.0), ("all_gather", 4.0), ("reduce_scatter", 4.0),
+                                               ("broadcast", 4.0), ("send_recv", 4.0)))
 
 
 def _measured_by(truth, held_out: str | None = None):
@@ -101,6 +101,25 @@ def test_recalibration_predicts_a_plan_it_did_not_see():
     res = fit(base, plans, meas, lgs)
     assert repredict(plan, base, lg)["step_time_s"] < 0.7 * m.step_s
     assert repredict(plan, res.cluster, lg)["step_time_s"] == pytest.approx(m.step_s, rel=0.02)
+
+
+def test_recalibration_frees_the_links_of_the_collectives_each_plan_calls():
+    """ZeRO-1 is DDP's all-reduce and ZeroRedundancyOptimizer's broadcasts, not FSDP's all-gather and
+    reduce-scatter; sequence parallelism replaces TP's all-reduces by all-gathers and reduce-scatters."""
+    from planner.validate.fit import kinds_used
+
+    base = load_cluster("cpu-local")
+    lg = profile_for(MODEL, base)
+
+    def kinds(config: str) -> list[str]:
+        return kinds_used([plan_from_config(MODEL, "cpu-local", 8, config, lg=lg)])
+
+    assert kinds("dp=2") == ["all_reduce"]
+    assert kinds("dp=2,zero=1") == ["all_reduce", "broadcast"]
+    assert kinds("dp=2,zero=2") == kinds("dp=2,zero=3") == ["all_gather", "reduce_scatter"]
+    assert kinds("tp=2") == ["all_reduce"]
+    assert kinds("tp=2,sp=on") == ["all_gather", "reduce_scatter"]
+    assert kinds("pp=2,schedule=1f1b") == ["send_recv"]
 
 
 def test_compare_reports_relative_error():

@@ -5,14 +5,14 @@ Free parameters (all multiplicative, fitted in log space, 1 = unchanged):
 - device: ``flops`` scales the matmul throughput (folded into ``matmul_eff.e_max`` up to 1, the rest into the
   peak), ``f_half`` is the size at which a matmul reaches half of ``e_max`` (small matmuls are slower), ``memory``
   scales the memory-bound throughput (``memory_eff`` up to 1, the rest into ``hbm_bw``);
-- links: for each collective kind the measured plans use (all_reduce: DDP and TP; all_gather and reduce_scatter:
-  ZeRO/FSDP; send_recv: pipelines), a bandwidth scale and a latency scale applied to both links' figures of that
-  kind (and to the default figures with all_reduce), so the shape gloo_bench/NCCL-tests gave them is kept.
+- links: for each collective kind the measured plans use (`kinds_used`: all_reduce: DDP and TP; broadcast: ZeRO-1;
+  all_gather and reduce_scatter: ZeRO-2/3, sequence and context parallelism; all_to_all: experts; send_recv:
+  pipelines), a bandwidth scale and a latency scale applied to both links' figures of that kind (and to the
+  default figures with all_reduce), so the shape gloo_bench/NCCL-tests gave them is kept.
 
 Residuals, per measured plan: log(predicted / measured) of the step time (weight 2), of compute (1), of exposed
 communication plus idle time (1, when ≥ 2 ms were measured) and of the optimizer step (0.5), plus a weak pull of
-every log-scale
-to 0 (0.05) so that a parameter the data do not see stays put. Solved by `scipy.optimize.least_squares`
+every log-scale to 0 (0.05) so that a parameter the data do not see stays put. Solved by `scipy.optimize.least_squares`
 (trust-region reflective, soft-L1 loss against the odd outlier step).
 """
 
@@ -26,20 +26,34 @@ from costmodel.hardware import EfficiencyCurve
 from planner.plan import Plan
 from planner.validate.loop import Measurement, predicted_parts, repredict
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
 WEIGHTS = {"step": 2.0, "compute": 1.0, "comm": 1.0, "optimizer": 0.5}
 PRIOR_WEIGHT = 0.05
 MIN_COMM_S = 2e-3
 
 
 def kinds_used(plans: list[Plan]) -> list[str]:
+    """The collective kinds of `KINDS` whose links the plans' prices read: DDP's all-reduce (ZeRO 0 and 1, which
+    then broadcasts the updated parameters: `costmodel.overlap.zero1_sync_time`), FSDP2's all-gather and
+    reduce-scatter (ZeRO 2/3), tensor parallelism's all-reduce (with sequence parallelism an all-gather and a
+    reduce-scatter instead: `costmodel.layercost.tp_comm_time`), context parallelism's all-gathers and
+    reduce-scatters, the experts' all-to-alls and the pipeline's sends."""
     used = set()
     for p in plans:
         c = p.config
-        if c.tp > 1 or (c.dp > 1 and c.zero == 0):
+        data = c.dp * c.cp > 1
+        if data and c.zero <= 1:
             used.add("all_reduce")
-        if c.dp > 1 and c.zero >= 1:
+        if data and c.zero == 1:
+            used.add("broadcast")
+        if data and c.zero >= 2:
             used.update(("all_gather", "reduce_scatter"))
+        if c.tp > 1:
+            used.update(("all_gather", "reduce_scatter") if c.sp else ("all_reduce",))
+        if c.cp > 1:  # each attention's keys and values gathered, their gradients reduce-scattered
+            used.update(("all_gather", "reduce_scatter"))
+        if c.ep > 1:
+            used.add("all_to_all")
         if c.pp > 1:
             used.add("send_recv")
     return [k for k in KINDS if k in used]
