@@ -47,6 +47,11 @@ CLIP_OPS = 2
 SCALAR_BYTES = 4
 
 
+#: bytes of an FSDP shard's element: the sharded parameters are fp32 masters, cast to a 16-bit compute dtype for
+#: the all-gather under mixed precision (`planner.emit.runtime.fsdp_policy`; Composer's FSDP1 alike)
+SHARD_BYTES = 4
+
+
 def fsdp_serial_time(costs: list[LayerCost], ev: SyncView, event: str) -> float:
     """Seconds one ``event`` (``gather`` or ``reduce``: `costmodel.hardware.FSDP_EVENTS`) of each FSDP2 group holding
     ``costs`` (`fsdp_groups`) keeps the computing stream busy besides the collective (torch 2.13,
@@ -54,10 +59,13 @@ def fsdp_serial_time(costs: list[LayerCost], ev: SyncView, event: str) -> float:
 
     - gather: ``foreach_all_gather_copy_out`` copies each parameter out of the gathered buffer
       (``split_with_sizes_copy``, on the current stream after ``wait_for_unshard``): the gathered elements read and
-      written in the parameter dtype. Its copy-in (the rank's shard into the buffer, 1/dp of that) runs on the
-      all-gather copy-in stream: it takes of the compute only what an overlapped collective takes, ``overlap_slowdown``.
-      FSDP1 (a published stack's: ``SyncView.fsdp_copy_out`` False) gathers into its flat parameter and uses
-      views of it: no copy-out, and its low-precision shard cast is the copy-in's size.
+      written in the parameter dtype. Its copy-in, on the all-gather copy-in stream, takes of the compute only what
+      an overlapped collective takes, ``overlap_slowdown``: the rank's shard (1/dp of the elements) copied into the
+      buffer in the parameter dtype, and under mixed precision first cast from the fp32 shard
+      (``_get_param_all_gather_inputs``' foreach copy into a flat 16-bit buffer): 10 bytes a shard element in
+      bf16, 8 in fp32. FSDP1 (a published stack's: ``SyncView.fsdp_copy_out`` False) gathers its flat parameter's
+      shard in place and uses views of the result: no copy-out and no copy-in, only the low-precision shard's cast
+      (``FlatParamHandle._use_low_precision_shard``'s copy, on its pre-unshard stream): 6 bytes, or none in fp32.
     - reduce: ``foreach_reduce_scatter_copy_in`` concatenates the unsharded gradients into the reduce-scatter's
       input (``chunk_cat``, on the current stream before ``reduce_scatter_stream.wait_stream``): read in the
       gradient's dtype (the parameter's), written in the reduce dtype (`fsdp_reduce_dtype_bytes`); FSDP1's
@@ -72,7 +80,10 @@ def fsdp_serial_time(costs: list[LayerCost], ev: SyncView, event: str) -> float:
     numel = sum(ev.gathered_numel(c) for c in costs)
     pbytes = cfg.param_bytes
     if event == "gather":
-        moved = 2 * numel * pbytes * ((1 if ev.fsdp_copy_out else 0) + dev.overlap_slowdown / cfg.data_ranks)
+        cast = SHARD_BYTES + pbytes if pbytes != SHARD_BYTES else 0  # the fp32 shard cast to the compute dtype
+        copy_in = cast + (2 * pbytes if ev.fsdp_copy_out else 0)
+        copy_out = 2 * pbytes if ev.fsdp_copy_out else 0
+        moved = numel * (copy_out + dev.overlap_slowdown * copy_in / cfg.data_ranks)
     else:
         moved = numel * (pbytes + fsdp_reduce_dtype_bytes(cfg))
     group, tensor = dev.fsdp_overhead(event)

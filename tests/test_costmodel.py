@@ -366,11 +366,12 @@ def test_fsdp2_copies_and_host_work_are_serial_per_gather_and_per_reduction(gpt)
     """FSDP2 works on the computing stream beside its collectives (torch 2.13 ``foreach_all_gather_copy_out`` and
     ``foreach_reduce_scatter_copy_in``): each gather copies the gathered parameters out (read and written in the
     parameter dtype; the copy-in of the rank's shard, 1/dp of it, beside the all-gather, costs only the overlap
-    slowdown; FSDP1 has no copy-out), each reduction concatenates the gradients into the reduce-scatter input (read
-    in the parameter dtype, written in the reduce dtype), at the device's memory bandwidth; and a CPU's host time per
-    group and tensor (`costmodel.fsdp_probe`). Counted per step as the runtime runs them: ZeRO-3 2 gathers and 1
-    reduction per micro-batch, pipelined m + 1 gathers and 1 reduction; ZeRO-2 1 gather and m reductions,
-    pipelined 1 and 1; nothing under DDP."""
+    slowdown: under bf16 mixed precision the fp32 shard's cast and the copy, 4 + 2 + 2 + 2 bytes; FSDP1 gathers
+    in place, with neither copy, and casts its shard under mixed precision, 4 + 2), each reduction concatenates
+    the gradients into the reduce-scatter input (read in the parameter dtype, written in the reduce dtype), at the
+    device's memory bandwidth; and a CPU's host time per group and tensor (`costmodel.fsdp_probe`). Counted per
+    step as the runtime runs them: ZeRO-3 2 gathers and 1 reduction per micro-batch, pipelined m + 1 gathers and 1
+    reduction; ZeRO-2 1 gather and m reductions, pipelined 1 and 1; nothing under DDP."""
     cl = _cluster(nodes=1)
     dev = cl.device
     mem_bw = dev.hbm_bw * dev.memory_eff
@@ -385,10 +386,15 @@ def test_fsdp2_copies_and_host_work_are_serial_per_gather_and_per_reduction(gpt)
     half = dataclasses.replace(cl, device=dataclasses.replace(dev, overlap_slowdown=0.5))
     ev_half = Evaluator(gpt, half, cfg("dp=8,zero=3,precision=fp32"), 8)
     assert fsdp_serial_time([c], ev_half, "gather") == pytest.approx(2 * n * 4 * (1 + 0.5 / 8) / mem_bw, rel=1e-12)
-    # FSDP1 (Composer's published runs) computes on views of its gathered flat parameter: no copy-out
+    mixed = Evaluator(gpt, half, cfg("dp=8,zero=3"), 8)
+    assert fsdp_serial_time([c], mixed, "gather") == pytest.approx(n * (2 * 2 + 0.5 * 10 / 8) / mem_bw, rel=1e-12)
+    # FSDP1 (Composer's published runs) gathers its flat parameter's shard in place and computes on views of the
+    # result: no copy-in, no copy-out; under mixed precision it casts the shard first
     flat = Evaluator(gpt, half, cfg("dp=8,zero=3,precision=fp32"), 8, fsdp_copy_out=False)
-    assert fsdp_serial_time([c], flat, "gather") == pytest.approx(2 * n * 4 * 0.5 / 8 / mem_bw, rel=1e-12)
+    assert fsdp_serial_time([c], flat, "gather") == 0.0
     assert fsdp_serial_time([c], flat, "reduce") == fsdp_serial_time([c], ev_half, "reduce")
+    flat_mixed = Evaluator(gpt, half, cfg("dp=8,zero=3"), 8, fsdp_copy_out=False)
+    assert fsdp_serial_time([c], flat_mixed, "gather") == pytest.approx(n * 0.5 * 6 / 8 / mem_bw, rel=1e-12)
 
     host = {"gather": (3e-4, 2e-5), "reduce": (5e-4, 3e-5)}
     busy = dataclasses.replace(cl, device=dataclasses.replace(dev, fsdp_overhead_s=host))
