@@ -1188,7 +1188,8 @@ def test_split_linears_move_their_whole_activation():
 
 def test_cpu_device_measured_by_an_older_version_is_measured_again(tmp_path, monkeypatch):
     """The CPU's figures are cached per machine; a file written by an older measurement (no version, no per-op
-    overhead) is measured again and replaced, and a current one is read back as written."""
+    overhead) is measured again and replaced, and a current one is read back as written; one measured while the
+    machine was busy (a core's benchmark shared with other work reads slow) is measured again once it is quiet."""
     from costmodel import hardware
 
     monkeypatch.setenv("AUTOPAR_CACHE", str(tmp_path))
@@ -1204,9 +1205,22 @@ def test_cpu_device_measured_by_an_older_version_is_measured_again(tmp_path, mon
                                 fsdp_copy_bw=9.7e9, overlap_slowdown=hardware.CPU_OVERLAP_SLOWDOWN, source="new")
     calls = []
     monkeypatch.setattr(hardware, "_measure_cpu_device", lambda: calls.append(1) or fresh)
+    monkeypatch.setattr(hardware, "machine_load", lambda: 0.0)
     assert hardware.measure_cpu_device.__wrapped__() == fresh and calls == [1]
     assert json.loads(path.read_text())["version"] == hardware._CPU_MEASURE_VERSION
     assert hardware.measure_cpu_device.__wrapped__() == fresh and calls == [1]  # read back, not measured
+
+    # measured on a busy machine: shared while the machine stays busy, measured again once it is quiet
+    path.unlink()
+    load = [4.0]
+    monkeypatch.setattr(hardware, "machine_load", lambda: load[0])
+    first = hardware.measure_cpu_device.__wrapped__()
+    assert calls == [1, 1] and "busy (load 4.0 on" in first.source and json.loads(path.read_text())["load"] == 4.0
+    assert hardware.measure_cpu_device.__wrapped__() == first and calls == [1, 1]
+    load[0] = 0.3
+    assert hardware.measure_cpu_device.__wrapped__() == fresh and calls == [1, 1, 1]
+    assert hardware.measure_cpu_device.__wrapped__() == fresh and calls == [1, 1, 1]
+    assert hardware.busy(1.6, cpus=2) and not hardware.busy(1.4, cpus=2) and not hardware.busy(None)
 
 
 def test_ddp_largest_bucket_is_torchs_own_assignment():
