@@ -11,7 +11,9 @@ by :func:`measure_cpu_device` the first time it is looked up, never hard-coded.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -341,52 +343,104 @@ def machine_load() -> float | None:
         return None
 
 
+def _cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's share, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def busy(load: float | None, cpus: int | None = None) -> bool:
     """Whether a machine with ``load`` (`machine_load`) leaves no core free for one more thread: a single-thread
     benchmark run then shares its core and reads slow. On this 2-vCPU VM, beside a 3-process cross-validation
     (load ~5), the linear benchmark read 55 GFLOP/s; quiet, 121-132, an hour later."""
-    cpus = cpus or os.cpu_count() or 1
-    return load is not None and load > cpus - 0.5
+    return load is not None and load > (cpus or _cpus()) - 0.5
+
+
+def _load_during(before: float | None, seconds: float) -> float | None:
+    """The machine's load while this process measured for ``seconds`` (one thread of its own throughout):
+    the larger of the load before and after, less what its own thread added to the 1-minute average after
+    (Linux damps it with a 60 s time constant), so that work that started meanwhile counts too."""
+    after = machine_load()
+    if after is not None:
+        after -= 1.0 - math.exp(-seconds / 60.0)
+    known = [x for x in (before, after) if x is not None]
+    return max(known) if known else None
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """One process at a time (an exclusive ``flock`` on ``path``, where the platform has it): processes that start
+    together would otherwise all measure at once and share the cores they measure."""
+    try:
+        import fcntl
+    except ImportError:  # (no flock: measure unlocked)
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _cached_cpu_device(path: Path) -> DeviceSpec | None:
+    """The cached device at ``path``, or None when there is none, it was measured by another version of the
+    measurement, or it was measured while the machine was `busy` and the machine is quiet now."""
+    import json
+
+    if not path.exists():
+        return None
+    d = json.loads(path.read_text())
+    if d.pop("version", 1) != _CPU_MEASURE_VERSION or (busy(d.pop("load", None)) and not busy(machine_load())):
+        return None
+    curve = EfficiencyCurve(**d.pop("matmul_eff"))
+    d["op_overhead_s"] = tuple(d["op_overhead_s"])
+    d["dtensor_overhead_s"] = {k: tuple(v) for k, v in d["dtensor_overhead_s"].items()}
+    d["dtensor_byte_s"] = {k: tuple(v) for k, v in d["dtensor_byte_s"].items()}
+    d["fsdp_overhead_s"] = {k: tuple(v) for k, v in d["fsdp_overhead_s"].items()}
+    return DeviceSpec(**d, matmul_eff=curve, overlap_slowdown=CPU_OVERLAP_SLOWDOWN)
 
 
 @functools.lru_cache(maxsize=1)
 def measure_cpu_device() -> DeviceSpec:
     """This machine's CPU as a device, measured once per machine and cached on disk (``$AUTOPAR_CACHE/devices``),
-    so every process plans with the same figures; delete the file to measure again. A measurement made while the
-    machine was `busy` is kept, so that busy processes share it, until a process finds the machine quiet and
-    measures again."""
+    so every process plans with the same figures; delete the file to measure again. One process measures at a
+    time; the others wait and read what it wrote. A measurement made while the machine was `busy` (before or
+    during it) is kept, so that busy processes share it, until a process finds the machine quiet and measures
+    again."""
     import json
 
     path = _cpu_cache_file()
-    load = machine_load()
-    if path.exists():
-        d = json.loads(path.read_text())
-        measured_busy = busy(d.pop("load", None))
-        if d.pop("version", 1) == _CPU_MEASURE_VERSION and not (measured_busy and not busy(load)):
-            curve = EfficiencyCurve(**d.pop("matmul_eff"))
-            d["op_overhead_s"] = tuple(d["op_overhead_s"])
-            d["dtensor_overhead_s"] = {k: tuple(v) for k, v in d["dtensor_overhead_s"].items()}
-            d["dtensor_byte_s"] = {k: tuple(v) for k, v in d["dtensor_byte_s"].items()}
-            d["fsdp_overhead_s"] = {k: tuple(v) for k, v in d["fsdp_overhead_s"].items()}
-            return DeviceSpec(**d, matmul_eff=curve, overlap_slowdown=CPU_OVERLAP_SLOWDOWN)
-    dev = _measure_cpu_device()
-    if busy(load):
-        dev = replace(dev, source=f"{dev.source}; measured while the machine was busy (load {load:.1f} on "
-                                  f"{os.cpu_count()} CPUs): measured again once it is quiet")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # (processes measuring at once each write their own)
-    tmp.write_text(json.dumps({"version": _CPU_MEASURE_VERSION, "load": load, "name": dev.name,
-                               "peak_flops": dict(dev.peak_flops),
-                               "memory_bytes": dev.memory_bytes, "hbm_bw": dev.hbm_bw, "memory_eff": dev.memory_eff,
-                               "attention_eff": dev.attention_eff, "op_overhead_s": list(dev.op_overhead_s),
-                               "dtensor_overhead_s": {k: list(v) for k, v in dev.dtensor_overhead_s.items()},
-                               "dtensor_byte_s": {k: list(v) for k, v in dev.dtensor_byte_s.items()},
-                               "fsdp_overhead_s": {k: list(v) for k, v in dev.fsdp_overhead_s.items()},
-                               "fsdp_copy_bw": dev.fsdp_copy_bw,
-                               "source": dev.source,
-                               "matmul_eff": {"e_max": dev.matmul_eff.e_max, "f_half": dev.matmul_eff.f_half,
-                                              "source": dev.matmul_eff.source}}))
-    tmp.replace(path)
+    dev = _cached_cpu_device(path)
+    if dev is not None:
+        return dev
+    with _locked(path.with_name(f".{path.name}.lock")):
+        dev = _cached_cpu_device(path)  # (measured by the process this one waited for)
+        if dev is not None:
+            return dev
+        before, t0 = machine_load(), time.perf_counter()
+        dev = _measure_cpu_device()
+        load = _load_during(before, time.perf_counter() - t0)
+        if busy(load):
+            dev = replace(dev, source=f"{dev.source}; measured while the machine was busy (load {load:.1f} on "
+                                      f"{_cpus()} CPUs): measured again once it is quiet")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"version": _CPU_MEASURE_VERSION, "load": load, "name": dev.name,
+                                   "peak_flops": dict(dev.peak_flops), "memory_bytes": dev.memory_bytes,
+                                   "hbm_bw": dev.hbm_bw, "memory_eff": dev.memory_eff,
+                                   "attention_eff": dev.attention_eff, "op_overhead_s": list(dev.op_overhead_s),
+                                   "dtensor_overhead_s": {k: list(v) for k, v in dev.dtensor_overhead_s.items()},
+                                   "dtensor_byte_s": {k: list(v) for k, v in dev.dtensor_byte_s.items()},
+                                   "fsdp_overhead_s": {k: list(v) for k, v in dev.fsdp_overhead_s.items()},
+                                   "fsdp_copy_bw": dev.fsdp_copy_bw,
+                                   "source": dev.source,
+                                   "matmul_eff": {"e_max": dev.matmul_eff.e_max, "f_half": dev.matmul_eff.f_half,
+                                                  "source": dev.matmul_eff.source}}))
+        tmp.replace(path)
     return dev
 
 

@@ -1214,13 +1214,20 @@ def test_cpu_device_measured_by_an_older_version_is_measured_again(tmp_path, mon
     path.unlink()
     load = [4.0]
     monkeypatch.setattr(hardware, "machine_load", lambda: load[0])
+    monkeypatch.setattr(hardware, "_cpus", lambda: 2)
     first = hardware.measure_cpu_device.__wrapped__()
-    assert calls == [1, 1] and "busy (load 4.0 on" in first.source and json.loads(path.read_text())["load"] == 4.0
+    assert calls == [1, 1] and "busy (load 4.0 on 2 CPUs)" in first.source
+    assert json.loads(path.read_text())["load"] == pytest.approx(4.0, abs=0.01)
     assert hardware.measure_cpu_device.__wrapped__() == first and calls == [1, 1]
     load[0] = 0.3
     assert hardware.measure_cpu_device.__wrapped__() == fresh and calls == [1, 1, 1]
     assert hardware.measure_cpu_device.__wrapped__() == fresh and calls == [1, 1, 1]
     assert hardware.busy(1.6, cpus=2) and not hardware.busy(1.4, cpus=2) and not hardware.busy(None)
+    # work that starts while it measures counts: the load after, less what 60 s of its own thread add (1 − 1/e)
+    load[0] = 2.2
+    assert hardware._load_during(0.3, 60.0) == pytest.approx(2.2 - (1 - math.exp(-1)), rel=1e-12)
+    load[0] = None
+    assert hardware._load_during(0.3, 60.0) == 0.3
 
 
 def test_ddp_largest_bucket_is_torchs_own_assignment():
