@@ -166,7 +166,7 @@ def zero1_sync_time(rank_costs: list[LayerCost], ev: SyncView) -> float:
     runtime's pattern took 17.5 ms (median of 15; q0.1 9.2 ms); the all-gathers it was priced as before, 68 ms.
     They run inside ``step()``, so the breakdown's ``optimizer`` part holds them (`costmodel.estimate.Evaluator`), as
     `autopar validate` measures that phase (the optimizer's step hooks); 0 but under ZeRO-1 on > 1 data rank."""
-    if ev.cfg.zero != 1:
+    if ev.cfg.zero != 1 or not rank_costs:
         return 0.0
     params = sum(c.param_numel for c in rank_costs)
     n = max(1, sum(c.param_tensors for c in rank_costs))

@@ -105,21 +105,22 @@ def test_recalibration_predicts_a_plan_it_did_not_see():
 
 def test_recalibration_frees_the_links_of_the_collectives_each_plan_calls():
     """ZeRO-1 is DDP's all-reduce and ZeroRedundancyOptimizer's broadcasts, not FSDP's all-gather and
-    reduce-scatter; sequence parallelism replaces TP's all-reduces by all-gathers and reduce-scatters."""
+    reduce-scatter; sequence parallelism adds all-gathers and reduce-scatters; every plan on more than one rank
+    all-reduces the gradient norm and the loss; a pipeline with tensor parallelism gathers what it receives."""
     from planner.validate.fit import kinds_used
 
     base = load_cluster("cpu-local")
     lg = profile_for(MODEL, base)
 
-    def kinds(config: str) -> list[str]:
-        return kinds_used([plan_from_config(MODEL, "cpu-local", 8, config, lg=lg)])
+    def kinds(config: str, cluster: str = "cpu-local") -> list[str]:
+        return kinds_used([plan_from_config(MODEL, cluster, 8, config, lg=lg)])
 
-    assert kinds("dp=2") == ["all_reduce"]
+    assert kinds("dp=2") == kinds("tp=2") == ["all_reduce"]
     assert kinds("dp=2,zero=1") == ["all_reduce", "broadcast"]
-    assert kinds("dp=2,zero=2") == kinds("dp=2,zero=3") == ["all_gather", "reduce_scatter"]
-    assert kinds("tp=2") == ["all_reduce"]
-    assert kinds("tp=2,sp=on") == ["all_gather", "reduce_scatter"]
-    assert kinds("pp=2,schedule=1f1b") == ["send_recv"]
+    assert kinds("dp=2,zero=2") == kinds("dp=2,zero=3") == kinds("tp=2,sp=on") == [
+        "all_reduce", "all_gather", "reduce_scatter"]
+    assert kinds("pp=2,schedule=1f1b") == ["all_reduce", "send_recv"]
+    assert kinds("pp=2,tp=2,schedule=1f1b", "cpu-local:gpus_per_node=4") == ["all_reduce", "all_gather", "send_recv"]
 
 
 def test_compare_reports_relative_error():

@@ -38,9 +38,9 @@ factor, s the device's overlap slowdown, T_r the per-micro-batch time of rank r,
    Wb = Σ (bwd + fwd) may replace them. DDP/ZeRO-1 (`costmodel.overlap.dp_exposed`): exposed = max(max(0, C − W), L) +
    s·min(C, W) ≥ max(s·C, L, C − (1 − s)·W) with C the gradient all-reduce under the compression option, L the least
    last bucket, plus its encode time (PowerSGD's matmuls at the curve's e_max), minimised over the options; ZeRO-1
-   adds one broadcast of the parameters (one call: ≤ the per-tensor ones); ZeRO-2 the two (1 − s)·max(0, ·) + s·(·)
-   overlaps and the average rank's FSDP2 serial work; every rank its Adam step and clipping, its gradients'
-   accumulation (affine in P_r), and the loss's reductions.
+   adds one broadcast of the parameters (one call: ≤ the per-tensor ones of `costmodel.overlap.zero1_sync_time`);
+   ZeRO-2 the two (1 − s)·max(0, ·) + s·(·) overlaps and the average rank's FSDP2 serial work; every rank its Adam
+   step and clipping, its gradients' accumulation (affine in P_r), and the loss's reductions.
 
 Blocks of several kinds (`costmodel.estimate.block_classes`): W's relaxation is over the run's (activations, time)
 points with each kind at one mode (every per-kind mix of modes lies in their convex hull); the

@@ -46,13 +46,15 @@ Constraint families, one function each:
    `costmodel.overlap.fsdp_serial`, linear in the blocks). max(0, A − W) + s·min(A, W) = (1 − s)·max(0, A − W)
    + s·A, and 1 − s > 0, so the concave min needs no binary: the epigraph is tight at the optimum.
 4. `add_bottleneck`: bottleneck ≥ T_r = Σ_{c≡r} T_c.
-5. `add_finish`: finish ≥ dp_exposed_r + encode_r + optimizer_r (with the clipping) + the loss's reductions for every
-   rank (for the chosen gradient compression k, big-M-gated by compress["dp", k]). DDP/ZeRO-1
-   (`costmodel.overlap.dp_exposed`): exposed = max(max(0, x), L) + s·min(C, W) with x = C − W, C the all-reduce time
-   (tabulated in N_r), W the rank's backward window, L the last bucket. Written as s·C + G with G ≥ (1 − s)·x,
+5. `add_finish`: finish ≥ dp_exposed_r + encode_r + optimizer_r (with the clipping, and under ZeRO-1 its parameter
+   broadcasts, which the evaluator reports in its optimizer part) + the loss's reductions for every rank (for the
+   chosen gradient compression k, big-M-gated by compress["dp", k]). DDP/ZeRO-1 (`costmodel.overlap.dp_exposed`):
+   exposed = max(max(0, x), L) + s·min(C, W) with x = C − W, C the all-reduce time (tabulated in N_r), W the rank's
+   backward window, L the last bucket. Written as s·C + G with G ≥ (1 − s)·x,
    G ≥ 0, G ≥ L − s·P and P ≤ max(0, x) by a binary δ (P ≤ x + M(1 − δ), P ≤ M·δ): the concave part of the max
    is what needs the binary. ZeRO-2: two tight epigraphs as in 3, plus FSDP2's serial work (tabulated). ZeRO-1
-   adds the parameters' broadcasts (tabulated).
+   adds the parameters' broadcasts (tabulated, `costmodel.overlap.zero1_sync_time`), charged with the DDP part
+   here: the finish is their sum either way.
 6. `add_memory`: per rank, 1.05·(params + grads + optimizer + in-flight activations + backward peak +
    temporaries) + reserve ≤ capacity (`costmodel.memory`); blocks weigh the rank's average in-flight count, the
    embedding and head their own chunk's; the backward peak is the max over the rank's layers, rec_peak ≥

@@ -33,16 +33,19 @@ MIN_COMM_S = 2e-3
 
 
 def kinds_used(plans: list[Plan]) -> list[str]:
-    """The collective kinds of `KINDS` whose links the plans' prices read: DDP's all-reduce (ZeRO 0 and 1, which
-    then broadcasts the updated parameters: `costmodel.overlap.zero1_sync_time`), FSDP2's all-gather and
-    reduce-scatter (ZeRO 2/3), tensor parallelism's all-reduce (with sequence parallelism an all-gather and a
-    reduce-scatter instead: `costmodel.layercost.tp_comm_time`), context parallelism's all-gathers and
-    reduce-scatters, the experts' all-to-alls and the pipeline's sends."""
+    """The collective kinds of `KINDS` whose links the plans' prices read: on more than one rank the step's scalar
+    all-reduces (the gradient norm over every rank, the loss: `costmodel.overlap.step_scalars`); DDP's all-reduce
+    (ZeRO 0 and 1, which then broadcasts the updated parameters: `costmodel.overlap.zero1_sync_time`), FSDP2's
+    all-gather and reduce-scatter (ZeRO 2/3), tensor parallelism's all-reduce (with sequence parallelism an
+    all-gather and a reduce-scatter instead: `costmodel.layercost.tp_comm_time`), context parallelism's
+    all-gathers and reduce-scatters, the experts' all-to-alls, the pipeline's sends (with tensor parallelism
+    also the all-gathers of the activations they pass: `costmodel.estimate.Evaluator.pp_gathers`) and its tied
+    embedding's all-reduce."""
     used = set()
     for p in plans:
         c = p.config
         data = c.dp * c.cp > 1
-        if data and c.zero <= 1:
+        if c.world > 1:
             used.add("all_reduce")
         if data and c.zero == 1:
             used.add("broadcast")
@@ -55,7 +58,7 @@ def kinds_used(plans: list[Plan]) -> list[str]:
         if c.ep > 1:
             used.add("all_to_all")
         if c.pp > 1:
-            used.add("send_recv")
+            used.update(("send_recv", "all_gather") if c.tp > 1 else ("send_recv",))
     return [k for k in KINDS if k in used]
 
 

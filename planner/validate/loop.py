@@ -12,8 +12,9 @@ Parts compared (predicted ← the estimate's ``breakdown_s``; measured ← the d
 - comm: predicted tp_comm + cp_comm + dp_comm_exposed; measured main-thread time in collectives (profiled step;
   the copies DTensor makes around sequence-parallel collectives, which tp_comm includes, `costmodel.layercost.
   seq_relayout_bytes`, are ops of their own and measure as compute);
-- optimizer: predicted optimizer (the step and the gradient clipping before it); measured the optimizer step and the
-  script's clipping;
+- optimizer: predicted optimizer (the step, the gradient clipping before it with its norm's all-reduce, and ZeRO-1's
+  parameter broadcasts, which ZeroRedundancyOptimizer's step makes); measured the optimizer step (its hooks) and the
+  script's clipping, the collectives inside them included;
 - idle: predicted bubble + pp_comm; measured step − compute − comm − optimizer (pipeline waits);
 - step: the step time (median over the timed steps of the slowest rank).
 """
