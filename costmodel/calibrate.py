@@ -14,7 +14,11 @@ model, cluster, configuration, measured result). Rows used:
   models are captured with ``attention=math``; interleaving with 3 virtual stages for 175B and 530B, as published.
 - llm-foundry MPT benchmarks (A100 40/80 GB, H100): pure FSDP (FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2), with
   or without full activation checkpointing, FlashAttention; tokens/s. MPT has no biases and ALiBi instead of
-  learned positions; our GPT is used with its sizes (the differences are < 0.1 % of the FLOPs).
+  learned positions; our GPT is used with its sizes (the differences are < 0.1 % of the FLOPs). Two software
+  generations (the benchmark README's history): the A100 40 GB table and the 80 GB table's 70B rows (bf16, PURE)
+  are the May 2023 runs on torch 1.13.1 with triton attention; the rest of the A100 80 GB table (amp_bf16, DEFAULT)
+  is their October 2023 re-run, 3-21 % faster for the 7B-30B models and within ±2 % up to 3B; the H100 tables are
+  later still. All are the ``composer`` stack here.
 - torchtitan's Llama 3.1 runs on Grand Teton H100s (96 GB HBM2e, 500 W; the ``grand-teton`` preset): FSDP and
   FSDP + TP, eager, compiled (priced by `costmodel.layercost.compiled_bytes`) and float8 tensorwise; its selective
   checkpointing is the per-op policy (`costmodel.layercost.CostContext.selective`). Rows the cost model cannot
