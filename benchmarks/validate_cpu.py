@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from costmodel.cluster import load_cluster  # noqa: E402
-from costmodel.hardware import _cpu_cache_file, linear_rate  # noqa: E402
+from costmodel.hardware import cpu_cache_file, cpu_peak_now  # noqa: E402
 from planner.validate.fit import fit  # noqa: E402
 from planner.validate.loop import (  # noqa: E402
     compare,
@@ -58,21 +58,6 @@ CONFIGS = {
 }
 
 
-def gemm_rate() -> float:
-    """The cpu device's peak benchmark (`costmodel.hardware.linear_rate`, the median over n = 256, 512, 1024), one
-    thread, measured now."""
-    import statistics
-
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return statistics.median(linear_rate(n, budget=0.1) for n in (256, 512, 1024))
-    finally:
-        torch.set_num_threads(threads)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4)
@@ -87,13 +72,13 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     if args.remeasure:
-        _cpu_cache_file().unlink(missing_ok=True)
+        cpu_cache_file().unlink(missing_ok=True)
     base = load_cluster("cpu-local")
     lg = profile_for(MODEL, base)
     plans = {name: plan_from_config(MODEL, "cpu-local", GLOBAL_BATCH, cfg, lg=lg) for name, cfg in CONFIGS.items()}
-    speed = {"device": base.device.peak("fp32"), "before": gemm_rate()}
+    speed = {"device": base.device.peak("fp32"), "before": cpu_peak_now()}
     measured = run_plans(plans, steps=args.steps, warmup=args.warmup, rounds=args.rounds)
-    speed["after"] = gemm_rate()
+    speed["after"] = cpu_peak_now()
     print(f"machine speed (one thread, linear forward + backward at n = 256, 512, 1024): the cpu device as cached "
           f"{speed['device'] / 1e9:.1f} GFLOP/s; now {speed['before'] / 1e9:.1f} before the plans ran "
           f"({speed['before'] / speed['device'] - 1:+.0%}), {speed['after'] / 1e9:.1f} after "

@@ -314,7 +314,8 @@ class LazyCatalog(Mapping[str, _T], Generic[_T]):
         return len(self._factories)
 
 
-def _cpu_cache_file() -> Path:
+def cpu_cache_file() -> Path:
+    """Where `measure_cpu_device` caches this machine's CPU (per machine, torch version and measurement version)."""
     import platform
 
     import torch
@@ -414,7 +415,7 @@ def measure_cpu_device() -> DeviceSpec:
     again."""
     import json
 
-    path = _cpu_cache_file()
+    path = cpu_cache_file()
     dev = _cached_cpu_device(path)
     if dev is not None:
         return dev
@@ -470,6 +471,28 @@ def linear_rate(n: int, budget: float = 0.04) -> float:
 
     x, w = torch.randn(n, n, requires_grad=True), torch.randn(n, n, requires_grad=True)
     return 3 * 2.0 * n**3 / _median_seconds(lambda: F.linear(x, w).sum().backward(), budget=budget)
+
+
+def cpu_peak_now() -> float:
+    """The cpu device's peak benchmark run now (`linear_rate`'s median over n = 256, 512, 1024, one thread, as
+    `_measure_cpu_device` takes it), in FLOP/s: what the cached figure can be compared with when this machine's
+    speed drifts (this 2-vCPU VM's moved 20-40 % within minutes, and 2× between days)."""
+    import statistics
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return statistics.median(linear_rate(n, budget=0.1) for n in (256, 512, 1024))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def is_measured_cpu(device: DeviceSpec) -> bool:
+    """Whether ``device`` is this machine's CPU as `measure_cpu_device` measured and cached it (a recalibrated
+    cluster file's figures are not; nothing is measured to tell)."""
+    return device.name == "cpu" and device == _cached_cpu_device(cpu_cache_file())
 
 
 def _measure_cpu_device() -> DeviceSpec:

@@ -1193,7 +1193,7 @@ def test_cpu_device_measured_by_an_older_version_is_measured_again(tmp_path, mon
     from costmodel import hardware
 
     monkeypatch.setenv("AUTOPAR_CACHE", str(tmp_path))
-    path = hardware._cpu_cache_file()
+    path = hardware.cpu_cache_file()
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"name": "cpu", "peak_flops": {"fp32": 9e10}, "memory_bytes": 1e9, "hbm_bw": 3e10,
                                 "memory_eff": 1.0, "source": "old",

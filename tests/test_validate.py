@@ -123,6 +123,17 @@ def test_recalibration_frees_the_links_of_the_collectives_each_plan_calls():
     assert kinds("pp=2,tp=2,schedule=1f1b", "cpu-local:gpus_per_node=4") == ["all_reduce", "all_gather", "send_recv"]
 
 
+def test_only_this_machines_measured_cpu_is_compared_with_its_speed_now():
+    """`autopar validate` prints the cached cpu's benchmark beside the same benchmark now, for plans priced with
+    those cached figures only."""
+    from costmodel.hardware import is_measured_cpu
+
+    cpu = load_cluster("cpu-local").device
+    assert is_measured_cpu(cpu) and not is_measured_cpu(load_cluster("dgx-h100").device)
+    recalibrated = apply_scales(load_cluster("cpu-local"), Scales(flops=2.0)).device  # figures of its own
+    assert recalibrated.name == "cpu" and not is_measured_cpu(recalibrated)
+
+
 def test_compare_reports_relative_error():
     base = load_cluster("cpu-local")
     plan = plan_from_config(MODEL, "cpu-local", 8, "dp=2", lg=profile_for(MODEL, base))
@@ -187,6 +198,10 @@ def test_validate_cli_measures_plans_and_recalibrates(tmp_path):
         assert all(math.isfinite(x) and x >= 0 for x in m["parts_s"].values())
         assert m["parts_s"]["compute"] > 0 and m["parts_s"]["optimizer"] > 0
     assert result["plans"]["tp"]["measured"]["parts_s"]["comm"] > 0  # TP all-reduces are seen
+    # priced on this machine's cpu as cached: its speed now beside the cached figure, before and after the plans
+    assert set(result["machine_speed"]) == {"cached_flops", "before_flops", "after_flops"}
+    assert result["machine_speed"]["cached_flops"] == base.device.peak("fp32")
+    assert all(v > 0 for v in result["machine_speed"].values())
     rec = result["recalibrated"]
     assert rec["cost_after"] <= rec["cost_before"]
     cluster = load_cluster(str(out))

@@ -11,6 +11,7 @@ from planner.cli.common import count, positive_int
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from costmodel.cluster import load_cluster
+    from costmodel.hardware import cpu_cache_file
     from planner.cli.common import UsageError, print_json
     from planner.files import write_atomic
     from planner.plan import Plan
@@ -32,10 +33,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for flag, path in (("--recalibrate", args.recalibrate), ("--runs-out", args.runs_out)):
         if path and Path(path).parent and not Path(path).parent.exists():
             raise UsageError(f"{flag} {path}: folder {Path(path).parent} does not exist")
+    # a plan priced on this machine's CPU as measured once and cached: its speed now beside the cached figure, before
+    # and after the plans run (an error of the size of the drift is the machine's, not the cost model's)
+    from costmodel.hardware import cpu_peak_now, is_measured_cpu
+
+    cpu = next((d for d in (load_cluster(c).device for c in sorted(clusters)) if is_measured_cpu(d)), None)
+    speed = {"cached_flops": cpu.peak("fp32"), "before_flops": cpu_peak_now()} if cpu else None
     measured = run_plans(plans, steps=args.steps, warmup=args.warmup, nproc=args.nproc, rounds=args.rounds)
+    if speed:
+        speed["after_flops"] = cpu_peak_now()
     comps = [compare(n, plans[n], measured[n]) for n in plans]
     result = {"plans": {n: c.to_dict() | {"measured": measured[n].to_dict()} for n, c in zip(plans, comps)},
               "summary": summary(comps)}
+    if speed:
+        result["machine_speed"] = speed
     if args.recalibrate or args.runs_out:  # each plan's layer graph, captured once for both
         base = load_cluster(args.cluster or next(iter(clusters)))
         lgs = [profile_for(p.model, base, seq=p.seq) for p in plans.values()]
@@ -61,6 +72,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result)
         return 0
+    if speed:
+        c, b, a = (speed[k] / 1e9 for k in ("cached_flops", "before_flops", "after_flops"))
+        print(f"this machine's cpu (one thread, linear forward + backward): {c:.1f} GFLOP/s as measured and cached, "
+              f"{b:.1f} before the plans ran ({b / c - 1:+.0%}), {a:.1f} after ({a / c - 1:+.0%}); delete "
+              f"{cpu_cache_file()} to measure it again\n")
     render(comps, title="predicted (as planned) vs measured")
     if after is not None:
         print()
