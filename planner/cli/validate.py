@@ -11,7 +11,7 @@ from planner.cli.common import count, positive_int
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from costmodel.cluster import load_cluster
-    from costmodel.hardware import cpu_cache_file
+    from costmodel.hardware import cpu_cache_file, cpu_peak_now, is_measured_cpu
     from planner.cli.common import UsageError, print_json
     from planner.files import write_atomic
     from planner.plan import Plan
@@ -35,9 +35,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag} {path}: folder {Path(path).parent} does not exist")
     # a plan priced on this machine's CPU as measured once and cached: its speed now beside the cached figure, before
     # and after the plans run (an error of the size of the drift is the machine's, not the cost model's)
-    from costmodel.hardware import cpu_peak_now, is_measured_cpu
-
-    cpu = next((d for d in (load_cluster(c).device for c in sorted(clusters)) if is_measured_cpu(d)), None)
+    cpu = next((d for d in map(_device_of, sorted(clusters)) if d is not None and is_measured_cpu(d)), None)
     speed = {"cached_flops": cpu.peak("fp32"), "before_flops": cpu_peak_now()} if cpu else None
     measured = run_plans(plans, steps=args.steps, warmup=args.warmup, nproc=args.nproc, rounds=args.rounds)
     if speed:
@@ -87,6 +85,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(f"wrote {args.runs_out}: {out['runs']} measured runs for `autopar calibrate {args.runs_out} --cluster "
               f"…`" + (f" (left out, per-layer choices: {', '.join(out['left_out'])})" if out["left_out"] else ""))
     return 0
+
+
+def _device_of(cluster: str):
+    """The device of a plan's cluster, or None when its file can no longer be read (validate runs the plan anyway)."""
+    from costmodel.cluster import load_cluster
+
+    try:
+        return load_cluster(cluster).device
+    except (OSError, ValueError):
+        return None
 
 
 def register(sub) -> None:
