@@ -673,7 +673,7 @@ def cross_validate(rows: list[Row], file=sys.stdout, jobs: int = 1, by: str = "s
     the running ones end."""
     key = FOLDS[by]
     groups = sorted({key(r) for r in rows})
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict] = {}
 
     def show(held: str) -> None:
         print(f"{held}: {out[held]['rows']} rows; left out of the fit: mean abs error "

@@ -406,6 +406,25 @@ def _cached_cpu_device(path: Path) -> DeviceSpec | None:
     return DeviceSpec(**d, matmul_eff=curve, overlap_slowdown=CPU_OVERLAP_SLOWDOWN)
 
 
+def _write_cached(path: Path, dev: DeviceSpec, load: float | None) -> None:
+    """`_cached_cpu_device`'s file: ``dev`` and the machine's ``load`` while it was measured, written whole (each
+    process to a file of its own first, then renamed over ``path``)."""
+    import json
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"version": _CPU_MEASURE_VERSION, "load": load, "name": dev.name,
+                               "peak_flops": dict(dev.peak_flops), "memory_bytes": dev.memory_bytes,
+                               "hbm_bw": dev.hbm_bw, "memory_eff": dev.memory_eff,
+                               "attention_eff": dev.attention_eff, "op_overhead_s": list(dev.op_overhead_s),
+                               "dtensor_overhead_s": {k: list(v) for k, v in dev.dtensor_overhead_s.items()},
+                               "dtensor_byte_s": {k: list(v) for k, v in dev.dtensor_byte_s.items()},
+                               "fsdp_overhead_s": {k: list(v) for k, v in dev.fsdp_overhead_s.items()},
+                               "fsdp_copy_bw": dev.fsdp_copy_bw, "source": dev.source,
+                               "matmul_eff": {"e_max": dev.matmul_eff.e_max, "f_half": dev.matmul_eff.f_half,
+                                              "source": dev.matmul_eff.source}}))
+    tmp.replace(path)
+
+
 @functools.lru_cache(maxsize=1)
 def measure_cpu_device() -> DeviceSpec:
     """This machine's CPU as a device, measured once per machine and cached on disk (``$AUTOPAR_CACHE/devices``),
@@ -413,8 +432,6 @@ def measure_cpu_device() -> DeviceSpec:
     time; the others wait and read what it wrote. A measurement made while the machine was `busy` (before or
     during it) is kept, so that busy processes share it, until a process finds the machine quiet and measures
     again."""
-    import json
-
     path = cpu_cache_file()
     dev = _cached_cpu_device(path)
     if dev is not None:
@@ -429,19 +446,7 @@ def measure_cpu_device() -> DeviceSpec:
         if busy(load):
             dev = replace(dev, source=f"{dev.source}; measured while the machine was busy (load {load:.1f} on "
                                       f"{_cpus()} CPUs): measured again once it is quiet")
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"version": _CPU_MEASURE_VERSION, "load": load, "name": dev.name,
-                                   "peak_flops": dict(dev.peak_flops), "memory_bytes": dev.memory_bytes,
-                                   "hbm_bw": dev.hbm_bw, "memory_eff": dev.memory_eff,
-                                   "attention_eff": dev.attention_eff, "op_overhead_s": list(dev.op_overhead_s),
-                                   "dtensor_overhead_s": {k: list(v) for k, v in dev.dtensor_overhead_s.items()},
-                                   "dtensor_byte_s": {k: list(v) for k, v in dev.dtensor_byte_s.items()},
-                                   "fsdp_overhead_s": {k: list(v) for k, v in dev.fsdp_overhead_s.items()},
-                                   "fsdp_copy_bw": dev.fsdp_copy_bw,
-                                   "source": dev.source,
-                                   "matmul_eff": {"e_max": dev.matmul_eff.e_max, "f_half": dev.matmul_eff.f_half,
-                                                  "source": dev.matmul_eff.source}}))
-        tmp.replace(path)
+        _write_cached(path, dev, load)
     return dev
 
 

@@ -81,9 +81,8 @@ def fsdp_serial_time(costs: list[LayerCost], ev: SyncView, event: str) -> float:
     pbytes = cfg.param_bytes
     if event == "gather":
         cast = SHARD_BYTES + pbytes if pbytes != SHARD_BYTES else 0  # the fp32 shard cast to the compute dtype
-        copy_in = cast + (2 * pbytes if ev.fsdp_copy_out else 0)
-        copy_out = 2 * pbytes if ev.fsdp_copy_out else 0
-        moved = numel * (copy_out + dev.overlap_slowdown * copy_in / cfg.data_ranks)
+        copy = 2 * pbytes if ev.fsdp_copy_out else 0  # FSDP2's copy-out, and its copy-in of the shard alike
+        moved = numel * (copy + dev.overlap_slowdown * (cast + copy) / cfg.data_ranks)
     else:
         moved = numel * (pbytes + fsdp_reduce_dtype_bytes(cfg))
     group, tensor = dev.fsdp_overhead(event)

@@ -113,7 +113,7 @@ def test_recalibration_frees_the_links_of_the_collectives_each_plan_calls():
     lg = profile_for(MODEL, base)
 
     def kinds(config: str, cluster: str = "cpu-local") -> list[str]:
-        return kinds_used([plan_from_config(MODEL, cluster, 8, config, lg=lg)])
+        return kinds_used([plan_from_config(MODEL, cluster, 8, config, lg=lg)], load_cluster(cluster), [lg])
 
     assert kinds("dp=2") == kinds("tp=2") == ["all_reduce"]
     assert kinds("dp=2,zero=1") == ["all_reduce", "broadcast"]

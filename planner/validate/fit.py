@@ -5,10 +5,11 @@ Free parameters (all multiplicative, fitted in log space, 1 = unchanged):
 - device: ``flops`` scales the matmul throughput (folded into ``matmul_eff.e_max`` up to 1, the rest into the
   peak), ``f_half`` is the size at which a matmul reaches half of ``e_max`` (small matmuls are slower), ``memory``
   scales the memory-bound throughput (``memory_eff`` up to 1, the rest into ``hbm_bw``);
-- links: for each collective kind the measured plans use (`kinds_used`: all_reduce: DDP and TP; broadcast: ZeRO-1;
-  all_gather and reduce_scatter: ZeRO-2/3, sequence and context parallelism; all_to_all: experts; send_recv:
-  pipelines), a bandwidth scale and a latency scale applied to both links' figures of that kind (and to the
-  default figures with all_reduce), so the shape gloo_bench/NCCL-tests gave them is kept.
+- links: for each collective kind the measured plans' predictions read (`kinds_used`: all_reduce: DDP, TP and the
+  step's scalars; broadcast: ZeRO-1; all_gather and reduce_scatter: ZeRO-2/3, sequence and context parallelism;
+  all_to_all: experts; send_recv: pipelines), a bandwidth scale and a latency scale applied to both links'
+  figures of that kind (and to the default figures with all_reduce), so the shape gloo_bench/NCCL-tests gave them
+  is kept.
 
 Residuals, per measured plan: log(predicted / measured) of the step time (weight 2), of compute (1), of exposed
 communication plus idle time (1, when ≥ 2 ms were measured) and of the optimizer step (0.5), plus a weak pull of
@@ -32,34 +33,18 @@ PRIOR_WEIGHT = 0.05
 MIN_COMM_S = 2e-3
 
 
-def kinds_used(plans: list[Plan]) -> list[str]:
-    """The collective kinds of `KINDS` whose links the plans' prices read: on more than one rank the step's scalar
-    all-reduces (the gradient norm over every rank, the loss: `costmodel.overlap.step_scalars`); DDP's all-reduce
-    (ZeRO 0 and 1, which then broadcasts the updated parameters: `costmodel.overlap.zero1_sync_time`), FSDP2's
-    all-gather and reduce-scatter (ZeRO 2/3), tensor parallelism's all-reduce (with sequence parallelism an
-    all-gather and a reduce-scatter instead: `costmodel.layercost.tp_comm_time`), context parallelism's
-    all-gathers and reduce-scatters, the experts' all-to-alls, the pipeline's sends (with tensor parallelism
-    also the all-gathers of the activations they pass: `costmodel.estimate.Evaluator.pp_gathers`) and its tied
-    embedding's all-reduce."""
-    used = set()
-    for p in plans:
-        c = p.config
-        data = c.dp * c.cp > 1
-        if c.world > 1:
-            used.add("all_reduce")
-        if data and c.zero == 1:
-            used.add("broadcast")
-        if data and c.zero >= 2:
-            used.update(("all_gather", "reduce_scatter"))
-        if c.tp > 1:
-            used.update(("all_gather", "reduce_scatter") if c.sp else ("all_reduce",))
-        if c.cp > 1:  # each attention's keys and values gathered, their gradients reduce-scattered
-            used.update(("all_gather", "reduce_scatter"))
-        if c.ep > 1:
-            used.add("all_to_all")
-        if c.pp > 1:
-            used.update(("send_recv", "all_gather") if c.tp > 1 else ("send_recv",))
-    return [k for k in KINDS if k in used]
+def kinds_used(plans: list[Plan], base: Cluster, lgs: list) -> list[str]:
+    """The collective kinds of `KINDS` whose links the plans' predictions on ``base`` read (``lgs``: each plan's
+    layer graph): those whose bandwidth or latency, doubled, moves some plan's predicted parts. The cost model
+    says which collectives a plan calls (ZeRO-1: DDP's all-reduce and the parameters' broadcasts; sequence
+    parallelism: all-gathers and reduce-scatters; every plan on more than one rank: the gradient norm's and the
+    loss's all-reduces; ...), so no list of them kept here can fall behind it."""
+    def parts(cluster: Cluster) -> list[dict]:
+        return [predicted_parts(repredict(p, cluster, lg)) for p, lg in zip(plans, lgs)]
+
+    same = parts(apply_scales(base, Scales()))  # (through the same arithmetic as the scaled ones)
+    return [k for k in KINDS if any(parts(apply_scales(base, s)) != same
+                                    for s in (Scales(bandwidth=((k, 2.0),)), Scales(latency=((k, 2.0),))))]
 
 
 def _scale_link(link: Link, bw: dict, lat: dict, note: str) -> Link:
@@ -163,9 +148,9 @@ def fit(base: Cluster, plans: list[Plan], measured: list[Measurement], lgs: list
 
     if not plans:
         raise ValueError("--recalibrate needs at least one measured plan")
-    kinds = kinds_used(plans)
-    names = ["flops", "f_half", "memory"] + [f"bw:{k}" for k in kinds] + [f"lat:{k}" for k in kinds]
     lgs = lgs or [profile_for(p.model, base, seq=p.seq) for p in plans]
+    kinds = kinds_used(plans, base, lgs)
+    names = ["flops", "f_half", "memory"] + [f"bw:{k}" for k in kinds] + [f"lat:{k}" for k in kinds]
 
     def scales_of(x) -> Scales:
         v = {n: float(e) for n, e in zip(names, np.exp(x))}
