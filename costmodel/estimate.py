@@ -301,7 +301,8 @@ class Evaluator:
         configurations whose (tp, sp, mbs, precision, pp > 1) agree, the only configuration fields they depend on.
         Results are identical with and without it; it may carry ``"measured"`` for all of them.
         ``measured``: (layer name → measured (forward, backward) seconds, batch) from
-        `costmodel.measured.load_measured`, used instead of the roofline's level. ``in_place_loss``: the
+        `costmodel.measured.load_measured`, used instead of the roofline's level (default: the graph's own
+        `LayerGraph.timings`, measured on this machine for a CPU cluster). ``in_place_loss``: the
         stack's loss computes its gradient in place (`costmodel.layercost.CostContext.in_place_loss`; published runs
         of other stacks), unlike autopar's runtime; ``gathered_column_inputs``: its column-parallel linears save
         their whole input, as autopar's runtime does (`CostContext.gathered_column_inputs`; False for Megatron-LM);
@@ -355,11 +356,15 @@ class Evaluator:
         q_width, kv_width = _attention_widths(arch)
         shared = cache if cache is not None else {}
         measured = measured if measured is not None else shared.get("measured")
+        measured_device = None
+        if measured is None and lg.timings is not None:  # (a CPU cluster's model measured here: `layer_graph`)
+            measured, measured_device = lg.timings.measured, lg.timings.device
         compiled = compiled or bool(shared.get("compiled"))  # (a search's candidates, `planner.search.outer`)
         self.ctx = CostContext(cluster=cluster, tp=cfg.tp, sp=cfg.sp, mbs=cfg.mbs,
                                captured_batch=lg.model.batch, precision=cfg.precision, act_scale=self.act_scale,
                                tp_span=self.tp_span, measured=measured[0] if measured else None,
-                               measured_batch=measured[1] if measured else 1, in_place_loss=in_place_loss,
+                               measured_batch=measured[1] if measured else 1, measured_device=measured_device,
+                               in_place_loss=in_place_loss,
                                gathered_column_inputs=gathered_column_inputs, seq_relayout=seq_relayout,
                                compiled=compiled,
                                selective=selective, experts=int(lg.model.arch.get("experts") or 0),

@@ -44,7 +44,9 @@ ms more each way); 0 on GPUs; and so does a recomputation of them.
 
 A measured profile (`profiler.measure` on the cluster's device) replaces the roofline's absolute level layer by
 layer: the measured forward and backward at the measured batch, times the roofline's ratio between the
-configuration and that reference (so TP, SP and the micro-batch still scale as the roofline says).
+configuration and that reference (so TP, SP and the micro-batch still scale as the roofline says). The reference is
+priced on the device the times were measured on (`CostContext.measured_device`), so a device recalibrated to be
+slower than it measured scales them too.
 
 Activation checkpointing (Korthikanti et al. 2022 Table 2 and §5):
 - ``none`` keeps every saved activation;
@@ -66,6 +68,7 @@ from functools import cache
 from costmodel.cluster import Cluster, GroupSpan
 from costmodel.collectives import all_gather_time, all_reduce_time, all_to_all_time, reduce_scatter_time
 from costmodel.config import AC
+from costmodel.hardware import DeviceSpec
 from costmodel.moe import COUNT_BYTES, a2a_calls, is_expert_param, moe_modules
 from profiler.graph import LINEAR_OP, Layer, LayerGraph, NodeInfo, ParamInfo
 
@@ -188,6 +191,10 @@ class CostContext:
     #: without parallelism (`profiler.measure`); they replace the roofline's absolute level, see `layer_cost`
     measured: Mapping[str, tuple[float, float]] | None = None
     measured_batch: int = 1  #: batch the measured times are for
+    #: the device the times were measured on (a CPU cluster's: this machine's as measured, `LayerGraph.timings`);
+    #: None: the cluster's. The level is the measured time × the roofline's ratio between this configuration on the
+    #: cluster's device and the measured batch on that one, so a recalibrated device (a slower machine) moves it
+    measured_device: DeviceSpec | None = None
     #: the software stack's loss computes its gradient in place (flash-attn's fused CrossEntropyLoss, which
     #: llm-foundry's ``loss_fn: fused_crossentropy`` uses; Megatron-LM's vocab-parallel cross entropy): the head adds
     #: no backward working set. autopar's runtime uses ``F.cross_entropy``, which does (traced by `autopar check`)
@@ -1043,7 +1050,10 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     if ctx.measured and layer.name in ctx.measured:
         # measured times anchor the level; the roofline supplies how it changes with TP, SP and micro-batch
         m_fwd, m_bwd = ctx.measured[layer.name]
-        ref = replace(ctx, tp=1, sp=False, mbs=ctx.measured_batch, measured=None, tp_span=None, cp=1, cp_span=None)
+        ref = replace(ctx, tp=1, sp=False, mbs=ctx.measured_batch, measured=None, tp_span=None, cp=1, cp_span=None,
+                      measured_device=None)
+        if ctx.measured_device is not None and ctx.measured_device != ctx.cluster.device:
+            ref = replace(ref, cluster=replace(ctx.cluster, device=ctx.measured_device))
         r = layer_cost(layer, AC.NONE, ref, owned, tp_layer=False)
         s_f = m_fwd / r.fwd_s if r.fwd_s > 0 else 1.0
         s_b = m_bwd / r.bwd_s if r.bwd_s > 0 else 1.0

@@ -1,17 +1,36 @@
-"""Use a measured profile (`autopar profile MODEL --device … --out PROFILE.json`) in the cost model.
+"""Measured per-layer times in the cost model: a profile file, or the model measured on this machine's CPU.
 
-The profile holds each layer's forward and backward time at one batch on one device. It applies only to the same
-model (same spec, sequence length and layer names) on a cluster of that device; anything else is refused with
-the reason, never silently mixed.
+A profile (`autopar profile MODEL --device … --out PROFILE.json`) holds each layer's forward and backward time at
+one batch on one device. It applies only to the same model (same spec, sequence length and layer names) on a
+cluster of that device; anything else is refused with the reason, never silently mixed (`load_measured`).
+
+A CPU cluster's device is this machine's CPU (`costmodel.hardware.measure_cpu_device`), so the layer graph the cost
+model uses for it (`layer_graph`) carries each layer measured here, one thread as a gloo rank runs
+(`profiler.measure`, cached on disk), whenever the model is small enough to run here. The roofline prices a
+transformer's GEMMs on this CPU to a few % but not the rest: measured on the validation model (llama, 4 blocks of
+256; `torch.profiler`, one thread), the elementwise, normalisation and rotary ops ran at ~5 GB/s where the device's
+elementwise probe reads 11 (cold operands, broadcasting and strided layouts, SiLU's exponentials), the CPU's
+attention kernel 16-30 % below its probe, and a GPT's dropout draws its random mask at ~7 ns an element: a forward
+and backward 5-35 % slower than priced (Llamas and GPTs of 4 blocks of 256-384, one process). The measured level
+replaces the roofline's layer by layer; the roofline still scales it to each configuration (micro-batch, TP, SP:
+`costmodel.layercost.layer_cost`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from functools import cache
 from pathlib import Path
 
 from costmodel.cluster import Cluster
-from profiler.graph import LayerGraph
+from profiler.graph import LayerGraph, Timings
+
+#: the most of this machine's memory that measuring a model may take (weights, gradients and activations, fp32),
+#: leaving the rest to whatever else runs (a validation's ranks, a test suite)
+MEASURE_MEMORY_SHARE = 0.25
+#: the most seconds the measurement's iterations may take as the roofline prices them
+MEASURE_SECONDS = 30.0
 
 _GPU_KINDS = {"a100-40g": "a100", "a100-80g": "a100", "h100-sxm": "h100", "h200": "h200"}
 
@@ -46,3 +65,70 @@ def load_measured(path: str | Path, lg: LayerGraph, cluster: Cluster) -> tuple[d
         raise ValueError(f"{path} was measured on {m['device']!r} but cluster {cluster.name} has {cluster.device.name} "
                          "devices; measure on that device or drop --profile")
     return layers, int(m["batch"])
+
+
+def layer_graph(model: str, cluster: Cluster, seq: int | None = None) -> LayerGraph:
+    """The layer graph the cost model uses for ``model`` on ``cluster``. On a CPU: the fp32 capture with the CPU's
+    attention kernels, carrying each layer's time measured on this machine (`Timings`; see the module docstring)
+    or why none was. Elsewhere the 16-bit capture, its autocast twin on demand."""
+    from profiler.api import profile_model
+
+    if cluster.device.name.startswith("cpu"):
+        return _cpu_graph(model, seq)
+    return profile_model(model, seq=seq)
+
+
+@cache  # (once per process: a validation prices its plans on one graph, a calibration its runs many times)
+def _cpu_graph(model: str, seq: int | None) -> LayerGraph:
+    from costmodel.hardware import measure_cpu_device
+    from profiler.api import profile_model
+
+    lg = profile_model(model, seq=seq, dtype="fp32", kernels="native")
+    here = measure_cpu_device()  # (this machine, whatever figures the cluster file holds)
+    timings = measure_here(lg, here.peak("fp32"), here.memory_bytes)
+    return dataclasses.replace(lg, timings=dataclasses.replace(timings, device=here))
+
+
+def measure_here(lg: LayerGraph, peak: float, memory: float, *, warmup: int = 2, repeats: int = 5) -> Timings:
+    """Each layer of ``lg`` (an fp32 capture) measured on this machine's CPU with one thread, at the captured batch
+    (`profiler.measure`, cached), when the model fits in `MEASURE_MEMORY_SHARE` of ``memory`` and its iterations
+    take at most `MEASURE_SECONDS` at ``peak`` FLOP/s; otherwise no times, and the note says why."""
+    import torch
+
+    from costmodel.hardware import busy, machine_load
+    from profiler.measure import cached, device_name, measure
+    from profiler.zoo.registry import resolve_model
+
+    g = lg.model
+    state = 8.0 * g.num_params  # fp32 weights and their gradients
+    saved = sum(n.saved_bytes for n in g.nodes)
+    flops = sum(n.fwd_flops + n.bwd_flops for n in g.nodes)
+    need_s = (warmup + repeats) * flops / peak
+    if state + saved > MEASURE_MEMORY_SHARE * memory or need_s > MEASURE_SECONDS:
+        return Timings(layers={}, batch=g.batch, note=(
+            f"priced by the roofline: {g.name} is too large to measure on this machine ({(state + saved) / 2**30:.1f} "
+            f"GiB, ~{need_s:.0f} s; measured up to {MEASURE_MEMORY_SHARE:.0%} of its memory and "
+            f"{MEASURE_SECONDS:.0f} s)"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a gloo rank runs (torchrun: OMP_NUM_THREADS=1), and as the device was measured
+    try:
+        name = device_name(torch.device("cpu"))
+        prof = cached(lg, name, "float32")
+        if prof is None:
+            # measured while every core is busy it reads slow: used, but not cached for the processes after
+            # (as `costmodel.hardware.measure_cpu_device` does)
+            keep = not busy(machine_load())
+            try:
+                source = resolve_model(g.name)
+                module, inputs = source.build(batch=g.batch, seq=g.seq or None, device="cpu")
+                prof = measure(module.float(), inputs, lg, device="cpu", warmup=warmup, repeats=repeats,
+                               use_cache=keep)
+            except Exception as exc:  # noqa: BLE001 (best effort: the plan goes on by the roofline, saying why)
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                return Timings(layers={}, batch=g.batch,
+                               note=f"priced by the roofline: {g.name} could not be measured here ({first})")
+    finally:
+        torch.set_num_threads(threads)
+    return Timings(layers={k: (v.fwd_s, v.bwd_s) for k, v in prof.layers.items()}, batch=prof.batch,
+                   note=(f"measured on this machine layer by layer ({name}, batch {prof.batch}, "
+                         f"`profiler.measure`), the roofline scaling it to each configuration"))

@@ -152,8 +152,18 @@ def _run(path: Path, k: int, item: Any) -> Run:
                global_batch=gb, seq_len=seq, config=cfg, measured_step_s=float(measured))
 
 
+def _graph(model: str, seq_len: int | None, cluster: Cluster):
+    """The layer graph the cost model uses for the run's model on its cluster (`costmodel.measured.layer_graph`,
+    cached there for a CPU)."""
+    from costmodel.measured import layer_graph
+
+    if cluster.device.name.startswith("cpu"):
+        return layer_graph(model, cluster, seq_len)
+    return _gpu_graph(model, seq_len)
+
+
 @cache
-def _graph(model: str, seq_len: int | None):
+def _gpu_graph(model: str, seq_len: int | None):
     from profiler.api import profile_model
 
     return profile_model(model, seq=seq_len)
@@ -173,7 +183,7 @@ def predict(run: Run, device_from: Cluster) -> float:
     from costmodel.estimate import Evaluator
 
     own = dataclasses.replace(_cluster(run.cluster), device=device_from.device)
-    return Evaluator(_graph(run.model, run.seq_len), own, run.config, run.global_batch).evaluate().step_time_s
+    return Evaluator(_graph(run.model, run.seq_len, own), own, run.config, run.global_batch).evaluate().step_time_s
 
 
 def calibrate(runs: Sequence[Run], cluster: Cluster) -> Calibration:

@@ -16,7 +16,7 @@ Conventions:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 
 Shape = tuple[int, ...]
@@ -192,12 +192,33 @@ class Layer:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Timings:
+    """Each layer's forward and backward time measured at one batch on one device (`profiler.measure`), or why
+    none was measured (``layers`` empty)."""
+
+    layers: Mapping[str, tuple[float, float]]  #: layer name → (forward s, backward s) at ``batch``
+    batch: int  #: the batch measured
+    note: str  #: where they were measured, or why not (for reports)
+    #: the device they were measured on as the cost model describes it (`costmodel.hardware.DeviceSpec`; a CPU
+    #: cluster's: this machine's as `measure_cpu_device` measured it); None: the cluster's own device
+    device: object = field(default=None, compare=False)
+
+    @property
+    def measured(self) -> tuple[Mapping[str, tuple[float, float]], int] | None:
+        """What `costmodel.estimate.Evaluator` takes as ``measured``; None when nothing was measured."""
+        return (self.layers, self.batch) if self.layers else None
+
+
+@dataclass(frozen=True, kw_only=True)
 class LayerGraph:
     """The model as a chain of layers, the unit of pipeline partitioning and per-layer strategy choice."""
 
     model: ModelGraph  #: the captured graph the layers were made from
     layers: tuple[Layer, ...]  #: embed, blocks…, head in execution order
     block_container: str  #: FQN of the ModuleList holding the repeated blocks (``''`` if none found)
+    #: each layer's time measured on the machine the cost model prices (`costmodel.measured.layer_graph`: a CPU
+    #: cluster's model measured here), used instead of the roofline's level; None: the roofline's
+    timings: Timings | None = field(default=None, compare=False, repr=False)
     #: makes the same model's graph captured under ``torch.autocast`` (`under_autocast`); None where it cannot be
     recapture: Callable[[], LayerGraph] | None = field(default=None, compare=False, repr=False)
     _twin: list = field(default_factory=list, init=False, compare=False, repr=False)

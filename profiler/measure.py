@@ -120,6 +120,19 @@ def _one_iteration(model, inputs, blocks, clock: _Clock) -> dict[str, tuple[floa
     return out
 
 
+def cached(layers: LayerGraph, device: str, dtype: str) -> Profile | None:
+    """The profile of ``layers`` on ``device`` (`device_name`) in ``dtype`` as an earlier `measure` cached it, or
+    None unless every layer is cached."""
+    batch, seq = layers.model.batch, layers.model.seq
+    hits = {layer.name: cache_dir() / f"{_key(layer.signature, device, dtype, batch, seq)}.json"
+            for layer in layers.layers}
+    if not all(p.exists() for p in hits.values()):
+        return None
+    loaded = {n: LayerTime(**json.loads(p.read_text())) for n, p in hits.items()}
+    return Profile(device=device, dtype=dtype, torch_version=torch.__version__, batch=batch, seq=seq,
+                   layers=loaded, cached=len(loaded))
+
+
 def measure(model: torch.nn.Module, example_inputs, layers: LayerGraph, *, device: str = "cpu",
             warmup: int = 2, repeats: int = 5, use_cache: bool = True) -> Profile:
     """Time every layer of ``model`` (real weights) on ``device``; see the module docstring."""
@@ -131,14 +144,14 @@ def measure(model: torch.nn.Module, example_inputs, layers: LayerGraph, *, devic
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     name = device_name(dev)
     batch, seq = layers.model.batch, layers.model.seq
+    given = tuple(example_inputs[0].shape[:1]) if example_inputs and hasattr(example_inputs[0], "shape") else ()
+    if given and given[0] != batch:  # (the cache and the cost model read the times as the capture's batch)
+        raise ValueError(f"measure: the inputs hold a batch of {given[0]} but the layers were captured at batch "
+                         f"{batch}; build the model's inputs at batch {batch}")
     keys = {layer.name: _key(layer.signature, name, dtype, batch, seq) for layer in layers.layers}
     cdir = cache_dir()
-    if use_cache:
-        hits = {n: cdir / f"{k}.json" for n, k in keys.items()}
-        if all(p.exists() for p in hits.values()):
-            loaded = {n: LayerTime(**json.loads(p.read_text())) for n, p in hits.items()}
-            return Profile(device=name, dtype=dtype, torch_version=torch.__version__, batch=batch, seq=seq,
-                           layers=loaded, cached=len(loaded))
+    if use_cache and (hit := cached(layers, name, dtype)) is not None:
+        return hit
     model = model.to(dev).train()
     inputs = [t.to(dev) for t in example_inputs]
     clock = _Clock(dev)

@@ -638,6 +638,70 @@ def test_measured_profile_sets_the_level_and_the_roofline_the_scaling(tmp_path, 
         load_measured(prof, lg, load_cluster("dgx-h100"))
 
 
+def test_a_cpu_clusters_graph_carries_its_layers_measured_here(tmp_path, monkeypatch):
+    """On a CPU cluster the cost model's graph (`layer_graph`) carries each layer as `profiler.measure` timed it on
+    this machine (one thread; cached unless the machine was busy), and every Evaluator of that graph prices
+    single-rank compute at those times; a GPU cluster's graph carries none; the CLI says which the plan used."""
+    import torch
+
+    import costmodel.hardware
+    from costmodel.measured import _cpu_graph, layer_graph
+    from planner.cli.main import main
+    from profiler.measure import cached, device_name
+
+    def cached_here(lg):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # (as it was measured)
+        try:
+            return cached(lg, device_name(torch.device("cpu")), "float32")
+        finally:
+            torch.set_num_threads(threads)
+
+    monkeypatch.setattr("profiler.measure.cache_dir", lambda: tmp_path / "profile")  # (the device's cache kept)
+    cl = load_cluster("cpu-local")
+    monkeypatch.setattr(costmodel.hardware, "machine_load", lambda: 99.0)
+    _cpu_graph.cache_clear()
+    try:
+        busy = layer_graph("gpt-tiny", cl)
+        assert busy.timings.measured is not None and cached_here(busy) is None, busy.timings.note
+        monkeypatch.setattr(costmodel.hardware, "machine_load", lambda: 0.0)
+        _cpu_graph.cache_clear()
+        lg = layer_graph("gpt-tiny", cl)
+        assert lg.timings is not None and "measured on this machine" in lg.timings.note
+        times, batch = lg.timings.measured
+        assert batch == lg.model.batch and set(times) == {layer.name for layer in lg.layers}
+        prof = cached_here(lg)
+        assert prof is not None and {k: (v.fwd_s, v.bwd_s) for k, v in prof.layers.items()} == dict(times)
+        e = Evaluator(lg, cl, cfg("dp=2,precision=fp32"), 2)  # mbs 1 = the measured batch
+        for i, layer in enumerate(lg.layers):
+            c = e.cost(i, AC.NONE)
+            assert (c.fwd_s, c.bwd_s) == pytest.approx(times[layer.name], rel=1e-9)
+        rough = Evaluator(dataclasses.replace(lg, timings=None), cl, cfg("dp=2,precision=fp32"), 2)
+        assert rough.cost(1, AC.NONE).fwd_s != pytest.approx(times[lg.layers[1].name], rel=1e-3)
+        assert layer_graph("gpt-tiny", load_cluster("dgx-h100")).timings is None
+        assert main(["estimate", "gpt-tiny", "--cluster", "cpu-local", "--config", "dp=2", "--json"]) == 0
+    finally:
+        _cpu_graph.cache_clear()
+
+
+def test_a_model_too_large_to_run_here_is_priced_by_the_roofline_and_says_so():
+    """Measuring builds the model for real: one over the memory or time it may take here is left to the roofline,
+    with the reason; `measure` refuses inputs of another batch than the graph's."""
+    from costmodel.measured import MEASURE_SECONDS, measure_here
+    from profiler.measure import measure
+    from profiler.zoo.registry import resolve_model
+
+    lg = profile_model("gpt-tiny", dtype="fp32", kernels="native")
+    flops = sum(n.fwd_flops + n.bwd_flops for n in lg.model.nodes)
+    slow = measure_here(lg, peak=7 * flops / (2 * MEASURE_SECONDS), memory=1e12)
+    assert slow.measured is None and "too large to measure" in slow.note
+    small = measure_here(lg, peak=1e12, memory=8.0 * lg.model.num_params)
+    assert small.measured is None and "too large to measure" in small.note
+    model, inputs = resolve_model("gpt-tiny").build(batch=2, device="cpu")
+    with pytest.raises(ValueError, match="captured at batch 1"):
+        measure(model, inputs, lg, use_cache=False)
+
+
 def test_gradients_not_yet_held_at_a_single_micro_batch_peak():
     """The runtime zeroes gradients with set_to_none: with one micro-batch and no pipeline (and at GPipe's most
     micro-batches) no backward has run at the activation peak, so FSDP's gradient shards are not there yet

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -58,13 +59,15 @@ TRUTH = Scales(flops=0.5, memory=0.5, latency=(("all_reduce", 4.0), ("all_gather
                                                ("broadcast", 4.0), ("send_recv", 4.0)))
 
 
-def _measured_by(truth, held_out: str | None = None):
+def _measured_by(truth, held_out: str | None = None, *, timed: bool = False):
     """Plans of both models under every configuration, with the parts ``truth`` makes them take; the one named
-    ``held_out`` ("model/config") apart."""
+    ``held_out`` ("model/config") apart. Priced by the roofline alone unless ``timed`` (the layers as measured on
+    this machine, `LayerGraph.timings`)."""
     base = load_cluster("cpu-local")
     fitted, kept = ([], [], []), None
     for spec in (MODEL, BIG):
         lg = profile_for(spec, base)
+        lg = lg if timed else dataclasses.replace(lg, timings=None)
         for cfg in CONFIGS + SEPARATE:
             plan = plan_from_config(spec, "cpu-local", 8, cfg, lg=lg)
             m = _fake_measurement(f"{spec}/{cfg}", predicted_parts(repredict(plan, truth, lg)))
@@ -91,6 +94,20 @@ def test_recalibration_rediscovers_a_slower_machine():
     for p, m, lg in zip(plans, meas, lgs):
         assert repredict(p, res.cluster, lg)["step_time_s"] == pytest.approx(m.step_s, rel=0.02)
         assert predicted_parts(repredict(p, res.cluster, lg))["compute"] == pytest.approx(m.compute_s, rel=0.02)
+
+
+def test_recalibration_scales_compute_measured_on_this_machine():
+    """Every layer measured on this machine (a CPU cluster's graph): a machine with half the FLOP/s computes them
+    2× slower than measured, which the fit finds with the rest (half the memory throughput, 4× every collective
+    latency), leaving the matmul curve's half-point as measured, and reproducing every plan."""
+    base, (plans, meas, lgs) = _measured_by(apply_scales(load_cluster("cpu-local"), TRUTH), timed=True)[:2]
+    assert all(lg.timings.measured for lg in lgs)
+    res = fit(base, plans, meas, lgs)
+    got = res.scales.to_dict()
+    assert got["f_half"] == 1.0
+    assert got["flops"] == pytest.approx(0.5, rel=0.05) and got["memory"] == pytest.approx(0.5, rel=0.05)
+    for p, m, lg in zip(plans, meas, lgs):
+        assert repredict(p, res.cluster, lg)["step_time_s"] == pytest.approx(m.step_s, rel=0.03)
 
 
 def test_recalibration_predicts_a_plan_it_did_not_see():

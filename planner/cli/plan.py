@@ -33,15 +33,22 @@ def load_job(args):
     from dataclasses import replace
 
     from costmodel.cluster import load_cluster
-    from profiler.api import profile_model
+    from costmodel.measured import layer_graph
 
     if args.stack:  # (as the preset's option, so that the plan file's cluster names it)
         args.cluster = f"{args.cluster}:stack={args.stack}"
     cluster = load_cluster(args.cluster)
     if args.memory_fraction is not None:
         cluster = replace(cluster, memory_fraction=args.memory_fraction)
-    lg = profile_model(args.model, seq=args.seq_len)
+    lg = layer_graph(args.model, cluster, args.seq_len)
     return lg, cluster
+
+
+def compute_note(lg, args) -> str | None:
+    """Where the prediction's compute comes from, when not the roofline alone: a --profile, or this machine."""
+    if args.profile:
+        return f"each layer's time from {args.profile} (measured), the roofline scaling it to each configuration"
+    return lg.timings.note if lg.timings is not None else None
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -62,10 +69,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.json:
         out = est.to_json() | {"config": cfg.to_dict(), "global_batch": gb, "seq": lg.model.seq,
                                "model": args.model, "cluster": args.cluster, "compile": bool(args.compile),
-                               "stack": cluster.stack}
+                               "stack": cluster.stack, "compute": compute_note(lg, args)}
         print_json(out)
         return 0
     print_estimate(args.model, args.cluster, cfg, gb, lg, est, file=sys.stdout)
+    if (note := compute_note(lg, args)) is not None:
+        print(f"compute: {note}", file=sys.stdout)
     if args.compile:
         print("blocks compiled (torch.compile): memory-bound ops priced as fused kernels", file=sys.stdout)
     return 0
@@ -134,7 +143,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print_json({"predicted": d["predicted"], "config": d["config"], "stages": d["stages"],
                      "solver": d["solver"], "alternatives": d["alternatives"], "layers": d["layers"],
                      "global_batch": gb, "seq": plan.seq, "model": args.model, "cluster": args.cluster,
-                     "traced": plan.traced, "check": check_note}
+                     "traced": plan.traced, "check": check_note, "compute": compute_note(lg, args)}
                    | ({"baseline": baseline} if baseline else {}))
         return 0
     p, c = plan.predicted, plan.config
@@ -159,6 +168,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from costmodel.stacks import describe
 
         print(f"  stack: {describe(device_kind(cluster.device.name), cluster.stack)}; --stack picks another")
+    if (note := compute_note(lg, args)) is not None:
+        print(f"  compute: {note}")
     sv = plan.solver
     print(f"  solver: {sv['status']} gap {sv['gap']:.2g}, {sv['candidates']} candidates, {sv['pruned']} pruned, "
           f"{sv['solved']} ILPs ({sv['backend']}), {sv['time_s']:.2f} s")

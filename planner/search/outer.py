@@ -599,12 +599,11 @@ def make_plan(lg: LayerGraph, cluster: Cluster, global_batch: int, result: Searc
 
 
 def profile_for(model: str, cluster, seq: int | None = None):
-    """The layer graph the cost model uses for ``model`` on ``cluster`` (CPU: fp32 capture, native kernels)."""
-    from profiler.api import profile_model
+    """The layer graph the cost model uses for ``model`` on ``cluster`` (`costmodel.measured.layer_graph`; CPU: the
+    fp32 capture with CPU kernels, each layer measured on this machine when it fits)."""
+    from costmodel.measured import layer_graph
 
-    if cluster.device.name.startswith("cpu"):
-        return profile_model(model, seq=seq, dtype="fp32", kernels="native")
-    return profile_model(model, seq=seq)
+    return layer_graph(model, cluster, seq)
 
 
 def default_global_batch(cluster: Cluster) -> int:
