@@ -44,9 +44,10 @@ ms more each way); 0 on GPUs; and so does a recomputation of them.
 
 A measured profile (`profiler.measure` on the cluster's device) replaces the roofline's absolute level layer by
 layer: the measured forward and backward at the measured batch, times the roofline's ratio between the
-configuration and that reference (so TP, SP and the micro-batch still scale as the roofline says). The reference is
-priced on the device the times were measured on (`CostContext.measured_device`), so a device recalibrated to be
-slower than it measured scales them too.
+configuration and that reference (so TP, SP, EP, the micro-batch and compilation still scale as the roofline says;
+the reference is one eager process). The graph's own times (`LayerGraph.timings`, a CPU cluster's) are referred to
+the device that measured them (`CostContext.measured_device`), so a device recalibrated to be slower than it
+measured scales them too; a --profile's to the cluster's device.
 
 Activation checkpointing (Korthikanti et al. 2022 Table 2 and §5):
 - ``none`` keeps every saved activation;
@@ -1050,8 +1051,10 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     if ctx.measured and layer.name in ctx.measured:
         # measured times anchor the level; the roofline supplies how it changes with TP, SP and micro-batch
         m_fwd, m_bwd = ctx.measured[layer.name]
+        # the reference is what was measured: one eager process, every expert on it (at the capture's balanced
+        # routing), on the device that measured it
         ref = replace(ctx, tp=1, sp=False, mbs=ctx.measured_batch, measured=None, tp_span=None, cp=1, cp_span=None,
-                      measured_device=None)
+                      compiled=False, ep=1, ep_span=None, imbalance=1.0, measured_device=None)
         if ctx.measured_device is not None and ctx.measured_device != ctx.cluster.device:
             ref = replace(ref, cluster=replace(ctx.cluster, device=ctx.measured_device))
         r = layer_cost(layer, AC.NONE, ref, owned, tp_layer=False)

@@ -74,7 +74,10 @@ def layer_graph(model: str, cluster: Cluster, seq: int | None = None) -> LayerGr
     from profiler.api import profile_model
 
     if cluster.device.name.startswith("cpu"):
-        return _cpu_graph(model, seq)
+        from profiler.zoo.registry import resolve_model
+
+        # (one key per graph, whether the caller spelled out the model's own sequence length or not)
+        return _cpu_graph(model, seq if seq is not None else resolve_model(model).seq)
     return profile_model(model, seq=seq)
 
 
@@ -111,6 +114,7 @@ def measure_here(lg: LayerGraph, peak: float, memory: float, *, warmup: int = 2,
             f"{MEASURE_SECONDS:.0f} s)"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a gloo rank runs (torchrun: OMP_NUM_THREADS=1), and as the device was measured
+    keep = True
     try:
         name = device_name(torch.device("cpu"))
         prof = cached(lg, name, "float32")
@@ -118,17 +122,21 @@ def measure_here(lg: LayerGraph, peak: float, memory: float, *, warmup: int = 2,
             # measured while every core is busy it reads slow: used, but not cached for the processes after
             # (as `costmodel.hardware.measure_cpu_device` does)
             keep = not busy(machine_load())
-            try:
-                source = resolve_model(g.name)
-                module, inputs = source.build(batch=g.batch, seq=g.seq or None, device="cpu")
-                prof = measure(module.float(), inputs, lg, device="cpu", warmup=warmup, repeats=repeats,
-                               use_cache=keep)
-            except Exception as exc:  # noqa: BLE001 (best effort: the plan goes on by the roofline, saying why)
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                return Timings(layers={}, batch=g.batch,
-                               note=f"priced by the roofline: {g.name} could not be measured here ({first})")
+            source = resolve_model(g.name)
+            module, inputs = source.build(batch=g.batch, seq=g.seq or None, device="cpu")
+            prof = measure(module.float(), inputs, lg, device="cpu", warmup=warmup, repeats=repeats, use_cache=keep)
+    except Exception as exc:  # noqa: BLE001 (best effort: the plan goes on by the roofline, saying why)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return Timings(layers={}, batch=g.batch,
+                       note=f"priced by the roofline: {g.name} could not be measured here ({first})")
     finally:
         torch.set_num_threads(threads)
+    missing = [layer.name for layer in lg.layers if layer.name not in prof.layers]
+    if missing:  # (a model without a list of blocks is timed whole, which no layer of the graph is)
+        return Timings(layers={}, batch=g.batch, note=(
+            f"priced by the roofline: {g.name}'s layers could not be timed one by one here (no time for "
+            f"{missing[0]})"))
     return Timings(layers={k: (v.fwd_s, v.bwd_s) for k, v in prof.layers.items()}, batch=prof.batch,
                    note=(f"measured on this machine layer by layer ({name}, batch {prof.batch}, "
-                         f"`profiler.measure`), the roofline scaling it to each configuration"))
+                         f"`profiler.measure`{'' if keep else '; the machine was busy: not cached'}), the roofline "
+                         "scaling it to each configuration"))

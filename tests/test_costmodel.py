@@ -676,6 +676,9 @@ def test_a_cpu_clusters_graph_carries_its_layers_measured_here(tmp_path, monkeyp
         for i, layer in enumerate(lg.layers):
             c = e.cost(i, AC.NONE)
             assert (c.fwd_s, c.bwd_s) == pytest.approx(times[layer.name], rel=1e-9)
+        # the reference is the eager process measured: compiling scales the measured level as the roofline says
+        fused = Evaluator(lg, cl, cfg("dp=2,precision=fp32"), 2, compiled=True)
+        assert fused.cost(1, AC.NONE).fwd_s < e.cost(1, AC.NONE).fwd_s
         rough = Evaluator(dataclasses.replace(lg, timings=None), cl, cfg("dp=2,precision=fp32"), 2)
         assert rough.cost(1, AC.NONE).fwd_s != pytest.approx(times[lg.layers[1].name], rel=1e-3)
         assert layer_graph("gpt-tiny", load_cluster("dgx-h100")).timings is None
@@ -700,6 +703,43 @@ def test_a_model_too_large_to_run_here_is_priced_by_the_roofline_and_says_so():
     model, inputs = resolve_model("gpt-tiny").build(batch=2, device="cpu")
     with pytest.raises(ValueError, match="captured at batch 1"):
         measure(model, inputs, lg, use_cache=False)
+
+
+FLAT_MODEL = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):  # no list of blocks: `profiler.measure` times it whole
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 32)
+
+    def forward(self, ids, labels):
+        return nn.functional.cross_entropy(self.b(torch.relu(self.a(self.emb(ids)))).flatten(0, 1), labels.flatten())
+
+
+def factory(batch=1, seq=8):
+    return Net(), (torch.randint(0, 32, (batch, seq)), torch.randint(0, 32, (batch, seq)))
+"""
+
+
+def test_a_model_whose_layers_cannot_be_timed_one_by_one_stays_on_the_roofline(tmp_path, monkeypatch):
+    """A model without a list of blocks is timed whole, which is no layer of its graph: it is priced by the roofline
+    and says so (not "measured"), and the recalibration counts it as untimed."""
+    from costmodel.measured import _cpu_graph, layer_graph
+
+    monkeypatch.setattr("profiler.measure.cache_dir", lambda: tmp_path / "profile")
+    path = tmp_path / "flat.py"
+    path.write_text(FLAT_MODEL)
+    _cpu_graph.cache_clear()
+    try:
+        lg = layer_graph(f"{path}:factory", load_cluster("cpu-local"))
+    finally:
+        _cpu_graph.cache_clear()
+    assert lg.timings.measured is None and "could not be timed one by one" in lg.timings.note
 
 
 def test_gradients_not_yet_held_at_a_single_micro_batch_peak():

@@ -127,7 +127,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = search(lg, cluster, gb, fix=fix, top_k=args.top_k, time_limit=args.time_limit, measured=measured,
                     compress=args.compress, compiled=bool(args.compile))
     plan = make_plan(lg, cluster, gb, result, model=args.model, cluster_spec=args.cluster, compile=args.compile)
-    baseline = _baseline(args.baseline, lg, cluster, gb, plan.predicted["step_time_s"]) if args.baseline else None
+    baseline = _baseline(args.baseline, lg, cluster, gb, plan.predicted["step_time_s"], measured=measured,
+                         compiled=bool(args.compile)) if args.baseline else None
     plan, check_note = _maybe_check(plan, args.check, tracers)
     script = None
     if args.emit:  # emit first: a plan the emitter refuses leaves no file behind
@@ -198,7 +199,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _baseline(text: str, lg, cluster, gb: int, plan_step_s: float) -> dict:
+def _baseline(text: str, lg, cluster, gb: int, plan_step_s: float, *, measured=None, compiled: bool = False) -> dict:
     """The user's current configuration, predicted on the same job (shared/DESIGN.md: ``baseline`` {config,
     predicted, speedup}); dp fills the cluster when not given."""
     from costmodel.config import ParallelConfig, parse_kv
@@ -222,7 +223,7 @@ def _baseline(text: str, lg, cluster, gb: int, plan_step_s: float) -> dict:
         raise UsageError(f"--baseline {text}: dp·tp·pp = {cfg.world} GPUs, the cluster has {cluster.world_size}")
     if gb % (cfg.dp * cfg.mbs):
         raise UsageError(f"--baseline {text}: global batch {gb} is not a multiple of dp·mbs = {cfg.dp}·{cfg.mbs}")
-    est = estimate(lg, cluster, cfg, gb)
+    est = estimate(lg, cluster, cfg, gb, measured=measured, compiled=compiled)  # (priced as the plan is)
     why = problems(cfg.runnable_facts(gb, arch=lg.model.arch, seq=lg.model.seq))
     return {"config": cfg.to_dict(), "given": text, "predicted": est.to_json(),
             "speedup": est.step_time_s / plan_step_s,
