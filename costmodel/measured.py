@@ -83,19 +83,28 @@ def layer_graph(model: str, cluster: Cluster, seq: int | None = None) -> LayerGr
 
 @cache  # (once per process: a validation prices its plans on one graph, a calibration its runs many times)
 def _cpu_graph(model: str, seq: int | None) -> LayerGraph:
-    from costmodel.hardware import measure_cpu_device
     from profiler.api import profile_model
 
-    lg = profile_model(model, seq=seq, dtype="fp32", kernels="native")
-    here = measure_cpu_device()  # (this machine, whatever figures the cluster file holds)
-    timings = measure_here(lg, here.peak("fp32"), here.memory_bytes)
+    return timed_here(profile_model(model, seq=seq, dtype="fp32", kernels="native"))
+
+
+def timed_here(lg: LayerGraph, build=None) -> LayerGraph:
+    """``lg`` with its layers measured on this machine (`measure_here`), referred to this machine's CPU as measured
+    (`costmodel.hardware.measure_cpu_device`, whatever figures a cluster file holds)."""
+    from costmodel.hardware import measure_cpu_device
+
+    here = measure_cpu_device()
+    timings = measure_here(lg, here.peak("fp32"), here.memory_bytes, build=build)
     return dataclasses.replace(lg, timings=dataclasses.replace(timings, device=here))
 
 
-def measure_here(lg: LayerGraph, peak: float, memory: float, *, warmup: int = 2, repeats: int = 5) -> Timings:
+def measure_here(lg: LayerGraph, peak: float, memory: float, *, build=None, warmup: int = 2,
+                 repeats: int = 5) -> Timings:
     """Each layer of ``lg`` (an fp32 capture) measured on this machine's CPU with one thread, at the captured batch
     (`profiler.measure`, cached), when the model fits in `MEASURE_MEMORY_SHARE` of ``memory`` and its iterations
-    take at most `MEASURE_SECONDS` at ``peak`` FLOP/s; otherwise no times, and the note says why."""
+    take at most `MEASURE_SECONDS` at ``peak`` FLOP/s; otherwise no times, and the note says why. ``build``: makes
+    the (module, example inputs) to time (default: the graph's model spec built on the CPU); the global random
+    state is left as it was (dropout draws during the measurement)."""
     import torch
 
     from costmodel.hardware import busy, machine_load
@@ -122,21 +131,26 @@ def measure_here(lg: LayerGraph, peak: float, memory: float, *, warmup: int = 2,
             # measured while every core is busy it reads slow: used, but not cached for the processes after
             # (as `costmodel.hardware.measure_cpu_device` does)
             keep = not busy(machine_load())
-            source = resolve_model(g.name)
-            module, inputs = source.build(batch=g.batch, seq=g.seq or None, device="cpu")
-            prof = measure(module.float(), inputs, lg, device="cpu", warmup=warmup, repeats=repeats, use_cache=keep)
+            with torch.random.fork_rng(devices=[]):
+                if build is None:
+                    module, inputs = resolve_model(g.name).build(batch=g.batch, seq=g.seq or None, device="cpu")
+                else:
+                    module, inputs = build()
+                prof = measure(module.float(), inputs, lg, device="cpu", warmup=warmup, repeats=repeats,
+                               use_cache=keep)
     except Exception as exc:  # noqa: BLE001 (best effort: the plan goes on by the roofline, saying why)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return Timings(layers={}, batch=g.batch,
                        note=f"priced by the roofline: {g.name} could not be measured here ({first})")
     finally:
         torch.set_num_threads(threads)
+    lg_names = {layer.name for layer in lg.layers}
     missing = [layer.name for layer in lg.layers if layer.name not in prof.layers]
     if missing:  # (a model without a list of blocks is timed whole, which no layer of the graph is)
         return Timings(layers={}, batch=g.batch, note=(
             f"priced by the roofline: {g.name}'s layers could not be timed one by one here (no time for "
             f"{missing[0]})"))
-    return Timings(layers={k: (v.fwd_s, v.bwd_s) for k, v in prof.layers.items()}, batch=prof.batch,
+    return Timings(layers={k: (v.fwd_s, v.bwd_s) for k, v in prof.layers.items() if k in lg_names}, batch=prof.batch,
                    note=(f"measured on this machine layer by layer ({name}, batch {prof.batch}, "
                          f"`profiler.measure`{'' if keep else '; the machine was busy: not cached'}), the roofline "
                          "scaling it to each configuration"))

@@ -742,6 +742,33 @@ def test_a_model_whose_layers_cannot_be_timed_one_by_one_stays_on_the_roofline(t
     assert lg.timings.measured is None and "could not be timed one by one" in lg.timings.note
 
 
+def test_auto_parallelize_times_the_live_module_on_a_cpu_cluster(tmp_path, monkeypatch):
+    """`auto_parallelize`'s plan (`plan_for_module`) on a CPU cluster prices the user's module as `autopar plan`
+    prices a spec: its layers timed here, on a copy, the module's gradients and the global random state untouched."""
+    import torch
+
+    import costmodel.measured as cm
+    from planner.search.outer import plan_for_module
+    from profiler.zoo.registry import resolve_model
+
+    monkeypatch.setattr("profiler.measure.cache_dir", lambda: tmp_path / "profile")
+    seen = []
+    real = cm.measure_here
+
+    def spy(lg, *args, **kw):
+        seen.append((lg, real(lg, *args, **kw)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(cm, "measure_here", spy)
+    model, inputs = resolve_model("gpt-tiny").build(batch=2, device="cpu")
+    rng = torch.get_rng_state()
+    plan = plan_for_module(model, inputs, cluster="cpu-local", time_limit=10)
+    assert torch.equal(rng, torch.get_rng_state()) and all(p.grad is None for p in model.parameters())
+    (lg, timings), = seen
+    assert timings.measured is not None and "measured on this machine" in timings.note
+    assert set(timings.layers) == {layer.name for layer in lg.layers} and plan.predicted["step_time_s"] > 0
+
+
 def test_gradients_not_yet_held_at_a_single_micro_batch_peak():
     """The runtime zeroes gradients with set_to_none: with one micro-batch and no pipeline (and at GPipe's most
     micro-batches) no backward has run at the activation peak, so FSDP's gradient shards are not there yet

@@ -47,6 +47,7 @@ go to the earlier candidate in that order; the ILP backend is deterministic. Tim
 from __future__ import annotations
 
 import bisect
+import copy
 import itertools
 import json
 import sys
@@ -654,6 +655,10 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
     if all(p.dtype == torch.float32 for p in model.parameters() if p.is_floating_point()):
         # what its plans that train under autocast keep (`LayerGraph.under_autocast`)
         lg = replace(lg, recapture=partial(layers, "bf16"))
+        if cl.device.name.startswith("cpu"):  # the module timed here, as `autopar plan` times a model on a CPU
+            from costmodel.measured import timed_here
+
+            lg = timed_here(lg, build=lambda: (copy.deepcopy(model), example_inputs))
     batch = lg.model.batch or 1
     gb = global_batch or batch * cl.world_size
     result = search(lg, cl, gb, **kw)
