@@ -495,9 +495,9 @@ def cpu_peak_now() -> float:
 
 
 def is_measured_cpu(device: DeviceSpec) -> bool:
-    """Whether ``device`` is this machine's CPU as `measure_cpu_device` measured and cached it (a recalibrated
-    cluster file's figures are not; nothing is measured to tell)."""
-    return device.name == "cpu" and device == _cached_cpu_device(cpu_cache_file())
+    """Whether ``device`` is this machine's CPU as `measure_cpu_device` gives it to this process (what
+    ``cpu-local`` holds; a recalibrated cluster file's figures are not)."""
+    return device.name == "cpu" and device == measure_cpu_device()
 
 
 def _measure_cpu_device() -> DeviceSpec:

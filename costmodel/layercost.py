@@ -1055,7 +1055,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         # routing), on the device that measured it
         ref = replace(ctx, tp=1, sp=False, mbs=ctx.measured_batch, measured=None, tp_span=None, cp=1, cp_span=None,
                       compiled=False, ep=1, ep_span=None, imbalance=1.0, measured_device=None)
-        if ctx.measured_device is not None and ctx.measured_device != ctx.cluster.device:
+        if ctx.measured_device is not None:
             ref = replace(ref, cluster=replace(ctx.cluster, device=ctx.measured_device))
         r = layer_cost(layer, AC.NONE, ref, owned, tp_layer=False)
         s_f = m_fwd / r.fwd_s if r.fwd_s > 0 else 1.0

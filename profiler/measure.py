@@ -144,10 +144,11 @@ def measure(model: torch.nn.Module, example_inputs, layers: LayerGraph, *, devic
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     name = device_name(dev)
     batch, seq = layers.model.batch, layers.model.seq
-    given = tuple(example_inputs[0].shape[:1]) if example_inputs and hasattr(example_inputs[0], "shape") else ()
-    if given and given[0] != batch:  # (the cache and the cost model read the times as the capture's batch)
-        raise ValueError(f"measure: the inputs hold a batch of {given[0]} but the layers were captured at batch "
-                         f"{batch}; build the model's inputs at batch {batch}")
+    first = example_inputs[0] if example_inputs else None
+    if isinstance(first, torch.Tensor) and first.dim() and first.shape[0] != batch:  # (the cache and the cost
+        # model read the times as the capture's batch)
+        raise ValueError(f"measure: the inputs hold a batch of {first.shape[0]} but the layers were captured at "
+                         f"batch {batch}; build the model's inputs at batch {batch}")
     keys = {layer.name: _key(layer.signature, name, dtype, batch, seq) for layer in layers.layers}
     cdir = cache_dir()
     if use_cache and (hit := cached(layers, name, dtype)) is not None:

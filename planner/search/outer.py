@@ -652,13 +652,13 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
         return out
 
     lg = layers()
-    if all(p.dtype == torch.float32 for p in model.parameters() if p.is_floating_point()):
-        # what its plans that train under autocast keep (`LayerGraph.under_autocast`)
+    fp32 = all(p.dtype == torch.float32 for p in model.parameters() if p.is_floating_point())
+    if fp32:  # what its plans that train under autocast keep (`LayerGraph.under_autocast`)
         lg = replace(lg, recapture=partial(layers, "bf16"))
-        if cl.device.name.startswith("cpu"):  # the module timed here, as `autopar plan` times a model on a CPU
-            from costmodel.measured import timed_here
+    if fp32 and cl.device.name.startswith("cpu"):  # the module timed here, as `autopar plan` times a CPU's model
+        from costmodel.measured import timed_here
 
-            lg = timed_here(lg, build=lambda: (copy.deepcopy(model), example_inputs))
+        lg = timed_here(lg, build=lambda: (copy.deepcopy(model), example_inputs))
     batch = lg.model.batch or 1
     gb = global_batch or batch * cl.world_size
     result = search(lg, cl, gb, **kw)

@@ -163,7 +163,7 @@ def fit(base: Cluster, plans: list[Plan], measured: list[Measurement], lgs: list
     def scales_of(x) -> Scales:
         v = {n: float(e) for n, e in zip(names, np.exp(x))}
         return Scales(
-            flops=v.get("flops", 1.0),
+            flops=v["flops"],
             f_half=v.get("f_half", 1.0),
             memory=v["memory"],
             bandwidth=tuple((k, float(v[f"bw:{k}"])) for k in kinds),
