@@ -79,6 +79,10 @@ class Plan:
     #: the torch.compile backend the plan's blocks were priced under (`plan --compile`; the emitted script's default
     #: ``--compile``), or None: eager
     compile: str | None = None
+    #: the per-layer profile its compute was priced from (`plan --profile`, the path as given), which `validate`
+    #: prices it from again; None: the cluster's own compute (the roofline, or a CPU cluster's layers as measured
+    #: here, `costmodel.measured.layer_graph`)
+    profile: str | None = None
     #: what its selective layers recompute (`costmodel.runnable.selective_policy` of the model: ``attention-core``,
     #: ``all-but-attention-core`` or ``every-other-matmul``), or None: no layer is selective (a plan file without
     #: it: ``attention-core``)
@@ -98,6 +102,7 @@ class Plan:
             "stages": [s.to_dict() for s in self.stages], "predicted": self.predicted, "solver": self.solver,
             "alternatives": list(self.alternatives), "provenance": self.provenance,
         } | ({"traced": self.traced} if self.traced else {}) | ({"compile": self.compile} if self.compile else {}) \
+            | ({"profile": self.profile} if self.profile else {}) \
             | ({"selective": self.selective} if self.selective else {})
 
     def dumps(self) -> str:
@@ -132,11 +137,15 @@ class Plan:
             raise ValueError(f"{source}: malformed entry ({exc}); re-run `autopar plan`") from None
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from None
+        profile = d.get("profile") or None
+        if profile is not None and not isinstance(profile, str):
+            raise ValueError(f"{source}: profile must be the path of a profile file, got {profile!r}; re-run "
+                             "`autopar plan`")
         plan = Plan(model=d["model"], fingerprint=d["fingerprint"], seq=int(d["seq"]),
                     global_batch=int(d["global_batch"]), cluster=d["cluster"], config=config, layers=layers,
                     stages=stages, predicted=d.get("predicted") or {}, solver=d.get("solver") or {},
                     alternatives=tuple(d.get("alternatives") or ()), provenance=d.get("provenance") or {},
-                    traced=d.get("traced") or {}, compile=d.get("compile") or None,
+                    traced=d.get("traced") or {}, compile=d.get("compile") or None, profile=profile,
                     selective=d.get("selective") or None)
         plan.validate(source=source)
         return plan

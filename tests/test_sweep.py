@@ -58,3 +58,25 @@ def test_sweep_html_plots_each_value_and_marks_changes(tmp_path):
     assert html.count('<g class="pt">') == 3
     assert html.count('class="change"') >= 1
     assert "grad=powersgd" in html or "grad=bf16" in html  # the slow end compresses its gradients
+
+
+@pytest.mark.parametrize("flag", [["--profile", "prof.json"], ["--compile"], ["--baseline", "dp=2"],
+                                  ["--emit", "train.py"], ["--check", "on"]])
+def test_a_sweep_refuses_what_it_would_not_do(flag, tmp_path, capsys):
+    """A sweep plans each value afresh and writes a table: a flag it does not honour is refused in one line (exit
+    2), not dropped (it once ran on the roofline with a --profile that did not exist), and nothing is written."""
+    from planner.cli.main import main
+
+    out = tmp_path / "sweep.json"
+    rc = main(["plan", "gpt-tiny", "--cluster", "cpu-local", "--sweep", "global_batch=8,16", "--out", str(out),
+               *[str(tmp_path / f) if f.endswith((".json", ".py")) else f for f in flag]])
+    err = capsys.readouterr().err
+    assert rc == 2 and flag[0] in err and "--sweep" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_html_without_a_sweep_is_refused(tmp_path, capsys):
+    from planner.cli.main import main
+
+    rc = main(["plan", "gpt-tiny", "--cluster", "cpu-local", "--html", str(tmp_path / "x.html")])
+    assert rc == 2 and "--sweep" in capsys.readouterr().err and not (tmp_path / "x.html").exists()

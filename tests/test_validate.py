@@ -272,3 +272,29 @@ def test_measured_plans_become_runs_calibrate_reads(tmp_path):
     (run,) = load_runs(path)
     assert (run.model, run.global_batch, run.measured_step_s) == (model, 8, 0.25)
     assert run.config == even.config and run.config.sp is True and run.config.ac == AC.FULL
+
+
+def test_a_plan_priced_from_a_profile_is_repriced_from_it(tmp_path):
+    """`plan --profile` records the profile in the plan file, and `validate` (``repredict``, the recalibration's
+    fit) prices the plan from it again, not from this machine's own layer times; a profile gone is said, not
+    replaced."""
+    from planner.cli.main import main
+    from planner.plan import Plan
+
+    base = load_cluster("cpu-local")
+    lg = profile_for(MODEL, base)
+    prof = tmp_path / "prof.json"  # every layer ten times slower than this machine measured it
+    prof.write_text(json.dumps({"model": lg.model.name, "seq": lg.model.seq, "measured": {
+        "device": "cpu:test", "batch": lg.timings.batch,
+        "layers": {k: {"fwd_s": 10 * f, "bwd_s": 10 * b} for k, (f, b) in lg.timings.layers.items()}}}))
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", MODEL, "--cluster", "cpu-local", "--global-batch", "8", "--fix", "dp=2,mbs=1",
+                 "--profile", str(prof), "--check", "off", "--out", str(out)]) == 0
+    plan = Plan.load(out)
+    assert plan.profile == str(prof)
+    assert repredict(plan, base, lg)["step_time_s"] == pytest.approx(plan.predicted["step_time_s"], rel=1e-9)
+    own = repredict(dataclasses.replace(plan, profile=None), base, lg)
+    assert own["breakdown_s"]["compute"] < 0.2 * plan.predicted["breakdown_s"]["compute"]
+    prof.unlink()
+    with pytest.raises(ValueError, match="priced from profile .*prof.json.* not found"):
+        repredict(plan, base, lg)

@@ -105,6 +105,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from planner.files import write_atomic
     from planner.search.outer import default_global_batch, make_plan, search
 
+    if args.html and not args.sweep:
+        from planner.cli.common import UsageError
+
+        raise UsageError("--html writes a sweep's page: add --sweep KEY=v1,v2,… (or drop --html; `autopar inspect "
+                         "PLAN.yaml --html` renders a plan)")
     if args.sweep:
         from planner.cli.sweep import run_sweep
 
@@ -126,7 +131,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         measured = load_measured(args.profile, lg, cluster)
     result = search(lg, cluster, gb, fix=fix, top_k=args.top_k, time_limit=args.time_limit, measured=measured,
                     compress=args.compress, compiled=bool(args.compile))
-    plan = make_plan(lg, cluster, gb, result, model=args.model, cluster_spec=args.cluster, compile=args.compile)
+    plan = make_plan(lg, cluster, gb, result, model=args.model, cluster_spec=args.cluster, compile=args.compile,
+                     profile=args.profile)
     baseline = _baseline(args.baseline, lg, cluster, gb, plan.predicted["step_time_s"], measured=measured,
                          compiled=bool(args.compile)) if args.baseline else None
     plan, check_note = _maybe_check(plan, args.check, tracers)

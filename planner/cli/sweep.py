@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from planner.cli.common import print_json
+from planner.cli.common import UsageError, print_json
 from planner.files import write_atomic
 from planner.search.sweep import SWEEP_KEYS, sweep
 
@@ -44,6 +44,16 @@ def run_sweep(args: argparse.Namespace) -> int:
     from costmodel.config import parse_kv
 
     key, values = parse_sweep(args.sweep)
+    # (what a sweep does not do is refused, not dropped: each value is a search of its own, on the roofline or this
+    # machine's measured layers, and writes a table, not a plan)
+    for flag, attr in (("--profile", "profile"), ("--compile", "compile"), ("--baseline", "baseline"),
+                       ("--emit", "emit")):
+        if getattr(args, attr, None):
+            raise UsageError(f"{flag} is not supported with --sweep yet: run `autopar plan` once per value with "
+                             f"{flag}")
+    if getattr(args, "check", None) == "on":
+        raise UsageError("--check on is not supported with --sweep yet: check each plan with `autopar plan` or "
+                         "`autopar check PLAN.yaml`")
     fix_text = getattr(args, "fix", None)
     fix = parse_kv(fix_text, what="--fix") if isinstance(fix_text, str) else dict(fix_text or {})
     res = sweep(args.model, args.cluster, key, values, global_batch=getattr(args, "global_batch", None),

@@ -564,9 +564,10 @@ __all__ = ["search", "candidates", "Bounds", "SearchResult", "Alternative", "NoP
 
 # ------------------------------------------------------------------------------------------------------ plans
 def make_plan(lg: LayerGraph, cluster: Cluster, global_batch: int, result: SearchResult, *, model: str,
-              cluster_spec: str, compile: str | None = None) -> Plan:
+              cluster_spec: str, compile: str | None = None, profile: str | None = None) -> Plan:
     """The frozen Plan of a search result (per-layer strategies, stages, prediction, solver facts); ``compile``:
-    the torch.compile backend it was searched under (`search`'s ``compiled``)."""
+    the torch.compile backend it was searched under (`search`'s ``compiled``); ``profile``: the profile file its
+    layers were priced from (`search`'s ``measured``)."""
     import yaml
 
     from costmodel.cluster import dump_cluster
@@ -592,7 +593,7 @@ def make_plan(lg: LayerGraph, cluster: Cluster, global_batch: int, result: Searc
                          for a in result.alternatives)
     return Plan(model=model, fingerprint=lg.model.fingerprint, seq=lg.model.seq, global_batch=global_batch,
                 cluster=cluster_spec, config=cfg, layers=layers, stages=stages, predicted=best.estimate.to_json(),
-                solver=solver, alternatives=alternatives, compile=compile,
+                solver=solver, alternatives=alternatives, compile=compile, profile=profile,
                 selective=selective_of(lg, best.acs),
                 # workaround: plan.provenance returns torch.__version__ as a TorchVersion (a str subclass) that
                 # yaml.safe_dump refuses; a JSON round trip makes every value a plain type

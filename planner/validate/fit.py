@@ -5,8 +5,9 @@ Free parameters (all multiplicative, fitted in log space, 1 = unchanged):
 - device: ``flops`` scales the matmul throughput (folded into ``matmul_eff.e_max`` up to 1, the rest into the
   peak), ``f_half`` is the size at which a matmul reaches half of ``e_max`` (small matmuls are slower), ``memory``
   scales the memory-bound throughput (``memory_eff`` up to 1, the rest into ``hbm_bw``). Where every plan's
-  compute was measured layer by layer on this machine (`LayerGraph.timings`, a CPU cluster), ``f_half`` stays 1
-  and ``flops`` scales the measured level (ranks sharing the cores compute slower than the one process measured);
+  compute was measured layer by layer (`LayerGraph.timings` on a CPU cluster, or the plan's ``--profile``),
+  ``f_half`` stays 1; ``flops`` scales the level measured here (ranks sharing the cores compute slower than the one
+  process measured) but not a profile's, which is referred to the cluster's device (`costmodel.layercost`);
 - links: for each collective kind the measured plans' predictions read (`kinds_used`: all_reduce: DDP, TP and the
   step's scalars; broadcast: ZeRO-1; all_gather and reduce_scatter: ZeRO-2/3, sequence and context parallelism;
   all_to_all: experts; send_recv: pipelines), a bandwidth scale and a latency scale applied to both links'
@@ -152,11 +153,12 @@ def fit(base: Cluster, plans: list[Plan], measured: list[Measurement], lgs: list
         raise ValueError("--recalibrate needs at least one measured plan")
     lgs = lgs or [profile_for(p.model, base, seq=p.seq) for p in plans]
     kinds = kinds_used(plans, base, lgs)
-    # compute measured layer by layer on this machine (`LayerGraph.timings`) leaves the matmul curve's half-point
-    # only the shape of the compute's scaling with the micro-batch to fit, which a handful of plans over-fit
-    # (0.14 seen): it keeps the device's measured value; ``flops`` still moves the measured level
-    # (`CostContext.measured_device`): how much slower the ranks compute than the one process measured
-    timed = all(lg.timings is not None and lg.timings.measured for lg in lgs)
+    # compute measured layer by layer (on this machine, `LayerGraph.timings`, or the plan's profile) leaves the
+    # matmul curve's half-point only the shape of the compute's scaling with the micro-batch to fit, which a handful
+    # of plans over-fit (0.14 seen): it keeps the device's measured value; ``flops`` still moves the level measured
+    # here (`CostContext.measured_device`): how much slower the ranks compute than the one process measured
+    timed = all(plan.profile or (lg.timings is not None and lg.timings.measured)
+                for plan, lg in zip(plans, lgs, strict=True))
     names = ["flops"] + ([] if timed else ["f_half"]) + ["memory"] + [f"bw:{k}" for k in kinds] + [
         f"lat:{k}" for k in kinds]
 

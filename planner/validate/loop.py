@@ -120,13 +120,23 @@ def as_runs(plans: dict[str, Plan], measured: dict[str, Measurement], lgs: list)
 
 
 def repredict(plan: Plan, cluster, lg=None) -> dict:
-    """The plan's estimate on another cluster (e.g. a recalibrated one), same layers, stages and AC."""
+    """The plan's estimate on another cluster (e.g. a recalibrated one), same layers, stages and AC, its compute
+    priced as the plan's was (from its profile file when it was made with one)."""
     from costmodel.estimate import Evaluator
 
     lg = lg or profile_for(plan.model, cluster, seq=plan.seq)
+    measured = None
+    if plan.profile:
+        from costmodel.measured import load_measured
+
+        try:
+            measured = load_measured(plan.profile, lg, cluster)
+        except ValueError as exc:
+            raise ValueError(f"the plan was priced from profile {plan.profile}, which cannot be read again: {exc}") \
+                from None
     acs = [lay.ac for lay in plan.layers]
     stage_of = [lay.stage for lay in plan.layers]
-    return Evaluator(lg, cluster, plan.config, plan.global_batch,
+    return Evaluator(lg, cluster, plan.config, plan.global_batch, measured=measured,
                      compiled=bool(plan.compile)).evaluate(acs, stage_of).to_json()
 
 
