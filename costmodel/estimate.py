@@ -356,14 +356,18 @@ class Evaluator:
         q_width, kv_width = _attention_widths(arch)
         shared = cache if cache is not None else {}
         measured = measured if measured is not None else shared.get("measured")
-        measured_device = None
+        measured_device, larger = None, None
         if measured is None and lg.timings is not None:  # (a CPU cluster's model measured here: `layer_graph`)
             measured, measured_device = lg.timings.measured, lg.timings.device
+            if measured and lg.timings.larger:
+                larger = (lg.timings.larger, lg.timings.larger_batch)
         compiled = compiled or bool(shared.get("compiled"))  # (a search's candidates, `planner.search.outer`)
         self.ctx = CostContext(cluster=cluster, tp=cfg.tp, sp=cfg.sp, mbs=cfg.mbs,
                                captured_batch=lg.model.batch, precision=cfg.precision, act_scale=self.act_scale,
                                tp_span=self.tp_span, measured=measured[0] if measured else None,
                                measured_batch=measured[1] if measured else 1, measured_device=measured_device,
+                               measured_larger=larger[0] if larger else None,
+                               measured_larger_batch=larger[1] if larger else 0,
                                in_place_loss=in_place_loss,
                                gathered_column_inputs=gathered_column_inputs, seq_relayout=seq_relayout,
                                compiled=compiled,

@@ -45,7 +45,9 @@ ms more each way); 0 on GPUs; and so does a recomputation of them.
 A measured profile (`profiler.measure` on the cluster's device) replaces the roofline's absolute level layer by
 layer: the measured forward and backward at the measured batch, times the roofline's ratio between the
 configuration and that reference (so TP, SP, EP, the micro-batch and compilation still scale as the roofline says;
-the reference is one eager process). The graph's own times (`LayerGraph.timings`, a CPU cluster's) are referred to
+the reference is one eager process). Measured at a second, larger batch too (a CPU cluster's layers timed here), a
+layer's time is the line through both: a fixed part plus one in proportion to the roofline (`measured_scale`).
+The graph's own times (`LayerGraph.timings`, a CPU cluster's) are referred to
 the device that measured them (`CostContext.measured_device`), so a device recalibrated to be slower than it
 measured scales them too; a --profile's to the cluster's device.
 
@@ -196,6 +198,10 @@ class CostContext:
     #: None: the cluster's. The level is the measured time × the roofline's ratio between this configuration on the
     #: cluster's device and the measured batch on that one, so a recalibrated device (a slower machine) moves it
     measured_device: DeviceSpec | None = None
+    #: the same layers measured at ``measured_larger_batch`` too (`profiler.graph.Timings.larger`); None: at
+    #: ``measured_batch`` only (the level then scales in proportion to the roofline)
+    measured_larger: Mapping[str, tuple[float, float]] | None = None
+    measured_larger_batch: int = 0
     #: the software stack's loss computes its gradient in place (flash-attn's fused CrossEntropyLoss, which
     #: llm-foundry's ``loss_fn: fused_crossentropy`` uses; Megatron-LM's vocab-parallel cross entropy): the head adds
     #: no backward working set. autopar's runtime uses ``F.cross_entropy``, which does (traced by `autopar check`)
@@ -925,6 +931,22 @@ def _kept_outside_core_bytes(n: NodeInfo, by_name: Mapping[str, NodeInfo], viewe
     return 0.0
 
 
+def measured_scale(m: float, r: float, x: float, m2: float | None = None, r2: float = 0.0) -> float:
+    """The measured level over the roofline's at a configuration the roofline prices at ``x`` seconds, from a time
+    ``m`` measured where the roofline prices ``r``: ``m / r`` (in proportion), or, with a second time ``m2`` where
+    it prices ``r2`` > ``r``, the line through both: a part that does not grow with the work (the host's dispatch,
+    caches, allocation beyond the per-op overhead the roofline holds) plus one in proportion to the roofline,
+    ``β + c·x`` with ``c = (m2 − m) / (r2 − r)``. That fixed part is kept within [0, m] (a noisy pair can put the
+    line through the origin's other side): the line then pivots on ``m``."""
+    if r <= 0 or x <= 0:
+        return 1.0
+    if m2 is None or r2 <= r:
+        return m / r
+    c = (m2 - m) / (r2 - r)
+    fixed = min(max(m - c * r, 0.0), m)
+    return (fixed + (m - fixed) / r * x) / x
+
+
 def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, ...], *,
                tp_layer: bool | None = None) -> LayerCost:
     """Cost of ``layer`` with checkpointing ``ac`` for one micro-batch on one rank (see the module docstring).
@@ -1054,12 +1076,16 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         # the reference is what was measured: one eager process, every expert on it (at the capture's balanced
         # routing), on the device that measured it
         ref = replace(ctx, tp=1, sp=False, mbs=ctx.measured_batch, measured=None, tp_span=None, cp=1, cp_span=None,
-                      compiled=False, ep=1, ep_span=None, imbalance=1.0, measured_device=None)
+                      compiled=False, ep=1, ep_span=None, imbalance=1.0, measured_device=None, measured_larger=None,
+                      measured_larger_batch=0)
         if ctx.measured_device is not None:
             ref = replace(ref, cluster=replace(ctx.cluster, device=ctx.measured_device))
         r = layer_cost(layer, AC.NONE, ref, owned, tp_layer=False)
-        s_f = m_fwd / r.fwd_s if r.fwd_s > 0 else 1.0
-        s_b = m_bwd / r.bwd_s if r.bwd_s > 0 else 1.0
+        big = (ctx.measured_larger or {}).get(layer.name)
+        r2 = layer_cost(layer, AC.NONE, replace(ref, mbs=ctx.measured_larger_batch), owned, tp_layer=False) \
+            if big else None
+        s_f = measured_scale(m_fwd, r.fwd_s, fwd, big[0] if big else None, r2.fwd_s if r2 else 0.0)
+        s_b = measured_scale(m_bwd, r.bwd_s, bwd, big[1] if big else None, r2.bwd_s if r2 else 0.0)
         fwd, bwd, core_fwd, rec_fwd, op_rec = fwd * s_f, bwd * s_b, core_fwd * s_f, rec_fwd * s_f, op_rec * s_f
     fwd, bwd, rec_fwd, op_rec = fwd + dt_f, bwd + dt_b, rec_fwd + dt_rec_full, op_rec + dt_op_rec
 

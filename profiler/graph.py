@@ -193,8 +193,8 @@ class Layer:
 
 @dataclass(frozen=True, kw_only=True)
 class Timings:
-    """Each layer's forward and backward time measured at one batch on one device (`profiler.measure`), or why
-    none was measured (``layers`` empty)."""
+    """Each layer's forward and backward time measured at one batch on one device (`profiler.measure`), and at a
+    larger one when it fits, or why none was measured (``layers`` empty)."""
 
     layers: Mapping[str, tuple[float, float]]  #: layer name → (forward s, backward s) at ``batch``
     batch: int  #: the batch measured
@@ -202,6 +202,10 @@ class Timings:
     #: the device they were measured on as the cost model describes it (`costmodel.hardware.DeviceSpec`; a CPU
     #: cluster's: this machine's as `measure_cpu_device` measured it); None: the cluster's own device
     device: object = field(default=None, compare=False)
+    #: the same layers measured at ``larger_batch`` (empty: only ``batch`` was): with the two, a layer's time is
+    #: a part that does not grow with the batch plus one that grows as the roofline does (`costmodel.layercost`)
+    larger: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    larger_batch: int = 0  #: the batch of ``larger`` (0: none)
 
     @property
     def measured(self) -> tuple[Mapping[str, tuple[float, float]], int] | None:

@@ -29,7 +29,7 @@ from profiler.graph import LayerGraph
 
 @dataclass(frozen=True, kw_only=True)
 class LayerTime:
-    """Measured time of one layer for the captured batch."""
+    """Measured time of one layer at the profile's batch."""
 
     fwd_s: float  #: forward seconds
     bwd_s: float  #: backward seconds
@@ -120,10 +120,10 @@ def _one_iteration(model, inputs, blocks, clock: _Clock) -> dict[str, tuple[floa
     return out
 
 
-def cached(layers: LayerGraph, device: str, dtype: str) -> Profile | None:
-    """The profile of ``layers`` on ``device`` (`device_name`) in ``dtype`` as an earlier `measure` cached it, or
-    None unless every layer is cached."""
-    batch, seq = layers.model.batch, layers.model.seq
+def cached(layers: LayerGraph, device: str, dtype: str, batch: int | None = None) -> Profile | None:
+    """The profile of ``layers`` on ``device`` (`device_name`) in ``dtype`` at ``batch`` (default: the capture's)
+    as an earlier `measure` cached it, or None unless every layer is cached."""
+    batch, seq = batch or layers.model.batch, layers.model.seq
     hits = {layer.name: cache_dir() / f"{_key(layer.signature, device, dtype, batch, seq)}.json"
             for layer in layers.layers}
     if not all(p.exists() for p in hits.values()):
@@ -134,8 +134,9 @@ def cached(layers: LayerGraph, device: str, dtype: str) -> Profile | None:
 
 
 def measure(model: torch.nn.Module, example_inputs, layers: LayerGraph, *, device: str = "cpu",
-            warmup: int = 2, repeats: int = 5, use_cache: bool = True) -> Profile:
-    """Time every layer of ``model`` (real weights) on ``device``; see the module docstring."""
+            warmup: int = 2, repeats: int = 5, use_cache: bool = True, batch: int | None = None) -> Profile:
+    """Time every layer of ``model`` (real weights) on ``device`` with ``example_inputs`` of ``batch`` rows (default:
+    the batch ``layers`` were captured at); see the module docstring."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible here; use --device cpu or run on a GPU machine")
@@ -143,15 +144,15 @@ def measure(model: torch.nn.Module, example_inputs, layers: LayerGraph, *, devic
         raise ValueError("measure needs real weights: build the model on a real device, not 'meta'")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     name = device_name(dev)
-    batch, seq = layers.model.batch, layers.model.seq
+    batch, seq = batch or layers.model.batch, layers.model.seq
     first = example_inputs[0] if example_inputs else None
     if isinstance(first, torch.Tensor) and first.dim() and first.shape[0] != batch:  # (the cache and the cost
-        # model read the times as the capture's batch)
-        raise ValueError(f"measure: the inputs hold a batch of {first.shape[0]} but the layers were captured at "
-                         f"batch {batch}; build the model's inputs at batch {batch}")
+        # model read the times as this batch's)
+        raise ValueError(f"measure: the inputs hold a batch of {first.shape[0]}, not {batch}; build the model's "
+                         f"inputs at batch {batch}")
     keys = {layer.name: _key(layer.signature, name, dtype, batch, seq) for layer in layers.layers}
     cdir = cache_dir()
-    if use_cache and (hit := cached(layers, name, dtype)) is not None:
+    if use_cache and (hit := cached(layers, name, dtype, batch)) is not None:
         return hit
     model = model.to(dev).train()
     inputs = [t.to(dev) for t in example_inputs]

@@ -676,6 +676,28 @@ def test_a_cpu_clusters_graph_carries_its_layers_measured_here(tmp_path, monkeyp
         for i, layer in enumerate(lg.layers):
             c = e.cost(i, AC.NONE)
             assert (c.fwd_s, c.bwd_s) == pytest.approx(times[layer.name], rel=1e-9)
+        # and at the larger batch measured beside it, which the level goes through too: a fixed part plus one in
+        # proportion to the roofline (the fixed part kept within [0, the smaller batch's time])
+        four = lg.timings.larger_batch
+        assert four == 4 * batch and set(lg.timings.larger) == set(times), lg.timings.note
+        bare = dataclasses.replace(lg, timings=None)
+        r1 = Evaluator(bare, cl, cfg("dp=2,precision=fp32"), 2)
+        r4 = Evaluator(bare, cl, cfg(f"dp=2,mbs={four},precision=fp32"), 2 * four)
+        e4 = Evaluator(lg, cl, cfg(f"dp=2,mbs={four},precision=fp32"), 2 * four)
+        e8 = Evaluator(lg, cl, cfg(f"dp=2,mbs={2 * four},precision=fp32"), 4 * four)
+        r8 = Evaluator(bare, cl, cfg(f"dp=2,mbs={2 * four},precision=fp32"), 4 * four)
+        for i, layer in enumerate(lg.layers):
+            for k in (0, 1):  # forward, backward
+                m1, m4 = times[layer.name][k], lg.timings.larger[layer.name][k]
+                x1, x4, x8 = ((c.fwd_s, c.bwd_s)[k] for c in (r1.cost(i, AC.NONE), r4.cost(i, AC.NONE),
+                                                             r8.cost(i, AC.NONE)))
+                fixed = min(max(m1 - (m4 - m1) / (x4 - x1) * x1, 0.0), m1)
+                assert (e4.cost(i, AC.NONE).fwd_s, e4.cost(i, AC.NONE).bwd_s)[k] == pytest.approx(
+                    fixed + (m1 - fixed) * x4 / x1, rel=1e-9)
+                assert (e8.cost(i, AC.NONE).fwd_s, e8.cost(i, AC.NONE).bwd_s)[k] == pytest.approx(
+                    fixed + (m1 - fixed) * x8 / x1, rel=1e-9)
+                if 0 < m1 - (m4 - m1) / (x4 - x1) * x1 < m1:  # (the line through both, unclamped)
+                    assert (e4.cost(i, AC.NONE).fwd_s, e4.cost(i, AC.NONE).bwd_s)[k] == pytest.approx(m4, rel=1e-9)
         # the reference is the eager process measured: compiling scales the measured level as the roofline says
         fused = Evaluator(lg, cl, cfg("dp=2,precision=fp32"), 2, compiled=True)
         assert fused.cost(1, AC.NONE).fwd_s < e.cost(1, AC.NONE).fwd_s
@@ -700,9 +722,15 @@ def test_a_model_too_large_to_run_here_is_priced_by_the_roofline_and_says_so():
     assert slow.measured is None and "too large to measure" in slow.note
     small = measure_here(lg, peak=1e12, memory=8.0 * lg.model.num_params)
     assert small.measured is None and "too large to measure" in small.note
+    # the captured batch fits, four times it does not: measured alone, scaled in proportion
+    one = measure_here(lg, peak=14 * flops / MEASURE_SECONDS, memory=1e12)
+    assert one.measured is not None and not one.larger and one.larger_batch == 0
+    assert "batch 4 not measured" in one.note and "in proportion" in one.note
     model, inputs = resolve_model("gpt-tiny").build(batch=2, device="cpu")
-    with pytest.raises(ValueError, match="captured at batch 1"):
+    with pytest.raises(ValueError, match="a batch of 2, not 1"):
         measure(model, inputs, lg, use_cache=False)
+    with pytest.raises(ValueError, match="a batch of 2, not 4"):
+        measure(model, inputs, lg, use_cache=False, batch=4)
 
 
 FLAT_MODEL = """
@@ -767,6 +795,8 @@ def test_auto_parallelize_times_the_live_module_on_a_cpu_cluster(tmp_path, monke
     (lg, timings), = seen
     assert timings.measured is not None and "measured on this machine" in timings.note
     assert set(timings.layers) == {layer.name for layer in lg.layers} and plan.predicted["step_time_s"] > 0
+    # and at four times the example's batch: its rows repeated
+    assert timings.larger_batch == 4 * lg.model.batch == 8 and set(timings.larger) == set(timings.layers)
 
 
 def test_gradients_not_yet_held_at_a_single_micro_batch_peak():
@@ -1447,3 +1477,21 @@ def test_weights_are_read_once_per_micro_batch_not_once_per_sequence(monkeypatch
             else:
                 assert (f_bytes, b_bytes) == (pytest.approx(0.0, abs=1e-6), pytest.approx(0.0, abs=1e-6)), n.name
         assert weighted == (7 if layer.kind == "block" else 1)
+
+
+def test_measured_scale_is_the_line_through_two_measured_batches():
+    """`measured_scale`: one time scales in proportion to the roofline; two give a fixed part plus a proportional
+    one, through both points; a fixed part outside [0, m] (noise) pivots the line on the first point."""
+    from costmodel.layercost import measured_scale
+
+    assert measured_scale(2.0, 1.0, 3.0) == pytest.approx(2.0)
+    # 1 s fixed + 1 s per roofline second: 2 s where the roofline says 1, 5 s where it says 4
+    assert measured_scale(2.0, 1.0, 1.0, 5.0, 4.0) * 1.0 == pytest.approx(2.0)
+    assert measured_scale(2.0, 1.0, 4.0, 5.0, 4.0) * 4.0 == pytest.approx(5.0)
+    assert measured_scale(2.0, 1.0, 8.0, 5.0, 4.0) * 8.0 == pytest.approx(9.0)
+    # steeper than proportional (a negative fixed part): in proportion to the first point
+    assert measured_scale(2.0, 1.0, 8.0, 12.0, 4.0) == pytest.approx(2.0)
+    # flat or falling (a fixed part over m): the first point's time throughout
+    assert measured_scale(2.0, 1.0, 8.0, 1.5, 4.0) * 8.0 == pytest.approx(2.0)
+    # no second point, or one the roofline does not put above the first: in proportion
+    assert measured_scale(2.0, 1.0, 8.0, 5.0, 1.0) == pytest.approx(2.0)

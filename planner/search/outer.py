@@ -563,6 +563,18 @@ __all__ = ["search", "candidates", "Bounds", "SearchResult", "Alternative", "NoP
 
 
 # ------------------------------------------------------------------------------------------------------ plans
+def _rows(inputs, batch: int) -> list:
+    """``inputs`` (a batch of B rows in each tensor's first dimension) as ``batch`` rows: each tensor repeated
+    batch / B times along its first dimension; anything else as it is."""
+    import torch
+
+    b = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim()), batch)
+    if batch % b:
+        raise ValueError(f"{batch} rows from inputs of {b}")
+    return [t.repeat(batch // b, *[1] * (t.dim() - 1)) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == b
+            else t for t in inputs]
+
+
 def make_plan(lg: LayerGraph, cluster: Cluster, global_batch: int, result: SearchResult, *, model: str,
               cluster_spec: str, compile: str | None = None, profile: str | None = None) -> Plan:
     """The frozen Plan of a search result (per-layer strategies, stages, prediction, solver facts); ``compile``:
@@ -659,7 +671,7 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
     if fp32 and cl.device.name.startswith("cpu"):  # the module timed here, as `autopar plan` times a CPU's model
         from costmodel.measured import timed_here
 
-        lg = timed_here(lg, build=lambda: (copy.deepcopy(model), example_inputs))
+        lg = timed_here(lg, build=lambda b: (copy.deepcopy(model), _rows(example_inputs, b)))
     batch = lg.model.batch or 1
     gb = global_batch or batch * cl.world_size
     result = search(lg, cl, gb, **kw)
