@@ -246,9 +246,15 @@ class Cluster:
                              f"balanced load), got {self.moe_imbalance!r}")
 
     @property
+    def memory_per_rank_bytes(self) -> float:
+        """The memory one rank has: its device's, or its share of the host's where the ranks of a node share it (a
+        CPU's, ``DeviceSpec.host_memory``)."""
+        return self.device.memory_bytes / (self.gpus_per_node if self.device.host_memory else 1)
+
+    @property
     def memory_budget_bytes(self) -> float:
-        """What a plan's peak may reach on one device: ``memory_fraction`` of its memory."""
-        return self.memory_fraction * self.device.memory_bytes
+        """What a plan's peak may reach on one rank: ``memory_fraction`` of its memory (`memory_per_rank_bytes`)."""
+        return self.memory_fraction * self.memory_per_rank_bytes
 
     def without_curves(self) -> Cluster:
         """This cluster with both links' size curves at their fastest (:meth:`Link.without_curves`)."""
@@ -580,8 +586,8 @@ def _parse_curve(ctx: _Ctx, where: str, data: Mapping[str, Any]) -> SizeCurve:
         raise ctx.error(f"{where}: {exc}") from None
 
 
-_DEVICE_KEYS = ("name", "peak_tflops", "memory_GiB", "memory_GB", "hbm_bw_GBps", "matmul_eff", "memory_eff",
-                "attention_eff", "fp8_eff", "overlap_slowdown", "op_overhead_us", "dtensor_overhead_us",
+_DEVICE_KEYS = ("name", "host_memory", "peak_tflops", "memory_GiB", "memory_GB", "hbm_bw_GBps", "matmul_eff",
+                "memory_eff", "attention_eff", "fp8_eff", "overlap_slowdown", "op_overhead_us", "dtensor_overhead_us",
                 "dtensor_us_per_MB", "fsdp_overhead_us", "fsdp_copy_GBps", "runtime_reserved_GiB", "source")
 
 
@@ -633,6 +639,11 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
     copy_bw = value.get("fsdp_copy_GBps", 0.0)
     if isinstance(copy_bw, bool) or not isinstance(copy_bw, (int, float)) or copy_bw < 0:
         raise ctx.error(f"device.fsdp_copy_GBps must be a number ≥ 0 (0: the memory bandwidth), got {copy_bw!r}")
+    # the host's memory, shared by a node's ranks (a CPU device); a file without the key: a CPU's is
+    host = value.get("host_memory", str(value.get("name", "")).startswith("cpu"))
+    if not isinstance(host, bool):
+        raise ctx.error(f"device.host_memory must be true or false (the ranks of a node share the memory), got "
+                        f"{host!r}")
     reserved = None
     if "runtime_reserved_GiB" in value:  # measured: what the CUDA context and NCCL hold outside torch's allocator
         reserved = _get(ctx, value, "runtime_reserved_GiB", float, "device")
@@ -653,6 +664,7 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
         dtensor_byte_s=dtensor_byte,
         fsdp_overhead_s=fsdp,
         fsdp_copy_bw=_decimal(copy_bw, 9),
+        host_memory=host,
         source=str(value.get("source", f"from {ctx.origin}")),
         **effs,
     )
@@ -794,6 +806,7 @@ def _dump_device(device: DeviceSpec, stack: str | None = None) -> str | dict[str
         **({"fsdp_overhead_us": {k: [_round12(t / US) for t in v] for k, v in device.fsdp_overhead_s.items()}}
            if device.fsdp_overhead_s else {}),
         **({"fsdp_copy_GBps": _round12(device.fsdp_copy_bw / GB)} if device.fsdp_copy_bw else {}),
+        "host_memory": device.host_memory,
         "source": device.source,
     } | ({"runtime_reserved_GiB": device.runtime_reserved / GiB} if device.runtime_reserved is not None else {})
 

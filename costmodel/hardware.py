@@ -16,7 +16,7 @@ import functools
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -140,6 +140,9 @@ class DeviceSpec:
     #: bytes the runtime holds outside torch's caching allocator (CUDA context, NCCL buffers) when measured (a
     #: cluster file's ``runtime_reserved_GiB``); None: modelled per plan (`costmodel.memory.runtime_reserved_bytes`)
     runtime_reserved: float | None = None
+    #: ``memory_bytes`` is the host's memory, which every rank of a node shares (a CPU: gloo processes), so a rank
+    #: may plan on its share only (`costmodel.cluster.Cluster.memory_per_rank_bytes`); False: each rank's own (a GPU)
+    host_memory: bool = False
     #: where the peaks and the memory_eff come from.
     source: str = ""
 
@@ -193,7 +196,7 @@ class DeviceSpec:
                      self.op_overhead_s, tuple(sorted(self.dtensor_overhead_s.items())),
                      tuple(sorted(self.dtensor_byte_s.items())),
                      tuple(sorted(self.fsdp_overhead_s.items())), self.fsdp_copy_bw, self.runtime_reserved,
-                     self.source))
+                     self.host_memory, self.source))
 
     def dtensor_overhead(self, op: str, nbytes: float = 0.0) -> tuple[float, float]:
         """(forward, backward) seconds DTensor adds to one ``op`` (a ``DTENSOR_OPS`` key) whose forward reads and
@@ -336,6 +339,24 @@ CPU_OVERLAP_SLOWDOWN = 1.0
 _CPU_MEASURE_VERSION = 5
 
 
+#: cgroup files that hold the memory a container may use (v2, then v1); "max" or a figure past the RAM: no limit
+_CGROUP_MEMORY = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def host_memory_bytes(cgroup_files: Sequence[str] = _CGROUP_MEMORY) -> float:
+    """The memory this machine's processes may use: its physical RAM (``os.sysconf``), or its cgroup's limit where
+    that is lower (a container's)."""
+    ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    for path in cgroup_files:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < ram:
+            return float(int(text))
+    return ram
+
+
 def machine_load() -> float | None:
     """Runnable threads on this machine, averaged over the last minute (``os.getloadavg``), or None where unknown."""
     try:
@@ -403,7 +424,9 @@ def _cached_cpu_device(path: Path) -> DeviceSpec | None:
     d["dtensor_overhead_s"] = {k: tuple(v) for k, v in d["dtensor_overhead_s"].items()}
     d["dtensor_byte_s"] = {k: tuple(v) for k, v in d["dtensor_byte_s"].items()}
     d["fsdp_overhead_s"] = {k: tuple(v) for k, v in d["fsdp_overhead_s"].items()}
-    return DeviceSpec(**d, matmul_eff=curve, overlap_slowdown=CPU_OVERLAP_SLOWDOWN)
+    # (the memory a container may use now, which can differ from when it was measured)
+    d["memory_bytes"] = min(d["memory_bytes"], host_memory_bytes())
+    return DeviceSpec(**d, matmul_eff=curve, overlap_slowdown=CPU_OVERLAP_SLOWDOWN, host_memory=True)
 
 
 def _write_cached(path: Path, dev: DeviceSpec, load: float | None) -> None:
@@ -522,7 +545,8 @@ def _measure_cpu_device() -> DeviceSpec:
     - fsdp_overhead_s, fsdp_copy_bw: what FSDP2 adds per group and per parameter tensor to each all-gather and
       reduce-scatter, and the rate of its copies (`_measure_fsdp_overhead`, a process of its own).
 
-    Memory = physical RAM (``os.sysconf``). ~30 s, once per machine.
+    Memory = physical RAM, or the container's cgroup limit where lower (`host_memory_bytes`), which the ranks on
+    the machine share (``host_memory``). ~30 s, once per machine.
     """
     import numpy as np
     import torch  # local: importing the catalog must not import torch
@@ -587,7 +611,7 @@ def _measure_cpu_device() -> DeviceSpec:
 
     dtensor, dtensor_byte, probe = _measure_dtensor_overhead()
     fsdp, copy_bw, fsdp_probe = _measure_fsdp_overhead()
-    ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    ram = host_memory_bytes()
     return DeviceSpec(
         name="cpu",
         peak_flops={"fp32": peak},
@@ -602,6 +626,7 @@ def _measure_cpu_device() -> DeviceSpec:
         fsdp_overhead_s=fsdp,
         fsdp_copy_bw=copy_bw,
         overlap_slowdown=CPU_OVERLAP_SLOWDOWN,
+        host_memory=True,
         source=f"measured on this machine, 1 thread, torch {torch.__version__}, {time.strftime('%Y-%m-%d')} "
                f"(`costmodel.hardware._measure_cpu_device`); {probe}; {fsdp_probe}",
     )

@@ -368,3 +368,38 @@ def test_detect_cluster_refuses_an_unknown_gpu():
 
     with pytest.raises(ValueError, match="no cluster preset for GPU 'Tesla T4'"):
         detect_cluster({"WORLD_SIZE": "1"}, ("Tesla T4", 16 * 2**30))
+
+
+def test_ranks_sharing_a_hosts_memory_plan_on_their_share(tmp_path):
+    """A CPU device's memory is the host's, which the ranks of its node share (gloo processes): each rank plans on
+    its share, a GPU on its own memory; the property round-trips through a cluster file, where a ``cpu`` device
+    without it is the host's; the host's memory is a container's cgroup limit where that is lower than the RAM."""
+    from costmodel.hardware import host_memory_bytes
+
+    c = load_cluster("cpu-local")
+    assert c.device.host_memory and c.memory_per_rank_bytes == c.device.memory_bytes / 2
+    assert c.memory_budget_bytes == pytest.approx(c.memory_fraction * c.device.memory_bytes / 2)
+    assert load_cluster("cpu-local:gpus_per_node=4").memory_per_rank_bytes == c.device.memory_bytes / 4
+    h = load_cluster("dgx-h100")
+    assert not h.device.host_memory and h.memory_per_rank_bytes == h.device.memory_bytes
+    text = """\
+name: host
+device: {name: cpu, peak_tflops: {fp32: 0.1}, memory_GiB: 16, hbm_bw_GBps: 10}
+gpus_per_node: 4
+nodes: 1
+intra: {bw_GBps: 1.8, latency_us: 50}
+inter: {bw_GBps: 1.8, latency_us: 50}
+"""
+    shared = parse_cluster_yaml(text, "host.yaml")
+    assert shared.device.host_memory and shared.memory_per_rank_bytes == 4 * 2**30
+    assert parse_cluster_yaml(dump_cluster(shared)) == shared
+    own = parse_cluster_yaml(text.replace("hbm_bw_GBps: 10", "hbm_bw_GBps: 10, host_memory: false"))
+    assert not own.device.host_memory and own.memory_per_rank_bytes == 16 * 2**30
+    assert parse_cluster_yaml(dump_cluster(own)) == own
+    with pytest.raises(ValueError, match="host_memory must be true or false"):
+        parse_cluster_yaml(text.replace("hbm_bw_GBps: 10", "hbm_bw_GBps: 10, host_memory: 2"))
+    ram = host_memory_bytes(())
+    limit = tmp_path / "memory.max"
+    for content, expect in (("max\n", ram), (f"{2**30}\n", 2**30), (f"{2**63 - 4096}\n", ram), ("", ram)):
+        limit.write_text(content)
+        assert host_memory_bytes((str(tmp_path / "absent"), str(limit))) == expect

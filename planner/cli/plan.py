@@ -163,11 +163,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         acs[lay.ac.value] = acs.get(lay.ac.value, 0) + 1
     peak = p['memory_per_gpu_bytes']['peak']
     reserved = runtime_reserved_bytes(c, cluster.device)
+    share = (f": 1/{cluster.gpus_per_node} of the host's {cluster.device.memory_bytes / 2**30:.1f} GiB, which its "
+             f"{cluster.gpus_per_node} ranks share" if cluster.device.host_memory and cluster.gpus_per_node > 1 else "")
     print(f"  step {p['step_time_s']:.4g} s, {p['tokens_per_s']:.4g} tokens/s, MFU {p['mfu']:.1%}, "
           f"peak memory {peak / 2**30:.2f} GiB per GPU of a "
           f"{cluster.memory_budget_bytes / 2**30:.1f} GiB budget ({cluster.memory_fraction:.0%} of "
-          f"{cluster.device.memory_bytes / 2**30:.1f} GiB); AC per layer {json.dumps(acs)}")
-    print(f"  memory: {(cluster.device.memory_bytes - peak) / 2**30:.2f} GiB of headroom on the device"
+          f"{cluster.memory_per_rank_bytes / 2**30:.1f} GiB{share}); AC per layer {json.dumps(acs)}")
+    print(f"  memory: {(cluster.memory_per_rank_bytes - peak) / 2**30:.2f} GiB of headroom on the device"
           + (f"; the peak includes {reserved / 2**30:.2f} GiB for the CUDA context and NCCL's buffers "
              f"({len(communicators(c))} communicators{', pipeline peers' if c.pp > 1 else ''})" if reserved else ""))
     if cluster.stack:
