@@ -426,7 +426,8 @@ def _cached_cpu_device(path: Path) -> DeviceSpec | None:
     d["fsdp_overhead_s"] = {k: tuple(v) for k, v in d["fsdp_overhead_s"].items()}
     # (the memory a container may use now, which can differ from when it was measured)
     d["memory_bytes"] = min(d["memory_bytes"], host_memory_bytes())
-    return DeviceSpec(**d, matmul_eff=curve, overlap_slowdown=CPU_OVERLAP_SLOWDOWN, host_memory=True)
+    d["host_memory"] = d.get("host_memory", True)
+    return DeviceSpec(**d, matmul_eff=curve, overlap_slowdown=CPU_OVERLAP_SLOWDOWN)
 
 
 def _write_cached(path: Path, dev: DeviceSpec, load: float | None) -> None:
@@ -437,6 +438,7 @@ def _write_cached(path: Path, dev: DeviceSpec, load: float | None) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"version": _CPU_MEASURE_VERSION, "load": load, "name": dev.name,
                                "peak_flops": dict(dev.peak_flops), "memory_bytes": dev.memory_bytes,
+                               "host_memory": dev.host_memory,
                                "hbm_bw": dev.hbm_bw, "memory_eff": dev.memory_eff,
                                "attention_eff": dev.attention_eff, "op_overhead_s": list(dev.op_overhead_s),
                                "dtensor_overhead_s": {k: list(v) for k, v in dev.dtensor_overhead_s.items()},

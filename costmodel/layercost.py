@@ -936,15 +936,16 @@ def measured_scale(m: float, r: float, x: float, m2: float | None = None, r2: fl
     ``m`` measured where the roofline prices ``r``: ``m / r`` (in proportion), or, with a second time ``m2`` where
     it prices ``r2`` > ``r``, the line through both: a part that does not grow with the work (the host's dispatch,
     caches, allocation beyond the per-op overhead the roofline holds) plus one in proportion to the roofline,
-    ``β + c·x`` with ``c = (m2 − m) / (r2 − r)``. That fixed part is kept within [0, m] (a noisy pair can put the
-    line through the origin's other side): the line then pivots on ``m``."""
+    ``β + c·x`` with ``c = (m2 − m) / (r2 − r)``. A line steeper than proportional (β < 0: the time grows faster
+    than the roofline says, as caches overflow) holds above the first point and gives way to proportion below it,
+    where it would reach 0; one falling with the work (β > m: noise) is flat at ``m``."""
     if r <= 0 or x <= 0:
         return 1.0
     if m2 is None or r2 <= r:
         return m / r
     c = (m2 - m) / (r2 - r)
-    fixed = min(max(m - c * r, 0.0), m)
-    return (fixed + (m - fixed) / r * x) / x
+    fixed = min(m - c * r, m)
+    return max(fixed + c * x if c > 0 else m, m / r * x if fixed < 0 else 0.0) / x
 
 
 def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, ...], *,

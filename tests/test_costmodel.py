@@ -645,6 +645,7 @@ def test_a_cpu_clusters_graph_carries_its_layers_measured_here(tmp_path, monkeyp
     import torch
 
     import costmodel.hardware
+    from costmodel.layercost import measured_scale
     from costmodel.measured import _cpu_graph, layer_graph
     from planner.cli.main import main
     from profiler.measure import cached, device_name
@@ -677,7 +678,7 @@ def test_a_cpu_clusters_graph_carries_its_layers_measured_here(tmp_path, monkeyp
             c = e.cost(i, AC.NONE)
             assert (c.fwd_s, c.bwd_s) == pytest.approx(times[layer.name], rel=1e-9)
         # and at the larger batch measured beside it, which the level goes through too: a fixed part plus one in
-        # proportion to the roofline (the fixed part kept within [0, the smaller batch's time])
+        # proportion to the roofline (`measured_scale`, tested on its own below), each priced on the right reference
         four = lg.timings.larger_batch
         assert four == 4 * batch and set(lg.timings.larger) == set(times), lg.timings.note
         bare = dataclasses.replace(lg, timings=None)
@@ -691,12 +692,10 @@ def test_a_cpu_clusters_graph_carries_its_layers_measured_here(tmp_path, monkeyp
                 m1, m4 = times[layer.name][k], lg.timings.larger[layer.name][k]
                 x1, x4, x8 = ((c.fwd_s, c.bwd_s)[k] for c in (r1.cost(i, AC.NONE), r4.cost(i, AC.NONE),
                                                              r8.cost(i, AC.NONE)))
-                fixed = min(max(m1 - (m4 - m1) / (x4 - x1) * x1, 0.0), m1)
-                assert (e4.cost(i, AC.NONE).fwd_s, e4.cost(i, AC.NONE).bwd_s)[k] == pytest.approx(
-                    fixed + (m1 - fixed) * x4 / x1, rel=1e-9)
-                assert (e8.cost(i, AC.NONE).fwd_s, e8.cost(i, AC.NONE).bwd_s)[k] == pytest.approx(
-                    fixed + (m1 - fixed) * x8 / x1, rel=1e-9)
-                if 0 < m1 - (m4 - m1) / (x4 - x1) * x1 < m1:  # (the line through both, unclamped)
+                for ev, x in ((e4, x4), (e8, x8)):
+                    assert (ev.cost(i, AC.NONE).fwd_s, ev.cost(i, AC.NONE).bwd_s)[k] == pytest.approx(
+                        measured_scale(m1, x1, x, m4, x4) * x, rel=1e-9)
+                if m4 > m1:  # (rising with the batch, as every layer does: through the larger batch's time)
                     assert (e4.cost(i, AC.NONE).fwd_s, e4.cost(i, AC.NONE).bwd_s)[k] == pytest.approx(m4, rel=1e-9)
         # the reference is the eager process measured: compiling scales the measured level as the roofline says
         fused = Evaluator(lg, cl, cfg("dp=2,precision=fp32"), 2, compiled=True)
@@ -1363,13 +1362,19 @@ def test_cpu_device_measured_by_an_older_version_is_measured_again(tmp_path, mon
                                 matmul_eff=hardware.EfficiencyCurve(e_max=1.0, f_half=2e6, source="fit"),
                                 memory_eff=1.0, attention_eff=0.6, op_overhead_s=(2.5e-6, 4e-6),
                                 fsdp_overhead_s={"gather": (1.8e-4, 1e-5), "reduce": (2.7e-4, 2e-5)},
-                                fsdp_copy_bw=9.7e9, overlap_slowdown=hardware.CPU_OVERLAP_SLOWDOWN, source="new")
+                                fsdp_copy_bw=9.7e9, overlap_slowdown=hardware.CPU_OVERLAP_SLOWDOWN, host_memory=True,
+                                source="new")
     calls = []
     monkeypatch.setattr(hardware, "_measure_cpu_device", lambda: calls.append(1) or fresh)
     monkeypatch.setattr(hardware, "machine_load", lambda: 0.0)
     assert hardware.measure_cpu_device.__wrapped__() == fresh and calls == [1]
     assert json.loads(path.read_text())["version"] == hardware._CPU_MEASURE_VERSION
     assert hardware.measure_cpu_device.__wrapped__() == fresh and calls == [1]  # read back, not measured
+    # a container's memory limit lowered since: read back at the limit
+    host = hardware.host_memory_bytes
+    monkeypatch.setattr(hardware, "host_memory_bytes", lambda: 5e8)
+    assert hardware.measure_cpu_device.__wrapped__() == dataclasses.replace(fresh, memory_bytes=5e8)
+    monkeypatch.setattr(hardware, "host_memory_bytes", host)
 
     # measured on a busy machine: shared while the machine stays busy, measured again once it is quiet
     path.unlink()
@@ -1481,7 +1486,8 @@ def test_weights_are_read_once_per_micro_batch_not_once_per_sequence(monkeypatch
 
 def test_measured_scale_is_the_line_through_two_measured_batches():
     """`measured_scale`: one time scales in proportion to the roofline; two give a fixed part plus a proportional
-    one, through both points; a fixed part outside [0, m] (noise) pivots the line on the first point."""
+    one, through both points; a line steeper than proportional holds above the first point and gives way to
+    proportion below it; one falling with the work (noise) is flat."""
     from costmodel.layercost import measured_scale
 
     assert measured_scale(2.0, 1.0, 3.0) == pytest.approx(2.0)
@@ -1489,9 +1495,42 @@ def test_measured_scale_is_the_line_through_two_measured_batches():
     assert measured_scale(2.0, 1.0, 1.0, 5.0, 4.0) * 1.0 == pytest.approx(2.0)
     assert measured_scale(2.0, 1.0, 4.0, 5.0, 4.0) * 4.0 == pytest.approx(5.0)
     assert measured_scale(2.0, 1.0, 8.0, 5.0, 4.0) * 8.0 == pytest.approx(9.0)
-    # steeper than proportional (a negative fixed part): in proportion to the first point
-    assert measured_scale(2.0, 1.0, 8.0, 12.0, 4.0) == pytest.approx(2.0)
+    # steeper than proportional (a negative fixed part): through both points above the first, proportional below
+    assert measured_scale(2.0, 1.0, 4.0, 12.0, 4.0) * 4.0 == pytest.approx(12.0)
+    assert measured_scale(2.0, 1.0, 8.0, 12.0, 4.0) * 8.0 == pytest.approx(2.0 + 10.0 / 3.0 * 7.0)
+    assert measured_scale(2.0, 1.0, 0.5, 12.0, 4.0) == pytest.approx(2.0)
     # flat or falling (a fixed part over m): the first point's time throughout
     assert measured_scale(2.0, 1.0, 8.0, 1.5, 4.0) * 8.0 == pytest.approx(2.0)
     # no second point, or one the roofline does not put above the first: in proportion
     assert measured_scale(2.0, 1.0, 8.0, 5.0, 1.0) == pytest.approx(2.0)
+
+
+def test_auto_parallelize_on_more_ranks_of_this_host_shares_its_memory():
+    """More ranks than a CPU preset has are more processes on this host, sharing its memory (not more hosts): the
+    plan names the cluster it was made for; a cluster given with options must match the world size."""
+    from planner.search.outer import plan_for_module
+    from profiler.zoo.registry import resolve_model
+
+    model, inputs = resolve_model("gpt-tiny").build(batch=1, device="cpu")
+    plan = plan_for_module(model, inputs, cluster="cpu-local", world_size=4, time_limit=10)
+    c = plan.config
+    assert plan.cluster == "cpu-local:gpus_per_node=4" and c.dp * c.tp * c.pp * c.cp == 4
+    cl = load_cluster(plan.cluster)
+    assert cl.memory_per_rank_bytes == cl.device.memory_bytes / 4
+    with pytest.raises(ValueError, match="world size 3 but cluster cpu-local:nodes=1"):
+        plan_for_module(model, inputs, cluster="cpu-local:nodes=1", world_size=3, time_limit=10)
+
+
+def test_example_rows_repeated_for_a_larger_batch():
+    """`_rows` (auto_parallelize's second measured batch): every tensor holding the example's batch in its first
+    dimension repeated to the larger batch, anything else as it is; a batch that is no multiple is refused."""
+    import torch
+
+    from planner.search.outer import _rows
+
+    ids, mask, scale = torch.arange(6).reshape(2, 3), torch.ones(2, 1, 3), 0.5
+    big = _rows([ids, mask, scale], 8)
+    assert big[0].shape == (8, 3) and torch.equal(big[0][2:4], ids) and big[1].shape == (8, 1, 3)
+    assert big[2] == 0.5
+    with pytest.raises(ValueError, match="5 rows from inputs of 2"):
+        _rows([ids], 5)

@@ -13,7 +13,15 @@ import pytest
 from costmodel.cluster import dump_cluster, load_cluster, parse_cluster_yaml
 from planner.search.outer import profile_for
 from planner.validate.fit import Scales, apply_scales, fit
-from planner.validate.loop import Measurement, compare, plan_from_config, predicted_parts, repredict, spearman
+from planner.validate.loop import (
+    Measurement,
+    as_runs,
+    compare,
+    plan_from_config,
+    predicted_parts,
+    repredict,
+    spearman,
+)
 
 MODEL = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32"
 CONFIGS = ["dp=2", "dp=2,zero=3", "tp=2", "pp=2,schedule=gpipe", "pp=2,schedule=1f1b", "dp=2,grad_compress=fp16"]
@@ -295,6 +303,17 @@ def test_a_plan_priced_from_a_profile_is_repriced_from_it(tmp_path):
     assert repredict(plan, base, lg)["step_time_s"] == pytest.approx(plan.predicted["step_time_s"], rel=1e-9)
     own = repredict(dataclasses.replace(plan, profile=None), base, lg)
     assert own["breakdown_s"]["compute"] < 0.2 * plan.predicted["breakdown_s"]["compute"]
+    # its compute measured layer by layer, the recalibration keeps the matmul curve's half-point (as for a graph
+    # timed here); and it is no run for `autopar calibrate`, which prices runs on the cluster's own compute
+    parts = predicted_parts(plan.predicted)
+    meas = _fake_measurement("p", parts | {"step": 1.5 * parts["step"], "compute": 1.7 * parts["compute"]})
+    bare = dataclasses.replace(lg, timings=None)  # (on the roofline alone the half-point moves: 1.7 seen)
+    assert fit(base, [plan], [meas], [bare]).scales.f_half == 1.0
+    assert fit(base, [dataclasses.replace(plan, profile=None)], [meas], [bare]).scales.f_half != pytest.approx(1.0)
+    assert as_runs({"p": plan}, {"p": meas}, [lg]) == ([], ["p"])
     prof.unlink()
-    with pytest.raises(ValueError, match="priced from profile .*prof.json.* not found"):
+    with pytest.raises(ValueError, match="priced from profile .*prof.json.* not found.*delete the plan file's"):
         repredict(plan, base, lg)
+    # validate says so before it runs the plans, not after
+    rc = main(["validate", str(out), "--recalibrate", str(tmp_path / "recal.yaml"), "--steps", "1"])
+    assert rc == 2 and not (tmp_path / "recal.yaml").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from costmodel.compression import COMPRESSION_POLICIES
 from costmodel.memory import communicators, runtime_reserved_bytes
@@ -20,12 +21,19 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=positive_int, help="sequence length (default: the model's)")
     p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
     p.add_argument("--memory-fraction", type=fraction,
-                   help="share of each device's memory a plan may fill (default: the cluster file's memory_fraction, "
+                   help="share of each rank's memory a plan may fill (a GPU's own; on a CPU its share of the host's; "
+                        "default: the cluster file's memory_fraction, "
                         "else 0.90; the CUDA context and NCCL's buffers are counted inside it, the rest is headroom "
                         "for what the memory model leaves out)")
     p.add_argument("--stack", choices=sorted(STACKS),
                    help="the software stack whose measured efficiency the prediction uses (a preset's stack=NAME "
                         f"option; default {DEFAULT_STACK}, what autopar emits)")
+
+
+def name_stack(args) -> None:
+    """``--stack NAME`` as the preset's ``stack=NAME`` option, so that the plan file's cluster names it (once)."""
+    if getattr(args, "stack", None) and f":stack={args.stack}" not in args.cluster:
+        args.cluster = f"{args.cluster}:stack={args.stack}"
 
 
 def load_job(args):
@@ -35,8 +43,7 @@ def load_job(args):
     from costmodel.cluster import load_cluster
     from costmodel.measured import layer_graph
 
-    if args.stack:  # (as the preset's option, so that the plan file's cluster names it)
-        args.cluster = f"{args.cluster}:stack={args.stack}"
+    name_stack(args)
     cluster = load_cluster(args.cluster)
     if args.memory_fraction is not None:
         cluster = replace(cluster, memory_fraction=args.memory_fraction)
@@ -113,6 +120,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.sweep:
         from planner.cli.sweep import run_sweep
 
+        name_stack(args)  # (each value's cluster with the stack asked for)
+
         return run_sweep(args)
     fix = parse_kv(args.fix or "", what="--fix")
     tracers = None
@@ -132,7 +141,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = search(lg, cluster, gb, fix=fix, top_k=args.top_k, time_limit=args.time_limit, measured=measured,
                     compress=args.compress, compiled=bool(args.compile))
     plan = make_plan(lg, cluster, gb, result, model=args.model, cluster_spec=args.cluster, compile=args.compile,
-                     profile=args.profile)
+                     profile=str(Path(args.profile).resolve()) if args.profile else None)
     baseline = _baseline(args.baseline, lg, cluster, gb, plan.predicted["step_time_s"], measured=measured,
                          compiled=bool(args.compile)) if args.baseline else None
     plan, check_note = _maybe_check(plan, args.check, tracers)

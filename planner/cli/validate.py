@@ -16,7 +16,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from planner.files import write_atomic
     from planner.plan import Plan
     from planner.search.outer import profile_for
-    from planner.validate.loop import compare, render, repredict, run_plans, summary
+    from planner.validate.loop import compare, plan_profile, render, repredict, run_plans, summary
 
     if args.steps < 1 or args.warmup < 0:
         raise UsageError(f"--steps {args.steps} must be ≥ 1 and --warmup {args.warmup} ≥ 0")
@@ -37,6 +37,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     # and after the plans run (an error of the size of the drift is the machine's, not the cost model's)
     cpu = next((d for d in map(_device_of, sorted(clusters)) if d is not None and is_measured_cpu(d)), None)
     speed = {"cached_flops": cpu.peak("fp32"), "before_flops": cpu_peak_now()} if cpu else None
+    if args.recalibrate or args.runs_out:  # each plan's layer graph, captured once for both
+        base = load_cluster(args.cluster or next(iter(clusters)))
+        lgs = [profile_for(p.model, base, seq=p.seq) for p in plans.values()]
+        for p, lg in zip(plans.values(), lgs, strict=True):  # (a profile gone is said before the plans run)
+            plan_profile(p, lg, base)
     measured = run_plans(plans, steps=args.steps, warmup=args.warmup, nproc=args.nproc, rounds=args.rounds)
     if speed:
         speed["after_flops"] = cpu_peak_now()
@@ -45,9 +50,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
               "summary": summary(comps)}
     if speed:
         result["machine_speed"] = speed
-    if args.recalibrate or args.runs_out:  # each plan's layer graph, captured once for both
-        base = load_cluster(args.cluster or next(iter(clusters)))
-        lgs = [profile_for(p.model, base, seq=p.seq) for p in plans.values()]
     if args.runs_out:  # the measurements as runs for `autopar calibrate`
         import yaml
 
@@ -83,7 +85,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.runs_out:
         out = result["runs_out"]
         print(f"wrote {args.runs_out}: {out['runs']} measured runs for `autopar calibrate {args.runs_out} --cluster "
-              f"…`" + (f" (left out, per-layer choices: {', '.join(out['left_out'])})" if out["left_out"] else ""))
+              f"…`" + (f" (left out, per-layer choices or priced from a profile: {', '.join(out['left_out'])})"
+                       if out["left_out"] else ""))
     return 0
 
 

@@ -641,8 +641,12 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
 
     cl = load_cluster(cluster)
     if world_size is not None and world_size != cl.world_size:
-        cl = load_cluster(f"{cluster}:nodes={world_size // cl.gpus_per_node}") \
-            if world_size % cl.gpus_per_node == 0 and ":" not in cluster else cl
+        if ":" not in cluster and cl.device.host_memory and cl.nodes == 1:  # (a host's ranks: more processes on
+            cluster = f"{cluster}:gpus_per_node={world_size}"  # it, sharing its memory)
+            cl = load_cluster(cluster)
+        elif ":" not in cluster and world_size % cl.gpus_per_node == 0:
+            cluster = f"{cluster}:nodes={world_size // cl.gpus_per_node}"
+            cl = load_cluster(cluster)
         if world_size != cl.world_size:
             raise ValueError(f"world size {world_size} but cluster {cluster} has {cl.world_size} GPUs; pass a "
                              "cluster with that many GPUs")

@@ -6,8 +6,9 @@ Free parameters (all multiplicative, fitted in log space, 1 = unchanged):
   peak), ``f_half`` is the size at which a matmul reaches half of ``e_max`` (small matmuls are slower), ``memory``
   scales the memory-bound throughput (``memory_eff`` up to 1, the rest into ``hbm_bw``). Where every plan's
   compute was measured layer by layer (`LayerGraph.timings` on a CPU cluster, or the plan's ``--profile``),
-  ``f_half`` stays 1; ``flops`` scales the level measured here (ranks sharing the cores compute slower than the one
-  process measured) but not a profile's, which is referred to the cluster's device (`costmodel.layercost`);
+  ``f_half`` stays 1; ``flops`` scales the part of the level measured here that grows with the work (ranks sharing
+  the cores compute slower than the one process measured; `costmodel.layercost.measured_scale`) but not a
+  profile's, which is referred to the cluster's device (`costmodel.layercost`);
 - links: for each collective kind the measured plans' predictions read (`kinds_used`: all_reduce: DDP, TP and the
   step's scalars; broadcast: ZeRO-1; all_gather and reduce_scatter: ZeRO-2/3, sequence and context parallelism;
   all_to_all: experts; send_recv: pipelines), a bandwidth scale and a latency scale applied to both links'

@@ -102,11 +102,14 @@ def as_runs(plans: dict[str, Plan], measured: dict[str, Measurement], lgs: list)
     """The measured plans as `autopar calibrate` runs (`costmodel.runs`; ``validate --runs-out``), and the names of
     those left out. A run is a configuration with one recomputation choice for every layer and even pipeline stages,
     which is what `costmodel.runs.predict` evaluates; a plan whose ILP chose per layer or placed the stages itself is
-    not one (``lgs``: the plans' layer graphs, in order, for the even split)."""
+    not one, nor one priced from a profile file (``lgs``: the plans' layer graphs, in order, for the even split)."""
     from costmodel.estimate import even_stages
 
     runs, left_out = [], []
     for (name, plan), lg in zip(plans.items(), lgs, strict=True):
+        if plan.profile:  # (a run is priced on the cluster's own compute, which the plan's was not)
+            left_out.append(name)
+            continue
         # (the blocks': the runtime checkpoints nothing else, `costmodel.estimate.block_acs`)
         acs = {lay.ac for lay, layer in zip(plan.layers, lg.layers) if layer.kind == "block"}
         stages = [lay.stage for lay in plan.layers]
@@ -119,21 +122,27 @@ def as_runs(plans: dict[str, Plan], measured: dict[str, Measurement], lgs: list)
     return runs, left_out
 
 
+def plan_profile(plan: Plan, lg, cluster) -> tuple[dict, int] | None:
+    """The measured layer times the plan was priced from (its ``profile``, `costmodel.measured.load_measured`), or
+    None when it was priced from the cluster's own compute; ValueError saying what to do when it cannot be read."""
+    if not plan.profile:
+        return None
+    from costmodel.measured import load_measured
+
+    try:
+        return load_measured(plan.profile, lg, cluster)
+    except ValueError as exc:
+        raise ValueError(f"the plan was priced from profile {plan.profile}: {exc}; or delete the plan file's "
+                         "`profile:` line to price it on the cluster's own compute") from None
+
+
 def repredict(plan: Plan, cluster, lg=None) -> dict:
     """The plan's estimate on another cluster (e.g. a recalibrated one), same layers, stages and AC, its compute
     priced as the plan's was (from its profile file when it was made with one)."""
     from costmodel.estimate import Evaluator
 
     lg = lg or profile_for(plan.model, cluster, seq=plan.seq)
-    measured = None
-    if plan.profile:
-        from costmodel.measured import load_measured
-
-        try:
-            measured = load_measured(plan.profile, lg, cluster)
-        except ValueError as exc:
-            raise ValueError(f"the plan was priced from profile {plan.profile}, which cannot be read again: {exc}") \
-                from None
+    measured = plan_profile(plan, lg, cluster)
     acs = [lay.ac for lay in plan.layers]
     stage_of = [lay.stage for lay in plan.layers]
     return Evaluator(lg, cluster, plan.config, plan.global_batch, measured=measured,
