@@ -79,7 +79,7 @@ class Plan:
     #: the torch.compile backend the plan's blocks were priced under (`plan --compile`; the emitted script's default
     #: ``--compile``), or None: eager
     compile: str | None = None
-    #: the per-layer profile its compute was priced from (`plan --profile`, the path as given), which `validate`
+    #: the per-layer profile its compute was priced from (`plan --profile`, its absolute path), which `validate`
     #: prices it from again; None: the cluster's own compute (the roofline, or a CPU cluster's layers as measured
     #: here, `costmodel.measured.layer_graph`)
     profile: str | None = None
