@@ -944,8 +944,11 @@ def measured_scale(m: float, r: float, x: float, m2: float | None = None, r2: fl
     if m2 is None or r2 <= r:
         return m / r
     c = (m2 - m) / (r2 - r)
-    fixed = min(m - c * r, m)
-    return max(fixed + c * x if c > 0 else m, m / r * x if fixed < 0 else 0.0) / x
+    if c <= 0:
+        return m / x
+    fixed = m - c * r
+    line = fixed + c * x
+    return (max(line, m / r * x) if fixed < 0 else line) / x
 
 
 def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, ...], *,

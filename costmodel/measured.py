@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 from costmodel.cluster import Cluster
@@ -56,7 +56,8 @@ def load_measured(path: str | Path, lg: LayerGraph, cluster: Cluster) -> tuple[d
     if not path.exists():
         raise ValueError(f"profile {path} not found; write one with `autopar profile MODEL --device cpu --out {path}`")
     try:
-        d = json.loads(path.read_text())
+        stat = path.stat()
+        d = _profile_file(str(path), stat.st_mtime_ns, stat.st_size)
         m = d["measured"]
         layers = {k: (float(v["fwd_s"]), float(v["bwd_s"])) for k, v in m["layers"].items()}
     except (json.JSONDecodeError, KeyError, TypeError, ValueError):
@@ -72,6 +73,12 @@ def load_measured(path: str | Path, lg: LayerGraph, cluster: Cluster) -> tuple[d
         raise ValueError(f"{path} was measured on {m['device']!r} but cluster {cluster.name} has {cluster.device.name} "
                          "devices; measure on that device or drop --profile")
     return layers, int(m["batch"])
+
+
+@lru_cache(maxsize=16)  # (a recalibration reprices each plan from its profile at every step of its fit)
+def _profile_file(path: str, mtime_ns: int, size: int) -> dict:
+    """A profile file's JSON, read once while it is unchanged (not to be modified)."""
+    return json.loads(Path(path).read_text())
 
 
 def layer_graph(model: str, cluster: Cluster, seq: int | None = None) -> LayerGraph:

@@ -641,11 +641,11 @@ def plan_for_module(model, example_inputs, *, cluster: str = "cpu-local", world_
 
     cl = load_cluster(cluster)
     if world_size is not None and world_size != cl.world_size:
-        if ":" not in cluster and cl.device.host_memory and cl.nodes == 1:  # (a host's ranks: more processes on
-            cluster = f"{cluster}:gpus_per_node={world_size}"  # it, sharing its memory)
-            cl = load_cluster(cluster)
-        elif ":" not in cluster and world_size % cl.gpus_per_node == 0:
-            cluster = f"{cluster}:nodes={world_size // cl.gpus_per_node}"
+        if ":" not in cluster:  # (a host's ranks, sharing its memory: more processes on it; else more nodes)
+            if cl.device.host_memory and cl.nodes == 1:
+                cluster = f"{cluster}:gpus_per_node={world_size}"
+            elif world_size % cl.gpus_per_node == 0:
+                cluster = f"{cluster}:nodes={world_size // cl.gpus_per_node}"
             cl = load_cluster(cluster)
         if world_size != cl.world_size:
             raise ValueError(f"world size {world_size} but cluster {cluster} has {cl.world_size} GPUs; pass a "
