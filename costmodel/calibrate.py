@@ -33,9 +33,13 @@ with rows of its own (torch-native on H100) gets constants of its own, fitted on
 ``stacks:`` in fitted.yaml.
 
 One set of constants per device *kind* (``a100``: 40 and 80 GB; ``h100``) and stack, never per row: the matmul
-efficiency curve (``e_max``, ``f_half``), the memory-bound efficiency, the fused-attention efficiency, the fp8
-efficiency and the overlap slowdown, each only where some row's prediction depends on it (`unidentified`): the
-others keep the committed value, or in a cold fit the published prior (`PRIOR`). A faster kind's matmul curve is
+efficiency curve (``e_max``, ``f_half``), the memory-bound efficiency, the fused-attention efficiency and the
+sequence length at which it is halved (``attention_seq_half``: FlashAttention's fixed cost per query tile, which
+llm-foundry's sweeps from 512 to 65536 tokens show as rows predicted 6-12 % fast at 512-2048 tokens and 6-12 %
+slow at 32K-64K under a constant attention efficiency), the fp8 efficiency and the overlap slowdown, each only
+where some row's prediction depends on it (`unidentified`): the others keep the committed value, or in a cold fit
+the published prior (`PRIOR`); a stack takes its kind's half-point where its rows run one length
+(`KERNEL_CONSTANTS`). A faster kind's matmul curve is
 held at or above a slower kind's achieved FLOP/s at every GEMM size (`matmul_floor`). The fit minimises the mean
 absolute relative error of the step time over the kind's rows, each source weighted equally: differential evolution
 over bounded, transformed parameters, then Nelder-Mead (`fit`), with the constants in fitted.yaml in the first
@@ -204,12 +208,15 @@ class Constants:
     overlap_slowdown: float
     attention_eff: float
     fp8_eff: float
+    #: the sequence length at which fused attention reaches half of ``attention_eff`` (`DeviceSpec`); 0: none
+    attention_seq_half: float = 0.0
 
     def apply(self, cluster: Cluster, source: str) -> Cluster:
         dev = dataclasses.replace(cluster.device,
                                   matmul_eff=EfficiencyCurve(e_max=self.e_max, f_half=self.f_half, source=source),
                                   memory_eff=self.memory_eff, overlap_slowdown=self.overlap_slowdown,
-                                  attention_eff=self.attention_eff, fp8_eff=self.fp8_eff)
+                                  attention_eff=self.attention_eff, fp8_eff=self.fp8_eff,
+                                  attention_seq_half=self.attention_seq_half)
         return dataclasses.replace(cluster, device=dev)
 
 
@@ -239,14 +246,22 @@ def _logit(p: float) -> float:
 
 #: the optimiser's parameters, in order: each constant's transformed value (f_half: its log, or under a floor its
 #: fraction of `matmul_floor`'s ceiling; the others: where they sit in their range of `_ranges`)
-_PARAMS = ("e_max", "f_half", "memory_eff", "overlap_slowdown", "attention_eff", "fp8_eff")
+_PARAMS = ("e_max", "f_half", "memory_eff", "overlap_slowdown", "attention_eff", "fp8_eff", "attention_seq_half")
 _E_MAX = (0.3, 1.0)
+#: the span of ``attention_seq_half``, tokens: at its top a 2048-token sequence runs attention at a fifth of its
+#: long-sequence efficiency, below anything published for FlashAttention (Dao 2023, Fig. 4)
+SEQ_HALF_MAX = 8192.0
+#: the distinct sequence lengths of fused attention a fit's rows need to identify ``attention_seq_half``
+#: (`unidentified`)
+SEQ_HALF_LENGTHS = 3
 
 
-def _ranges(e_max: float, f_half: float, floor: tuple[Constants, float, float] | None) -> dict:
+def _ranges(e_max: float, f_half: float, floor: tuple[Constants, float, float] | None,
+            attention_eff: float | None = None) -> dict:
     """Each constant's range but e_max's and f_half's, for a matmul curve (e_max, f_half); under ``floor`` (see
-    `_unpack`) narrowed so that this kind is no slower than the slower one on any operation."""
-    memory_lo, slowdown_hi, attention_lo = 0.2, 0.5, 0.2
+    `_unpack`) narrowed so that this kind is no slower than the slower one on any operation. ``attention_eff``:
+    this kind's, which bounds its ``attention_seq_half`` under a floor (`_seq_half_top`); None: at its lowest."""
+    memory_lo, slowdown_hi, attention_lo, seq_half_hi = 0.2, 0.5, 0.2, SEQ_HALF_MAX
     if floor is not None:
         slower, peak_ratio, hbm_ratio = floor
         # the smallest ratio of this kind's GEMM rate to the slower kind's, over all sizes (≥ 1 by the floor)
@@ -254,8 +269,17 @@ def _ranges(e_max: float, f_half: float, floor: tuple[Constants, float, float] |
         memory_lo = max(0.2, min(1.0, slower.memory_eff / hbm_ratio))
         attention_lo = max(0.2, min(1.0, slower.attention_eff / gemm))  # fused attention: the GEMM rate × this
         slowdown_hi = min(0.5, (1 + slower.overlap_slowdown) * gemm - 1)  # overlapped compute: (1 + s) × time
+        seq_half_hi = _seq_half_top(slower, gemm, attention_lo if attention_eff is None else attention_eff)
     return {"memory_eff": (memory_lo, 1.0), "overlap_slowdown": (0.0, slowdown_hi),
-            "attention_eff": (attention_lo, 1.0), "fp8_eff": (0.2, 1.0)}
+            "attention_eff": (attention_lo, 1.0), "fp8_eff": (0.2, 1.0), "attention_seq_half": (0.0, seq_half_hi)}
+
+
+def _seq_half_top(slower: Constants, gemm: float, attention_eff: float) -> float:
+    """The largest ``attention_seq_half`` that keeps fused attention, at ``attention_eff`` and a GEMM rate
+    ``gemm`` times the slower kind's, at least as fast as on the slower kind at every sequence length L:
+    attention_eff·gemm·L/(L + h) ≥ slower's·L/(L + h_s) for all L is linear in L once multiplied out, so its
+    two ends bound it: L → ∞ is ``attention_eff``'s floor, and L → 0 needs h ≤ h_s·attention_eff·gemm/slower's."""
+    return min(SEQ_HALF_MAX, slower.attention_seq_half * attention_eff * gemm / slower.attention_eff)
 
 
 def _within(span: tuple[float, float], v: float) -> float:
@@ -278,8 +302,12 @@ def _unpack(x, floor: tuple[Constants, float, float] | None = None,
     f_half = math.exp(x[1]) if floor is None else matmul_floor(e_max, floor[0], floor[1]) * _sig(x[1])
     ranges = _ranges(e_max, f_half, floor)
     free = iter(x[2:])
-    rest = {name: min(max(held[name], ranges[name][0]), ranges[name][1]) if name in held
-            else _within(ranges[name], next(free)) for name in _PARAMS[2:]}
+    rest: dict[str, float] = {}
+    for name in _PARAMS[2:]:
+        if name == "attention_seq_half":  # (its range depends on the attention efficiency just unpacked)
+            ranges = _ranges(e_max, f_half, floor, rest["attention_eff"])
+        rest[name] = (min(max(held[name], ranges[name][0]), ranges[name][1]) if name in held
+                      else _within(ranges[name], next(free)))
     return Constants(e_max=e_max, f_half=f_half, **rest)
 
 
@@ -295,6 +323,8 @@ def _pack(k: Constants, floor: tuple[Constants, float, float] | None, held: Iter
         f_half = min(k.f_half, ceiling)
         f = _logit(f_half / ceiling)
     ranges = _ranges(e_max, f_half, floor)
+    attention_eff = min(max(k.attention_eff, ranges["attention_eff"][0]), ranges["attention_eff"][1])
+    ranges["attention_seq_half"] = _ranges(e_max, f_half, floor, attention_eff)["attention_seq_half"]
     held = set(held)
     return [e, f] + [_where(ranges[name], getattr(k, name)) for name in _PARAMS[2:] if name not in held]
 
@@ -302,7 +332,7 @@ def _pack(k: Constants, floor: tuple[Constants, float, float] | None, held: Iter
 #: each constant where no row says otherwise, from hardware.py's published priors (fp8_eff: the bf16 curve's
 #: efficiency at the fp8 peak): a cold fit holds here every constant its rows cannot identify (`unidentified`)
 PRIOR = Constants(e_max=GPU_MATMUL_PRIOR.e_max, f_half=GPU_MATMUL_PRIOR.f_half, memory_eff=GPU_MEMORY_EFF_PRIOR,
-                  overlap_slowdown=0.0, attention_eff=GPU_ATTENTION_EFF_PRIOR, fp8_eff=1.0)
+                  overlap_slowdown=0.0, attention_eff=GPU_ATTENTION_EFF_PRIOR, fp8_eff=1.0, attention_seq_half=0.0)
 
 
 #: the least relative change of some row's step time, between a constant's two bounds, that lets rows identify it
@@ -329,13 +359,26 @@ def depends_on(rows: Iterable, step_time: Callable[[object, float], float], span
 
 def unidentified(rows: list[Row], start: Constants) -> tuple[str, ...]:
     """The constants of `_PARAMS` but the matmul curve's that no row of ``rows`` depends on (`depends_on`, over
-    each constant's range from ``start``)."""
+    each constant's range from ``start``), and ``attention_seq_half`` unless the rows run fused attention at three
+    sequence lengths or more: at one it only trades against ``attention_eff``, and two would set it from the noise
+    of the rows at the second length (torchtitan's one 32K-token row against its eleven at 8192)."""
     ranges = _ranges(start.e_max, start.f_half, None)
 
     def step_time(name: str) -> Callable[[Row, float], float]:
         return lambda row, v: predict(row, dataclasses.replace(start, **{name: v})).step_time_s
 
-    return tuple(name for name in _PARAMS[2:] if not depends_on(rows, step_time(name), ranges[name]))
+    lengths = {n for r in rows if (n := attention_length(r))}
+    return tuple(name for name in _PARAMS[2:] if not depends_on(rows, step_time(name), ranges[name])
+                 or (name == "attention_seq_half" and len(lengths) < SEQ_HALF_LENGTHS))
+
+
+def attention_length(row: Row) -> float:
+    """The sequence length ``row``'s fused attention runs at on a rank (`costmodel.layercost`), 0 without one."""
+    from costmodel.layercost import attention_call_length
+
+    graph = _graph(row.model)
+    return next((attention_call_length(n, row.config.cp) for layer in graph.layers for n in layer.nodes
+                 if n.kind == "attention"), 0.0)
 
 
 def matmul_floor(e_max: float, slower: Constants, peak_ratio: float) -> float:
@@ -360,7 +403,7 @@ DE_GENERATIONS, DE_POPULATION = 40, 12
 
 
 def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None,
-        kept: Constants | None = None) -> tuple[Constants, float]:
+        kept: Constants | None = None, kind: Constants | None = None) -> tuple[Constants, float]:
     """The kind's constants that minimise `_error` on ``rows``, but for those the rows cannot identify
     (`unidentified`), held at ``kept``'s values, or cold at the published `PRIOR`; ``floor``: see `_unpack`. The
     surface has many shallow local minima (the constants trade against each other row by row), so a global search
@@ -369,14 +412,16 @@ def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None,
     torch-native stack at 6.8 % where this finds 2.8 % under the same floor.
     ``kept``: the constants in use, put in the first population; neither search ever returns a point worse than
     its best so far, so the result is never worse on ``rows`` than ``kept`` (clipped into the floor's bounds) and
-    a refit is monotone."""
+    a refit is monotone. ``kind``: a stack's fit, the device kind's own constants, whose `KERNEL_CONSTANTS` the
+    stack takes where its rows cannot identify them."""
     from scipy.optimize import differential_evolution, minimize
 
-    memo = (tuple(r.id for r in rows), floor, kept)
+    memo = (tuple(r.id for r in rows), floor, kept, kind)
     if _FITTED is not None and memo in _FITTED:
         return _FITTED[memo]
     start = kept or PRIOR
-    held = {name: getattr(start, name) for name in unidentified(rows, start)}
+    held = {name: getattr(kind if kind is not None and name in KERNEL_CONSTANTS else start, name)
+            for name in unidentified(rows, start)}
     bounds = [(-6.0, 6.0)] * (len(_PARAMS) - len(held))  # logits: 0.25 % … 99.75 % of each constant's range
     if floor is None:
         bounds[1] = (math.log(1e8), math.log(1e13))  # f_half, FLOP
@@ -395,6 +440,11 @@ def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None,
     if _FITTED is not None:
         _FITTED[memo] = out
     return out
+
+
+#: constants of a kernel every stack on a kind runs alike (FlashAttention's tiling): a stack whose rows cannot
+#: identify one takes the kind's (`fit`'s ``kind``), not the prior
+KERNEL_CONSTANTS = ("attention_seq_half",)
 
 
 #: device kinds in increasing bf16 peak, each with a catalogue device: a faster kind's curve is kept above the
@@ -419,9 +469,24 @@ def write_fitted(fits: dict[str, tuple[Constants, str, list[Row]]],
 
 
 def _fitted_entries(fits: dict[str, tuple[Constants, str, list[Row]]]) -> dict:
-    """Each kind's constants as fitted.yaml keeps them: the efficiencies rounded up (to 4 decimals) and the matmul
-    curve's half-point down (to 4 digits), so that a constant fitted at the slower kinds' floor (`_floor`) is
-    written at or above it, never 1e-4 under it."""
+    """Each kind's constants as fitted.yaml keeps them (`as_written`)."""
+    out = {}
+    for kind, (k, source, _) in sorted(fits.items()):
+        k = as_written(k)
+        out[kind] = {
+            "matmul_e_max": k.e_max, "matmul_f_half": k.f_half, "memory_eff": k.memory_eff,
+            "overlap_slowdown": k.overlap_slowdown, "attention_eff": k.attention_eff, "fp8_eff": k.fp8_eff,
+            "attention_seq_half": k.attention_seq_half, "source": source,
+        }
+    return out
+
+
+def as_written(k: Constants) -> Constants:
+    """``k`` as fitted.yaml keeps it, each constant rounded the way that makes the device faster: the efficiencies
+    up (to 4 decimals), the matmul curve's half-point down (to 4 digits), the overlap slowdown down (4 decimals)
+    and the attention's half-point down (to a whole token). So a constant fitted at a slower kind's floor is
+    written at or above it, and `fit_all` takes the slower kinds' floors from their constants as written: a floor
+    from the unrounded ones let the H100's memory efficiency be written 1e-7 under the A100's bandwidth."""
     def up(v: float) -> float:
         return min(1.0, math.ceil(round(v * 1e4, 6)) / 1e4)
 
@@ -429,15 +494,10 @@ def _fitted_entries(fits: dict[str, tuple[Constants, str, list[Row]]]) -> dict:
         scale = 10.0 ** (math.floor(math.log10(v)) - 3)
         return float(f"{math.floor(round(v / scale, 6)) * scale:.4g}")
 
-    out = {}
-    for kind, (k, source, _) in sorted(fits.items()):
-        out[kind] = {
-            "matmul_e_max": up(k.e_max), "matmul_f_half": down(k.f_half),
-            "memory_eff": up(k.memory_eff), "overlap_slowdown": round(k.overlap_slowdown, 4),
-            "attention_eff": up(k.attention_eff), "fp8_eff": up(k.fp8_eff),
-            "source": source,
-        }
-    return out
+    return Constants(e_max=up(k.e_max), f_half=down(k.f_half), memory_eff=up(k.memory_eff),
+                     overlap_slowdown=math.floor(round(k.overlap_slowdown * 1e4, 6)) / 1e4,
+                     attention_eff=up(k.attention_eff), fp8_eff=up(k.fp8_eff),
+                     attention_seq_half=float(math.floor(round(k.attention_seq_half, 6))))
 
 
 def report(rows: list[Row], file=sys.stdout) -> dict[str, list[float]]:
@@ -486,7 +546,22 @@ def table4(file=sys.stdout) -> list[tuple[str, float, float, float, float]]:
 def _kept(entry: dict) -> Constants:
     return Constants(e_max=entry["matmul_e_max"], f_half=entry["matmul_f_half"], memory_eff=entry["memory_eff"],
                      overlap_slowdown=entry["overlap_slowdown"], attention_eff=entry["attention_eff"],
+                     attention_seq_half=entry.get("attention_seq_half", 0.0),
                      fp8_eff=entry["fp8_eff"])
+
+
+def _into_floor(k: Constants, floor: tuple[Constants, float, float] | None) -> Constants:
+    """``k`` with each constant moved into its range under ``floor`` (`_ranges`) where it is outside: kept
+    constants whose slower kind was refitted (``--only``), which may have moved the floor under them."""
+    if floor is None:
+        return k
+    f_half = min(k.f_half, matmul_floor(k.e_max, floor[0], floor[1]))
+    attention_lo = _ranges(k.e_max, f_half, floor)["attention_eff"][0]
+    attention_eff = max(k.attention_eff, attention_lo)
+    ranges = _ranges(k.e_max, f_half, floor, attention_eff)
+    moved = {name: min(max(getattr(k, name), ranges[name][0]), ranges[name][1])
+             for name in ("memory_eff", "overlap_slowdown", "fp8_eff", "attention_seq_half")}
+    return dataclasses.replace(k, f_half=f_half, attention_eff=attention_eff, **moved)
 
 
 def _floor(kind_index: int, fits: dict) -> tuple[Constants, float, float] | None:
@@ -525,24 +600,26 @@ def fit_all(rows: list[Row], only: str | None = None, warm: bool = True,
         rows = [r for r in rows if r.kind in kinds]
     for kind in sorted({r.kind for r in rows}, key=lambda k: order.get(k, len(order))):
         kr = [r for r in rows if r.kind == kind and r.stack in BASE_STACKS]
+        # (each kind's floor from the slower kinds' constants as written, so that this kind's, rounded the safe
+        # way, are written at or above it)
+        floor = _floor(order[kind], fits) if kind in order else None
         if only and only != kind and kind in kept:
-            fits[kind] = (_kept(kept[kind]), kept[kind]["source"], kr)
+            fits[kind] = (as_written(_into_floor(_kept(kept[kind]), floor)), kept[kind]["source"], kr)
         elif kr:
-            floor = _floor(order[kind], fits) if kind in order else None
             k, err = fit(kr, floor, _kept(kept[kind]) if warm and kind in kept else None)
             print(f"{kind}: objective {err:.2%}", flush=True)
-            fits[kind] = (k, _source(kr, err, floor is not None), kr)
+            fits[kind] = (as_written(k), _source(kr, err, floor is not None), kr)
     for stack in sorted({r.stack for r in rows} - set(BASE_STACKS)):
         for kind in sorted({r.kind for r in rows if r.stack == stack}):
             sr = [r for r in rows if r.kind == kind and r.stack == stack]
             old = ((kept.get("stacks") or {}).get(stack) or {}).get(kind)
-            if only and only != stack and old:
-                stacks.setdefault(stack, {})[kind] = (_kept(old), old["source"], sr)
-                continue
             floor = _floor(order[kind], fits) if kind in order else None
-            k, err = fit(sr, floor, _kept(old) if warm and old else None)
+            if only and only != stack and old:
+                stacks.setdefault(stack, {})[kind] = (as_written(_into_floor(_kept(old), floor)), old["source"], sr)
+                continue
+            k, err = fit(sr, floor, _kept(old) if warm and old else None, fits[kind][0] if kind in fits else None)
             print(f"{kind}, {stack}: objective {err:.2%}", flush=True)
-            stacks.setdefault(stack, {})[kind] = (k, _source(sr, err, floor is not None), sr)
+            stacks.setdefault(stack, {})[kind] = (as_written(k), _source(sr, err, floor is not None), sr)
     return fits, stacks
 
 
@@ -748,7 +825,7 @@ def main(argv=None) -> int:
                                                    for kd, v in ks.items())]:
             print(f"{name}: e_max {k.e_max:.3f}, f_half {k.f_half:.3g} FLOP, memory_eff {k.memory_eff:.3f}, "
                   f"overlap_slowdown {k.overlap_slowdown:.3f}, attention_eff {k.attention_eff:.3f}, "
-                  f"fp8_eff {k.fp8_eff:.3f}; {err}")
+                  f"fp8_eff {k.fp8_eff:.3f}, attention_seq_half {k.attention_seq_half:.0f}; {err}")
         write_fitted(fits, stacks)
         # the catalog reads fitted.yaml when a device is first built: rebuild the clusters
         from costmodel import hardware

@@ -587,8 +587,9 @@ def _parse_curve(ctx: _Ctx, where: str, data: Mapping[str, Any]) -> SizeCurve:
 
 
 _DEVICE_KEYS = ("name", "host_memory", "peak_tflops", "memory_GiB", "memory_GB", "hbm_bw_GBps", "matmul_eff",
-                "memory_eff", "attention_eff", "fp8_eff", "overlap_slowdown", "op_overhead_us", "dtensor_overhead_us",
-                "dtensor_us_per_MB", "fsdp_overhead_us", "fsdp_copy_GBps", "runtime_reserved_GiB", "source")
+                "memory_eff", "attention_eff", "attention_seq_half", "fp8_eff", "overlap_slowdown", "op_overhead_us",
+                "dtensor_overhead_us", "dtensor_us_per_MB", "fsdp_overhead_us", "fsdp_copy_GBps",
+                "runtime_reserved_GiB", "source")
 
 
 def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
@@ -622,6 +623,11 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
     for key, eff in (("memory_eff", memory_eff), *effs.items()):
         if eff > 1:
             raise ctx.error(f"device.{key} must be in (0, 1], got {eff!r}")
+    # the sequence length at which fused attention reaches half its efficiency (0 or absent: no dependence)
+    seq_half = value.get("attention_seq_half", 0.0)
+    if isinstance(seq_half, bool) or not isinstance(seq_half, (int, float)) or seq_half < 0:
+        raise ctx.error(f"device.attention_seq_half must be a number of tokens ≥ 0 (0: attention's efficiency does "
+                        f"not depend on the sequence length), got {seq_half!r}")
     slowdown = value.get("overlap_slowdown", 0.0)
     if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not 0 <= slowdown <= 1:
         raise ctx.error(f"device.overlap_slowdown must be a number in [0, 1], got {slowdown!r}")
@@ -659,6 +665,7 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
         matmul_eff=curve,
         memory_eff=memory_eff,
         overlap_slowdown=float(slowdown),
+        attention_seq_half=float(seq_half),
         op_overhead_s=(_decimal(overhead[0], -6), _decimal(overhead[1], -6)),
         dtensor_overhead_s=dtensor,
         dtensor_byte_s=dtensor_byte,
@@ -796,6 +803,7 @@ def _dump_device(device: DeviceSpec, stack: str | None = None) -> str | dict[str
                        "source": device.matmul_eff.source},
         "memory_eff": device.memory_eff,
         "attention_eff": device.attention_eff,
+        **({"attention_seq_half": device.attention_seq_half} if device.attention_seq_half else {}),
         "fp8_eff": device.fp8_eff,
         "overlap_slowdown": device.overlap_slowdown,
         **({"op_overhead_us": [_round12(t / US) for t in device.op_overhead_s]} if any(device.op_overhead_s) else {}),

@@ -104,6 +104,11 @@ class DeviceSpec:
     #: efficiency of fused attention kernels (FlashAttention) relative to a GEMM of the same FLOPs, in (0, 1]:
     #: FlashAttention-2 reaches 50-73 % of A100 peak vs ~80 % for GEMMs, and 35-50 % of H100 peak (Dao 2023, §4.1).
     attention_eff: float = 1.0
+    #: sequence length (tokens per sequence on a rank) at which a fused causal attention kernel reaches half of
+    #: ``attention_eff``: its efficiency is ``attention_eff × L/(L + attention_seq_half)``, a fixed cost per query
+    #: tile against work growing with the causal prefix (`costmodel.layercost.attention_len_eff`); fitted on
+    #: published runs that vary the sequence (`costmodel.calibrate`). 0: no dependence on the length
+    attention_seq_half: float = 0.0
     #: achieved fraction of the fp8 peak relative to the bf16 curve: the float8 GEMMs' own efficiency (their
     #: recipe's casts are kernels priced apart, `costmodel.layercost.float8_cast_costs`), in (0, 1].
     fp8_eff: float = 1.0
@@ -165,6 +170,9 @@ class DeviceSpec:
         for key in ("attention_eff", "fp8_eff"):
             if not 0.0 < getattr(self, key) <= 1.0:
                 raise ValueError(f"device {self.name!r}: {key} must be in (0, 1], got {getattr(self, key)!r}")
+        if not self.attention_seq_half >= 0.0:
+            raise ValueError(f"device {self.name!r}: attention_seq_half must be ≥ 0 tokens, "
+                             f"got {self.attention_seq_half!r}")
         if not 0.0 <= self.overlap_slowdown <= 1.0:
             raise ValueError(f"device {self.name!r}: overlap_slowdown must be in [0, 1], got {self.overlap_slowdown!r}")
         if len(self.op_overhead_s) != 2 or not all(t >= 0 for t in self.op_overhead_s):
@@ -192,7 +200,8 @@ class DeviceSpec:
 
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes, self.hbm_bw,
-                     self.matmul_eff, self.memory_eff, self.attention_eff, self.fp8_eff, self.overlap_slowdown,
+                     self.matmul_eff, self.memory_eff, self.attention_eff, self.attention_seq_half, self.fp8_eff,
+                     self.overlap_slowdown,
                      self.op_overhead_s, tuple(sorted(self.dtensor_overhead_s.items())),
                      tuple(sorted(self.dtensor_byte_s.items())),
                      tuple(sorted(self.fsdp_overhead_s.items())), self.fsdp_copy_bw, self.runtime_reserved,
@@ -272,7 +281,8 @@ def _efficiencies(fit: dict) -> dict:
     """A fitted entry of fitted.yaml as `DeviceSpec` fields."""
     return {"matmul_eff": EfficiencyCurve(e_max=fit["matmul_e_max"], f_half=fit["matmul_f_half"], source=fit["source"]),
             "memory_eff": fit["memory_eff"], "overlap_slowdown": fit["overlap_slowdown"],
-            "attention_eff": fit.get("attention_eff", GPU_ATTENTION_EFF_PRIOR), "fp8_eff": fit.get("fp8_eff", 1.0)}
+            "attention_eff": fit.get("attention_eff", GPU_ATTENTION_EFF_PRIOR),
+            "attention_seq_half": fit.get("attention_seq_half", 0.0), "fp8_eff": fit.get("fp8_eff", 1.0)}
 
 
 def _gpu(name: str, peaks: Mapping[str, float], memory_bytes: float, hbm_bw: float, memory_note: str) -> DeviceSpec:

@@ -271,10 +271,11 @@ class CostContext:
 
 
 def _node_time(flops: float, nbytes: float, ctx: CostContext, *, attention: bool = False,
-               float8: bool = False) -> float:
+               float8: bool = False, attention_len: float = 0.0) -> float:
     """Roofline of one op: the slower of its FLOPs at the size-dependent matmul efficiency (scaled for fused
-    attention kernels and fp8) and its bytes at the achieved memory bandwidth. ``float8``: a float8 linear
-    (`is_float8_linear`), run at the fp8 peak under float8 training; every other op keeps 16 bits."""
+    attention kernels, by their sequence length ``attention_len`` too: `attention_len_eff`, and fp8) and its bytes
+    at the achieved memory bandwidth. ``float8``: a float8 linear (`is_float8_linear`), run at the fp8 peak under
+    float8 training; every other op keeps 16 bits."""
     dev = ctx.cluster.device
     t_mem = nbytes / (dev.hbm_bw * dev.memory_eff) if nbytes else 0.0
     if not flops:
@@ -282,13 +283,32 @@ def _node_time(flops: float, nbytes: float, ctx: CostContext, *, attention: bool
     dtype = ctx.precision if ctx.precision in dev.peak_flops else max(dev.peak_flops, key=dev.peak_flops.get)
     eff = dev.matmul_eff(flops)
     if attention:
-        eff *= dev.attention_eff
+        eff *= dev.attention_eff * attention_len_eff(attention_len, dev.attention_seq_half)
     if dtype == "fp8" and float8:  # (only linears: `is_float8_linear`)
         eff *= dev.fp8_eff
     elif dtype == "fp8":
         dtype = "bf16"
     t_flop = flops / (dev.peak(dtype) * eff)
     return max(t_flop, t_mem)
+
+
+def attention_len_eff(length: float, seq_half: float) -> float:
+    """A fused causal attention kernel's efficiency at sequence ``length`` relative to a very long one:
+    ``length / (length + seq_half)``. FlashAttention tiles the queries and walks each query tile along the keys
+    before it (causal: the i-th of ``length/B`` query tiles visits i + 1 key tiles, Dao 2023 Algorithm 1, §3.1):
+    a fixed cost per query tile (loading its queries, the softmax's rescaling and writing its output; the
+    backward's dQ) against work that grows with the causal prefix, on average ``length/2B`` key tiles. At
+    ``seq_half`` the two are equal (`DeviceSpec.attention_seq_half`, fitted on published runs that vary the
+    sequence; 0: no dependence)."""
+    return length / (length + seq_half) if seq_half > 0 and length > 0 else 1.0
+
+
+def attention_call_length(n: NodeInfo, cp: int) -> float:
+    """The sequence length a fused attention call runs at on one rank: its query's (``(…, L, E)``, as every
+    scaled-dot-product-attention op takes it), each sequence split over ``cp`` context-parallel ranks (a ring step
+    runs the rank's own chunks against one rank's keys)."""
+    shape = n.input_shapes[0] if n.input_shapes else ()
+    return shape[-2] / cp if len(shape) >= 2 else 0.0
 
 
 def _token_and_weight_bytes(scaled: float, weight: float, scale: float, held: float, busy: float) -> float:
@@ -1012,10 +1032,13 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
         # rank's share of them (split by TP, and by EP for the experts') is read once per micro-batch
         p_f, p_b = _weight_traffic(n, ctx, own_numel)
         held = _shard(n, ctx.tp, False, tp_layer) / (ctx.ep if expert else 1)
+        a_len = attention_call_length(n, ctx.cp) if attn else 0.0
         t_f = _node_time(busy * n.fwd_flops * k * f, _token_and_weight_bytes(
-            (b_f * f + w_f) * k * ctx.act_scale, p_f, k * f, held, busy), ctx, attention=attn, float8=f8) + o_f
+            (b_f * f + w_f) * k * ctx.act_scale, p_f, k * f, held, busy), ctx, attention=attn, float8=f8,
+            attention_len=a_len) + o_f
         t_b = _node_time(busy * n.bwd_flops * k * f, _token_and_weight_bytes(
-            (b_b * f + w_b) * k * ctx.act_scale, p_b, k * f, held, busy), ctx, attention=attn, float8=f8) + o_b
+            (b_b * f + w_b) * k * ctx.act_scale, p_b, k * f, held, busy), ctx, attention=attn, float8=f8,
+            attention_len=a_len) + o_b
         if f8 and ctx.float8_recipe:  # (kernels of their own, and the max-abs all-reduces they wait for)
             casts = float8_cast_costs(n, ctx, tp, float8_cast)
             t_f += _node_time(0.0, casts.fwd_bytes, ctx) + amax_time(casts.fwd_amax, ctx)

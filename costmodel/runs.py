@@ -20,7 +20,9 @@ is one equation. So the constants are unlocked in order of how much of a step th
 peak efficiency ``e_max`` (most of a training step is GEMMs), then the matmul curve's half-efficiency size
 ``f_half`` (small against large GEMMs: runs that differ in tp or hidden size), the memory-bound efficiency
 ``memory_eff`` (norms, element-wise ops), the slowdown of compute that overlaps communication
-``overlap_slowdown``, and the fused-attention efficiency ``attention_eff``. The others keep the cluster's values.
+``overlap_slowdown``, and the fused-attention efficiency ``attention_eff``. The others keep the cluster's values
+(its fused attention's sequence half-point ``attention_seq_half`` among them: `python -m costmodel.calibrate` fits
+it on runs at many lengths).
 A constant no run depends on is skipped whatever the number of runs (`costmodel.calibrate.depends_on`: the
 fused-attention efficiency for runs whose attention is unfused, the overlap slowdown for runs that overlap no
 communication) and reported as such: it keeps the cluster's value, and the next constant takes its place.

@@ -128,6 +128,7 @@ def test_no_job_is_predicted_slower_on_an_h100_than_on_an_a100():
     from costmodel.config import ParallelConfig, parse_kv
     from costmodel.estimate import estimate
     from costmodel.hardware import get_device
+    from costmodel.layercost import attention_len_eff
     from profiler.api import profile_model
 
     a = get_device("a100-80g")
@@ -137,6 +138,9 @@ def test_no_job_is_predicted_slower_on_an_h100_than_on_an_a100():
             assert h.peak("bf16") * h.matmul_eff(f) >= a.peak("bf16") * a.matmul_eff(f), f
         assert h.hbm_bw * h.memory_eff >= a.hbm_bw * a.memory_eff
         assert h.peak("bf16") * h.attention_eff >= a.peak("bf16") * a.attention_eff
+        for length in (2.0 ** e for e in range(4, 21)):  # fused attention at 16 … 1M tokens per sequence
+            assert (h.peak("bf16") * h.attention_eff * attention_len_eff(length, h.attention_seq_half)
+                    >= a.peak("bf16") * a.attention_eff * attention_len_eff(length, a.attention_seq_half)), length
     for model, gb, configs in (("gpt-small", 64, ("dp=8", "tp=8", "dp=2,tp=2,pp=2,mbs=2", "dp=8,zero=3,ac=full",
                                                   "tp=4,dp=2,sp=on,ac=selective")),):
         lg = profile_model(model)
@@ -177,17 +181,18 @@ def test_the_optimiser_parameters_of_the_kept_constants_give_them_back():
         back = calibrate._unpack(calibrate._pack(k, fl, held), fl, held)
         for name in ("e_max", "f_half", "memory_eff", "overlap_slowdown", "attention_eff") + (("fp8_eff",) * fp8):
             assert getattr(back, name) == pytest.approx(getattr(k, name), rel=1e-8), name
+        assert back.attention_seq_half == pytest.approx(k.attention_seq_half, abs=1e-4)
     # a constant held in the middle of the order keeps the others in place; held below the floor's range, it is
     # clipped into it (the H100's fused attention no slower than the A100's)
     k = calibrate._kept(kept["h100"])
     held = {"memory_eff": k.memory_eff, "attention_eff": 0.05}
     x = calibrate._pack(k, floor, held)
-    assert len(x) == 4
+    assert len(x) == 5
     back = calibrate._unpack(x, floor, held)
     assert (back.e_max, back.overlap_slowdown, back.fp8_eff) == pytest.approx((k.e_max, k.overlap_slowdown, k.fp8_eff))
     low = calibrate._ranges(back.e_max, back.f_half, floor)["attention_eff"][0]
     assert low > 0.2 and back.attention_eff == low
-    with pytest.raises(ValueError, match="3 parameters for 4 free constants"):
+    with pytest.raises(ValueError, match="3 parameters for 5 free constants"):
         calibrate._unpack(x[:3], floor, held)
 
 
@@ -201,7 +206,8 @@ def test_a_refit_never_makes_the_kept_constants_worse(monkeypatch):
 
     # (overlap_slowdown moved inside its range: a constant fitted on a bound packs to a logit of ~20, where this
     # test's bowl at 0 would outweigh its well)
-    kept = dataclasses.replace(calibrate._kept(fitted_constants("a100")), overlap_slowdown=0.4)
+    kept = dataclasses.replace(calibrate._kept(fitted_constants("a100")), overlap_slowdown=0.4,
+                               attention_seq_half=1000.0)
     target = calibrate._pack(kept, None, ("fp8_eff",))
 
     def error(rows, k):
@@ -225,11 +231,12 @@ def test_a_constant_no_row_depends_on_is_held_where_it_was(monkeypatch):
     objective would prefer. A run with FlashAttention identifies attention_eff; a float8 run, fp8_eff."""
     rows = calibrate.load_rows()
     korthikanti = [r for r in rows if r.source == "korthikanti"][:2]
-    assert calibrate.unidentified(korthikanti, calibrate.PRIOR) == ("overlap_slowdown", "attention_eff", "fp8_eff")
+    assert calibrate.unidentified(korthikanti, calibrate.PRIOR) == ("overlap_slowdown", "attention_eff", "fp8_eff",
+                                                                     "attention_seq_half")
     flash = next(r for r in rows if r.source == "llm-foundry" and r.config.precision != "fp8")
     fp8 = next(r for r in rows if r.source == "torchtitan" and r.config.precision == "fp8")
     assert "attention_eff" not in calibrate.unidentified([flash], calibrate.PRIOR)
-    assert calibrate.unidentified([fp8], calibrate.PRIOR) == ()
+    assert calibrate.unidentified([fp8], calibrate.PRIOR) == ("attention_seq_half",)  # (one length)
 
     # an objective whose minimum is at attention_eff 0.29 and overlap_slowdown 0.1 cannot move them
     def error(rows, k):
@@ -243,6 +250,73 @@ def test_a_constant_no_row_depends_on_is_held_where_it_was(monkeypatch):
     assert (cold.attention_eff, cold.overlap_slowdown, cold.fp8_eff) == (
         calibrate.PRIOR.attention_eff, calibrate.PRIOR.overlap_slowdown, calibrate.PRIOR.fp8_eff)
     assert (warm.attention_eff, warm.overlap_slowdown, warm.fp8_eff) == (0.6, 0.3, 0.9)
+
+
+def test_the_attention_half_point_needs_two_lengths_and_a_stack_at_one_takes_its_kinds(monkeypatch):
+    """``attention_seq_half`` is identified by runs of fused attention at three sequence lengths or more
+    (llm-foundry sweeps 512-65536 tokens); at one it only trades against ``attention_eff``, at two it would be set
+    by the second length's noise, so a fit holds it: torchtitan's rows (eleven at 8192 tokens, one at 32768) under
+    the torch-native stack take the device kind's, fitted on Composer's rows of the same FlashAttention
+    (`calibrate.KERNEL_CONSTANTS`), whatever their objective would prefer; cold without a kind, the prior (no
+    dependence)."""
+    rows = calibrate.load_rows()
+    a100 = [r for r in rows if r.table.startswith("llm-foundry A100 80GB")]
+    three = [next(r for r in a100 if f"_seq{n}_" in r.id) for n in (512, 2048, 8192)]
+    assert [calibrate.attention_length(r) for r in three] == [512, 2048, 8192]
+    assert "attention_seq_half" not in calibrate.unidentified(three, calibrate.PRIOR)
+    assert "attention_seq_half" in calibrate.unidentified(three[:2], calibrate.PRIOR)
+    titan = [r for r in rows if r.source == "torchtitan"]
+    assert sorted(calibrate.attention_length(r) for r in titan) == [8192] * 11 + [32768]
+    assert "attention_seq_half" in calibrate.unidentified(titan, calibrate.PRIOR)
+    titan = titan[:2]
+
+    monkeypatch.setattr(calibrate, "_error", lambda rows, k: (k.e_max - 0.7) ** 2 + (k.attention_seq_half - 50) ** 2)
+    kind = dataclasses.replace(calibrate.PRIOR, attention_seq_half=777.0)
+    assert calibrate.fit(titan, kind=kind)[0].attention_seq_half == 777.0
+    assert calibrate.fit(titan)[0].attention_seq_half == calibrate.PRIOR.attention_seq_half == 0.0
+
+
+def test_a_faster_kind_s_attention_half_point_keeps_it_no_slower_at_any_length():
+    """`calibrate._seq_half_top`: at the largest half-point the floor allows, the faster kind's fused attention is
+    as fast as the slower kind's on the shortest sequences and faster on every longer one; past it, slower on
+    short ones."""
+    from costmodel.layercost import attention_len_eff
+
+    slower = dataclasses.replace(calibrate._kept(fitted_constants("a100")), attention_eff=0.7,
+                                 attention_seq_half=1000.0)
+    for gemm, attention_eff in ((1.0, 0.7), (3.2, 0.3), (3.2, 0.9)):
+        top = calibrate._seq_half_top(slower, gemm, attention_eff)
+        assert top >= slower.attention_seq_half  # (the faster kind's long-sequence rate is at least the slower's)
+
+        def rate(h: float, length: float, gemm: float = gemm, attention_eff: float = attention_eff) -> float:
+            return gemm * attention_eff * attention_len_eff(length, h)
+
+        for length in (1.0, 64.0, 512.0, 2048.0, 65536.0):
+            assert rate(top, length) >= slower.attention_eff * attention_len_eff(length, 1000.0) * (1 - 1e-9)
+        if top < calibrate.SEQ_HALF_MAX:
+            assert rate(top * 1.01, 1.0) < slower.attention_eff * attention_len_eff(1.0, 1000.0)
+
+
+def test_constants_are_written_at_or_above_the_floor_of_the_slower_kinds_as_written():
+    """`calibrate.as_written` rounds every constant the way that makes the device faster, and `fit_all` takes a
+    faster kind's floor from the slower kinds' constants as written: the H100's memory efficiency fitted at the
+    floor of the A100's unrounded 0.93827 was written 0.5711, under the rounded A100's 0.9383 × 2039 / 3350 =
+    0.571101. A kept constant under a refitted slower kind's floor is moved into it (`_into_floor`)."""
+    from costmodel.hardware import get_device
+
+    a100 = dataclasses.replace(calibrate._kept(fitted_constants("a100")), memory_eff=0.93827)
+    written = calibrate.as_written(a100)
+    assert written.memory_eff == 0.9383 and calibrate.as_written(written) == written
+    floor = calibrate._floor(1, {"a100": (written, "", [])})
+    h100 = dataclasses.replace(calibrate._kept(fitted_constants("h100")), memory_eff=0.5711)
+    moved = calibrate.as_written(calibrate._into_floor(h100, floor))
+    a, h = get_device("a100-80g"), get_device("h100-sxm")
+    assert h.hbm_bw * moved.memory_eff >= a.hbm_bw * written.memory_eff > h.hbm_bw * h100.memory_eff
+    assert moved.memory_eff == 0.5712
+    assert dataclasses.replace(moved, memory_eff=h100.memory_eff) == h100  # (the others were inside already)
+    fast = dataclasses.replace(h100, overlap_slowdown=0.43549, attention_seq_half=407.9, f_half=3.36549e10)
+    assert calibrate.as_written(fast) == dataclasses.replace(h100, overlap_slowdown=0.4354, attention_seq_half=407.0,
+                                                             f_half=3.365e10)
 
 
 def test_a_cross_validation_fold_fits_only_the_kinds_its_table_runs_on(monkeypatch):

@@ -1534,3 +1534,36 @@ def test_example_rows_repeated_for_a_larger_batch():
     assert big[2] == 0.5
     with pytest.raises(ValueError, match="5 rows from inputs of 2"):
         _rows([ids], 5)
+
+
+def test_fused_attention_is_less_efficient_on_short_sequences():
+    """`DeviceSpec.attention_seq_half`: a fused causal attention kernel runs at ``L/(L + seq_half)`` of its
+    long-sequence efficiency (FlashAttention's fixed cost per query tile against the causal prefix it walks). A
+    step at 512 tokens per sequence slows by more than one at 8192 when the half-point rises from 0 (the
+    committed default: no dependence), and by as much as the attention's own time predicts; under context
+    parallelism a rank's calls run at 1/cp of the length."""
+    from costmodel.layercost import attention_call_length, attention_len_eff
+
+    assert attention_len_eff(1000.0, 0.0) == 1.0 and attention_len_eff(1000.0, 1000.0) == 0.5
+    assert attention_len_eff(0.0, 1000.0) == 1.0  # (a node without a length: as before)
+    assert [attention_len_eff(x, 1024.0) for x in (512, 2048, 8192)] == pytest.approx([1 / 3, 2 / 3, 8 / 9])
+    base = load_cluster("dgx-a100-80g")
+
+    def with_half(h: float, attention_eff: float = base.device.attention_eff):
+        return dataclasses.replace(base, device=dataclasses.replace(base.device, attention_seq_half=h,
+                                                                    attention_eff=attention_eff))
+
+    slowdown = {}
+    for seq in (512, 8192):
+        lg = profile_model(f"gpt:layers=2,hidden=1024,heads=16,seq={seq},vocab=8192,dropout=0")
+        node = next(n for layer in lg.layers for n in layer.nodes if n.kind == "attention")
+        assert attention_call_length(node, 1) == seq and attention_call_length(node, 4) == seq / 4
+        cfg, gb = ParallelConfig(dp=8), 8 * 65536 // seq
+        t0 = estimate(lg, with_half(0.0), cfg, gb).breakdown_s["compute"]
+        t1 = estimate(lg, with_half(1024.0), cfg, gb).breakdown_s["compute"]
+        # halving the long-sequence attention efficiency adds the attention's time once: the half-point adds it
+        # (1 + 1024/L) − 1 times
+        t_attn = estimate(lg, with_half(0.0, base.device.attention_eff / 2), cfg, gb).breakdown_s["compute"] - t0
+        assert t1 - t0 == pytest.approx(t_attn * 1024 / seq, rel=1e-6)
+        slowdown[seq] = t1 / t0
+    assert slowdown[512] > slowdown[8192] > 1.0
