@@ -38,7 +38,7 @@ sequence length at which it is halved (``attention_seq_half``: FlashAttention's 
 llm-foundry's sweeps from 512 to 65536 tokens show as rows predicted 6-12 % fast at 512-2048 tokens and 6-12 %
 slow at 32K-64K under a constant attention efficiency), the fp8 efficiency and the overlap slowdown, each only
 where some row's prediction depends on it (`unidentified`): the others keep the committed value, or in a cold fit
-the published prior (`PRIOR`); a stack takes its kind's half-point where its rows run one length
+the published prior (`PRIOR`); a stack takes its kind's half-point where its rows run fewer than three lengths
 (`KERNEL_CONSTANTS`). A faster kind's matmul curve is
 held at or above a slower kind's achieved FLOP/s at every GEMM size (`matmul_floor`). The fit minimises the mean
 absolute relative error of the step time over the kind's rows, each source weighted equally: differential evolution
@@ -367,9 +367,14 @@ def unidentified(rows: list[Row], start: Constants) -> tuple[str, ...]:
     def step_time(name: str) -> Callable[[Row, float], float]:
         return lambda row, v: predict(row, dataclasses.replace(start, **{name: v})).step_time_s
 
-    lengths = {n for r in rows if (n := attention_length(r))}
+    few = _too_few_lengths(rows)
     return tuple(name for name in _PARAMS[2:] if not depends_on(rows, step_time(name), ranges[name])
-                 or (name == "attention_seq_half" and len(lengths) < SEQ_HALF_LENGTHS))
+                 or (name == "attention_seq_half" and few))
+
+
+def _too_few_lengths(rows: Iterable[Row]) -> bool:
+    """Whether ``rows`` run fused attention at fewer than `SEQ_HALF_LENGTHS` sequence lengths (`unidentified`)."""
+    return len({n for r in rows if (n := attention_length(r))}) < SEQ_HALF_LENGTHS
 
 
 def attention_length(row: Row) -> float:
@@ -394,7 +399,7 @@ def matmul_floor(e_max: float, slower: Constants, peak_ratio: float) -> float:
     return slower.f_half * peak_ratio * e_max / slower.e_max
 
 
-#: (rows' ids, floor, kept) → `fit`'s result while cross-validation runs (`cross_validate`): folds share the fits
+#: (rows' ids, floor, kept, kind) → `fit`'s result while cross-validation runs (`cross_validate`): folds share the fits
 #: whose rows none of them leaves out; None otherwise (every fit runs)
 _FITTED: dict | None = None
 
@@ -615,7 +620,10 @@ def fit_all(rows: list[Row], only: str | None = None, warm: bool = True,
             old = ((kept.get("stacks") or {}).get(stack) or {}).get(kind)
             floor = _floor(order[kind], fits) if kind in order else None
             if only and only != stack and old:
-                stacks.setdefault(stack, {})[kind] = (as_written(_into_floor(_kept(old), floor)), old["source"], sr)
+                k = _kept(old)
+                if kind in fits and _too_few_lengths(sr):  # (its kind's half-point, refitted or not)
+                    k = dataclasses.replace(k, **{n: getattr(fits[kind][0], n) for n in KERNEL_CONSTANTS})
+                stacks.setdefault(stack, {})[kind] = (as_written(_into_floor(k, floor)), old["source"], sr)
                 continue
             k, err = fit(sr, floor, _kept(old) if warm and old else None, fits[kind][0] if kind in fits else None)
             print(f"{kind}, {stack}: objective {err:.2%}", flush=True)

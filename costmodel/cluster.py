@@ -625,9 +625,9 @@ def _parse_device(ctx: _Ctx, value: Any) -> DeviceSpec:
             raise ctx.error(f"device.{key} must be in (0, 1], got {eff!r}")
     # the sequence length at which fused attention reaches half its efficiency (0 or absent: no dependence)
     seq_half = value.get("attention_seq_half", 0.0)
-    if isinstance(seq_half, bool) or not isinstance(seq_half, (int, float)) or seq_half < 0:
-        raise ctx.error(f"device.attention_seq_half must be a number of tokens ≥ 0 (0: attention's efficiency does "
-                        f"not depend on the sequence length), got {seq_half!r}")
+    if isinstance(seq_half, bool) or not isinstance(seq_half, (int, float)) or not 0 <= seq_half < math.inf:
+        raise ctx.error(f"device.attention_seq_half must be a finite number of tokens ≥ 0 (0: attention's efficiency "
+                        f"does not depend on the sequence length), got {seq_half!r}")
     slowdown = value.get("overlap_slowdown", 0.0)
     if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not 0 <= slowdown <= 1:
         raise ctx.error(f"device.overlap_slowdown must be a number in [0, 1], got {slowdown!r}")

@@ -170,7 +170,7 @@ class DeviceSpec:
         for key in ("attention_eff", "fp8_eff"):
             if not 0.0 < getattr(self, key) <= 1.0:
                 raise ValueError(f"device {self.name!r}: {key} must be in (0, 1], got {getattr(self, key)!r}")
-        if not self.attention_seq_half >= 0.0:
+        if not 0.0 <= self.attention_seq_half < math.inf:
             raise ValueError(f"device {self.name!r}: attention_seq_half must be ≥ 0 tokens, "
                              f"got {self.attention_seq_half!r}")
         if not 0.0 <= self.overlap_slowdown <= 1.0:

@@ -299,14 +299,16 @@ def attention_len_eff(length: float, seq_half: float) -> float:
     a fixed cost per query tile (loading its queries, the softmax's rescaling and writing its output; the
     backward's dQ) against work that grows with the causal prefix, on average ``length/2B`` key tiles. At
     ``seq_half`` the two are equal (`DeviceSpec.attention_seq_half`, fitted on published runs that vary the
-    sequence; 0: no dependence)."""
+    sequence; 0: no dependence). Every published run it is fitted on is causal; a non-causal kernel, whose query
+    tiles each walk all ``length/B`` key tiles, has about half the half-point, and is priced as causal here."""
     return length / (length + seq_half) if seq_half > 0 and length > 0 else 1.0
 
 
 def attention_call_length(n: NodeInfo, cp: int) -> float:
     """The sequence length a fused attention call runs at on one rank: its query's (``(…, L, E)``, as every
-    scaled-dot-product-attention op takes it), each sequence split over ``cp`` context-parallel ranks (a ring step
-    runs the rank's own chunks against one rank's keys)."""
+    scaled-dot-product-attention op takes it), each sequence split over ``cp`` context-parallel ranks: the rank's
+    S/cp tokens against one rank's keys per ring step, an upper estimate where a load-balanced step runs one of its
+    two S/(2·cp) chunks."""
     shape = n.input_shapes[0] if n.input_shapes else ()
     return shape[-2] / cp if len(shape) >= 2 else 0.0
 

@@ -138,9 +138,13 @@ def test_no_job_is_predicted_slower_on_an_h100_than_on_an_a100():
             assert h.peak("bf16") * h.matmul_eff(f) >= a.peak("bf16") * a.matmul_eff(f), f
         assert h.hbm_bw * h.memory_eff >= a.hbm_bw * a.memory_eff
         assert h.peak("bf16") * h.attention_eff >= a.peak("bf16") * a.attention_eff
-        for length in (2.0 ** e for e in range(4, 21)):  # fused attention at 16 … 1M tokens per sequence
-            assert (h.peak("bf16") * h.attention_eff * attention_len_eff(length, h.attention_seq_half)
-                    >= a.peak("bf16") * a.attention_eff * attention_len_eff(length, a.attention_seq_half)), length
+        for exp in range(20, 61, 4):  # fused attention of 1 MFLOP … 1 EFLOP per call, at 16 … 1M tokens
+            for length in (2.0 ** e for e in range(4, 21)):
+                f = 2.0 ** exp
+                assert (h.peak("bf16") * h.matmul_eff(f) * h.attention_eff
+                        * attention_len_eff(length, h.attention_seq_half)
+                        >= a.peak("bf16") * a.matmul_eff(f) * a.attention_eff
+                        * attention_len_eff(length, a.attention_seq_half)), (f, length)
     for model, gb, configs in (("gpt-small", 64, ("dp=8", "tp=8", "dp=2,tp=2,pp=2,mbs=2", "dp=8,zero=3,ac=full",
                                                   "tp=4,dp=2,sp=on,ac=selective")),):
         lg = profile_model(model)
@@ -252,7 +256,7 @@ def test_a_constant_no_row_depends_on_is_held_where_it_was(monkeypatch):
     assert (warm.attention_eff, warm.overlap_slowdown, warm.fp8_eff) == (0.6, 0.3, 0.9)
 
 
-def test_the_attention_half_point_needs_two_lengths_and_a_stack_at_one_takes_its_kinds(monkeypatch):
+def test_the_attention_half_point_needs_three_lengths_and_a_stack_with_fewer_takes_its_kinds(monkeypatch):
     """``attention_seq_half`` is identified by runs of fused attention at three sequence lengths or more
     (llm-foundry sweeps 512-65536 tokens); at one it only trades against ``attention_eff``, at two it would be set
     by the second length's noise, so a fit holds it: torchtitan's rows (eleven at 8192 tokens, one at 32768) under
@@ -274,6 +278,21 @@ def test_the_attention_half_point_needs_two_lengths_and_a_stack_at_one_takes_its
     kind = dataclasses.replace(calibrate.PRIOR, attention_seq_half=777.0)
     assert calibrate.fit(titan, kind=kind)[0].attention_seq_half == 777.0
     assert calibrate.fit(titan)[0].attention_seq_half == calibrate.PRIOR.attention_seq_half == 0.0
+
+
+def test_a_stack_kept_in_a_refit_of_its_kind_takes_the_kind_s_new_half_point(monkeypatch):
+    """``--only h100`` refits the H100's own constants and keeps the torch-native stack's, but for the half-point
+    its rows (two lengths) cannot identify: that is the refitted kind's (`calibrate.KERNEL_CONSTANTS`)."""
+    kept = calibrate._kept(fitted_constants("h100"))
+    refit = dataclasses.replace(kept, attention_seq_half=300.0)
+    monkeypatch.setattr(calibrate, "fit", lambda rows, floor=None, kept=None, kind=None: (refit, 0.0))
+    rows = [r for r in calibrate.load_rows() if r.kind == "h100"]
+    fits, stacks = calibrate.fit_all(rows, only="h100")
+    assert fits["h100"][0] == calibrate.as_written(refit)
+    native = stacks["torch-native"]["h100"][0]
+    assert native.attention_seq_half == 300.0
+    own = calibrate._kept(calibrate.fitted()["stacks"]["torch-native"]["h100"])
+    assert dataclasses.replace(native, attention_seq_half=own.attention_seq_half) == own
 
 
 def test_a_faster_kind_s_attention_half_point_keeps_it_no_slower_at_any_length():

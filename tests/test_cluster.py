@@ -184,8 +184,9 @@ inter: {bw_GBps: 12.5, latency_us: 10}
     assert c.device.attention_seq_half == 0.0  # (absent: attention's efficiency does not depend on the length)
     longer = parse_cluster_yaml(text.replace("memory_eff: 0.75}", "memory_eff: 0.75, attention_seq_half: 900}"))
     assert longer.device.attention_seq_half == 900.0 and parse_cluster_yaml(dump_cluster(longer)) == longer
-    with pytest.raises(ValueError, match=r"attention_seq_half must be a number of tokens ≥ 0"):
-        parse_cluster_yaml(text.replace("memory_eff: 0.75}", "memory_eff: 0.75, attention_seq_half: -1}"))
+    for bad in ("-1", ".inf", "true"):
+        with pytest.raises(ValueError, match=r"attention_seq_half must be a finite number of tokens ≥ 0"):
+            parse_cluster_yaml(text.replace("memory_eff: 0.75}", f"memory_eff: 0.75, attention_seq_half: {bad}}}"))
     assert c.intra.bandwidth_for("all_gather") == 50e9 and c.intra.bandwidth_for("all_reduce") == 100e9
     assert c.intra.curve_for("send_recv") == SizeCurve(sizes=(2**20, 4 * 2**20), factors=(2.0, 1.0))
     assert parse_cluster_yaml(dump_cluster(c)) == c
