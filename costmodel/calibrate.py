@@ -260,7 +260,8 @@ def _ranges(e_max: float, f_half: float, floor: tuple[Constants, float, float] |
             attention_eff: float | None = None) -> dict:
     """Each constant's range but e_max's and f_half's, for a matmul curve (e_max, f_half); under ``floor`` (see
     `_unpack`) narrowed so that this kind is no slower than the slower one on any operation. ``attention_eff``:
-    this kind's, which bounds its ``attention_seq_half`` under a floor (`_seq_half_top`); None: at its lowest."""
+    this kind's (moved into its range), which bounds its ``attention_seq_half`` under a floor (`_seq_half_top`);
+    None: at its lowest."""
     memory_lo, slowdown_hi, attention_lo, seq_half_hi = 0.2, 0.5, 0.2, SEQ_HALF_MAX
     if floor is not None:
         slower, peak_ratio, hbm_ratio = floor
@@ -269,7 +270,8 @@ def _ranges(e_max: float, f_half: float, floor: tuple[Constants, float, float] |
         memory_lo = max(0.2, min(1.0, slower.memory_eff / hbm_ratio))
         attention_lo = max(0.2, min(1.0, slower.attention_eff / gemm))  # fused attention: the GEMM rate × this
         slowdown_hi = min(0.5, (1 + slower.overlap_slowdown) * gemm - 1)  # overlapped compute: (1 + s) × time
-        seq_half_hi = _seq_half_top(slower, gemm, attention_lo if attention_eff is None else attention_eff)
+        attention = attention_lo if attention_eff is None else min(max(attention_eff, attention_lo), 1.0)
+        seq_half_hi = _seq_half_top(slower, gemm, attention)
     return {"memory_eff": (memory_lo, 1.0), "overlap_slowdown": (0.0, slowdown_hi),
             "attention_eff": (attention_lo, 1.0), "fp8_eff": (0.2, 1.0), "attention_seq_half": (0.0, seq_half_hi)}
 
@@ -322,9 +324,7 @@ def _pack(k: Constants, floor: tuple[Constants, float, float] | None, held: Iter
         ceiling = matmul_floor(e_max, floor[0], floor[1])
         f_half = min(k.f_half, ceiling)
         f = _logit(f_half / ceiling)
-    ranges = _ranges(e_max, f_half, floor)
-    attention_eff = min(max(k.attention_eff, ranges["attention_eff"][0]), ranges["attention_eff"][1])
-    ranges["attention_seq_half"] = _ranges(e_max, f_half, floor, attention_eff)["attention_seq_half"]
+    ranges = _ranges(e_max, f_half, floor, k.attention_eff)
     held = set(held)
     return [e, f] + [_where(ranges[name], getattr(k, name)) for name in _PARAMS[2:] if name not in held]
 
@@ -561,12 +561,9 @@ def _into_floor(k: Constants, floor: tuple[Constants, float, float] | None) -> C
     if floor is None:
         return k
     f_half = min(k.f_half, matmul_floor(k.e_max, floor[0], floor[1]))
-    attention_lo = _ranges(k.e_max, f_half, floor)["attention_eff"][0]
-    attention_eff = max(k.attention_eff, attention_lo)
-    ranges = _ranges(k.e_max, f_half, floor, attention_eff)
-    moved = {name: min(max(getattr(k, name), ranges[name][0]), ranges[name][1])
-             for name in ("memory_eff", "overlap_slowdown", "fp8_eff", "attention_seq_half")}
-    return dataclasses.replace(k, f_half=f_half, attention_eff=attention_eff, **moved)
+    ranges = _ranges(k.e_max, f_half, floor, k.attention_eff)
+    return dataclasses.replace(k, f_half=f_half, **{name: min(max(getattr(k, name), lo), hi)
+                                                    for name, (lo, hi) in ranges.items()})
 
 
 def _floor(kind_index: int, fits: dict) -> tuple[Constants, float, float] | None:
