@@ -66,7 +66,13 @@ import yaml
 from costmodel.cluster import Cluster, load_cluster
 from costmodel.config import AC, ParallelConfig, Schedule
 from costmodel.estimate import Evaluator
-from costmodel.hardware import GPU_ATTENTION_EFF_PRIOR, GPU_MATMUL_PRIOR, GPU_MEMORY_EFF_PRIOR, EfficiencyCurve
+from costmodel.hardware import (
+    GPU_ATTENTION_EFF_PRIOR,
+    GPU_MATMUL_PRIOR,
+    GPU_MEMORY_EFF_PRIOR,
+    KIND_ORDER,
+    EfficiencyCurve,
+)
 from costmodel.stacks import FITTED_FILE, STACKS, fitted
 
 DATA = Path(__file__).parent / "data" / "published_runs.json"
@@ -452,11 +458,6 @@ def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None,
 KERNEL_CONSTANTS = ("attention_seq_half",)
 
 
-#: device kinds in increasing bf16 peak, each with a catalogue device: a faster kind's curve is kept above the
-#: slower kinds' (`matmul_floor`), so that no job is predicted slower on the faster device
-KIND_ORDER = (("a100", "a100-80g"), ("h100", "h100-sxm"))
-
-
 #: the stacks whose rows make a kind's own constants (every stack without rows of its own uses them); the others
 #: are fitted per (kind, stack) on their rows, written under ``stacks:`` (`costmodel.stacks`)
 BASE_STACKS = ("megatron", "composer")
@@ -566,13 +567,18 @@ def _into_floor(k: Constants, floor: tuple[Constants, float, float] | None) -> C
                                                     for name, (lo, hi) in ranges.items()})
 
 
-def _floor(kind_index: int, fits: dict) -> tuple[Constants, float, float] | None:
+def _floor(kind_index: int, fits: dict, rows: Iterable[Row] = ()) -> tuple[Constants, float, float] | None:
     """The binding floor of `KIND_ORDER`'s ``kind_index``-th kind: the slower kind whose bound on f_half is
-    tightest (at this kind's prior e_max), from the slower kinds' own constants in ``fits``."""
+    tightest (at this kind's prior e_max), from the slower kinds' own constants in ``fits``, as (constants, bf16
+    peak ratio, HBM bandwidth ratio). The bandwidth is the least of the devices ``rows`` run on (the kind's
+    catalogue device without rows): the torch-native stack's rows run on h100-hbm2e, whose memory efficiency
+    `costmodel.hardware.bandwidth_floor` raises to the A100's achieved bandwidth where it prices them, so their fit
+    is bounded there too."""
     from costmodel.hardware import get_device
 
     dev = get_device(KIND_ORDER[kind_index][1])
-    slower = [(fits[s][0], dev.peak("bf16") / get_device(d).peak("bf16"), dev.hbm_bw / get_device(d).hbm_bw)
+    bw = min((_cluster(r.cluster).device.hbm_bw for r in rows), default=dev.hbm_bw)
+    slower = [(fits[s][0], dev.peak("bf16") / get_device(d).peak("bf16"), bw / get_device(d).hbm_bw)
               for s, d in KIND_ORDER[:kind_index] if s in fits]
     return min(slower, key=lambda f: matmul_floor(0.7, f[0], f[1])) if slower else None
 
@@ -604,7 +610,7 @@ def fit_all(rows: list[Row], only: str | None = None, warm: bool = True,
         kr = [r for r in rows if r.kind == kind and r.stack in BASE_STACKS]
         # (each kind's floor from the slower kinds' constants as written, so that this kind's, rounded the safe
         # way, are written at or above it)
-        floor = _floor(order[kind], fits) if kind in order else None
+        floor = _floor(order[kind], fits, kr) if kind in order else None
         if only and only != kind and kind in kept:
             fits[kind] = (as_written(_into_floor(_kept(kept[kind]), floor)), kept[kind]["source"], kr)
         elif kr:
@@ -615,7 +621,7 @@ def fit_all(rows: list[Row], only: str | None = None, warm: bool = True,
         for kind in sorted({r.kind for r in rows if r.stack == stack}):
             sr = [r for r in rows if r.kind == kind and r.stack == stack]
             old = ((kept.get("stacks") or {}).get(stack) or {}).get(kind)
-            floor = _floor(order[kind], fits) if kind in order else None
+            floor = _floor(order[kind], fits, sr) if kind in order else None
             if only and only != stack and old:
                 k = _kept(old)
                 if kind in fits and _too_few_lengths(sr):  # (its kind's half-point, refitted or not)
@@ -677,18 +683,23 @@ def _anchored(row: Row, k: Constants) -> Constants:
 
 def _fold(rows: list[Row], table: list[Row]) -> dict:
     """One fold of `cross_validate`: ``table``'s rows left out of the fit, then anchored (each row's relative
-    error left out under ``left_out_errors``)."""
+    error left out under ``left_out_errors``; each anchor's mean absolute error on the rest of its table under
+    ``anchored_by_anchor``: one anchor out of line with its table moves every other row by its own error)."""
     ks = _fits_without(rows, table)
     errors = {r.id: predict(r, ks[r.kind, r.stack]).step_time_s / r.measured_step_s - 1 for r in table}
     loto = [abs(e) for e in errors.values()]
     step = max(1, len(table) // ANCHORS)
-    anchored = []
+    anchored, by_anchor = [], {}
     for a in table[::step][:ANCHORS]:
         k = _anchored(a, ks[a.kind, a.stack])
         rest = [r for r in table if r is not a and r.kind == a.kind]
-        anchored += [abs(predict(r, k).step_time_s / r.measured_step_s - 1) for r in rest]
+        errs = [abs(predict(r, k).step_time_s / r.measured_step_s - 1) for r in rest]
+        anchored += errs
+        if errs:
+            by_anchor[a.id] = sum(errs) / len(errs)
     return {"rows": len(table), "leave_one_table_out": sum(loto) / len(loto),
-            "anchored": sum(anchored) / len(anchored) if anchored else float("nan"), "left_out_errors": errors}
+            "anchored": sum(anchored) / len(anchored) if anchored else float("nan"), "left_out_errors": errors,
+            "anchored_by_anchor": by_anchor}
 
 
 class _Prefixed:
@@ -761,6 +772,9 @@ def cross_validate(rows: list[Row], file=sys.stdout, jobs: int = 1, by: str = "s
         print(f"{held}: {out[held]['rows']} rows; left out of the fit: mean abs error "
               f"{out[held]['leave_one_table_out']:.1%}; anchored on one of its rows: {out[held]['anchored']:.1%}",
               file=file, flush=True)
+        for anchor, err in out[held]["anchored_by_anchor"].items():
+            print(f"    anchored on {anchor} ({out[held]['left_out_errors'][anchor]:+.1%} left out): "
+                  f"{err:.1%}", file=file, flush=True)
 
     if jobs <= 1:
         with _sharing_fits({}):

@@ -31,7 +31,9 @@ __all__ = [
     "DEVICES",
     "DeviceSpec",
     "EfficiencyCurve",
+    "KIND_ORDER",
     "LazyCatalog",
+    "bandwidth_floor",
     "get_device",
     "measure_cpu_device",
 ]
@@ -254,6 +256,11 @@ _PEAK_SOURCE = "NVIDIA datasheets, dense (no sparsity), via calibration/README.m
 #: (``a100``: the 40 and 80 GB parts; ``h100``: H100 SXM and H200, the same GH100 compute).
 _KIND = {"a100-40g": "a100", "a100-80g": "a100", "h100-sxm": "h100", "h100-hbm2e": "h100", "h200": "h100"}
 
+#: device kinds in increasing bf16 peak, each with the catalogue device its published rows ran on:
+#: `costmodel.calibrate` fits a faster kind's constants above the slower kinds' on those devices, and
+#: `bandwidth_floor` keeps every other device of a faster kind above them too
+KIND_ORDER = (("a100", "a100-80g"), ("h100", "h100-sxm"))
+
 
 def device_kind(name: str) -> str | None:
     """The kind a catalogue device's fitted constants belong to (None for a device described in a file)."""
@@ -268,8 +275,43 @@ def with_stack(device: DeviceSpec, stack: str) -> DeviceSpec:
     fit = stack_constants(device_kind(device.name), stack)
     if not fit:
         return device
-    return replace(device, **_efficiencies(fit),
-                   source=device.source.split("; efficiencies:")[0] + f"; efficiencies ({stack}): {fit['source']}")
+    effs, note = _floored(device.name, device.hbm_bw, _efficiencies(fit), stack)
+    return replace(device, **effs, source=device.source.split("; efficiencies")[0]
+                   + f"; efficiencies ({stack}): {fit['source']}{note}")
+
+
+def bandwidth_floor(name: str, hbm_bw: float, stack: str | None = None) -> tuple[float, str]:
+    """The least memory efficiency at which catalogue device ``name`` (``hbm_bw`` bytes/s) moves memory-bound ops
+    at least as fast as every catalogue device of a slower kind (`KIND_ORDER`) under software stack ``stack`` (None:
+    the kinds' own constants), and that device's name; (0, "") for the slowest kind or a device outside the
+    catalogue. `costmodel.calibrate` fits a kind's constants above this floor on the kind's own device
+    (``memory_eff`` ≥ the slower kind's × its HBM bandwidth ratio, `calibrate._ranges`); a device of the kind with
+    less bandwidth needs its own: h100-hbm2e (2.4 TB/s) at the h100 kind's 0.571, fitted on h100-sxm (3.35 TB/s),
+    would move memory-bound ops at 0.72× an A100-80G's achieved rate."""
+    kinds = [kind for kind, _ in KIND_ORDER]
+    kind = _KIND.get(name)
+    if kind not in kinds:
+        return 0.0, ""
+    slower = [d for d, k in _KIND.items() if k in kinds[:kinds.index(kind)]]
+    achieved = {}
+    for d in slower:
+        dev = get_device(d) if stack is None else with_stack(get_device(d), stack)
+        achieved[d] = dev.hbm_bw * dev.memory_eff
+    if not achieved:
+        return 0.0, ""
+    fastest = max(achieved, key=achieved.get)
+    return achieved[fastest] / hbm_bw, fastest
+
+
+def _floored(name: str, hbm_bw: float, effs: dict, stack: str | None) -> tuple[dict, str]:
+    """``effs`` (`_efficiencies`) with the memory efficiency raised to `bandwidth_floor` where it is under it, and
+    a note for the device's source saying so (empty otherwise)."""
+    floor, slower = bandwidth_floor(name, hbm_bw, stack)
+    if effs["memory_eff"] >= floor:
+        return effs, ""
+    return ({**effs, "memory_eff": floor},
+            f"; memory efficiency {effs['memory_eff']:.4g} raised to {floor:.4g}, {slower}'s achieved HBM bandwidth "
+            f"(hardware.bandwidth_floor)")
 
 
 def fitted_constants(kind: str) -> dict | None:
@@ -293,8 +335,9 @@ def _gpu(name: str, peaks: Mapping[str, float], memory_bytes: float, hbm_bw: flo
         effs = {"matmul_eff": GPU_MATMUL_PRIOR, "memory_eff": GPU_MEMORY_EFF_PRIOR, "overlap_slowdown": 0.0,
                 "attention_eff": GPU_ATTENTION_EFF_PRIOR}
         note = "efficiencies: prior: unfitted"
+    effs, raised = _floored(name, hbm_bw, effs, None)
     return DeviceSpec(name=name, peak_flops=peaks, memory_bytes=memory_bytes, hbm_bw=hbm_bw,
-                      source=f"{_PEAK_SOURCE}; {memory_note}; {note}", **effs)
+                      source=f"{_PEAK_SOURCE}; {memory_note}; {note}{raised}", **effs)
 
 
 _T = TypeVar("_T")

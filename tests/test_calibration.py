@@ -131,8 +131,15 @@ def test_no_job_is_predicted_slower_on_an_h100_than_on_an_a100():
     from costmodel.layercost import attention_len_eff
     from profiler.api import profile_model
 
-    a = get_device("a100-80g")
-    for h in (get_device("h100-sxm"), load_cluster("dgx-h100").device):  # the kind's, and torch-native's
+    # every device of the faster kind against every device of the slower, under the kinds' own constants and
+    # torch-native's: h100-hbm2e (2.4 TB/s), at the h100 kind's memory efficiency fitted on h100-sxm (3.35 TB/s),
+    # moved memory-bound ops at 0.72× an A100-80G's rate until `hardware.bandwidth_floor`
+    pairs = [(get_device(h), get_device(a)) for h in ("h100-sxm", "h100-hbm2e", "h200")
+             for a in ("a100-40g", "a100-80g")]
+    pairs += [(load_cluster(h).device, load_cluster(a).device) for h in ("dgx-h100", "grand-teton", "dgx-h200")
+              for a in ("dgx-a100-80g", "dgx-a100-40g")]
+    assert get_device("h100-hbm2e").memory_eff > get_device("h100-sxm").memory_eff  # (the floor binds there)
+    for h, a in pairs:
         for exp in range(12, 61):  # 4 kFLOP … 1 EFLOP per GEMM
             f = 2.0 ** exp
             assert h.peak("bf16") * h.matmul_eff(f) >= a.peak("bf16") * a.matmul_eff(f), f
@@ -151,9 +158,10 @@ def test_no_job_is_predicted_slower_on_an_h100_than_on_an_a100():
         for text in configs:
             cfg = ParallelConfig(**parse_kv(text))
             for stack in ("torch-native", "megatron"):
-                fast = estimate(lg, load_cluster(f"dgx-h100:stack={stack}"), cfg, gb).step_time_s
-                slow = estimate(lg, load_cluster(f"dgx-a100-80g:stack={stack}"), cfg, gb).step_time_s
-                assert fast <= slow, (model, text, stack, fast, slow)
+                for h in ("dgx-h100", "grand-teton"):
+                    fast = estimate(lg, load_cluster(f"{h}:stack={stack}"), cfg, gb).step_time_s
+                    slow = estimate(lg, load_cluster(f"dgx-a100-80g:stack={stack}"), cfg, gb).step_time_s
+                    assert fast <= slow, (model, text, stack, h, fast, slow)
 
 
 def test_anchoring_on_one_row_reproduces_it():
@@ -338,6 +346,29 @@ def test_constants_are_written_at_or_above_the_floor_of_the_slower_kinds_as_writ
                                                              f_half=3.365e10)
 
 
+def test_a_fit_on_a_device_with_less_bandwidth_than_its_kind_s_is_bounded_at_that_device_s():
+    """The fit's memory-efficiency floor (`calibrate._floor`, `_ranges`) and the price's
+    (`costmodel.hardware.bandwidth_floor`) are one bound: the torch-native stack's rows run on h100-hbm2e (2.4 TB/s),
+    so their fit keeps its memory-bound ops at the A100-80G's achieved bandwidth, 0.797 of its peak, not the
+    h100-sxm's 0.571; the kind's own rows (dgx-h100) keep the h100-sxm's ratio."""
+    from costmodel.hardware import bandwidth_floor, get_device
+
+    rows = calibrate.load_rows()
+    a100 = calibrate._kept(fitted_constants("a100"))
+    native = calibrate._floor(1, {"a100": (a100, "", [])}, [r for r in rows if r.stack == "torch-native"])
+    own = calibrate._floor(1, {"a100": (a100, "", [])}, [r for r in rows if r.kind == "h100" and r.stack == "composer"])
+    assert own == calibrate._floor(1, {"a100": (a100, "", [])})
+    for floor, device in ((native, "h100-hbm2e"), (own, "h100-sxm")):
+        low = calibrate._ranges(0.6, 3e10, floor)["memory_eff"][0]
+        dev = get_device(device)
+        assert low == pytest.approx(bandwidth_floor(device, dev.hbm_bw)[0], rel=1e-12)
+        assert low * dev.hbm_bw == pytest.approx(a100.memory_eff * get_device("a100-80g").hbm_bw, rel=1e-12)
+    # the committed torch-native constants sit inside their bound, so the price of their rows is the fit's
+    from costmodel.stacks import stack_constants
+
+    committed = stack_constants("h100", "torch-native")["memory_eff"]
+    assert committed >= calibrate._ranges(0.6, 3e10, native)["memory_eff"][0]
+
 def test_a_cross_validation_fold_fits_only_the_kinds_its_table_runs_on(monkeypatch):
     """`calibrate._fits_without`: leaving out Korthikanti's A100 rows refits the A100 alone (no H100 fit, no
     torch-native one); leaving out torchtitan's H100 rows fits the A100 too, for the H100's floor; every (kind,
@@ -403,6 +434,8 @@ def test_cross_validation_by_published_table_shares_the_fits_no_fold_changes(mon
     assert len(per_table) == 6
     out = calibrate.cross_validate(rows, file=io.StringIO(), by="table")
     assert set(out) == set(per_table) and all(v["rows"] == 2 for v in out.values())
+    for v in out.values():  # (every anchor predicts the same number of rows: the mean is the anchors' mean)
+        assert v["anchored"] == pytest.approx(sum(v["anchored_by_anchor"].values()) / len(v["anchored_by_anchor"]))
     assert len(runs) == 9 and calibrate._FITTED is None
 
 
@@ -438,7 +471,11 @@ def test_cross_validation_in_parallel_gives_the_sequential_result(monkeypatch):
     parallel = calibrate.cross_validate(rows, file=text, jobs=2)
     assert parallel == calibrate.cross_validate(rows, file=io.StringIO(), jobs=1)
     assert sorted(parallel) == ["korthikanti", "llm-foundry", "torchtitan"]
-    assert sorted(line.split(":")[0] for line in text.getvalue().splitlines()) == sorted(parallel)
+    folds = [line for line in text.getvalue().splitlines() if not line.startswith(" ")]
+    assert sorted(line.split(":")[0] for line in folds) == sorted(parallel)
+    # each fold's line, then one per anchor: its left-out error and its mean on the rest of the table
+    anchors = [line for line in text.getvalue().splitlines() if line.startswith("    anchored on ")]
+    assert len(anchors) == sum(len(v["anchored_by_anchor"]) for v in parallel.values()) > 0
     with pytest.raises(ValueError, match="published"):
         calibrate.cross_validate(rows[::-1], jobs=2)
 
