@@ -19,7 +19,12 @@ step, fall in ``reduce``, spread over the blocks (the runtime's root holds the e
 16-wide linears (copies and arithmetic negligible) the growth from k = 1 to k = 8 over 7 is the time per parameter
 tensor, the rest the time per group; the 384-wide blocks' excess beyond the 16-wide ones' (the same groups and
 tensors) is their copies', whose rate is the bytes `costmodel.overlap.fsdp_serial_time` counts for them
-(``STEP_BYTES``) over that time. Medians over ``rounds`` after 10 warm-up rounds; each figure at least 0.
+(``STEP_BYTES``) over that time. Each figure is taken from each round's times (the models stepped a few ms apart,
+so the machine's drift cancels within a round), then its median over ``rounds`` after 10 warm-up rounds, at least 0.
+Medians of each model's times first, then the figures, gave a per-tensor figure of 205 µs and a per-group one of 0
+for a reduction once, with another process reading files beside the probe; from the same samples, six runs beside a
+calibration on the other core gave 12-18 µs per tensor for a gather this way and 15-43 µs that way, 30-39 µs and
+11-39 µs for a reduction.
 
 Measured here (2-vCPU VM, torch 2.13, a calibration running on the other core): 215-225 µs per group and
 13-15 µs per tensor for a gather, 285-305 µs per group and 20-24 µs per tensor for a reduce-scatter, copies at
@@ -45,18 +50,39 @@ SHAPES = ((1, 16), (8, 16), (8, 384))
 STEP_BYTES = {"zero3": 2 * 12 + 8, "zero2": 12 + 8}
 
 
-def _step_seconds(models: dict, x: dict, rounds: int) -> dict:
-    """Median seconds of a forward and backward of ``model(x).sum()`` for each of ``models``, stepped in turn each
-    round (so that the machine's drift falls on all of them alike); ``x`` by width."""
-    times = {name: [] for name in models}
+def _step_seconds(models: dict, x: dict, rounds: int) -> list[dict]:
+    """Seconds of a forward and backward of ``model(x).sum()`` for each of ``models``, stepped in turn, one dict per
+    round after 10 warm-up rounds; ``x`` by width."""
+    times = []
     for i in range(rounds + 10):
+        round_ = {}
         for name, model in models.items():
             t0 = time.perf_counter()
             model(x[name[1]]).sum().backward()
-            if i >= 10:
-                times[name].append(time.perf_counter() - t0)
+            round_[name] = time.perf_counter() - t0
             model.zero_grad(set_to_none=True)
-    return {name: statistics.median(t) for name, t in times.items()}
+        if i >= 10:
+            times.append(round_)
+    return times
+
+
+def _figures(step: dict) -> dict[str, object]:
+    """`measure`'s figures from one round's step times (or any one set of them)."""
+    excess = {(k, w, z): step[k, w, z] - step[k, w, "plain"] for k, w in SHAPES for z in STEP_BYTES}
+    (k1, w1), (k2, _), (k3, w3) = SHAPES
+    per_group = {}
+    for k, w in SHAPES[:2]:
+        zero3, zero2 = (excess[k, w, z] / GROUPS for z in ("zero3", "zero2"))
+        per_group[k] = {"gather": zero3 - zero2, "reduce": 2 * zero2 - zero3}
+    out: dict[str, object] = {}
+    for event in ("gather", "reduce"):
+        tensor = (per_group[k2][event] - per_group[k1][event]) / (k2 - k1)
+        out[event] = (per_group[k1][event] - k1 * tensor, tensor)
+    # the wide blocks' excess beyond the narrow ones' (same groups and tensors): their copies' extra bytes
+    elements = GROUPS * k3 * (w3 * w3 - w1 * w1)
+    out["copy_seconds_per_byte"] = sum(excess[k3, w3, z] - excess[k2, w1, z] for z in STEP_BYTES) / (
+        elements * sum(STEP_BYTES.values()))
+    return out
 
 
 def measure(rounds: int = 100) -> dict[str, object]:
@@ -101,21 +127,16 @@ def measure(rounds: int = 100) -> dict[str, object]:
         models[k, w, "plain"] = Model(k, w)
         models[k, w, "zero3"] = sharded(k, w, True)
         models[k, w, "zero2"] = sharded(k, w, False)
-    step = _step_seconds(models, x, rounds)
-    excess = {(k, w, z): step[k, w, z] - step[k, w, "plain"] for k, w in SHAPES for z in STEP_BYTES}
-    (k1, w1), (k2, _), (k3, w3) = SHAPES
-    per_group = {}
-    for k, w in SHAPES[:2]:
-        zero3, zero2 = (excess[k, w, z] / GROUPS for z in ("zero3", "zero2"))
-        per_group[k] = {"gather": zero3 - zero2, "reduce": 2 * zero2 - zero3}
+    # each round's figures from that round's times, then their medians: a figure is a difference of models stepped
+    # a few ms apart, so the machine's drift (another process starting beside the probe) cancels within a round,
+    # and a round a preemption fell in is one outlier among the rounds
+    per_round = [_figures(step) for step in _step_seconds(models, x, rounds)]
     out: dict[str, object] = {}
     for event in ("gather", "reduce"):
-        tensor = max(0.0, (per_group[k2][event] - per_group[k1][event]) / (k2 - k1))
-        out[event] = (max(0.0, per_group[k1][event] - k1 * tensor), tensor)
-    # the wide blocks' excess beyond the narrow ones' (same groups and tensors): their copies' extra bytes
-    elements = GROUPS * k3 * (w3 * w3 - w1 * w1)
-    seconds = sum(excess[k3, w3, z] - excess[k2, w1, z] for z in STEP_BYTES)
-    out["copy_bw"] = elements * sum(STEP_BYTES.values()) / seconds if seconds > 0 else 0.0
+        group, tensor = (statistics.median(r[event][i] for r in per_round) for i in (0, 1))
+        out[event] = (max(0.0, group), max(0.0, tensor))
+    seconds = statistics.median(r["copy_seconds_per_byte"] for r in per_round)
+    out["copy_bw"] = 1 / seconds if seconds > 0 else 0.0
     return out
 
 

@@ -389,7 +389,7 @@ CPU_OVERLAP_SLOWDOWN = 1.0
 
 
 #: Version of the measurement below; a cached device measured by another version is measured again.
-_CPU_MEASURE_VERSION = 5
+_CPU_MEASURE_VERSION = 6  # (6: `costmodel.fsdp_probe` takes its figures round by round)
 
 
 #: cgroup files that hold the memory a container may use (v2, then v1); "max" or a figure past the RAM: no limit
