@@ -55,6 +55,7 @@ import dataclasses
 import datetime as _dt
 import json
 import math
+import statistics
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from functools import cache
@@ -634,8 +635,8 @@ def fit_all(rows: list[Row], only: str | None = None, warm: bool = True,
     return fits, stacks
 
 
-#: anchors per table in `cross_validate`'s anchored check (evenly spaced over the table's rows)
-ANCHORS = 8
+#: the anchors `cross_validate` prints for each fold, worst first (their error on the rest of the table)
+WORST_ANCHORS = 3
 
 
 def _needed_kinds(kinds: Iterable[str]) -> set[str]:
@@ -682,15 +683,17 @@ def _anchored(row: Row, k: Constants) -> Constants:
 
 
 def _fold(rows: list[Row], table: list[Row]) -> dict:
-    """One fold of `cross_validate`: ``table``'s rows left out of the fit, then anchored (each row's relative
-    error left out under ``left_out_errors``; each anchor's mean absolute error on the rest of its table under
-    ``anchored_by_anchor``: one anchor out of line with its table moves every other row by its own error)."""
+    """One fold of `cross_validate`: ``table``'s rows left out of the fit, then anchored on each of its rows in
+    turn (each row's relative error left out under ``left_out_errors``; each anchor's mean absolute error on the
+    rest of its table under ``anchored_by_anchor``: an anchor out of line with its table moves every other row by
+    its own error). Every row is an anchor, so the anchored figure is the mean over all (anchor, row) pairs, not
+    over a sample of anchors that may or may not hold a table's outliers (a prediction is ~4 ms; the fit is what
+    costs)."""
     ks = _fits_without(rows, table)
     errors = {r.id: predict(r, ks[r.kind, r.stack]).step_time_s / r.measured_step_s - 1 for r in table}
     loto = [abs(e) for e in errors.values()]
-    step = max(1, len(table) // ANCHORS)
     anchored, by_anchor = [], {}
-    for a in table[::step][:ANCHORS]:
+    for a in table:
         k = _anchored(a, ks[a.kind, a.stack])
         rest = [r for r in table if r is not a and r.kind == a.kind]
         errs = [abs(predict(r, k).step_time_s / r.measured_step_s - 1) for r in rest]
@@ -698,8 +701,9 @@ def _fold(rows: list[Row], table: list[Row]) -> dict:
         if errs:
             by_anchor[a.id] = sum(errs) / len(errs)
     return {"rows": len(table), "leave_one_table_out": sum(loto) / len(loto),
-            "anchored": sum(anchored) / len(anchored) if anchored else float("nan"), "left_out_errors": errors,
-            "anchored_by_anchor": by_anchor}
+            "anchored": sum(anchored) / len(anchored) if anchored else float("nan"),
+            "anchored_median": statistics.median(by_anchor.values()) if by_anchor else float("nan"),
+            "left_out_errors": errors, "anchored_by_anchor": by_anchor}
 
 
 class _Prefixed:
@@ -757,24 +761,26 @@ def _fold_of(by: str, held: str, ids: frozenset[str]) -> dict:
 def cross_validate(rows: list[Row], file=sys.stdout, jobs: int = 1, by: str = "source") -> dict[str, dict]:
     """Leave-one-out by source (``by="source"``: each stack's rows predicted with constants fitted on the others)
     or by published table (``"table"``), and anchored (each left-out group's rows predicted from those constants
-    moved by one of its rows, `_anchored`; `ANCHORS` anchors per group): the mean absolute error of each per
+    moved by each of its rows in turn, `_anchored`): the mean absolute error of each per
     group, printed and returned (with each fold's `_fold` ``left_out_errors``). ``jobs`` > 1 runs that many
     processes: first, beside the folds that cannot use them, the cold fits on every row, which the folds that
     leave none of a kind's rows out share (`_FITTED`), then a fold each. The workers read ``rows`` from the
     published ones (`load_rows`) and run this module as it is on disk: a caller's changes to it (the fit's budget,
-    `ANCHORS`) reach ``jobs=1`` only. A fold that fails cancels those not started yet; its error is raised when
+    `WORST_ANCHORS`) reach ``jobs=1`` only. A fold that fails cancels those not started yet; its error is raised when
     the running ones end."""
     key = FOLDS[by]
     groups = sorted({key(r) for r in rows})
     out: dict[str, dict] = {}
 
     def show(held: str) -> None:
-        print(f"{held}: {out[held]['rows']} rows; left out of the fit: mean abs error "
-              f"{out[held]['leave_one_table_out']:.1%}; anchored on one of its rows: {out[held]['anchored']:.1%}",
-              file=file, flush=True)
-        for anchor, err in out[held]["anchored_by_anchor"].items():
-            print(f"    anchored on {anchor} ({out[held]['left_out_errors'][anchor]:+.1%} left out): "
-                  f"{err:.1%}", file=file, flush=True)
+        fold = out[held]
+        print(f"{held}: {fold['rows']} rows; left out of the fit: mean abs error {fold['leave_one_table_out']:.1%}; "
+              f"anchored on one of its rows: {fold['anchored']:.1%} (median over anchors "
+              f"{fold['anchored_median']:.1%})", file=file, flush=True)
+        worst = sorted(fold["anchored_by_anchor"].items(), key=lambda a: -a[1])[:WORST_ANCHORS]
+        for anchor, err in worst if len(fold["anchored_by_anchor"]) > 1 else ():
+            print(f"    anchored on {anchor} ({fold['left_out_errors'][anchor]:+.1%} left out): {err:.1%}",
+                  file=file, flush=True)
 
     if jobs <= 1:
         with _sharing_fits({}):

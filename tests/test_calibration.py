@@ -473,9 +473,11 @@ def test_cross_validation_in_parallel_gives_the_sequential_result(monkeypatch):
     assert sorted(parallel) == ["korthikanti", "llm-foundry", "torchtitan"]
     folds = [line for line in text.getvalue().splitlines() if not line.startswith(" ")]
     assert sorted(line.split(":")[0] for line in folds) == sorted(parallel)
-    # each fold's line, then one per anchor: its left-out error and its mean on the rest of the table
+    # each fold's line, then its worst anchors (every row is one): its left-out error and its mean on the rest
     anchors = [line for line in text.getvalue().splitlines() if line.startswith("    anchored on ")]
-    assert len(anchors) == sum(len(v["anchored_by_anchor"]) for v in parallel.values()) > 0
+    counts = [len(v["anchored_by_anchor"]) for v in parallel.values()]
+    assert counts == [len({r.id for r in rows if r.source == s}) for s in sorted(parallel)]
+    assert len(anchors) == sum(min(n, calibrate.WORST_ANCHORS) for n in counts if n > 1) > 0
     with pytest.raises(ValueError, match="published"):
         calibrate.cross_validate(rows[::-1], jobs=2)
 
