@@ -108,18 +108,29 @@ def timed_here(lg: LayerGraph, build=None) -> LayerGraph:
     from costmodel.hardware import measure_cpu_device
 
     here = measure_cpu_device()
-    timings = measure_here(lg, here.peak("fp32"), here.memory_bytes, build=build)
+    timings = measure_here(lg, here.peak("fp32"), here.memory_bytes, build=build, epoch=device_epoch(here))
     return dataclasses.replace(lg, timings=dataclasses.replace(timings, device=here))
 
 
+def device_epoch(device) -> str:
+    """What identifies one measurement of this machine's CPU (`costmodel.hardware.measure_cpu_device`): a digest of
+    its figures. Layer times cached under another are measured again (`measure_here`): priced against a device
+    measured after them, on a machine whose speed had moved since, they put every plan of
+    `benchmarks/validate_cpu.py` ~25 % fast (MAE 20.6-25.5 %, against 14.4-15.0 % with both measured afresh)."""
+    import hashlib
+
+    return hashlib.sha256(repr(device).encode()).hexdigest()[:16]
+
+
 def measure_here(lg: LayerGraph, peak: float, memory: float, *, build=None, warmup: int = 2,
-                 repeats: int = 5) -> Timings:
+                 repeats: int = 5, epoch: str = "") -> Timings:
     """Each layer of ``lg`` (an fp32 capture) measured on this machine's CPU with one thread, at the captured batch
     and at `LARGER_BATCH` times it (`profiler.measure`, cached), as far as the model fits in `MEASURE_MEMORY_SHARE`
     of ``memory`` and the iterations of both take at most `MEASURE_SECONDS` at ``peak`` FLOP/s; otherwise the
     captured batch alone, or no times, and the note says why. ``build(batch)``: makes the (module, example inputs
     of that batch) to time (default: the graph's model spec built on the CPU); the global random state is left as
-    it was (dropout draws during the measurement)."""
+    it was (dropout draws during the measurement). ``epoch``: the device measurement the times will be priced
+    against (`device_epoch`), part of their cache key."""
     import torch
 
     from costmodel.hardware import busy, machine_load
@@ -143,7 +154,7 @@ def measure_here(lg: LayerGraph, peak: float, memory: float, *, build=None, warm
 
     def one(batch: int):
         nonlocal keep
-        prof = cached(lg, name, "float32", batch)
+        prof = cached(lg, name, "float32", batch, epoch)
         if prof is None:
             # measured while every core is busy it reads slow: used, but not cached for the processes after
             # (as `costmodel.hardware.measure_cpu_device` does)
@@ -154,7 +165,7 @@ def measure_here(lg: LayerGraph, peak: float, memory: float, *, build=None, warm
                 else:
                     module, inputs = build(batch)
                 prof = measure(module.float(), inputs, lg, device="cpu", warmup=warmup, repeats=repeats,
-                               use_cache=keep, batch=batch)
+                               use_cache=keep, batch=batch, epoch=epoch)
         missing = [layer.name for layer in lg.layers if layer.name not in prof.layers]
         if missing:  # (a model without a list of blocks is timed whole, which no layer of the graph is)
             raise _NotPerLayer(missing[0])

@@ -63,8 +63,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("AUTOPAR_CACHE", Path.home() / ".cache" / "autopar")) / "profile"
 
 
-def _key(signature: str, dev: str, dtype: str, batch: int, seq: int) -> str:
-    raw = f"{signature}|{dev}|{dtype}|{batch}|{seq}|{torch.__version__}"
+def _key(signature: str, dev: str, dtype: str, batch: int, seq: int, epoch: str = "") -> str:
+    raw = f"{signature}|{dev}|{dtype}|{batch}|{seq}|{torch.__version__}" + (f"|{epoch}" if epoch else "")
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
@@ -120,11 +120,11 @@ def _one_iteration(model, inputs, blocks, clock: _Clock) -> dict[str, tuple[floa
     return out
 
 
-def cached(layers: LayerGraph, device: str, dtype: str, batch: int | None = None) -> Profile | None:
+def cached(layers: LayerGraph, device: str, dtype: str, batch: int | None = None, epoch: str = "") -> Profile | None:
     """The profile of ``layers`` on ``device`` (`device_name`) in ``dtype`` at ``batch`` (default: the capture's)
-    as an earlier `measure` cached it, or None unless every layer is cached."""
+    as an earlier `measure` with the same ``epoch`` cached it, or None unless every layer is cached."""
     batch, seq = batch or layers.model.batch, layers.model.seq
-    hits = {layer.name: cache_dir() / f"{_key(layer.signature, device, dtype, batch, seq)}.json"
+    hits = {layer.name: cache_dir() / f"{_key(layer.signature, device, dtype, batch, seq, epoch)}.json"
             for layer in layers.layers}
     if not all(p.exists() for p in hits.values()):
         return None
@@ -134,9 +134,12 @@ def cached(layers: LayerGraph, device: str, dtype: str, batch: int | None = None
 
 
 def measure(model: torch.nn.Module, example_inputs, layers: LayerGraph, *, device: str = "cpu",
-            warmup: int = 2, repeats: int = 5, use_cache: bool = True, batch: int | None = None) -> Profile:
+            warmup: int = 2, repeats: int = 5, use_cache: bool = True, batch: int | None = None,
+            epoch: str = "") -> Profile:
     """Time every layer of ``model`` (real weights) on ``device`` with ``example_inputs`` of ``batch`` rows (default:
-    the batch ``layers`` were captured at); see the module docstring."""
+    the batch ``layers`` were captured at); see the module docstring. ``epoch``: part of the cache's key, so that
+    times cached under another are measured again (`costmodel.measured.measure_here`: the measurement of the device
+    they are priced against)."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible here; use --device cpu or run on a GPU machine")
@@ -150,9 +153,9 @@ def measure(model: torch.nn.Module, example_inputs, layers: LayerGraph, *, devic
         # model read the times as this batch's)
         raise ValueError(f"measure: the inputs hold a batch of {first.shape[0]}, not {batch}; build the model's "
                          f"inputs at batch {batch}")
-    keys = {layer.name: _key(layer.signature, name, dtype, batch, seq) for layer in layers.layers}
+    keys = {layer.name: _key(layer.signature, name, dtype, batch, seq, epoch) for layer in layers.layers}
     cdir = cache_dir()
-    if use_cache and (hit := cached(layers, name, dtype, batch)) is not None:
+    if use_cache and (hit := cached(layers, name, dtype, batch, epoch)) is not None:
         return hit
     model = model.to(dev).train()
     inputs = [t.to(dev) for t in example_inputs]

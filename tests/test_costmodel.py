@@ -708,6 +708,35 @@ def test_a_cpu_clusters_graph_carries_its_layers_measured_here(tmp_path, monkeyp
         _cpu_graph.cache_clear()
 
 
+def test_layer_times_are_cached_per_measurement_of_the_device_they_are_priced_against(tmp_path, monkeypatch):
+    """`costmodel.measured.timed_here` keys the cached layer times by the CPU device's measurement
+    (`device_epoch`): measured again against another, found against the same. Priced against a device measured
+    after them, on a machine whose speed had moved since, they put every validate_cpu plan ~25 % fast."""
+    import dataclasses
+
+    import torch
+
+    from costmodel.hardware import measure_cpu_device
+    from costmodel.measured import device_epoch, measure_here
+    from profiler.measure import cached, device_name
+
+    monkeypatch.setattr("profiler.measure.cache_dir", lambda: tmp_path / "profile")
+    monkeypatch.setattr("costmodel.hardware.busy", lambda *_: False)  # (times taken while busy are not cached)
+    lg = profile_model("gpt-tiny", dtype="fp32", kernels="native")
+    here = measure_cpu_device()
+    other = dataclasses.replace(here, peak_flops={"fp32": here.peak("fp32") * 0.9})
+    assert device_epoch(here) == device_epoch(measure_cpu_device()) != device_epoch(other)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (as `measure_here` names the device)
+    try:
+        name = device_name(torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    measure_here(lg, peak=1e12, memory=1e12, epoch=device_epoch(here))
+    assert cached(lg, name, "float32", lg.model.batch, device_epoch(here)) is not None
+    assert cached(lg, name, "float32", lg.model.batch, device_epoch(other)) is None
+    assert cached(lg, name, "float32", lg.model.batch) is None  # (nor under `autopar profile`'s key)
+
 def test_a_model_too_large_to_run_here_is_priced_by_the_roofline_and_says_so():
     """Measuring builds the model for real: one over the memory or time it may take here is left to the roofline,
     with the reason; `measure` refuses inputs of another batch than the graph's."""
