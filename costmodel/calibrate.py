@@ -219,9 +219,16 @@ class Constants:
     attention_seq_half: float = 0.0
 
     def apply(self, cluster: Cluster, source: str) -> Cluster:
+        """``cluster`` with these constants on its device, its memory efficiency at least the device's
+        `costmodel.hardware.bandwidth_floor` under the cluster's stack, as the planner prices it: a row on
+        h100-hbm2e priced with constants fitted elsewhere (a cross-validation fold's) is priced as `autopar plan`
+        would price it."""
+        from costmodel.hardware import bandwidth_floor
+
+        floor, _ = bandwidth_floor(cluster.device.name, cluster.device.hbm_bw, cluster.stack)
         dev = dataclasses.replace(cluster.device,
                                   matmul_eff=EfficiencyCurve(e_max=self.e_max, f_half=self.f_half, source=source),
-                                  memory_eff=self.memory_eff, overlap_slowdown=self.overlap_slowdown,
+                                  memory_eff=max(self.memory_eff, floor), overlap_slowdown=self.overlap_slowdown,
                                   attention_eff=self.attention_eff, fp8_eff=self.fp8_eff,
                                   attention_seq_half=self.attention_seq_half)
         return dataclasses.replace(cluster, device=dev)

@@ -19,8 +19,11 @@ step, fall in ``reduce``, spread over the blocks (the runtime's root holds the e
 16-wide linears (copies and arithmetic negligible) the growth from k = 1 to k = 8 over 7 is the time per parameter
 tensor, the rest the time per group; the 384-wide blocks' excess beyond the 16-wide ones' (the same groups and
 tensors) is their copies', whose rate is the bytes `costmodel.overlap.fsdp_serial_time` counts for them
-(``STEP_BYTES``) over that time. Each figure is taken from each round's times (the models stepped a few ms apart,
-so the machine's drift cancels within a round), then its median over ``rounds`` after 10 warm-up rounds, at least 0.
+(``STEP_BYTES``) over that time. Each difference is taken from each round's times (the models stepped a few ms
+apart, so the machine's drift cancels within a round), then its median over ``rounds`` after 10 warm-up rounds; the
+time per tensor at least 0, then the time per group (the one-linear group's less one tensor's), at least 0. A
+round's figure combines several single timings, so one preemption spoils it; the median drops those rounds, but a
+longer model is preempted more often, so a busy machine still leans the larger differences up.
 Medians of each model's times first, then the figures, gave a per-tensor figure of 205 µs and a per-group one of 0
 for a reduction once, with another process reading files beside the probe; from the same samples, six runs beside a
 calibration on the other core gave 12-18 µs per tensor for a gather this way and 15-43 µs that way, 30-39 µs and
@@ -67,7 +70,8 @@ def _step_seconds(models: dict, x: dict, rounds: int) -> list[dict]:
 
 
 def _figures(step: dict) -> dict[str, object]:
-    """`measure`'s figures from one round's step times (or any one set of them)."""
+    """From one round's step times: per event, (a ``k1``-linear group's time, the time per further tensor); and
+    the seconds per byte of FSDP2's copies."""
     excess = {(k, w, z): step[k, w, z] - step[k, w, "plain"] for k, w in SHAPES for z in STEP_BYTES}
     (k1, w1), (k2, _), (k3, w3) = SHAPES
     per_group = {}
@@ -75,9 +79,8 @@ def _figures(step: dict) -> dict[str, object]:
         zero3, zero2 = (excess[k, w, z] / GROUPS for z in ("zero3", "zero2"))
         per_group[k] = {"gather": zero3 - zero2, "reduce": 2 * zero2 - zero3}
     out: dict[str, object] = {}
-    for event in ("gather", "reduce"):
-        tensor = (per_group[k2][event] - per_group[k1][event]) / (k2 - k1)
-        out[event] = (per_group[k1][event] - k1 * tensor, tensor)
+    for event in ("gather", "reduce"):  # (the k1-linear group's whole time, and the growth per tensor)
+        out[event] = (per_group[k1][event], (per_group[k2][event] - per_group[k1][event]) / (k2 - k1))
     # the wide blocks' excess beyond the narrow ones' (same groups and tensors): their copies' extra bytes
     elements = GROUPS * k3 * (w3 * w3 - w1 * w1)
     out["copy_seconds_per_byte"] = sum(excess[k3, w3, z] - excess[k2, w1, z] for z in STEP_BYTES) / (
@@ -131,10 +134,12 @@ def measure(rounds: int = 100) -> dict[str, object]:
     # a few ms apart, so the machine's drift (another process starting beside the probe) cancels within a round,
     # and a round a preemption fell in is one outlier among the rounds
     per_round = [_figures(step) for step in _step_seconds(models, x, rounds)]
+    (k1, _), *_ = SHAPES
     out: dict[str, object] = {}
-    for event in ("gather", "reduce"):
-        group, tensor = (statistics.median(r[event][i] for r in per_round) for i in (0, 1))
-        out[event] = (max(0.0, group), max(0.0, tensor))
+    for event in ("gather", "reduce"):  # (the tensor's figure at least 0 before the group's is taken from it)
+        whole, tensor = (statistics.median(r[event][i] for r in per_round) for i in (0, 1))
+        tensor = max(0.0, tensor)
+        out[event] = (max(0.0, whole - k1 * tensor), tensor)
     seconds = statistics.median(r["copy_seconds_per_byte"] for r in per_round)
     out["copy_bw"] = 1 / seconds if seconds > 0 else 0.0
     return out

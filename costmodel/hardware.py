@@ -287,7 +287,8 @@ def bandwidth_floor(name: str, hbm_bw: float, stack: str | None = None) -> tuple
     catalogue. `costmodel.calibrate` fits a kind's constants above this floor on the kind's own device
     (``memory_eff`` ≥ the slower kind's × its HBM bandwidth ratio, `calibrate._ranges`); a device of the kind with
     less bandwidth needs its own: h100-hbm2e (2.4 TB/s) at the h100 kind's 0.571, fitted on h100-sxm (3.35 TB/s),
-    would move memory-bound ops at 0.72× an A100-80G's achieved rate."""
+    would move memory-bound ops at 0.72× an A100-80G's achieved rate. At most 1: a device whose whole bandwidth
+    is under a slower one's is not made faster than its peak (none in the catalogue)."""
     kinds = [kind for kind, _ in KIND_ORDER]
     kind = _KIND.get(name)
     if kind not in kinds:
@@ -300,7 +301,10 @@ def bandwidth_floor(name: str, hbm_bw: float, stack: str | None = None) -> tuple
     if not achieved:
         return 0.0, ""
     fastest = max(achieved, key=achieved.get)
-    return achieved[fastest] / hbm_bw, fastest
+    floor = achieved[fastest] / hbm_bw
+    if floor * hbm_bw < achieved[fastest]:  # (the division rounded down: one ulp up keeps the device no slower)
+        floor = math.nextafter(floor, math.inf)
+    return min(floor, 1.0), fastest
 
 
 def _floored(name: str, hbm_bw: float, effs: dict, stack: str | None) -> tuple[dict, str]:

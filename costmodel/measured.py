@@ -114,12 +114,14 @@ def timed_here(lg: LayerGraph, build=None) -> LayerGraph:
 
 def device_epoch(device) -> str:
     """What identifies one measurement of this machine's CPU (`costmodel.hardware.measure_cpu_device`): a digest of
-    its figures. Layer times cached under another are measured again (`measure_here`): priced against a device
+    its figures, but its memory (the smaller of the measured and the process's cgroup limit, read anew by each
+    process). Layer times cached under another are measured again (`measure_here`): priced against a device
     measured after them, on a machine whose speed had moved since, they put every plan of
-    `benchmarks/validate_cpu.py` ~25 % fast (MAE 20.6-25.5 %, against 14.4-15.0 % with both measured afresh)."""
+    `benchmarks/validate_cpu.py` ~25 % fast (MAE 20.6-25.5 %, against 14.4-15.0 % with both measured afresh). A
+    model first planned long after the device was measured still has its layers timed today against it."""
     import hashlib
 
-    return hashlib.sha256(repr(device).encode()).hexdigest()[:16]
+    return hashlib.sha256(repr(dataclasses.replace(device, memory_bytes=1.0)).encode()).hexdigest()[:16]
 
 
 def measure_here(lg: LayerGraph, peak: float, memory: float, *, build=None, warmup: int = 2,

@@ -368,6 +368,14 @@ def test_a_fit_on_a_device_with_less_bandwidth_than_its_kind_s_is_bounded_at_tha
 
     committed = stack_constants("h100", "torch-native")["memory_eff"]
     assert committed >= calibrate._ranges(0.6, 3e10, native)["memory_eff"][0]
+    # and a row there priced with constants fitted elsewhere (a fold's fallback to the kind's) is priced as the
+    # planner prices the kind's constants on that device, at the floor
+    from costmodel.cluster import load_cluster
+
+    kind = calibrate._kept(fitted_constants("h100"))
+    applied = kind.apply(calibrate._cluster("grand-teton:stack=torch-native"), "fold").device.memory_eff
+    planned = load_cluster("grand-teton:stack=megatron").device.memory_eff  # (megatron: the kind's constants)
+    assert applied == planned == bandwidth_floor("h100-hbm2e", get_device("h100-hbm2e").hbm_bw)[0] > kind.memory_eff
 
 def test_a_cross_validation_fold_fits_only_the_kinds_its_table_runs_on(monkeypatch):
     """`calibrate._fits_without`: leaving out Korthikanti's A100 rows refits the A100 alone (no H100 fit, no

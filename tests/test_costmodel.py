@@ -716,8 +716,9 @@ def test_layer_times_are_cached_per_measurement_of_the_device_they_are_priced_ag
 
     import torch
 
+    import costmodel.measured as cm
     from costmodel.hardware import measure_cpu_device
-    from costmodel.measured import device_epoch, measure_here
+    from costmodel.measured import device_epoch, measure_here, timed_here
     from profiler.measure import cached, device_name
 
     monkeypatch.setattr("profiler.measure.cache_dir", lambda: tmp_path / "profile")
@@ -725,14 +726,19 @@ def test_layer_times_are_cached_per_measurement_of_the_device_they_are_priced_ag
     lg = profile_model("gpt-tiny", dtype="fp32", kernels="native")
     here = measure_cpu_device()
     other = dataclasses.replace(here, peak_flops={"fp32": here.peak("fp32") * 0.9})
-    assert device_epoch(here) == device_epoch(measure_cpu_device()) != device_epoch(other)
+    assert device_epoch(other) != device_epoch(here)
+    # (each process reads the memory anew, under its own cgroup's limit: not part of the measurement)
+    assert device_epoch(dataclasses.replace(here, memory_bytes=here.memory_bytes / 2)) == device_epoch(here)
+    seen = []
+    monkeypatch.setattr(cm, "measure_here", lambda *a, **kw: seen.append(kw["epoch"]) or measure_here(*a, **kw))
+    timed_here(lg)
+    assert seen == [device_epoch(here)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (as `measure_here` names the device)
     try:
         name = device_name(torch.device("cpu"))
     finally:
         torch.set_num_threads(threads)
-    measure_here(lg, peak=1e12, memory=1e12, epoch=device_epoch(here))
     assert cached(lg, name, "float32", lg.model.batch, device_epoch(here)) is not None
     assert cached(lg, name, "float32", lg.model.batch, device_epoch(other)) is None
     assert cached(lg, name, "float32", lg.model.batch) is None  # (nor under `autopar profile`'s key)
