@@ -645,16 +645,17 @@ def test_a_cpu_clusters_graph_carries_its_layers_measured_here(tmp_path, monkeyp
     import torch
 
     import costmodel.hardware
+    from costmodel.hardware import measure_cpu_device
     from costmodel.layercost import measured_scale
-    from costmodel.measured import _cpu_graph, layer_graph
+    from costmodel.measured import _cpu_graph, device_epoch, layer_graph
     from planner.cli.main import main
     from profiler.measure import cached, device_name
 
     def cached_here(lg):
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # (as it was measured)
-        try:
-            return cached(lg, device_name(torch.device("cpu")), "float32")
+        try:  # (under the device measurement the times are priced against)
+            return cached(lg, device_name(torch.device("cpu")), "float32", epoch=device_epoch(measure_cpu_device()))
         finally:
             torch.set_num_threads(threads)
 
