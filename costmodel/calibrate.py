@@ -73,6 +73,7 @@ from costmodel.hardware import (
     GPU_MEMORY_EFF_PRIOR,
     KIND_ORDER,
     EfficiencyCurve,
+    floored,
 )
 from costmodel.stacks import FITTED_FILE, STACKS, fitted
 
@@ -222,16 +223,13 @@ class Constants:
         """``cluster`` with these constants on its device, its memory efficiency at least the device's
         `costmodel.hardware.bandwidth_floor` under the cluster's stack, as the planner prices it: a row on
         h100-hbm2e priced with constants fitted elsewhere (a cross-validation fold's) is priced as `autopar plan`
-        would price it."""
-        from costmodel.hardware import bandwidth_floor
-
-        floor, _ = bandwidth_floor(cluster.device.name, cluster.device.hbm_bw, cluster.stack)
-        dev = dataclasses.replace(cluster.device,
-                                  matmul_eff=EfficiencyCurve(e_max=self.e_max, f_half=self.f_half, source=source),
-                                  memory_eff=max(self.memory_eff, floor), overlap_slowdown=self.overlap_slowdown,
-                                  attention_eff=self.attention_eff, fp8_eff=self.fp8_eff,
-                                  attention_seq_half=self.attention_seq_half)
-        return dataclasses.replace(cluster, device=dev)
+        would price it (`costmodel.hardware.floored`, as `with_stack` does)."""
+        effs = {"matmul_eff": EfficiencyCurve(e_max=self.e_max, f_half=self.f_half, source=source),
+                "memory_eff": self.memory_eff, "overlap_slowdown": self.overlap_slowdown,
+                "attention_eff": self.attention_eff, "fp8_eff": self.fp8_eff,
+                "attention_seq_half": self.attention_seq_half}
+        effs, _ = floored(cluster.device.name, cluster.device.hbm_bw, effs, cluster.stack)
+        return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, **effs))
 
 
 def predict(row: Row, k: Constants | None = None):

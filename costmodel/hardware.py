@@ -275,7 +275,7 @@ def with_stack(device: DeviceSpec, stack: str) -> DeviceSpec:
     fit = stack_constants(device_kind(device.name), stack)
     if not fit:
         return device
-    effs, note = _floored(device.name, device.hbm_bw, _efficiencies(fit), stack)
+    effs, note = floored(device.name, device.hbm_bw, _efficiencies(fit), stack)
     return replace(device, **effs, source=device.source.split("; efficiencies")[0]
                    + f"; efficiencies ({stack}): {fit['source']}{note}")
 
@@ -307,7 +307,7 @@ def bandwidth_floor(name: str, hbm_bw: float, stack: str | None = None) -> tuple
     return min(floor, 1.0), fastest
 
 
-def _floored(name: str, hbm_bw: float, effs: dict, stack: str | None) -> tuple[dict, str]:
+def floored(name: str, hbm_bw: float, effs: dict, stack: str | None) -> tuple[dict, str]:
     """``effs`` (`_efficiencies`) with the memory efficiency raised to `bandwidth_floor` where it is under it, and
     a note for the device's source saying so (empty otherwise)."""
     floor, slower = bandwidth_floor(name, hbm_bw, stack)
@@ -339,7 +339,7 @@ def _gpu(name: str, peaks: Mapping[str, float], memory_bytes: float, hbm_bw: flo
         effs = {"matmul_eff": GPU_MATMUL_PRIOR, "memory_eff": GPU_MEMORY_EFF_PRIOR, "overlap_slowdown": 0.0,
                 "attention_eff": GPU_ATTENTION_EFF_PRIOR}
         note = "efficiencies: prior: unfitted"
-    effs, raised = _floored(name, hbm_bw, effs, None)
+    effs, raised = floored(name, hbm_bw, effs, None)
     return DeviceSpec(name=name, peak_flops=peaks, memory_bytes=memory_bytes, hbm_bw=hbm_bw,
                       source=f"{_PEAK_SOURCE}; {memory_note}; {note}{raised}", **effs)
 

@@ -377,6 +377,7 @@ def test_a_fit_on_a_device_with_less_bandwidth_than_its_kind_s_is_bounded_at_tha
     planned = load_cluster("grand-teton:stack=megatron").device.memory_eff  # (megatron: the kind's constants)
     assert applied == planned == bandwidth_floor("h100-hbm2e", get_device("h100-hbm2e").hbm_bw)[0] > kind.memory_eff
 
+
 def test_a_cross_validation_fold_fits_only_the_kinds_its_table_runs_on(monkeypatch):
     """`calibrate._fits_without`: leaving out Korthikanti's A100 rows refits the A100 alone (no H100 fit, no
     torch-native one); leaving out torchtitan's H100 rows fits the A100 too, for the H100's floor; every (kind,

@@ -638,26 +638,33 @@ def test_measured_profile_sets_the_level_and_the_roofline_the_scaling(tmp_path, 
         load_measured(prof, lg, load_cluster("dgx-h100"))
 
 
+def _cached_here(lg, epoch: str):
+    """``lg``'s layer times as `costmodel.measured.measure_here` cached them under ``epoch`` (one thread names the
+    device, as it was measured), or None."""
+    import torch
+
+    from profiler.measure import cached, device_name
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return cached(lg, device_name(torch.device("cpu")), "float32", lg.model.batch, epoch)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_cpu_clusters_graph_carries_its_layers_measured_here(tmp_path, monkeypatch):
     """On a CPU cluster the cost model's graph (`layer_graph`) carries each layer as `profiler.measure` timed it on
     this machine (one thread; cached unless the machine was busy), and every Evaluator of that graph prices
     single-rank compute at those times; a GPU cluster's graph carries none; the CLI says which the plan used."""
-    import torch
-
     import costmodel.hardware
     from costmodel.hardware import measure_cpu_device
     from costmodel.layercost import measured_scale
     from costmodel.measured import _cpu_graph, device_epoch, layer_graph
     from planner.cli.main import main
-    from profiler.measure import cached, device_name
 
-    def cached_here(lg):
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # (as it was measured)
-        try:  # (under the device measurement the times are priced against)
-            return cached(lg, device_name(torch.device("cpu")), "float32", epoch=device_epoch(measure_cpu_device()))
-        finally:
-            torch.set_num_threads(threads)
+    def cached_here(lg):  # (under the device measurement the times are priced against)
+        return _cached_here(lg, device_epoch(measure_cpu_device()))
 
     monkeypatch.setattr("profiler.measure.cache_dir", lambda: tmp_path / "profile")  # (the device's cache kept)
     cl = load_cluster("cpu-local")
@@ -715,12 +722,9 @@ def test_layer_times_are_cached_per_measurement_of_the_device_they_are_priced_ag
     after them, on a machine whose speed had moved since, they put every validate_cpu plan ~25 % fast."""
     import dataclasses
 
-    import torch
-
     import costmodel.measured as cm
     from costmodel.hardware import measure_cpu_device
     from costmodel.measured import device_epoch, measure_here, timed_here
-    from profiler.measure import cached, device_name
 
     monkeypatch.setattr("profiler.measure.cache_dir", lambda: tmp_path / "profile")
     monkeypatch.setattr("costmodel.hardware.busy", lambda *_: False)  # (times taken while busy are not cached)
@@ -734,15 +738,10 @@ def test_layer_times_are_cached_per_measurement_of_the_device_they_are_priced_ag
     monkeypatch.setattr(cm, "measure_here", lambda *a, **kw: seen.append(kw["epoch"]) or measure_here(*a, **kw))
     timed_here(lg)
     assert seen == [device_epoch(here)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # (as `measure_here` names the device)
-    try:
-        name = device_name(torch.device("cpu"))
-    finally:
-        torch.set_num_threads(threads)
-    assert cached(lg, name, "float32", lg.model.batch, device_epoch(here)) is not None
-    assert cached(lg, name, "float32", lg.model.batch, device_epoch(other)) is None
-    assert cached(lg, name, "float32", lg.model.batch) is None  # (nor under `autopar profile`'s key)
+    assert _cached_here(lg, device_epoch(here)) is not None
+    assert _cached_here(lg, device_epoch(other)) is None
+    assert _cached_here(lg, "") is None  # (nor under `autopar profile`'s key)
+
 
 def test_a_model_too_large_to_run_here_is_priced_by_the_roofline_and_says_so():
     """Measuring builds the model for real: one over the memory or time it may take here is left to the roofline,
