@@ -422,15 +422,16 @@ DE_GENERATIONS, DE_POPULATION = 40, 12
 def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None,
         kept: Constants | None = None, kind: Constants | None = None) -> tuple[Constants, float]:
     """The kind's constants that minimise `_error` on ``rows``, but for those the rows cannot identify
-    (`unidentified`), held at ``kept``'s values, or cold at the published `PRIOR`; ``floor``: see `_unpack`. The
-    surface has many shallow local minima (the constants trade against each other row by row), so a global search
-    first, differential evolution over the transformed parameters (each constant's range, seeded: the same rows
-    give the same constants), then Nelder-Mead from its best. Nelder-Mead alone from three fixed starts left the
-    torch-native stack at 6.8 % where this finds 2.8 % under the same floor.
+    (`unidentified`), held at ``kept``'s values, or cold at the published `PRIOR`, and under a ``floor`` (see
+    `_unpack`) those of `FROM_SLOWER`, held at the slower kind's. The surface has many shallow local minima (the
+    constants trade against each other row by row), so a global search first, differential evolution over the
+    transformed parameters (each constant's range, seeded: the same rows give the same constants), then
+    Nelder-Mead from its best. Nelder-Mead alone from three fixed starts left the torch-native stack at 6.8 % where
+    this finds 2.8 % under the same floor.
     ``kept``: the constants in use, put in the first population; neither search ever returns a point worse than
-    its best so far, so the result is never worse on ``rows`` than ``kept`` (clipped into the floor's bounds) and
-    a refit is monotone. ``kind``: a stack's fit, the device kind's own constants, whose `KERNEL_CONSTANTS` the
-    stack takes where its rows cannot identify them."""
+    its best so far, so the result is never worse on ``rows`` than ``kept`` (clipped into the floor's bounds, its
+    held constants as held) and a refit is monotone. ``kind``: a stack's fit, the device kind's own constants,
+    whose `KERNEL_CONSTANTS` the stack takes where its rows cannot identify them."""
     from scipy.optimize import differential_evolution, minimize
 
     memo = (tuple(r.id for r in rows), floor, kept, kind)
@@ -439,6 +440,8 @@ def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None,
     start = kept or PRIOR
     held = {name: getattr(kind if kind is not None and name in KERNEL_CONSTANTS else start, name)
             for name in unidentified(rows, start)}
+    if floor is not None:  # (a faster kind's, and its stacks': the slower kind's, `FROM_SLOWER`)
+        held |= {name: getattr(floor[0], name) for name in FROM_SLOWER}
     bounds = [(-6.0, 6.0)] * (len(_PARAMS) - len(held))  # logits: 0.25 % … 99.75 % of each constant's range
     if floor is None:
         bounds[1] = (math.log(1e8), math.log(1e13))  # f_half, FLOP
@@ -458,6 +461,14 @@ def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None,
         _FITTED[memo] = out
     return out
 
+
+#: constants a faster kind (and each stack on it) takes from the slower kind that floors it (`_floor`), not from
+#: its own rows: how much compute slows beside the collectives. Where many rows set it, the fits agree (fitted
+#: alone: the A100's 147 rows at 0.50, the top of its range, the H100's 77 at 0.44, torch-native's 12 at 0.50); on
+#: fewer it trades against the memory efficiency and the attention half-point: the H100 fit without llm-foundry's
+#: BF16 table (25 rows, 18 at one length) put it at 0.21, and that table 4.2 % off left out, 5.4 % anchored; held
+#: at the A100's, 3.1 % and 3.7 % (the README's cross-validation, every H100 table)
+FROM_SLOWER = ("overlap_slowdown",)
 
 #: constants of a kernel every stack on a kind runs alike (FlashAttention's tiling): a stack whose rows cannot
 #: identify one takes the kind's (`fit`'s ``kind``), not the prior
@@ -563,10 +574,12 @@ def _kept(entry: dict) -> Constants:
 
 
 def _into_floor(k: Constants, floor: tuple[Constants, float, float] | None) -> Constants:
-    """``k`` with each constant moved into its range under ``floor`` (`_ranges`) where it is outside: kept
-    constants whose slower kind was refitted (``--only``), which may have moved the floor under them."""
+    """``k`` with each constant moved into its range under ``floor`` (`_ranges`) where it is outside, and those of
+    `FROM_SLOWER` the slower kind's: kept constants whose slower kind was refitted (``--only``), which may have
+    moved the floor under them."""
     if floor is None:
         return k
+    k = dataclasses.replace(k, **{name: getattr(floor[0], name) for name in FROM_SLOWER})
     f_half = min(k.f_half, matmul_floor(k.e_max, floor[0], floor[1]))
     ranges = _ranges(k.e_max, f_half, floor, k.attention_eff)
     return dataclasses.replace(k, f_half=f_half, **{name: min(max(getattr(k, name), lo), hi)
@@ -593,7 +606,8 @@ def _source(rows: list[Row], err: float, floored: bool) -> str:
     srcs = ", ".join(sorted({r.source for r in rows}))
     return (f"fitted {_dt.date.today().isoformat()} by python -m costmodel.calibrate on {len(rows)} published runs "
             f"({srcs}); mean abs error {err:.1%}" + ("; matmul curve kept at or above the slower kinds' achieved "
-                                                     "FLOP/s at every GEMM size (calibrate.matmul_floor)"
+                                                     "FLOP/s at every GEMM size (calibrate.matmul_floor); "
+                                                     f"{', '.join(FROM_SLOWER)} the slower kind's"
                                                      if floored else ""))
 
 

@@ -303,6 +303,28 @@ def test_a_stack_kept_in_a_refit_of_its_kind_takes_the_kind_s_new_half_point(mon
     assert dataclasses.replace(native, attention_seq_half=own.attention_seq_half) == own
 
 
+def test_a_faster_kind_and_its_stacks_take_the_slower_kind_s_overlap_slowdown(monkeypatch):
+    """How much compute slows beside the collectives is fitted on the slowest kind's rows and held on every faster
+    kind and each stack on it (`calibrate.FROM_SLOWER`): under a floor, a fit returns the slower kind's whatever
+    its objective prefers; without one it fits it; the committed constants carry it."""
+    a100 = calibrate._kept(fitted_constants("a100"))
+    floor = calibrate._floor(1, {"a100": (a100, "", [])})
+
+    def error(rows, k):  # (a minimum at overlap_slowdown 0.1)
+        return (k.e_max - 0.7) ** 2 + (k.overlap_slowdown - 0.1) ** 2
+
+    monkeypatch.setattr(calibrate, "_error", error)
+    monkeypatch.setattr(calibrate, "unidentified", lambda rows, start: ("fp8_eff",))
+    assert calibrate.fit([], floor)[0].overlap_slowdown == a100.overlap_slowdown
+    assert calibrate.fit([])[0].overlap_slowdown == pytest.approx(0.1, abs=1e-3)
+    h100 = dataclasses.replace(calibrate._kept(fitted_constants("h100")), overlap_slowdown=0.2)
+    assert calibrate._into_floor(h100, floor).overlap_slowdown == a100.overlap_slowdown  # (a kept one, `--only`)
+    written = calibrate.fitted()
+    faster = [written["h100"]] + [k for kinds in written["stacks"].values() for kind, k in kinds.items()
+                                  if kind != "a100"]
+    assert [k["overlap_slowdown"] for k in faster] == [written["a100"]["overlap_slowdown"]] * len(faster)
+
+
 def test_a_faster_kind_s_attention_half_point_keeps_it_no_slower_at_any_length():
     """`calibrate._seq_half_top`: at the largest half-point the floor allows, the faster kind's fused attention is
     as fast as the slower kind's on the shortest sequences and faster on every longer one; past it, slower on
