@@ -440,8 +440,8 @@ def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None,
     start = kept or PRIOR
     held = {name: getattr(kind if kind is not None and name in KERNEL_CONSTANTS else start, name)
             for name in unidentified(rows, start)}
-    if floor is not None:  # (a faster kind's, and its stacks': the slower kind's, `FROM_SLOWER`)
-        held |= {name: getattr(floor[0], name) for name in FROM_SLOWER}
+    if floor is not None:  # (a faster kind's, and its stacks')
+        held |= _from_slower(floor)
     bounds = [(-6.0, 6.0)] * (len(_PARAMS) - len(held))  # logits: 0.25 % … 99.75 % of each constant's range
     if floor is None:
         bounds[1] = (math.log(1e8), math.log(1e13))  # f_half, FLOP
@@ -469,6 +469,11 @@ def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None,
 #: BF16 table (25 rows, 18 at one length) put it at 0.21, and that table 4.2 % off left out, 5.4 % anchored; held
 #: at the A100's, 3.1 % and 3.7 % (the README's cross-validation, every H100 table)
 FROM_SLOWER = ("overlap_slowdown",)
+
+
+def _from_slower(floor: tuple[Constants, float, float]) -> dict[str, float]:
+    """The constants of `FROM_SLOWER`, as the slower kind of ``floor`` (`_floor`) has them."""
+    return {name: getattr(floor[0], name) for name in FROM_SLOWER}
 
 #: constants of a kernel every stack on a kind runs alike (FlashAttention's tiling): a stack whose rows cannot
 #: identify one takes the kind's (`fit`'s ``kind``), not the prior
@@ -579,7 +584,7 @@ def _into_floor(k: Constants, floor: tuple[Constants, float, float] | None) -> C
     moved the floor under them."""
     if floor is None:
         return k
-    k = dataclasses.replace(k, **{name: getattr(floor[0], name) for name in FROM_SLOWER})
+    k = dataclasses.replace(k, **_from_slower(floor))
     f_half = min(k.f_half, matmul_floor(k.e_max, floor[0], floor[1]))
     ranges = _ranges(k.e_max, f_half, floor, k.attention_eff)
     return dataclasses.replace(k, f_half=f_half, **{name: min(max(getattr(k, name), lo), hi)
