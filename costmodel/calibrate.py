@@ -18,7 +18,10 @@ model, cluster, configuration, measured result). Rows used:
   generations (the benchmark README's history): the A100 40 GB table and the 80 GB table's 70B rows (bf16, PURE)
   are the May 2023 runs on torch 1.13.1 with triton attention; the rest of the A100 80 GB table (amp_bf16, DEFAULT)
   is their October 2023 re-run, 3-21 % faster for the 7B-30B models and within ±2 % up to 3B; the H100 tables are
-  later still. All are the ``composer`` stack here.
+  later still. All are the ``composer`` stack here, each row priced with its torch's checkpoint: 1.13.1's reruns a
+  checkpointed block's forward whole, 2.1's stops before the down projection (`_torch_1_13`), and the 7B-30B models
+  are the ones run with full checkpointing. Megatron-LM's checkpoint reruns the block whole too (Korthikanti's Table
+  4: the 22B layer's backward takes 7.6 ms more with full recomputation, its forward 7.7 ms).
 - torchtitan's Llama 3.1 runs on Grand Teton H100s (96 GB HBM2e, 500 W; the ``grand-teton`` preset): FSDP and
   FSDP + TP, eager, compiled (priced by `costmodel.layercost.compiled_bytes`) and float8 tensorwise; its selective
   checkpointing is the per-op policy (`costmodel.layercost.CostContext.selective`). Rows the cost model cannot
@@ -82,6 +85,17 @@ KIND_OF_GPU = {"a100_40gb": "a100", "a100_80gb": "a100", "h100_80gb": "h100"}
 PRESET = {"a100_40gb": "dgx-a100-40g", "a100_80gb": "dgx-a100-80g", "h100_80gb": "dgx-h100"}
 
 
+def _torch_1_13(record: dict) -> bool:
+    """Whether an llm-foundry row was measured on torch 1.13.1, whose non-reentrant checkpoint (the yamls'
+    ``activation_checkpointing_reentrant: false``) reruns a block's forward whole (`Row.checkpoint_early_stop`).
+    Its A100 tables of May 2023 were (scripts/train/benchmarking/sweep.sh at 1ef7b4d: ``IMAGE="mosaicml/pytorch:
+    1.13.1_cu117-..."``; the README keeps "TODO: Update tables with torch 2.0"): 164 rows, every one ``bf16`` (MP
+    mode PURE). The October 2023 update (b2a43a1, ``IMAGE="mosaicml/pytorch:2.1.0_cu121-..."``) measured the H100
+    tables and replaced the A100 80 GB one with 59 ``amp_bf16`` rows on torch 2.1, which stops early, keeping its
+    two 70B ``bf16`` rows; the A100 40 GB table stayed as measured in May."""
+    return record["cluster"]["gpu"].startswith("a100") and record["config"]["precision"] == "bf16"
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One published run, translated into our terms."""
@@ -101,13 +115,17 @@ class Row:
     #: the published table it is a row of (`table_of`): a source's tables differ by hardware, software version
     #: and benchmark script (llm-foundry's A100 40 GB table is older than its H100 ones)
     table: str = ""
+    #: the torch its run had stops full checkpointing's recomputation early (`costmodel.layercost.CostContext.
+    #: checkpoint_early_stop`); None: as its stack does today (`costmodel.stacks.Stack`)
+    checkpoint_early_stop: bool | None = None
 
     @property
     def evaluator_options(self) -> dict:
         """How the row's stack computes where it differs from autopar's runtime (`costmodel.stacks.Stack.
-        runtime_options`), and the row's own compilation and selective checkpointing (torchtitan may compile and
-        checkpoint per op)."""
-        return STACKS[self.stack].runtime_options() | {"compiled": self.compiled, "selective": self.selective}
+        runtime_options`), and the row's own compilation, selective checkpointing (torchtitan may compile and
+        checkpoint per op) and the torch version's checkpoint where it differs from the stack's today."""
+        own = {} if self.checkpoint_early_stop is None else {"checkpoint_early_stop": self.checkpoint_early_stop}
+        return STACKS[self.stack].runtime_options() | {"compiled": self.compiled, "selective": self.selective} | own
 
 
 def load_rows(path: Path = DATA) -> list[Row]:
@@ -141,7 +159,8 @@ def load_rows(path: Path = DATA) -> list[Row]:
             step = gb * m["seq"] / meas["tokens_per_s"]
             rows.append(Row(id=rid, source="llm-foundry", kind=KIND_OF_GPU[gpu], model=spec,
                             cluster=f"{PRESET[gpu]}:nodes={max(1, n // 8)}", config=cfg, global_batch=gb,
-                            measured_step_s=step, stack="composer", table=table_of(r)))
+                            measured_step_s=step, stack="composer", table=table_of(r),
+                            checkpoint_early_stop=False if _torch_1_13(r) else None))
         elif rid.startswith("torchtitan_") and (row := _torchtitan_row(r)) is not None:
             rows.append(row)
     return rows

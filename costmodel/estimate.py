@@ -295,7 +295,7 @@ class Evaluator:
                  in_place_loss: bool = False, gathered_column_inputs: bool = True, compiled: bool = False,
                  selective: str | None = None, autocast: bool = True, seq_relayout: bool = True,
                  float8_recipe: str | None = "torchao", fsdp_copy_out: bool = True,
-                 fused_grad_accumulation: bool = False) -> None:
+                 fused_grad_accumulation: bool = False, checkpoint_early_stop: bool = True) -> None:
         """``cache``: optional dict shared by Evaluators of the *same* ``lg`` and ``cluster`` (e.g. a planner's
         candidates): the parameter ownership is computed once and layer costs are shared between
         configurations whose (tp, sp, mbs, precision, pp > 1) agree, the only configuration fields they depend on.
@@ -320,7 +320,10 @@ class Evaluator:
         parameters are views into the buffer it gathers into: torch 2.13 ``FlatParamHandle._all_gather_flat_param``
         and ``_get_unflat_views``); ``fused_grad_accumulation``: the stack accumulates gradients over
         micro-batches inside its weight-gradient GEMMs (Megatron-LM's ``gradient_accumulation_fusion``), where
-        autopar's runtime adds them in memory-bound kernels (`costmodel.overlap.grad_accumulation_time`)."""
+        autopar's runtime adds them in memory-bound kernels (`costmodel.overlap.grad_accumulation_time`);
+        ``checkpoint_early_stop``: full checkpointing stops recomputing once the backward's tensors are back, as
+        torch's non-reentrant checkpoint does since 2.1 (`costmodel.layercost.CostContext.checkpoint_early_stop`;
+        False for Megatron-LM's and torch 1.13's, which rerun the whole block)."""
         check_config(lg, cluster, cfg, global_batch)
         if float8_recipe is not None and float8_recipe not in FLOAT8_RECIPES:
             raise ValueError(f"unknown float8 recipe {float8_recipe!r}; known: {', '.join(FLOAT8_RECIPES)}")
@@ -379,7 +382,7 @@ class Evaluator:
                                grad_exists=grads_accumulate(cfg, self.m), transient_grads=fsdp_transient_grads(cfg),
                                grad_bytes=4 if under else cfg.param_bytes, weight_cast_bytes=2 if under else 0,
                                casts_per_micro_batch=cfg.pp == 1, float8_recipe=float8_recipe,
-                               autocast_capture=autocast_capture)
+                               autocast_capture=autocast_capture, checkpoint_early_stop=checkpoint_early_stop)
         pipelined = cfg.pp > 1  # tied embedding/head weights have a copy on each end of the pipeline
         if ("owned", pipelined) not in shared:
             shared["owned", pipelined] = owned_params(lg, pipelined=pipelined)
@@ -389,7 +392,7 @@ class Evaluator:
             ("layer_costs", cfg.tp, cfg.sp, cfg.mbs, cfg.precision, bool(measured), in_place_loss,
              gathered_column_inputs, seq_relayout, compiled, selective, pipelined, cfg.ep, cfg.cp, autocast_capture,
              self.ctx.grad_exists, self.ctx.transient_grads, self.ctx.grad_bytes, self.ctx.weight_cast_bytes,
-             float8_recipe),
+             float8_recipe, checkpoint_early_stop),
             {})
         self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
 

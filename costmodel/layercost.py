@@ -225,6 +225,11 @@ class CostContext:
     #: the blocks run compiled (the script's ``--compile``; torchtitan's torch.compile per block): memory-bound
     #: ops move the bytes of their fused kernels (`compiled_bytes`)
     compiled: bool = False
+    #: full checkpointing stops its recomputation early (`recompute_stop`), as torch's non-reentrant checkpoint does
+    #: since 2.1 (``torch.utils.checkpoint.set_checkpoint_early_stop``, on by default; autopar's runtime); False for
+    #: a checkpoint that reruns the whole block: torch 1.13's non-reentrant one (its ``unpack`` hook calls the
+    #: function whole on the first saved tensor the backward reads) and Megatron-LM's ``CheckpointFunction``
+    checkpoint_early_stop: bool = True
     #: mixture of experts (`costmodel.moe`): experts per MoE layer (0: none), experts chosen per token, the
     #: expert-parallel degree and its group's placement, the busiest expert's load over the balanced one
     experts: int = 0
@@ -676,13 +681,14 @@ def tp_comm_calls(layer: Layer, ctx: CostContext) -> tuple[int, int]:
     return tp_traffic(layer, ctx)[2:]
 
 
-def recompute_stop(layer: Layer) -> int:
+def recompute_stop(layer: Layer, early_stop: bool = True) -> int:
     """Index of the node where full recomputation stops: torch's non-reentrant checkpoint (``early_stop``, the
-    default) ends the recomputed forward as soon as every tensor the original forward saved has been saved again,
-    which happens as the last saving op packs its inputs, before it computes (measured by `autopar check`: a llama
-    block's recomputation skips its down projection and the row-parallel reduction after it)."""
+    default since torch 2.1) ends the recomputed forward as soon as every tensor the original forward saved has been
+    saved again, which happens as the last saving op packs its inputs, before it computes (measured by `autopar
+    check`: a llama block's recomputation skips its down projection and the row-parallel reduction after it).
+    Without early stopping (``early_stop`` False: `CostContext.checkpoint_early_stop`) the whole block reruns."""
     savers = [j for j, n in enumerate(layer.nodes) if n.saved]
-    return savers[-1] if savers else len(layer.nodes)
+    return savers[-1] if savers and early_stop else len(layer.nodes)
 
 
 def tp_comm_time(nbytes: float, calls: int, ctx: CostContext, *, scale: float = 1.0) -> float:
@@ -809,7 +815,7 @@ def recompute_relayout_bytes(layer: Layer, ctx: CostContext, ac: AC) -> float:
     parts = _recomputed_collectives(layer, ctx, ac)
     scattered = sum(s for _, s in parts)
     if parts and ac == AC.SELECTIVE and ctx.selective == "every-other-matmul":
-        stop = recompute_stop(layer)
+        stop = recompute_stop(layer, ctx.checkpoint_early_stop)
         scattered = sum(n.output_bytes for j, n in enumerate(layer.nodes) if n.tp_role == "row" and j < stop)
     return seq_relayout_bytes(sum(g for g, _ in parts) * k * gather_scale(layer, ctx), scattered * k, ctx)
 
@@ -820,7 +826,7 @@ def _recomputed_collectives(layer: Layer, ctx: CostContext, ac: AC) -> list[tupl
     op_policy = ac == AC.SELECTIVE and ctx.selective == "every-other-matmul"
     if ac != AC.FULL and not op_policy:
         return []
-    stop = recompute_stop(layer)
+    stop = recompute_stop(layer, ctx.checkpoint_early_stop)
     gathered = _gathered_inputs(layer)
     parts = []
     for j, n in enumerate(layer.nodes):
@@ -990,7 +996,7 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     weight_outputs = 0.0
     tail = 0.0  # saved by the nodes after the last one reading a parameter (a head's loss)
     after_attention = 0.0  # saved by the nodes after the last attention: freed when the attention's backward runs
-    stop = recompute_stop(layer)
+    stop = recompute_stop(layer, ctx.checkpoint_early_stop)
     rec_fwd = rec_full_flops = 0.0  # the forward full recomputation repeats (up to `recompute_stop`)
     # this rank's FLOPs (each node's share under tensor parallelism: a replicated node runs whole without sequence
     # parallelism): forward + backward, and what each recomputation choice repeats

@@ -41,6 +41,10 @@ class Stack:
     #: whether it accumulates gradients inside its weight-gradient GEMMs (Megatron-LM's
     #: ``gradient_accumulation_fusion``, on unless ``--no-gradient-accumulation-fusion``)
     fused_grad_accumulation: bool = False
+    #: whether its full checkpointing stops recomputing early (`costmodel.layercost.CostContext.
+    #: checkpoint_early_stop`): torch's non-reentrant checkpoint since 2.1; not Megatron-LM's ``CheckpointFunction``
+    #: (megatron/core/tensor_parallel/random.py), whose backward reruns the checkpointed forward whole
+    checkpoint_early_stop: bool = True
 
     def runtime_options(self) -> dict:
         """How the stack's code computes where it differs from autopar's runtime, as `costmodel.estimate.Evaluator`
@@ -51,12 +55,14 @@ class Stack:
         parameters beside fp32 master weights where autopar's runtime autocasts fp32 ones
         (`costmodel.memory.state_bytes_per_param`); Composer's FSDP (FSDP1) computes on views of its gathered flat
         parameter where FSDP2 copies each parameter out; Megatron-LM accumulates gradients inside its
-        weight-gradient GEMMs (``fused_grad_accumulation``); each prices the casts of its own float8 recipe.
-        torchtitan is torch-native: autopar's runtime."""
+        weight-gradient GEMMs (``fused_grad_accumulation``) and reruns a checkpointed block whole
+        (``checkpoint_early_stop``); each prices the casts of its own float8 recipe. torchtitan is torch-native:
+        autopar's runtime."""
         native = self.autopar_runtime
         return {"in_place_loss": not native, "gathered_column_inputs": native, "autocast": native,
                 "seq_relayout": native, "float8_recipe": self.float8_recipe, "fsdp_copy_out": native,
-                "fused_grad_accumulation": self.fused_grad_accumulation}
+                "fused_grad_accumulation": self.fused_grad_accumulation,
+                "checkpoint_early_stop": self.checkpoint_early_stop}
 
 
 STACKS = {
@@ -69,7 +75,8 @@ STACKS = {
         "columns, bf16 and float8 tensorwise)", autopar_runtime=True),
     "megatron": Stack(
         "megatron", "Megatron-LM (2022): tensor, sequence and pipeline parallelism with interleaving",
-        "Korthikanti et al. 2022 Table 5 (A100)", float8_recipe="transformer-engine", fused_grad_accumulation=True),
+        "Korthikanti et al. 2022 Table 5 (A100)", float8_recipe="transformer-engine", fused_grad_accumulation=True,
+        checkpoint_early_stop=False),
     "composer": Stack(
         "composer", "MosaicML Composer / llm-foundry: PyTorch FSDP with FlashAttention and fused cross entropy",
         "llm-foundry's MPT benchmarks (A100 40/80 GB, H100)",

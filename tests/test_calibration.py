@@ -110,6 +110,24 @@ def test_each_stack_has_its_constants_where_it_has_rows():
         load_cluster("dgx-h100:stack=deepspeed")
 
 
+def test_each_published_run_is_priced_with_its_torch_s_checkpoint():
+    """Full checkpointing's recomputation stops early in torch >= 2.1 only (`costmodel.layercost.recompute_stop`):
+    llm-foundry's A100 tables of May 2023 ran torch 1.13.1 (all 78 A100 40 GB rows and the two 70B ``bf16`` rows of
+    the A100 80 GB table), its October 2023 rows torch 2.1 (`calibrate._torch_1_13`), Megatron-LM its own
+    checkpoint that reruns the block whole, torchtitan today's torch."""
+    whole = {}
+    for row in calibrate.load_rows():
+        whole.setdefault(row.table, set()).add(not row.evaluator_options["checkpoint_early_stop"])
+    by_table = {table: flags.pop() for table, flags in whole.items() if len(flags) == 1}
+    assert by_table["Korthikanti et al. 2022, Table 5"] is True
+    assert by_table[next(t for t in whole if "A100 40GB" in t)] is True
+    assert not any(v for t, v in by_table.items() if "H100" in t or "torchtitan" in t)
+    mixed = next(t for t in whole if "A100 80GB" in t)
+    assert mixed not in by_table  # (59 torch 2.1 rows, two torch 1.13 ones)
+    a80 = [r for r in calibrate.load_rows() if r.table == mixed and r.checkpoint_early_stop is False]
+    assert sorted(r.id.split("_")[3] for r in a80) == ["70b", "70b"]
+
+
 def test_korthikanti_table4_layer_times():
     """Korthikanti Table 4: forward and backward of one 22B layer (t = 8, b = 4), each within 15 %."""
     rows = calibrate.table4(file=open("/dev/null", "w"))

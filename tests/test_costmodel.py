@@ -559,6 +559,25 @@ def test_mfu_uses_model_flops(gpt):
     assert e.hfu == pytest.approx(e.mfu * (3 * fwd + rec) / (3 * fwd), rel=1e-6)
 
 
+def test_a_checkpoint_without_early_stop_recomputes_the_whole_forward(gpt):
+    """torch 1.13's non-reentrant checkpoint and Megatron-LM's ``CheckpointFunction`` rerun a checkpointed block's
+    forward whole (`costmodel.layercost.CostContext.checkpoint_early_stop` False: the published runs of those stacks,
+    `costmodel.calibrate.Row.checkpoint_early_stop`): HFU is MFU × 4/3 exactly (llm-foundry's own HFU formula: "an
+    extra forward pass"), and the step is slower than torch ≥ 2.1's, which stops at the down projection."""
+    from costmodel.estimate import Evaluator
+
+    cl = _cluster()
+    early = Evaluator(gpt, cl, cfg("dp=8,ac=full"), 64).evaluate()
+    whole = Evaluator(gpt, cl, cfg("dp=8,ac=full"), 64, checkpoint_early_stop=False).evaluate()
+    fwd = sum(layer.fwd_flops for layer in gpt.blocks)
+    head = sum(layer.fwd_flops for layer in gpt.layers) - fwd  # (embedding and head: never checkpointed)
+    assert whole.hfu == pytest.approx(whole.mfu * (3 * (fwd + head) + fwd) / (3 * (fwd + head)), rel=1e-6)
+    assert whole.breakdown_s["recompute"] > early.breakdown_s["recompute"] > 0
+    assert whole.step_time_s > early.step_time_s
+    # nothing else moves: the same memory (the checkpoint keeps the block's input either way)
+    assert whole.memory.peak == early.memory.peak
+
+
 # ------------------------------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("config,match", [
     ("dp=3", "ranks"), ("dp=8,mbs=3", "multiple"), ("tp=8,heads=0", None),
