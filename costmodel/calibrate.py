@@ -19,8 +19,9 @@ model, cluster, configuration, measured result). Rows used:
   are the May 2023 runs on torch 1.13.1 with triton attention; the rest of the A100 80 GB table (amp_bf16, DEFAULT)
   is their October 2023 re-run, 3-21 % faster for the 7B-30B models and within ±2 % up to 3B; the H100 tables are
   later still. All are the ``composer`` stack here, each row priced with its torch's checkpoint: 1.13.1's reruns a
-  checkpointed block's forward whole, 2.1's stops before the down projection (`_torch_1_13`), and the 7B-30B models
-  are the ones run with full checkpointing. Megatron-LM's checkpoint reruns the block whole too (Korthikanti's Table
+  checkpointed block's forward whole, 2.1's stops before the down projection (`_torch_1_13`); the 7B-30B models
+  run with full checkpointing (but the 7B and 13B at 2048 tokens on 80 GB), the smaller ones without it up to
+  16K-32K tokens. Megatron-LM's checkpoint reruns the block whole too (Korthikanti's Table
   4: the 22B layer's backward takes 7.6 ms more with full recomputation, its forward 7.7 ms).
 - torchtitan's Llama 3.1 runs on Grand Teton H100s (96 GB HBM2e, 500 W; the ``grand-teton`` preset): FSDP and
   FSDP + TP, eager, compiled (priced by `costmodel.layercost.compiled_bytes`) and float8 tensorwise; its selective

@@ -43,7 +43,8 @@ class Stack:
     fused_grad_accumulation: bool = False
     #: whether its full checkpointing stops recomputing early (`costmodel.layercost.CostContext.
     #: checkpoint_early_stop`): torch's non-reentrant checkpoint since 2.1; not Megatron-LM's ``CheckpointFunction``
-    #: (megatron/core/tensor_parallel/random.py), whose backward reruns the checkpointed forward whole
+    #: (megatron/core/tensor_parallel/random.py, megatron/mpu/random.py in 2022), whose backward calls the
+    #: checkpointed function whole (``outputs = ctx.run_function(*detached_inputs)``)
     checkpoint_early_stop: bool = True
 
     def runtime_options(self) -> dict:
