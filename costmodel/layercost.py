@@ -58,7 +58,8 @@ Activation checkpointing (Korthikanti et al. 2022 Table 2 and §5):
   ``attend`` call) or every op's output where a per-op policy keeps all but the core; with a fused (flash)
   attention kernel it is torchtitan's per-op policy (`CostContext.selective`);
 - ``full`` keeps only the layer's input and recomputes its forward (tensor-parallel all-reduces included) just
-  before its backward, up to where torch's non-reentrant checkpoint stops early (`recompute_stop`).
+  before its backward, up to where torch's non-reentrant checkpoint stops early (`recompute_stop`), or whole where
+  the checkpoint does not stop early (`CostContext.checkpoint_early_stop`: torch 1.13's, Megatron-LM's).
 """
 
 from __future__ import annotations
@@ -775,7 +776,8 @@ def recompute_comm_bytes(layer: Layer, ctx: CostContext, ac: AC = AC.FULL) -> fl
 def recompute_traffic(layer: Layer, ctx: CostContext, ac: AC = AC.FULL) -> tuple[float, int]:
     """(bytes, collectives) that recomputation under ``ac`` repeats (`recompute_comm_bytes`), one per row-parallel
     op whose reduction it repeats; at least one call. Full recomputation runs the block's forward again up to
-    `recompute_stop` (torch stops once every tensor the backward needs is back): each row-parallel reduction before
+    `recompute_stop` (torch >= 2.1 stops once every tensor the backward needs is back; the whole block where
+    `CostContext.checkpoint_early_stop` is False): each row-parallel reduction before
     it whole, and under sequence parallelism the all-gather half of each later one (it runs at the start of the
     attention or MLP). The per-op selective policy (`CostContext.selective` ``every-other-matmul``) runs the same
     forward, but serves reduce-scatters' outputs from its cache: under sequence parallelism only the all-gather

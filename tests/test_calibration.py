@@ -115,17 +115,17 @@ def test_each_published_run_is_priced_with_its_torch_s_checkpoint():
     llm-foundry's A100 tables of May 2023 ran torch 1.13.1 (all 78 A100 40 GB rows and the two 70B ``bf16`` rows of
     the A100 80 GB table), its October 2023 rows torch 2.1 (`calibrate._torch_1_13`), Megatron-LM its own
     checkpoint that reruns the block whole, torchtitan today's torch."""
-    whole = {}
-    for row in calibrate.load_rows():
+    rows = calibrate.load_rows()
+    whole: dict[str, set[bool]] = {}
+    for row in rows:
         whole.setdefault(row.table, set()).add(not row.evaluator_options["checkpoint_early_stop"])
-    by_table = {table: flags.pop() for table, flags in whole.items() if len(flags) == 1}
-    assert by_table["Korthikanti et al. 2022, Table 5"] is True
-    assert by_table[next(t for t in whole if "A100 40GB" in t)] is True
-    assert not any(v for t, v in by_table.items() if "H100" in t or "torchtitan" in t)
+    assert whole.pop("Korthikanti et al. 2022, Table 5") == {True}
+    assert whole.pop(next(t for t in whole if "A100 40GB" in t)) == {True}
     mixed = next(t for t in whole if "A100 80GB" in t)
-    assert mixed not in by_table  # (59 torch 2.1 rows, two torch 1.13 ones)
-    a80 = [r for r in calibrate.load_rows() if r.table == mixed and r.checkpoint_early_stop is False]
-    assert sorted(r.id.split("_")[3] for r in a80) == ["70b", "70b"]
+    assert whole.pop(mixed) == {True, False}  # (59 torch 2.1 rows, two torch 1.13 ones)
+    assert sorted(r.id.split("_")[3] for r in rows if r.table == mixed and r.checkpoint_early_stop is False) == [
+        "70b", "70b"]
+    assert whole and all(flags == {False} for flags in whole.values()), whole  # every H100 and torchtitan table
 
 
 def test_korthikanti_table4_layer_times():
