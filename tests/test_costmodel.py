@@ -562,8 +562,9 @@ def test_mfu_uses_model_flops(gpt):
 def test_a_checkpoint_without_early_stop_recomputes_the_whole_forward(gpt):
     """torch 1.13's non-reentrant checkpoint and Megatron-LM's ``CheckpointFunction`` rerun a checkpointed block's
     forward whole (`costmodel.layercost.CostContext.checkpoint_early_stop` False: the published runs of those stacks,
-    `costmodel.calibrate.Row.checkpoint_early_stop`): HFU is MFU × 4/3 exactly (llm-foundry's own HFU formula: "an
-    extra forward pass"), and the step is slower than torch ≥ 2.1's, which stops at the down projection."""
+    `costmodel.calibrate.Row.checkpoint_early_stop`): the hardware FLOPs add the blocks' whole forward once more
+    (llm-foundry's own HFU formula: "an extra forward pass"; 4/3 of the model FLOPs but for the embedding and head,
+    never checkpointed), and the step is slower than torch ≥ 2.1's, which stops at the down projection."""
     from costmodel.estimate import Evaluator
 
     cl = _cluster()
