@@ -42,8 +42,8 @@ sequence length at which it is halved (``attention_seq_half``: FlashAttention's 
 llm-foundry's sweeps from 512 to 65536 tokens show as rows predicted 6-12 % fast at 512-2048 tokens and 6-12 %
 slow at 32K-64K under a constant attention efficiency), the fp8 efficiency and the overlap slowdown, each only
 where some row's prediction depends on it (`unidentified`): the others keep the committed value, or in a cold fit
-the published prior (`PRIOR`); a stack takes its kind's half-point where its rows run fewer than three lengths
-(`KERNEL_CONSTANTS`). A faster kind's matmul curve is
+the published prior (`PRIOR`); a stack takes its kind's matmul curve shape, ``f_half`` (`KIND_CURVE`), and its
+kind's half-point where its rows run fewer than three lengths (`KERNEL_CONSTANTS`). A faster kind's matmul curve is
 held at or above a slower kind's achieved FLOP/s at every GEMM size (`matmul_floor`). The fit minimises the mean
 absolute relative error of the step time over the kind's rows, each source weighted equally: differential evolution
 over bounded, transformed parameters, then Nelder-Mead (`fit`), with the constants in fitted.yaml in the first
@@ -326,16 +326,21 @@ def _where(span: tuple[float, float], value: float) -> float:  # (`_within`'s in
 
 def _unpack(x, floor: tuple[Constants, float, float] | None = None,
             held: Mapping[str, float] = MappingProxyType({})) -> Constants:
-    """Constants from the optimiser's unbounded parameters: e_max's and f_half's, then each other constant's of
-    `_PARAMS` but those ``held`` (name → value, each clipped into its range). ``floor`` = (a slower kind's
-    constants, this kind's bf16 peak over that kind's, its HBM bandwidth over that kind's): each constant is kept
-    where this kind is at least as fast as the slower one on every operation (`matmul_floor`)."""
+    """Constants from the optimiser's unbounded parameters: e_max's, then each other constant's of `_PARAMS` but
+    those ``held`` (name → value, each clipped into its range; f_half at most `matmul_floor`'s ceiling).
+    ``floor`` = (a slower kind's constants, this kind's bf16 peak over that kind's, its HBM bandwidth over that
+    kind's): each constant is kept where this kind is at least as fast as the slower one on every operation
+    (`matmul_floor`)."""
     if len(x) != len(_PARAMS) - len(held):
         raise ValueError(f"{len(x)} parameters for {len(_PARAMS) - len(held)} free constants (held: {sorted(held)})")
     e_max = _within(_E_MAX, x[0])
-    f_half = math.exp(x[1]) if floor is None else matmul_floor(e_max, floor[0], floor[1]) * _sig(x[1])
+    free = iter(x[1:])
+    ceiling = math.inf if floor is None else matmul_floor(e_max, floor[0], floor[1])
+    if "f_half" in held:  # (a stack's: its kind's, `KIND_CURVE`)
+        f_half = min(held["f_half"], ceiling)
+    else:
+        f_half = math.exp(next(free)) if floor is None else ceiling * _sig(next(free))
     ranges = _ranges(e_max, f_half, floor)
-    free = iter(x[2:])
     rest: dict[str, float] = {}
     for name in _PARAMS[2:]:
         if name == "attention_seq_half":  # (its range depends on the attention efficiency just unpacked)
@@ -358,7 +363,8 @@ def _pack(k: Constants, floor: tuple[Constants, float, float] | None, held: Iter
         f = _logit(f_half / ceiling)
     ranges = _ranges(e_max, f_half, floor, k.attention_eff)
     held = set(held)
-    return [e, f] + [_where(ranges[name], getattr(k, name)) for name in _PARAMS[2:] if name not in held]
+    return [e] + [f] * ("f_half" not in held) + [_where(ranges[name], getattr(k, name)) for name in _PARAMS[2:]
+                                                 if name not in held]
 
 
 #: each constant where no row says otherwise, from hardware.py's published priors (fp8_eff: the bf16 curve's
@@ -451,23 +457,24 @@ def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None,
     ``kept``: the constants in use, put in the first population; neither search ever returns a point worse than
     its best so far, so the result is never worse on ``rows`` than ``kept`` (clipped into the floor's bounds, its
     held constants as held) and a refit is monotone. ``kind``: a stack's fit, the device kind's own constants,
-    whose `KERNEL_CONSTANTS` the stack takes where its rows cannot identify them."""
+    whose `KIND_CURVE` the stack takes, and its `KERNEL_CONSTANTS` where its rows cannot identify them."""
     from scipy.optimize import differential_evolution, minimize
 
     memo = (tuple(r.id for r in rows), floor, kept, kind)
     if _FITTED is not None and memo in _FITTED:
         return _FITTED[memo]
-    start = kept or PRIOR
-    held = {name: getattr(kind if kind is not None and name in KERNEL_CONSTANTS else start, name)
-            for name in unidentified(rows, start)}
+    curve = {name: getattr(kind, name) for name in KIND_CURVE} if kind is not None else {}
+    start = dataclasses.replace(kept or PRIOR, **curve)
+    held = curve | {name: getattr(kind if kind is not None and name in KERNEL_CONSTANTS else start, name)
+                    for name in unidentified(rows, start)}
     if floor is not None:  # (a faster kind's, and its stacks')
         held |= _from_slower(floor)
     bounds = [(-6.0, 6.0)] * (len(_PARAMS) - len(held))  # logits: 0.25 % … 99.75 % of each constant's range
-    if floor is None:
+    if floor is None and "f_half" not in held:
         bounds[1] = (math.log(1e8), math.log(1e13))  # f_half, FLOP
     x0 = None
     if kept is not None:
-        x0 = _pack(kept, floor, held)
+        x0 = _pack(dataclasses.replace(kept, **curve), floor, held)
         bounds = [(min(lo, v), max(hi, v)) for (lo, hi), v in zip(bounds, x0)]  # (so that it is a member as it is)
 
     def objective(x):
@@ -498,6 +505,16 @@ def _from_slower(floor: tuple[Constants, float, float]) -> dict[str, float]:
 #: constants of a kernel every stack on a kind runs alike (FlashAttention's tiling): a stack whose rows cannot
 #: identify one takes the kind's (`fit`'s ``kind``), not the prior
 KERNEL_CONSTANTS = ("attention_seq_half",)
+
+#: the shape of the matmul curve, which every stack takes from its kind (`fit`'s ``kind``): how a GEMM's efficiency
+#: falls with its size is the GEMM library's on that device, and every stack in the catalogue calls the same one
+#: (cuBLAS: torch's ``aten::mm`` and ``_scaled_mm`` under Composer and torchtitan, compiled or not, since inductor
+#: leaves GEMMs to it outside max-autotune; Transformer Engine's cuBLASLt under Megatron-Core). A stack's rows set
+#: how far up that curve it gets (``e_max``). Fitted on its own rows, torch-native's twelve runs (every GEMM above
+#: 1e10 FLOP) took f_half 2.2e8 FLOP, a flat curve that put a 1 GFLOP GEMM at 0.47 of the H100's peak, above
+#: what the GEMM alone reaches (OpenXLA's sm_90 matmul table, xla/service/gpu/model/matmul_interpolator_data.h:
+#: 0.14 at 1.07 GFLOP, 0.25 at 2.1); they fit as well at the kind's half-point (1.14 % against 1.09 %)
+KIND_CURVE = ("f_half",)
 
 
 #: the stacks whose rows make a kind's own constants (every stack without rows of its own uses them); the others
@@ -669,8 +686,9 @@ def fit_all(rows: list[Row], only: str | None = None, warm: bool = True,
             floor = _floor(order[kind], fits, sr) if kind in order else None
             if only and only != stack and old:
                 k = _kept(old)
-                if kind in fits and _too_few_lengths(sr):  # (its kind's half-point, refitted or not)
-                    k = dataclasses.replace(k, **{n: getattr(fits[kind][0], n) for n in KERNEL_CONSTANTS})
+                if kind in fits:  # (its kind's curve and half-point, refitted or not)
+                    taken = KIND_CURVE + KERNEL_CONSTANTS * _too_few_lengths(sr)
+                    k = dataclasses.replace(k, **{n: getattr(fits[kind][0], n) for n in taken})
                 stacks.setdefault(stack, {})[kind] = (as_written(_into_floor(k, floor)), old["source"], sr)
                 continue
             k, err = fit(sr, floor, _kept(old) if warm and old else None, fits[kind][0] if kind in fits else None)

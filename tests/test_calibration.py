@@ -7,6 +7,7 @@ these tests only predict. Thresholds are the issue's acceptance criteria.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -306,19 +307,35 @@ def test_the_attention_half_point_needs_three_lengths_and_a_stack_with_fewer_tak
     assert calibrate.fit(titan)[0].attention_seq_half == calibrate.PRIOR.attention_seq_half == 0.0
 
 
-def test_a_stack_kept_in_a_refit_of_its_kind_takes_the_kind_s_new_half_point(monkeypatch):
-    """``--only h100`` refits the H100's own constants and keeps the torch-native stack's, but for the half-point
-    its rows (two lengths) cannot identify: that is the refitted kind's (`calibrate.KERNEL_CONSTANTS`)."""
+def test_a_stack_kept_in_a_refit_of_its_kind_takes_the_kind_s_new_curve_and_half_point(monkeypatch):
+    """``--only h100`` refits the H100's own constants and keeps the torch-native stack's, but for its matmul
+    curve's shape, always its kind's (`calibrate.KIND_CURVE`), and the half-point its rows (two lengths) cannot
+    identify (`calibrate.KERNEL_CONSTANTS`): those are the refitted kind's."""
     kept = calibrate._kept(fitted_constants("h100"))
-    refit = dataclasses.replace(kept, attention_seq_half=300.0)
+    refit = dataclasses.replace(kept, attention_seq_half=300.0, f_half=1.5e10)
     monkeypatch.setattr(calibrate, "fit", lambda rows, floor=None, kept=None, kind=None: (refit, 0.0))
     rows = [r for r in calibrate.load_rows() if r.kind == "h100"]
     fits, stacks = calibrate.fit_all(rows, only="h100")
     assert fits["h100"][0] == calibrate.as_written(refit)
     native = stacks["torch-native"]["h100"][0]
-    assert native.attention_seq_half == 300.0
+    assert (native.attention_seq_half, native.f_half) == (300.0, 1.5e10)
     own = calibrate._kept(calibrate.fitted()["stacks"]["torch-native"]["h100"])
-    assert dataclasses.replace(native, attention_seq_half=own.attention_seq_half) == own
+    assert dataclasses.replace(native, attention_seq_half=own.attention_seq_half, f_half=own.f_half) == own
+
+
+def test_a_stack_takes_its_kind_s_matmul_curve_shape_whatever_its_rows_prefer(monkeypatch):
+    """A stack's GEMMs are its kind's library's, so its fit holds ``f_half`` at the kind's (`calibrate.KIND_CURVE`)
+    and moves ``e_max`` only, whatever its objective would prefer; without a kind (a kind's own fit) ``f_half`` is
+    fitted. The committed torch-native constants carry the H100 kind's half-point."""
+    rows = [r for r in calibrate.load_rows() if r.source == "torchtitan"][:2]
+    monkeypatch.setattr(calibrate, "_error",
+                        lambda rows, k: (k.e_max - 0.7) ** 2 + (math.log(k.f_half) - math.log(3e8)) ** 2)
+    kind = dataclasses.replace(calibrate.PRIOR, f_half=2e10)
+    k = calibrate.fit(rows, kind=kind)[0]
+    assert k.f_half == 2e10 and k.e_max == pytest.approx(0.7, abs=1e-3)
+    assert calibrate.fit(rows)[0].f_half == pytest.approx(3e8, rel=1e-2)
+    committed = calibrate.fitted()
+    assert committed["stacks"]["torch-native"]["h100"]["matmul_f_half"] == committed["h100"]["matmul_f_half"]
 
 
 def test_a_faster_kind_and_its_stacks_take_the_slower_kind_s_overlap_slowdown(monkeypatch):
