@@ -295,7 +295,8 @@ class Evaluator:
                  in_place_loss: bool = False, gathered_column_inputs: bool = True, compiled: bool = False,
                  selective: str | None = None, autocast: bool = True, seq_relayout: bool = True,
                  float8_recipe: str | None = "torchao", fsdp_copy_out: bool = True,
-                 fused_grad_accumulation: bool = False, checkpoint_early_stop: bool = True) -> None:
+                 fused_grad_accumulation: bool = False, checkpoint_early_stop: bool = True,
+                 fused_loss: bool = False, train_metrics: int = 0) -> None:
         """``cache``: optional dict shared by Evaluators of the *same* ``lg`` and ``cluster`` (e.g. a planner's
         candidates): the parameter ownership is computed once and layer costs are shared between
         configurations whose (tp, sp, mbs, precision, pp > 1) agree, the only configuration fields they depend on.
@@ -323,7 +324,10 @@ class Evaluator:
         autopar's runtime adds them in memory-bound kernels (`costmodel.overlap.grad_accumulation_time`);
         ``checkpoint_early_stop``: full checkpointing stops recomputing once the backward's tensors are back, as
         torch's non-reentrant checkpoint does since 2.1 (`costmodel.layercost.CostContext.checkpoint_early_stop`;
-        False for Megatron-LM's and torch 1.13's, which rerun the whole block)."""
+        False for Megatron-LM's and torch 1.13's, which rerun the whole block); ``fused_loss``: the loss is one
+        fused cross-entropy kernel on the 16-bit logits (`costmodel.layercost.fused_loss_bytes`; llm-foundry's), where
+        autopar's runtime upcasts them and runs ``F.cross_entropy``; ``train_metrics``: cross entropies its trainer
+        computes again on each micro-batch's logits without gradient (Composer's training metrics)."""
         check_config(lg, cluster, cfg, global_batch)
         if float8_recipe is not None and float8_recipe not in FLOAT8_RECIPES:
             raise ValueError(f"unknown float8 recipe {float8_recipe!r}; known: {', '.join(FLOAT8_RECIPES)}")
@@ -382,7 +386,8 @@ class Evaluator:
                                grad_exists=grads_accumulate(cfg, self.m), transient_grads=fsdp_transient_grads(cfg),
                                grad_bytes=4 if under else cfg.param_bytes, weight_cast_bytes=2 if under else 0,
                                casts_per_micro_batch=cfg.pp == 1, float8_recipe=float8_recipe,
-                               autocast_capture=autocast_capture, checkpoint_early_stop=checkpoint_early_stop)
+                               autocast_capture=autocast_capture, checkpoint_early_stop=checkpoint_early_stop,
+                               fused_loss=fused_loss, train_metrics=train_metrics)
         pipelined = cfg.pp > 1  # tied embedding/head weights have a copy on each end of the pipeline
         if ("owned", pipelined) not in shared:
             shared["owned", pipelined] = owned_params(lg, pipelined=pipelined)
@@ -392,7 +397,7 @@ class Evaluator:
             ("layer_costs", cfg.tp, cfg.sp, cfg.mbs, cfg.precision, bool(measured), in_place_loss,
              gathered_column_inputs, seq_relayout, compiled, selective, pipelined, cfg.ep, cfg.cp, autocast_capture,
              self.ctx.grad_exists, self.ctx.transient_grads, self.ctx.grad_bytes, self.ctx.weight_cast_bytes,
-             float8_recipe, checkpoint_early_stop),
+             float8_recipe, checkpoint_early_stop, fused_loss, train_metrics),
             {})
         self.grad_kind, self.grad_rank = parse_grad_compress(cfg.grad_compress)
 

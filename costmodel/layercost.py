@@ -207,6 +207,14 @@ class CostContext:
     #: llm-foundry's ``loss_fn: fused_crossentropy`` uses; Megatron-LM's vocab-parallel cross entropy): the head adds
     #: no backward working set. autopar's runtime uses ``F.cross_entropy``, which does (traced by `autopar check`)
     in_place_loss: bool = False
+    #: the stack's loss is one fused cross-entropy kernel on the 16-bit logits (flash-attn's, llm-foundry's
+    #: ``loss_fn: fused_crossentropy``): the head's ops after its matmul move that kernel's bytes
+    #: (`fused_loss_bytes`); autopar's runtime upcasts the logits and runs ``F.cross_entropy``
+    fused_loss: bool = False
+    #: cross entropies the stack's trainer computes again on each micro-batch's logits without gradient, its
+    #: training metrics (Composer's, two for llm-foundry's MPT: `fused_loss_bytes`, beside ``fused_loss``);
+    #: autopar's runtime: none
+    train_metrics: int = 0
     #: the column-parallel linears save their input whole, as torch's DTensor linears do (the replicated input, or
     #: under sequence parallelism the all-gathered one; autopar's runtime, traced by `autopar check`); Megatron-LM
     #: saves only the sequence shard under SP and all-gathers it again in backward (Korthikanti et al. 2022 §4.2.2)
@@ -932,6 +940,32 @@ def compiled_bytes(layer: Layer) -> dict[str, tuple[float, float]]:
     return out
 
 
+def fused_loss_bytes(layer: Layer, metrics: int = 0) -> dict[str, tuple[float, float]]:
+    """(forward, backward) bytes of the head's ops after its matmul (the loss: an upcast of the logits, views, the
+    cross entropy) where the stack runs the loss as one fused kernel on the matmul's 16-bit logits: flash-attn's
+    ``CrossEntropyLoss`` (csrc/xentropy/xentropy_kernel.cu, adapted from Apex's xentropy), which llm-foundry's MPT
+    uses by default (``loss_fn: fused_crossentropy``, llmfoundry/models/mpt/modeling_mpt.py at the May and
+    October 2023 benchmark commits, on logits it does not upcast). Its forward reads the logits (a row at a time,
+    twice, the second pass from L2: a row of 50K 16-bit logits is 100 KB) and writes a loss and a log-sum-exp per
+    row; its backward reads them and writes their gradient. ``metrics``: cross entropies the trainer computes
+    again on the same logits, forward only: Composer's training metrics, updated after every micro-batch's backward
+    (``Trainer._eval_train_metrics`` in Composer 0.14 and 0.16, the versions of those commits), two for MPT
+    (``LanguageCrossEntropy`` and ``LanguagePerplexity``, each a ``torch.nn.CrossEntropyLoss`` under autocast: a
+    log-softmax reading the 16-bit logits and writing fp32, the NLL reading that). The last such op carries it
+    all, the others move nothing. Priced as autopar's runtime runs the loss instead (an fp32 copy of the logits,
+    then ``F.cross_entropy``'s log-softmax and its backward), a 125M model's head moved 2.5 times the bytes of its
+    twelve blocks."""
+    matmuls = [j for j, n in enumerate(layer.nodes) if n.kind == "matmul"]
+    if layer.kind != "head" or not matmuls:
+        return {}
+    logits = layer.nodes[matmuls[-1]].output_bytes  # (16-bit: two bytes an element)
+    loss = [n for n in layer.nodes[matmuls[-1] + 1:] if n.kind == "memory"]
+    out = {n.name: (0.0, 0.0) for n in loss}
+    if loss:
+        out[loss[-1].name] = ((1 + metrics * (1 + 2 + 2)) * logits, 2 * logits)
+    return out
+
+
 def _kept_outside_core(n: NodeInfo) -> bool:
     """Whether the selective policy ``all-but-attention-core`` keeps ``n``'s output (`planner.emit.runtime.
     _selective_policy`): an op outside the attention core that allocates (a view holds nothing of its own) and is
@@ -1004,6 +1038,8 @@ def layer_cost(layer: Layer, ac: AC, ctx: CostContext, owned: tuple[ParamInfo, .
     # parallelism): forward + backward, and what each recomputation choice repeats
     rank_fb = rank_rec_full = rank_op_rec = rank_core = 0.0
     fused = compiled_bytes(layer) if ctx.compiled and layer.kind == "block" else {}
+    if ctx.fused_loss and layer.kind == "head":
+        fused = fused_loss_bytes(layer, ctx.train_metrics)  # (a head is never compiled: `compiled_bytes` fuses blocks)
     # torchtitan's per-op selective checkpointing (`CostContext.selective`): what it keeps and recomputes
     op_policy = ctx.selective == "every-other-matmul"
     matmuls = 0

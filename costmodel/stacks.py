@@ -46,6 +46,12 @@ class Stack:
     #: (megatron/core/tensor_parallel/random.py, megatron/mpu/random.py in 2022), whose backward calls the
     #: checkpointed function whole (``outputs = ctx.run_function(*detached_inputs)``)
     checkpoint_early_stop: bool = True
+    #: whether its loss is one fused cross-entropy kernel on the 16-bit logits (`costmodel.layercost.
+    #: fused_loss_bytes`): llm-foundry's ``loss_fn: fused_crossentropy``, flash-attn's, its MPT's default
+    fused_loss: bool = False
+    #: cross entropies its trainer computes again on each micro-batch's logits, without gradient, for its training
+    #: metrics (Composer's ``Trainer._eval_train_metrics``: two for MPT, `costmodel.layercost.fused_loss_bytes`)
+    train_metrics: int = 0
 
     def runtime_options(self) -> dict:
         """How the stack's code computes where it differs from autopar's runtime, as `costmodel.estimate.Evaluator`
@@ -57,13 +63,16 @@ class Stack:
         (`costmodel.memory.state_bytes_per_param`); Composer's FSDP (FSDP1) computes on views of its gathered flat
         parameter where FSDP2 copies each parameter out; Megatron-LM accumulates gradients inside its
         weight-gradient GEMMs (``fused_grad_accumulation``) and reruns a checkpointed block whole
-        (``checkpoint_early_stop``); each prices the casts of its own float8 recipe. torchtitan is torch-native:
+        (``checkpoint_early_stop``); llm-foundry's loss is one fused kernel on 16-bit logits (``fused_loss``), and
+        Composer computes two more cross entropies on them for its training metrics (``train_metrics``); each
+        prices the casts of its own float8 recipe. torchtitan is torch-native:
         autopar's runtime."""
         native = self.autopar_runtime
         return {"in_place_loss": not native, "gathered_column_inputs": native, "autocast": native,
                 "seq_relayout": native, "float8_recipe": self.float8_recipe, "fsdp_copy_out": native,
                 "fused_grad_accumulation": self.fused_grad_accumulation,
-                "checkpoint_early_stop": self.checkpoint_early_stop}
+                "checkpoint_early_stop": self.checkpoint_early_stop, "fused_loss": self.fused_loss,
+                "train_metrics": self.train_metrics}
 
 
 STACKS = {
@@ -82,7 +91,7 @@ STACKS = {
         "composer", "MosaicML Composer / llm-foundry: PyTorch FSDP with FlashAttention and fused cross entropy",
         "llm-foundry's MPT benchmarks (A100 40/80 GB, H100)",
         # (its benchmarks run float8 as te.Linear: fc_type te on H100, scripts/train/benchmarking/submit_benchmarks.py)
-        float8_recipe="transformer-engine"),
+        float8_recipe="transformer-engine", fused_loss=True, train_metrics=2),
 }
 
 

@@ -918,6 +918,39 @@ def test_compiled_blocks_move_the_bytes_of_fused_kernels():
     assert comp.memory.peak == eager.memory.peak  # (priced as time only)
 
 
+def test_a_fused_loss_moves_the_bytes_of_one_kernel_on_the_16_bit_logits():
+    """llm-foundry's loss is flash-attn's fused cross entropy on the matmul's 16-bit logits
+    (`costmodel.layercost.fused_loss_bytes`, the Composer stack's ``fused_loss``), and Composer computes two more
+    cross entropies on them for its training metrics: the head's ops after its matmul (the upcast and
+    ``F.cross_entropy`` of autopar's runtime) move a read of the logits forward and a read and a write backward,
+    plus each metric's forward, all on the last of them; the step gets faster by memory-bound time only, the
+    memory is the same; no other stack does either."""
+    from costmodel.estimate import Evaluator
+    from costmodel.layercost import fused_loss_bytes
+    from costmodel.stacks import STACKS
+    from profiler.api import profile_model
+
+    lg = profile_model("gpt:layers=2,hidden=256,heads=4,seq=128,vocab=5000")
+    head = next(layer for layer in lg.layers if layer.kind == "head")
+    fused = fused_loss_bytes(head)
+    matmul = max(j for j, n in enumerate(head.nodes) if n.kind == "matmul")
+    after = [n for n in head.nodes[matmul + 1:] if n.kind == "memory"]
+    assert [n.name for n in after] == list(fused) and len(after) >= 2  # (the upcast and the loss)
+    logits = head.nodes[matmul].output_bytes
+    assert logits == 128 * 5000 * 2  # (16-bit)
+    assert [fused[n.name] for n in after] == [(0.0, 0.0)] * (len(after) - 1) + [(logits, 2 * logits)]
+    # Composer's two training metrics: a log-softmax (16-bit in, fp32 out) and an NLL reading it, each, forward
+    assert fused_loss_bytes(head, 2)[after[-1].name] == (11 * logits, 2 * logits)
+    assert sum(n.fwd_bytes + n.bwd_bytes for n in after) > 5 * 4 * logits  # (priced as the runtime runs it)
+    assert fused_loss_bytes(next(layer for layer in lg.layers if layer.kind == "block")) == {}  # (no loss there)
+    cluster, config = load_cluster("dgx-h100"), ParallelConfig(dp=8, zero=3, precision="bf16")
+    plain, one = (Evaluator(lg, cluster, config, 16, autocast=False, fused_loss=f).evaluate() for f in (False, True))
+    assert one.step_time_s < plain.step_time_s and one.memory.peak == plain.memory.peak
+    assert {name for name, stack in STACKS.items() if stack.runtime_options()["fused_loss"]} == {"composer"}
+    assert {name: stack.train_metrics for name, stack in STACKS.items()} == {
+        "torch-native": 0, "megatron": 0, "composer": 2}
+
+
 def test_estimate_takes_a_stack_and_compile(capsys, tmp_path):
     """`estimate --stack NAME --compile`: the stack is the preset's option (the JSON says which), compile prices the
     blocks fused; a cluster file carries its own constants and refuses a stack in one line."""
