@@ -329,6 +329,9 @@ class Evaluator:
         autopar's runtime upcasts them and runs ``F.cross_entropy``; ``train_metrics``: cross entropies its trainer
         computes again on each micro-batch's logits without gradient (Composer's training metrics)."""
         check_config(lg, cluster, cfg, global_batch)
+        if train_metrics and not fused_loss:  # (`fused_loss_bytes` adds them to the fused kernel's bytes only)
+            raise ValueError("train_metrics are priced beside a fused loss only (fused_loss=True); "
+                             "an unfused loss with training metrics is not supported yet")
         if float8_recipe is not None and float8_recipe not in FLOAT8_RECIPES:
             raise ValueError(f"unknown float8 recipe {float8_recipe!r}; known: {', '.join(FLOAT8_RECIPES)}")
         if selective is None:
