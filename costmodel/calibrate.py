@@ -252,6 +252,43 @@ class Constants:
         return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, **effs))
 
 
+def _catalogue(fits: dict, stacks: dict | None = None) -> dict:
+    """fitted.yaml's contents once ``fits`` and ``stacks`` (`fit_all`'s, or some of them) are written over it."""
+    now = fitted()
+    written = dict(now.get("stacks") or {})
+    for stack, kinds in (stacks or {}).items():
+        written[stack] = {**written.get(stack, {}), **_fitted_entries(kinds)}
+    return {**now, **_fitted_entries(fits)} | ({"stacks": written} if written else {})
+
+
+@contextlib.contextmanager
+def _priced_under(contents: dict):
+    """Rows priced inside the block (`predict`) read ``contents`` (`_catalogue`) wherever their price reads fitted
+    constants other than those it is given (`Constants.apply`'s floor: the slower kinds' achieved bandwidth), so
+    that a fit in progress, or a cross-validation fold, is priced as `autopar plan` will price it once written, not
+    under the constants it replaces (`costmodel.hardware.fitted_as`)."""
+    from costmodel import hardware
+
+    with hardware.fitted_as(contents):
+        _cluster.cache_clear()
+        try:
+            yield
+        finally:
+            _cluster.cache_clear()
+
+
+def _priced_with() -> str:
+    """The fitted constants rows are priced under now (`_priced_under`), their sources left out: part of what a fit
+    depends on (`_FITTED`)."""
+    def constants(entries: dict) -> dict:
+        return {kind: {n: v for n, v in entry.items() if n != "source"} for kind, entry in entries.items()
+                if kind != "stacks"}
+
+    now = fitted()
+    return json.dumps([constants(now), {s: constants(ks) for s, ks in (now.get("stacks") or {}).items()}],
+                      sort_keys=True)
+
+
 def predict(row: Row, k: Constants | None = None):
     cluster = _cluster(f"{row.cluster}:stack={row.stack}")
     if k is not None:
@@ -460,7 +497,7 @@ def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None,
     whose `KIND_CURVE` the stack takes, and its `KERNEL_CONSTANTS` where its rows cannot identify them."""
     from scipy.optimize import differential_evolution, minimize
 
-    memo = (tuple(r.id for r in rows), floor, kept, kind)
+    memo = (tuple(r.id for r in rows), floor, kept, kind, _priced_with())
     if _FITTED is not None and memo in _FITTED:
         return _FITTED[memo]
     curve = {name: getattr(kind, name) for name in KIND_CURVE} if kind is not None else {}
@@ -676,7 +713,8 @@ def fit_all(rows: list[Row], only: str | None = None, warm: bool = True,
         if only and only != kind and kind in kept:
             fits[kind] = (as_written(_into_floor(_kept(kept[kind]), floor)), kept[kind]["source"], kr)
         elif kr:
-            k, err = fit(kr, floor, _kept(kept[kind]) if warm and kind in kept else None)
+            with _priced_under(_catalogue(fits, stacks)):
+                k, err = fit(kr, floor, _kept(kept[kind]) if warm and kind in kept else None)
             print(f"{kind}: objective {err:.2%}", flush=True)
             fits[kind] = (as_written(k), _source(kr, err, floor is not None), kr)
     for stack in sorted({r.stack for r in rows} - set(BASE_STACKS)):
@@ -691,7 +729,8 @@ def fit_all(rows: list[Row], only: str | None = None, warm: bool = True,
                     k = dataclasses.replace(k, **{n: getattr(fits[kind][0], n) for n in taken})
                 stacks.setdefault(stack, {})[kind] = (as_written(_into_floor(k, floor)), old["source"], sr)
                 continue
-            k, err = fit(sr, floor, _kept(old) if warm and old else None, fits[kind][0] if kind in fits else None)
+            with _priced_under(_catalogue(fits, stacks)):
+                k, err = fit(sr, floor, _kept(old) if warm and old else None, fits[kind][0] if kind in fits else None)
             print(f"{kind}, {stack}: objective {err:.2%}", flush=True)
             stacks.setdefault(stack, {})[kind] = (as_written(k), _source(sr, err, floor is not None), sr)
     return fits, stacks
@@ -716,11 +755,12 @@ def _needed_kinds(kinds: Iterable[str]) -> set[str]:
 FOLDS = {"source": lambda r: r.source, "table": lambda r: r.table}
 
 
-def _fits_without(rows: list[Row], table: list[Row]) -> dict[tuple[str, str], Constants]:
+def _fits_without(rows: list[Row], table: list[Row]) -> tuple[dict[tuple[str, str], Constants], dict]:
     """(kind, stack) → constants fitted on every row but those of ``table``, as `fit_all` fits them (a kind's own
     on its Megatron and Composer rows, a stack's on its own rows; one with no rows left takes its kind's), for each
-    (kind, stack) of ``table``'s rows. Only the kinds those rows run on are fitted, and the slower kinds their
-    floors come from (`_needed_kinds`): Korthikanti's A100 rows need no H100 fit."""
+    (kind, stack) of ``table``'s rows; and fitted.yaml's contents with every fit of the fold written (`_catalogue`),
+    which ``table``'s rows are priced under. Only the kinds those rows run on are fitted, and the slower kinds
+    their floors come from (`_needed_kinds`): Korthikanti's A100 rows need no H100 fit."""
     held = {r.id for r in table}
     base, stacks = fit_all([r for r in rows if r.id not in held], warm=False,
                            kinds=_needed_kinds(r.kind for r in table))
@@ -730,7 +770,7 @@ def _fits_without(rows: list[Row], table: list[Row]) -> dict[tuple[str, str], Co
         # a stack's own, else the kind's, else (the kind's rows all held out) another stack's on that kind
         others = [k for (kd, _), k in sorted(own.items()) if kd == kind]
         out[kind, stack] = own.get((kind, stack)) or (base[kind][0] if kind in base else others[0])
-    return out
+    return out, _catalogue(base, stacks)
 
 
 def _anchored(row: Row, k: Constants) -> Constants:
@@ -751,7 +791,13 @@ def _fold(rows: list[Row], table: list[Row]) -> dict:
     its own error). Every row is an anchor, so the anchored figure is the mean over all (anchor, row) pairs, not
     over a sample of anchors that may or may not hold a table's outliers (a prediction is ~4 ms; the fit is what
     costs)."""
-    ks = _fits_without(rows, table)
+    ks, contents = _fits_without(rows, table)
+    with _priced_under(contents):
+        return _scores(table, ks)
+
+
+def _scores(table: list[Row], ks: dict[tuple[str, str], Constants]) -> dict:
+    """`_fold`'s figures for ``table``'s rows under constants ``ks`` ((kind, stack) → constants)."""
     errors = {r.id: predict(r, ks[r.kind, r.stack]).step_time_s / r.measured_step_s - 1 for r in table}
     loto = [abs(e) for e in errors.values()]
     anchored, by_anchor = [], {}

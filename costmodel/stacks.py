@@ -18,6 +18,7 @@ check stay about the code that runs; the calibration passes the published stacks
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,9 +110,28 @@ def stack_constants(kind: str | None, stack: str) -> dict | None:
     return ((fitted().get("stacks") or {}).get(stack) or {}).get(kind)
 
 
+#: what `fitted` returns instead of the file while a fit is in progress (`fitted_as`); None: the file's contents
+_IN_PROGRESS: dict | None = None
+
+
 def fitted() -> dict:
-    """fitted.yaml's contents ({} before any fit), read once per version of the file."""
+    """fitted.yaml's contents ({} before any fit), read once per version of the file; inside `fitted_as`, the
+    contents it was given."""
+    if _IN_PROGRESS is not None:
+        return _IN_PROGRESS
     return _fitted(FITTED_FILE.stat().st_mtime_ns) if FITTED_FILE.exists() else {}
+
+
+@contextlib.contextmanager
+def fitted_as(contents: dict):
+    """Inside the block, `fitted` returns ``contents`` (fitted.yaml's, as a fit in progress would write it), not the
+    file's; `costmodel.hardware.fitted_as` also rebuilds the device catalogue from them."""
+    global _IN_PROGRESS
+    before, _IN_PROGRESS = _IN_PROGRESS, contents
+    try:
+        yield
+    finally:
+        _IN_PROGRESS = before
 
 
 @functools.cache

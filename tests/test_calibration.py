@@ -435,6 +435,51 @@ def test_a_fit_on_a_device_with_less_bandwidth_than_its_kind_s_is_bounded_at_tha
     assert applied == planned == bandwidth_floor("h100-hbm2e", get_device("h100-hbm2e").hbm_bw)[0] > kind.memory_eff
 
 
+def test_a_fit_is_priced_under_the_slower_kinds_being_fitted_beside_it_not_the_committed_ones(monkeypatch):
+    """A row on h100-hbm2e is priced with its memory efficiency raised to the A100's achieved bandwidth
+    (`costmodel.hardware.bandwidth_floor`). In a full refit the A100 is refitted first, so the torch-native fit
+    prices its rows under the new A100 (`calibrate._priced_under`), as `autopar plan` will once both are written,
+    not under the committed one; so does a cross-validation fold, under its own A100. Outside, the catalogue is
+    the file's again. (`fit` replaced: the A100's fit returns the committed constants at another memory
+    efficiency; the others record the floor their rows are priced at.)"""
+    from costmodel.hardware import bandwidth_floor, get_device
+
+    committed = calibrate._kept(fitted_constants("a100"))
+    new_a100 = dataclasses.replace(committed, memory_eff=round(committed.memory_eff * 0.8, 4))
+    hbm2e = get_device("h100-hbm2e").hbm_bw
+    seen = {}
+
+    def fake_fit(rows, floor=None, kept=None, kind=None):
+        if rows[0].kind == "a100":
+            return new_a100, 0.0
+        low = dataclasses.replace(committed, memory_eff=0.2)  # (under every floor: the price raises it)
+        cluster = calibrate._cluster(f"{rows[0].cluster}:stack={rows[0].stack}")
+        seen[rows[0].stack] = low.apply(cluster, "fit").device.memory_eff
+        return floor[0] if floor else committed, 0.0
+
+    monkeypatch.setattr(calibrate, "fit", fake_fit)
+    rows = [r for r in calibrate.load_rows() if r.table != "Korthikanti 2022 Table 5"]
+    calibrate.fit_all(rows, warm=False)
+    a100_bw = get_device("a100-80g").hbm_bw
+    assert seen["torch-native"] == pytest.approx(new_a100.memory_eff * a100_bw / hbm2e, rel=1e-9)
+    assert seen["torch-native"] < committed.memory_eff * a100_bw / hbm2e
+    # outside the fit: the file's constants again, and the floor the planner prices with
+    assert calibrate.fitted()["a100"]["memory_eff"] == committed.memory_eff
+    assert get_device("a100-80g").memory_eff == committed.memory_eff
+    planned = bandwidth_floor("h100-hbm2e", hbm2e)[0]
+    assert planned == pytest.approx(committed.memory_eff * a100_bw / hbm2e, rel=1e-9)
+    # a fold prices its held rows under its own A100
+    titan = [r for r in rows if r.source == "torchtitan"][:1]
+    ks, contents = calibrate._fits_without(rows, titan)
+    assert contents["a100"]["memory_eff"] == new_a100.memory_eff
+    low = dataclasses.replace(ks[titan[0].kind, titan[0].stack], memory_eff=0.2)
+    cluster = f"{titan[0].cluster}:stack={titan[0].stack}"
+    with calibrate._priced_under(contents):
+        inside = low.apply(calibrate._cluster(cluster), "fold").device.memory_eff
+    assert inside == pytest.approx(new_a100.memory_eff * a100_bw / hbm2e, rel=1e-9)
+    assert low.apply(calibrate._cluster(cluster), "fold").device.memory_eff == planned
+
+
 def test_a_cross_validation_fold_fits_only_the_kinds_its_table_runs_on(monkeypatch):
     """`calibrate._fits_without`: leaving out Korthikanti's A100 rows refits the A100 alone (no H100 fit, no
     torch-native one); leaving out torchtitan's H100 rows fits the A100 too, for the H100's floor; every (kind,
@@ -450,10 +495,10 @@ def test_a_cross_validation_fold_fits_only_the_kinds_its_table_runs_on(monkeypat
 
     monkeypatch.setattr(calibrate, "fit", fake_fit)
     rows = calibrate.load_rows()
-    ks = calibrate._fits_without(rows, [r for r in rows if r.source == "korthikanti"])
+    ks, _ = calibrate._fits_without(rows, [r for r in rows if r.source == "korthikanti"])
     assert fitted_on == [{("a100", "composer")}] and set(ks) == {("a100", "megatron")}
     fitted_on.clear()
-    ks = calibrate._fits_without(rows, [r for r in rows if r.source == "torchtitan"])
+    ks, _ = calibrate._fits_without(rows, [r for r in rows if r.source == "torchtitan"])
     assert fitted_on == [{("a100", "megatron"), ("a100", "composer")}, {("h100", "composer")}]
     assert set(ks) == {("h100", "torch-native")}
     assert calibrate._needed_kinds(["h100"]) == {"a100", "h100"} and calibrate._needed_kinds(["a100"]) == {"a100"}
