@@ -85,14 +85,14 @@ def layer_graph(model: str, cluster: Cluster, seq: int | None = None) -> LayerGr
     """The layer graph the cost model uses for ``model`` on ``cluster``. On a CPU: the fp32 capture with the CPU's
     attention kernels, carrying each layer's time measured on this machine (`Timings`; see the module docstring)
     or why none was. Elsewhere the 16-bit capture, its autocast twin on demand."""
-    from profiler.api import profile_model
+    from profiler.api import profile_once
 
     if cluster.device.name.startswith("cpu"):
         from profiler.zoo.registry import resolve_model
 
         # (one key per graph, whether the caller spelled out the model's own sequence length or not)
         return _cpu_graph(model, seq if seq is not None else resolve_model(model).seq)
-    return profile_model(model, seq=seq)
+    return profile_once(model, seq=seq)
 
 
 @cache  # (once per process: a validation prices its plans on one graph, a calibration its runs many times)

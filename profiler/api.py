@@ -168,6 +168,19 @@ def runnable_facts(model: torch.nn.Module, container: str, input_ids, *, user_co
     return out
 
 
+def profile_once(spec: str, *, seq: int | None = None, dtype: str = "bf16", kernels: str = "gpu",
+                 autocast: str | None = None) -> LayerGraph:
+    """`profile_model`'s graph of one micro-batch, captured once per process (as a user's ``file.py`` is imported
+    once, `profiler.zoo.registry`): a search, a check and a calibration price many plans of one model. Shared: not
+    to be modified (`LayerGraph` is frozen; its ``model.arch`` dict is not)."""
+    return _profile_once(spec, seq, dtype, kernels, autocast)
+
+
+@functools.lru_cache(maxsize=32)  # (a failed capture raises and is not kept)
+def _profile_once(spec: str, seq: int | None, dtype: str, kernels: str, autocast: str | None) -> LayerGraph:
+    return profile_model(spec, seq=seq, dtype=dtype, kernels=kernels, autocast=autocast)
+
+
 def profile_model(spec: str, *, batch: int = 1, seq: int | None = None, dtype: str = "bf16",
                   kernels: str = "gpu", fold: bool = True, autocast: str | None = None) -> LayerGraph:
     """Capture the model named by ``spec`` (zoo preset, ``gpt:…``, ``llama:…``, ``hf:…``, ``file.py:factory``) on

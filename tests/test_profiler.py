@@ -351,3 +351,16 @@ def test_a_16_bit_graph_makes_its_autocast_twin_once():
     assert profile_model(AUTOCAST_MODEL, dtype="fp32").under_autocast() is None
     with pytest.raises(ValueError, match="fp32"):
         profile_model(AUTOCAST_MODEL, autocast="bf16")
+
+
+
+def test_a_capture_is_made_once_per_process():
+    """`profiler.api.profile_once` (what the search, the check and the cost model's layer graphs call): the same
+    spec and arguments give the same graph, captured once; other arguments another."""
+    from profiler.api import profile_once
+
+    spec = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32"
+    first = profile_once(spec)
+    assert profile_once(spec) is first and first == profile_model(spec)
+    assert profile_once(spec, dtype="fp32") is not first
+    assert profile_once(spec, seq=16) is not first

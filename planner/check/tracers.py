@@ -41,9 +41,9 @@ def load_script(path: str):
 def check_capture(model: str, seq: int | None, autocast: str | None = None):
     """The capture a check predicts from (`planner.check.conformance.predicted_roles`): fp32, or for a plan that
     trains under autocast, fp32 parameters under CPU autocast to ``autocast``, as the trace runs it."""
-    from profiler.api import profile_model
+    from profiler.api import profile_once
 
-    return profile_model(model, seq=seq, dtype="fp32", kernels=KERNELS, autocast=autocast)
+    return profile_once(model, seq=seq, dtype="fp32", kernels=KERNELS, autocast=autocast)
 
 
 def _child(job, args: tuple, kwargs: dict, conn, prepare) -> None:
