@@ -213,11 +213,10 @@ def _torchtitan_row(r: dict, context: bool = False) -> Row | None:
                table=table_of(r))
 
 
-@cache
 def _graph(spec: str):
-    from profiler.api import profile_model
+    from profiler.api import profile_once
 
-    return profile_model(spec)
+    return profile_once(spec)
 
 
 @cache

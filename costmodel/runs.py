@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -156,19 +155,10 @@ def _run(path: Path, k: int, item: Any) -> Run:
 
 def _graph(model: str, seq_len: int | None, cluster: Cluster):
     """The layer graph the cost model uses for the run's model on its cluster (`costmodel.measured.layer_graph`,
-    cached there for a CPU)."""
+    captured once per process there)."""
     from costmodel.measured import layer_graph
 
-    if cluster.device.name.startswith("cpu"):
-        return layer_graph(model, cluster, seq_len)
-    return _gpu_graph(model, seq_len)
-
-
-@cache
-def _gpu_graph(model: str, seq_len: int | None):
-    from profiler.api import profile_model
-
-    return profile_model(model, seq=seq_len)
+    return layer_graph(model, cluster, seq_len)
 
 
 def _with(cluster: Cluster, values: dict, source: str) -> Cluster:

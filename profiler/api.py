@@ -176,7 +176,7 @@ def profile_once(spec: str, *, seq: int | None = None, dtype: str = "bf16", kern
     return _profile_once(spec, seq, dtype, kernels, autocast)
 
 
-@functools.lru_cache(maxsize=32)  # (a failed capture raises and is not kept)
+@functools.cache  # (every model a process prices, kept: a calibration prices ~50 at every step of its fit)
 def _profile_once(spec: str, seq: int | None, dtype: str, kernels: str, autocast: str | None) -> LayerGraph:
     return profile_model(spec, seq=seq, dtype=dtype, kernels=kernels, autocast=autocast)
 
