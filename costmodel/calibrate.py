@@ -473,8 +473,8 @@ def matmul_floor(e_max: float, slower: Constants, peak_ratio: float) -> float:
     return slower.f_half * peak_ratio * e_max / slower.e_max
 
 
-#: (rows' ids, floor, kept, kind) → `fit`'s result while cross-validation runs (`cross_validate`): folds share the fits
-#: whose rows none of them leaves out; None otherwise (every fit runs)
+#: (rows' ids, floor, kept, kind, the constants priced under: `_priced_with`) → `fit`'s result while cross-validation
+#: runs (`cross_validate`): folds share the fits whose rows none of them leaves out; None otherwise (every fit runs)
 _FITTED: dict | None = None
 
 #: differential evolution's budget (`fit`): generations and population per parameter

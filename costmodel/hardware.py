@@ -322,7 +322,9 @@ def floored(name: str, hbm_bw: float, effs: dict, stack: str | None) -> tuple[di
 def fitted_as(contents: dict):
     """Inside the block, every fitted constant the catalogue reads is ``contents``' (fitted.yaml's contents as a fit
     in progress would write them, `costmodel.stacks.fitted_as`): the devices and cluster presets are rebuilt from
-    them on entry and from the file on exit. `costmodel.calibrate` prices its rows so, so that a price that reads
+    them on entry and, on exit, from what `fitted` returns then (the file's, or an enclosing block's). Clusters a
+    caller cached are its own to drop (`costmodel.calibrate._priced_under`). `costmodel.calibrate` prices its rows
+    so, so that a price that reads
     another kind's constants (`bandwidth_floor`: a faster device's memory efficiency is raised to the slower kinds'
     achieved bandwidth) reads the ones being fitted beside it, not the committed ones."""
     from costmodel import cluster, stacks

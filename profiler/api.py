@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+from pathlib import Path
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -26,7 +27,7 @@ from profiler.layers import (
     tp_unsplit_linears,
 )
 from profiler.zoo.hf import masks_as_trained
-from profiler.zoo.registry import resolve_model
+from profiler.zoo.registry import is_file_spec, resolve_model
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -173,11 +174,14 @@ def profile_once(spec: str, *, seq: int | None = None, dtype: str = "bf16", kern
     """`profile_model`'s graph of one micro-batch, captured once per process (as a user's ``file.py`` is imported
     once, `profiler.zoo.registry`): a search, a check and a calibration price many plans of one model. Shared: not
     to be modified (`LayerGraph` is frozen; its ``model.arch`` dict is not)."""
-    return _profile_once(spec, seq, dtype, kernels, autocast)
+    # (a user's file by its whole path, as the registry imports it: a relative spec names another file elsewhere)
+    where = str(Path(spec.strip().partition(":")[0]).expanduser().resolve()) if is_file_spec(spec) else None
+    return _profile_once(spec, seq, dtype, kernels, autocast, where)
 
 
 @functools.cache  # (every model a process prices, kept: a calibration prices ~50 at every step of its fit)
-def _profile_once(spec: str, seq: int | None, dtype: str, kernels: str, autocast: str | None) -> LayerGraph:
+def _profile_once(spec: str, seq: int | None, dtype: str, kernels: str, autocast: str | None,
+                  where: str | None) -> LayerGraph:
     return profile_model(spec, seq=seq, dtype=dtype, kernels=kernels, autocast=autocast)
 
 

@@ -354,10 +354,23 @@ def test_a_16_bit_graph_makes_its_autocast_twin_once():
 
 
 
-def test_a_capture_is_made_once_per_process():
+def test_a_capture_is_made_once_per_process(tmp_path, monkeypatch):
     """`profiler.api.profile_once` (what the search, the check and the cost model's layer graphs call): the same
-    spec and arguments give the same graph, captured once; other arguments another."""
+    spec and arguments give the same graph, captured once; other arguments another, and a relative ``file.py``
+    spec named from another directory the other file's."""
     from profiler.api import profile_once
+
+    text = (Path(__file__).parent / "data" / "unfused_attention.py").read_text()
+    assert "heads=4, layers=3)" in text
+    graphs = []
+    for layers in (3, 2):
+        here = tmp_path / str(layers)
+        here.mkdir()
+        (here / "mine.py").write_text(text.replace("heads=4, layers=3)", f"heads=4, layers={layers})"))
+        monkeypatch.chdir(here)
+        graphs.append(profile_once("mine.py:factory"))
+        assert profile_once("mine.py:factory") is graphs[-1]
+    assert len(graphs[0].layers) == len(graphs[1].layers) + 1
 
     spec = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32"
     first = profile_once(spec)
