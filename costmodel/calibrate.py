@@ -263,17 +263,27 @@ def _catalogue(fits: dict, stacks: dict | None = None) -> dict:
 @contextlib.contextmanager
 def _priced_under(contents: dict):
     """Rows priced inside the block (`predict`) read ``contents`` (`_catalogue`) wherever their price reads fitted
-    constants other than those it is given (`Constants.apply`'s floor: the slower kinds' achieved bandwidth), so
-    that a fit in progress, or a cross-validation fold, is priced as `autopar plan` will price it once written, not
-    under the constants it replaces (`costmodel.hardware.fitted_as`)."""
-    from costmodel import hardware
+    constants other than those it is given (`Constants.apply`'s floor: the slower kinds' achieved bandwidth,
+    `costmodel.hardware.bandwidth_floor`), so that a fit in progress, or a cross-validation fold, is priced as
+    `autopar plan` will price it once written, not under the constants it replaces (`costmodel.stacks.fitted_as`;
+    the catalogues are rebuilt from them on entry and, on exit, from what `fitted` returns then)."""
+    from costmodel import stacks
 
-    with hardware.fitted_as(contents):
-        _cluster.cache_clear()
+    with stacks.fitted_as(contents):
+        _rebuild_catalogues()
         try:
             yield
         finally:
-            _cluster.cache_clear()
+            _rebuild_catalogues()  # (emptied: each entry is built again on its next lookup, from what is fitted then)
+
+
+def _rebuild_catalogues() -> None:
+    """Forget the devices, cluster presets and clusters built so far: they read fitted.yaml when first built."""
+    from costmodel import cluster, hardware
+
+    hardware.DEVICES.rebuild()
+    cluster.CLUSTER_PRESETS.rebuild()
+    _cluster.cache_clear()
 
 
 def _priced_with() -> str:
@@ -959,14 +969,7 @@ def main(argv=None) -> int:
                   f"overlap_slowdown {k.overlap_slowdown:.3f}, attention_eff {k.attention_eff:.3f}, "
                   f"fp8_eff {k.fp8_eff:.3f}, attention_seq_half {k.attention_seq_half:.0f}; {err}")
         write_fitted(fits, stacks)
-        # the catalog reads fitted.yaml when a device is first built: rebuild the clusters
-        from costmodel import hardware
-
-        hardware.DEVICES.rebuild()
-        from costmodel import cluster as cl
-
-        cl.CLUSTER_PRESETS.rebuild()
-        _cluster.cache_clear()
+        _rebuild_catalogues()
     report(rows)
     table4()
     return 0

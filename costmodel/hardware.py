@@ -318,29 +318,6 @@ def floored(name: str, hbm_bw: float, effs: dict, stack: str | None) -> tuple[di
             f"(hardware.bandwidth_floor)")
 
 
-@contextlib.contextmanager
-def fitted_as(contents: dict):
-    """Inside the block, every fitted constant the catalogue reads is ``contents``' (fitted.yaml's contents as a fit
-    in progress would write them, `costmodel.stacks.fitted_as`): the devices and cluster presets are rebuilt from
-    them on entry and, on exit, from what `fitted` returns then (the file's, or an enclosing block's). Clusters a
-    caller cached are its own to drop (`costmodel.calibrate._priced_under`). `costmodel.calibrate` prices its rows
-    so, so that a price that reads
-    another kind's constants (`bandwidth_floor`: a faster device's memory efficiency is raised to the slower kinds'
-    achieved bandwidth) reads the ones being fitted beside it, not the committed ones."""
-    from costmodel import cluster, stacks
-
-    def rebuild():
-        DEVICES.rebuild()
-        cluster.CLUSTER_PRESETS.rebuild()
-
-    with stacks.fitted_as(contents):
-        rebuild()
-        try:
-            yield
-        finally:
-            rebuild()  # (emptied: each entry is built again on its next lookup, from what `fitted` returns then)
-
-
 def fitted_constants(kind: str) -> dict | None:
     """The fitted efficiency constants for a device kind, or None when not fitted yet."""
     return fitted().get(kind)

@@ -125,7 +125,8 @@ def fitted() -> dict:
 @contextlib.contextmanager
 def fitted_as(contents: dict):
     """Inside the block, `fitted` returns ``contents`` (fitted.yaml's, as a fit in progress would write it), not the
-    file's; `costmodel.hardware.fitted_as` also rebuilds the device catalogue from them."""
+    file's. Devices and clusters built before it keep what they read (`costmodel.calibrate._priced_under` rebuilds
+    the catalogues on entry and exit)."""
     global _IN_PROGRESS
     before, _IN_PROGRESS = _IN_PROGRESS, contents
     try:
