@@ -506,8 +506,8 @@ def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None,
     whose `KIND_CURVE` the stack takes, and its `KERNEL_CONSTANTS` where its rows cannot identify them."""
     from scipy.optimize import differential_evolution, minimize
 
-    memo = (tuple(r.id for r in rows), floor, kept, kind, _priced_with())
-    if _FITTED is not None and memo in _FITTED:
+    memo = (tuple(r.id for r in rows), floor, kept, kind, _priced_with()) if _FITTED is not None else None
+    if memo in (_FITTED or {}):
         return _FITTED[memo]
     curve = {name: getattr(kind, name) for name in KIND_CURVE} if kind is not None else {}
     start = dataclasses.replace(kept or PRIOR, **curve)
@@ -530,7 +530,7 @@ def fit(rows: list[Row], floor: tuple[Constants, float, float] | None = None,
                                  tol=1e-6, init="sobol", polish=False)
     res = minimize(objective, res.x, method="Nelder-Mead", options={"maxiter": 800, "xatol": 1e-4, "fatol": 1e-6})
     out = _unpack(res.x, floor, held), float(res.fun)
-    if _FITTED is not None:
+    if memo is not None:
         _FITTED[memo] = out
     return out
 
